@@ -1,0 +1,90 @@
+"""Rank discovery on this node: gathers the inputs (environment, hostfile, addresses) and hands
+them to the pure core. What ``meshkit env`` and ``meshkit run`` call; never imports fabric or torch."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from . import hostfile, localnet, sources, topology
+from .distenv import NodeEnv, combine
+from .hostfile import Host, HostfileError
+
+MAX_HOSTFILE_BYTES = 4 * 1024 * 1024
+
+
+def read_hosts(
+    path: str | os.PathLike[str], include: str | None = None, exclude: str | None = None
+) -> list[Host]:
+    """Read, parse, filter and duplicate-check a hostfile (names resolved here)."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > MAX_HOSTFILE_BYTES:
+            raise HostfileError(f"{p}: larger than {MAX_HOSTFILE_BYTES} bytes; is this a hostfile?")
+        text = p.read_text()
+    except FileNotFoundError:
+        raise HostfileError(
+            f"{p}: no such hostfile; create it (one node per line: {hostfile.FORMAT}) or pass --hostfile"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HostfileError(f"{p}: cannot read: {exc}") from None
+    hosts = hostfile.select(hostfile.parse(text, str(p)), include, exclude)
+    problems = hostfile.duplicate_problems(
+        hosts, localnet.resolve_all(h.host for h in hosts), str(p)
+    )
+    if problems:
+        raise HostfileError(problems)
+    return hosts
+
+
+def discover(
+    hostfile_path: str | os.PathLike[str] | None = "hostfile",
+    *,
+    session: str = "meshkit",
+    node_rank: int | None = None,
+    master_port: int | None = None,
+    nproc_per_node: int | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> NodeEnv:
+    """This node's ``NodeEnv``: the first launcher source present, else the hostfile matched against
+    this machine's addresses. The same inputs give the same answer on every node."""
+    env = dict(os.environ if environ is None else environ)
+    if node_rank is not None:
+        env["MESHKIT_NODE_RANK"] = str(node_rank)
+    env.setdefault("MESHKIT_HOSTNAME", localnet.hostname())
+    nodefile = _read_nodefile(env.get("PBS_NODEFILE"))
+    placement = sources.from_environment(env, nodefile)
+    hosts = None
+    if hostfile_path is not None and (placement is None or Path(hostfile_path).exists()):
+        hosts = read_hosts(hostfile_path, include, exclude)
+    match = None
+    if placement is None and hosts is not None:
+        resolved = localnet.resolve_all(h.host for h in hosts)
+        match = topology.match_rank(
+            hosts,
+            [resolved[h.host] for h in hosts],
+            localnet.local_addresses(),
+            env["MESHKIT_HOSTNAME"],
+            str(hostfile_path),
+        )
+    return combine(
+        placement,
+        hosts,
+        match,
+        session=session,
+        master_port=master_port,
+        nproc_per_node=nproc_per_node,
+        gpu_count=localnet.gpu_count,
+    )
+
+
+def _read_nodefile(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise sources.SourceError(f"PBS_NODEFILE={path}: cannot read: {exc}") from None

@@ -1,0 +1,259 @@
+"""Hostfile parsing: text -> ordered ``Host`` entries. Pure: no I/O and no name resolution.
+
+Format (one node per line, line order is rank order, ``#`` starts a comment)::
+
+    [user@]host[:port] [slots=N]
+
+``host`` is an IPv4 address, an IPv6 address (in brackets when a port follows), a hostname, or a
+pdsh/SLURM range such as ``node[01-16]`` that expands to several nodes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import hostlist
+
+from .errors import MeshkitError
+
+MAX_NODES = 4096
+MAX_LINE_CHARS = 1024
+MAX_SLOTS = 1024
+FORMAT = "[user@]host[:port] [slots=N]"
+
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_-]{1,63})*\.?$"
+)
+_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
+_RANGE_CHARS = re.compile(r"^[A-Za-z0-9_.,\[\]-]+$")
+
+
+class HostfileError(MeshkitError):
+    """The hostfile (or a filter) is malformed; each problem names ``path:line`` and the fix."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """One node as the hostfile lists it."""
+
+    host: str
+    user: str | None = None
+    port: int | None = None
+    slots: int | None = None
+    lineno: int = 0
+
+    @property
+    def is_ip(self) -> bool:
+        return _ip(self.host) is not None
+
+    @property
+    def label(self) -> str:
+        """The node's name as written (``host`` or ``host:port``), for tables and messages."""
+        if self.port is None:
+            return self.host
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def known_hosts_name(self, address: str | None = None) -> str:
+        """How OpenSSH names this node in known_hosts: ``host``, or ``[host]:port`` off port 22."""
+        name = address or self.host
+        return name if self.port in (None, 22) else f"[{name}]:{self.port}"
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def _split_spec(spec: str) -> tuple[str | None, str, str | None]:
+    """``[user@]host[:port]`` -> (user, host, port text); brackets only around an IPv6 address."""
+    user = None
+    if "@" in spec:
+        user, spec = spec.rsplit("@", 1)
+    if spec.startswith("["):
+        end = spec.find("]")
+        if end < 0:
+            raise ValueError("'[' without ']': write an IPv6 address as [addr] or [addr]:port")
+        host, rest = spec[1:end], spec[end + 1 :]
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"unexpected {rest!r} after ']': expected :port or nothing")
+        if not isinstance(_ip(host), ipaddress.IPv6Address):
+            raise ValueError(f"{host!r} in brackets is not an IPv6 address")
+        return user, host, rest[1:] if rest else None
+    if spec.count(":") >= 2:
+        return user, spec, None
+    if ":" in spec:
+        host, port = spec.split(":", 1)
+        return user, host, port
+    return user, spec, None
+
+
+def _number(text: str, what: str, low: int, high: int) -> int:
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise ValueError(f"bad {what} {text!r}: expected a whole number {low}..{high}")
+    return int(text)
+
+
+def _expand(host: str) -> list[str]:
+    """One host token -> the hosts it names (ranges expanded, bounded)."""
+    if _ip(host) is not None:
+        return [host]
+    if not _RANGE_CHARS.match(host):
+        raise ValueError(
+            f"bad host {host!r}: expected an IP address, a hostname or a range like node[01-16]"
+        )
+    if "[" in host or "," in host:
+        try:
+            names: list[str] = hostlist.expand_hostlist(host)
+        except hostlist.BadHostlist as exc:
+            raise ValueError(f"bad host range {host!r}: {exc}") from None
+        if len(names) > MAX_NODES:
+            raise ValueError(f"range {host!r} names {len(names)} hosts, more than {MAX_NODES}")
+    else:
+        names = [host]
+    for name in names:
+        if not _HOSTNAME.match(name):
+            raise ValueError(f"bad host {name!r}: expected an IP address or a hostname")
+    return names
+
+
+def _parse_line(text: str, lineno: int) -> list[Host]:
+    spec, *options = text.split()
+    user, host, port_text = _split_spec(spec)
+    if user is not None and not _USER.match(user):
+        raise ValueError(f"bad user {user!r}: expected a login name before '@'")
+    names = _expand(host)
+    port = None if port_text is None else _number(port_text, "port", 1, 65535)
+    slots = None
+    for option in options:
+        key, sep, value = option.partition("=")
+        if key != "slots" or not sep:
+            raise ValueError(f"unknown option {option!r}: the only option is slots=N")
+        if slots is not None:
+            raise ValueError("slots= given twice")
+        slots = _number(value, "slots", 1, MAX_SLOTS)
+    return [Host(name, user, port, slots, lineno) for name in names]
+
+
+def parse(text: str, path: str = "hostfile") -> list[Host]:
+    """Parse hostfile text; raise ``HostfileError`` listing every problem with ``path:line``."""
+    hosts: list[Host] = []
+    problems: list[str] = []
+    seen: dict[tuple[str, int], int] = {}
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if len(raw) > MAX_LINE_CHARS:
+            problems.append(f"{path}:{lineno}: line longer than {MAX_LINE_CHARS} characters")
+            continue
+        try:
+            entries = _parse_line(line, lineno)
+        except ValueError as exc:
+            problems.append(f"{path}:{lineno}: {exc} (format: {FORMAT})")
+            continue
+        for entry in entries:
+            key = (entry.host.lower(), entry.port or 22)
+            if key in seen:
+                problems.append(
+                    f"{path}:{lineno}: {entry.label} duplicates line {seen[key]}; list each node once"
+                )
+            seen.setdefault(key, lineno)
+            hosts.append(entry)
+        if len(hosts) > MAX_NODES:
+            raise HostfileError(f"{path}:{lineno}: more than {MAX_NODES} nodes; split the cluster")
+    if not hosts and not problems:
+        problems.append(f"{path}: no hosts; add one line per node: {FORMAT}")
+    problems += _slot_problems(hosts, path)
+    if problems:
+        raise HostfileError(problems)
+    return hosts
+
+
+def _slot_problems(hosts: Sequence[Host], path: str) -> list[str]:
+    if not hosts:
+        return []
+    first = hosts[0]
+
+    def says(h: Host) -> str:
+        return f"slots={h.slots}" if h.slots else "no slots="
+
+    return [
+        f"{path}:{h.lineno}: {says(h)} but line {first.lineno} has {says(first)}; every node runs "
+        "the same number of processes: give every line the same slots="
+        for h in hosts[1:]
+        if h.slots != first.slots
+    ]
+
+
+def duplicate_problems(
+    hosts: Sequence[Host], addresses: Mapping[str, Sequence[str]], path: str = "hostfile"
+) -> list[str]:
+    """Entries that reach the same address and port under different names (``addresses``: host ->
+    its resolved addresses; unresolved hosts are absent and cannot clash)."""
+    owner: dict[tuple[str, int], Host] = {}
+    problems = []
+    for entry in hosts:
+        for address in addresses.get(entry.host, ()):
+            key = (address, entry.port or 22)
+            other = owner.setdefault(key, entry)
+            if other is not entry and other.host != entry.host:
+                problems.append(
+                    f"{path}:{entry.lineno}: {entry.label} is {address}, the same node as "
+                    f"{other.label} on line {other.lineno}; list each node once"
+                )
+                break
+    return problems
+
+
+def select(
+    hosts: Sequence[Host], include: str | None = None, exclude: str | None = None
+) -> list[Host]:
+    """Keep hosts named by ``include`` and drop those named by ``exclude``; each is a comma list of
+    names, shell patterns (``gpu*``) or ranges (``node[01-04]``). Order (rank order) is kept."""
+    keep = _patterns(include, "--include") if include else None
+    drop = _patterns(exclude, "--exclude") if exclude else []
+    chosen = [h for h in hosts if (keep is None or _matches(h, keep)) and not _matches(h, drop)]
+    if not chosen:
+        raise HostfileError(
+            f"--include {include!r} / --exclude {exclude!r} leave no hosts; "
+            "check the names against the hostfile"
+        )
+    return chosen
+
+
+def _patterns(text: str, flag: str) -> list[str]:
+    if len(text) > MAX_LINE_CHARS:
+        raise HostfileError(f"{flag}: longer than {MAX_LINE_CHARS} characters")
+    patterns: list[str] = []
+    for part in _split_top(text):
+        if "[" in part and "*" not in part and "?" not in part:
+            try:
+                patterns += hostlist.expand_hostlist(part)
+            except hostlist.BadHostlist as exc:
+                raise HostfileError(f"{flag}: bad range {part!r}: {exc}") from None
+        else:
+            patterns.append(part)
+    return patterns
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets, so ``n[1,3],m`` is two items."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _matches(host: Host, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns for name in (host.host, host.label))

@@ -1,0 +1,163 @@
+"""Which hostfile line is this node, who is master, which port: pure functions of their inputs.
+
+Every node evaluates these with the same hostfile and gets the same answers with no communication.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import MeshkitError
+from .hostfile import Host
+
+# Interfaces that exist identically on many machines (container bridges, veth ends): an address on
+# one of these says nothing about which machine this is, so it never decides a rank.
+SHARED_INTERFACE_PREFIXES = (
+    "docker",
+    "br-",
+    "virbr",
+    "cni",
+    "flannel",
+    "veth",
+    "podman",
+    "lxcbr",
+    "cali",
+)
+PORT_RANGE = (20000, 30000)  # below Linux's ephemeral range (32768+), above well-known services
+
+
+class TopologyError(MeshkitError):
+    """This node cannot be placed in the hostfile (no match, or several)."""
+
+
+@dataclass(frozen=True)
+class LocalAddress:
+    interface: str
+    address: str
+
+
+@dataclass(frozen=True)
+class Match:
+    rank: int
+    address: str
+    interface: str
+
+    def describe(self) -> str:
+        return f"{self.address} on {self.interface}"
+
+
+def normalize(address: str) -> str:
+    """Canonical text of an address (``fe80::1%eth0`` -> ``fe80::1``); names pass through."""
+    try:
+        return str(ipaddress.ip_address(address.split("%", 1)[0]))
+    except ValueError:
+        return address
+
+
+def _is_local_only(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_link_local or ip.is_unspecified
+
+
+def usable(local: Sequence[LocalAddress]) -> list[LocalAddress]:
+    """The addresses that can tell machines apart."""
+    return [
+        LocalAddress(a.interface, normalize(a.address))
+        for a in local
+        if not a.interface.startswith(SHARED_INTERFACE_PREFIXES)
+        and not _is_local_only(normalize(a.address))
+    ]
+
+
+def match_rank(
+    hosts: Sequence[Host],
+    resolved: Sequence[Sequence[str]],
+    local: Sequence[LocalAddress],
+    hostname: str,
+    path: str = "hostfile",
+) -> Match:
+    """The one hostfile entry that is this machine: by address, then by hostname, then (a one-line
+    hostfile of loopback/localhost) by loopback. ``resolved[i]`` are the addresses of ``hosts[i]``."""
+    mine = {a.address: a.interface for a in usable(local)}
+    by_address = _unique_ranks(
+        Match(i, normalize(addr), mine[normalize(addr)])
+        for i, addrs in enumerate(resolved)
+        for addr in addrs
+        if normalize(addr) in mine
+    )
+    if len(by_address) == 1:
+        return by_address[0]
+    if not by_address:
+        short = hostname.split(".", 1)[0].lower()
+        by_name = [
+            Match(i, h.host, "hostname")
+            for i, h in enumerate(hosts)
+            if not h.is_ip and h.host.lower() in (hostname.lower(), short)
+        ]
+        if len(by_name) == 1:
+            return by_name[0]
+        if (
+            not by_name
+            and len(hosts) == 1
+            and all(_is_local_only(normalize(a)) for a in resolved[0])
+        ):
+            return (
+                Match(0, normalize(resolved[0][0]), "lo")
+                if resolved[0]
+                else Match(0, hosts[0].host, "lo")
+            )
+        by_address = by_name
+    raise TopologyError(_mismatch(hosts, resolved, local, hostname, path, by_address))
+
+
+def _unique_ranks(matches: object) -> list[Match]:
+    first: dict[int, Match] = {}
+    for m in matches:  # type: ignore[attr-defined]
+        first.setdefault(m.rank, m)
+    return list(first.values())
+
+
+def _mismatch(
+    hosts: Sequence[Host],
+    resolved: Sequence[Sequence[str]],
+    local: Sequence[LocalAddress],
+    hostname: str,
+    path: str,
+    matches: Sequence[Match],
+) -> list[str]:
+    if matches:
+        which = ", ".join(
+            f"line {hosts[m.rank].lineno} ({hosts[m.rank].label}) via {m.describe()}"
+            for m in matches
+        )
+        head = f"{path}: this machine ({hostname}) matches {len(matches)} lines: {which}; list each machine once"
+    else:
+        head = (
+            f"{path}: this machine ({hostname}) matches no line; add one of its addresses to the "
+            "hostfile, or set MESHKIT_NODE_RANK / --node-rank"
+        )
+    mine = ", ".join(f"{a.interface}={normalize(a.address)}" for a in local) or "none"
+    theirs = ", ".join(
+        f"{h.label}={'/'.join(addrs) or 'unresolved'}" for h, addrs in zip(hosts, resolved)
+    )
+    return [head, f"  local addresses: {mine}", f"  hostfile addresses: {theirs}"]
+
+
+def derive_master_port(hosts: Sequence[Host], session: str) -> int:
+    """A port every node derives identically from the node list and the session name, so that two
+    clusters (or two sessions) on the same machines do not collide."""
+    canonical = "\n".join(f"{h.user or ''}@{h.host}:{h.port or ''}" for h in hosts) + "\0" + session
+    digest = int.from_bytes(hashlib.sha256(canonical.encode()).digest()[:8], "big")
+    low, high = PORT_RANGE
+    return low + digest % (high - low)
+
+
+def master_addr(hosts: Sequence[Host]) -> str:
+    """The first node, as written (a name stays a name)."""
+    return hosts[0].host

@@ -1,0 +1,42 @@
+"""meshkit's example job: a real all_reduce across every process of every node.
+
+Run by torchrun (``torchrun example_train.py`` needs no flags under ``meshkit run``: the PET_*
+variables carry them). Each process prints one line that the demo and the tests read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--sleep", type=float, default=0.0, help="keep running this long afterwards"
+    )
+    args = parser.parse_args()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value)
+    expected = world * (world + 1) // 2
+    print(
+        f"meshkit-example rank={rank} world_size={world} node_rank={os.environ.get('GROUP_RANK')} "
+        f"meshkit_node_rank={os.environ.get('NODE_RANK')} local_rank={os.environ.get('LOCAL_RANK')} "
+        f"host={socket.gethostname()} sum={int(value.item())} expected={expected} "
+        f"ok={int(value.item()) == expected}",
+        flush=True,
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+    time.sleep(args.sleep)
+
+
+if __name__ == "__main__":
+    main()

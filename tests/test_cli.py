@@ -1,0 +1,94 @@
+"""The console script as a user meets it: real processes, a hostfile matched by real addresses."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+MESHKIT = [sys.executable, "-m", "meshkit"]
+
+
+def run(args, cwd, **env):
+    import os
+
+    return subprocess.run(
+        [*MESHKIT, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    (tmp_path / "hostfile").write_text("10.255.255.1 slots=2\n127.0.0.1 slots=2\n")
+    return tmp_path
+
+
+def test_env_with_explicit_rank_prints_eval_able_exports(workdir):
+    out = run(["env", "--node-rank", "1"], workdir)
+    assert out.returncode == 0, out.stderr
+    assert (
+        "export NODE_RANK=1\n" in out.stdout and "export MASTER_ADDR=10.255.255.1\n" in out.stdout
+    )
+
+
+def test_env_json_keys_and_config_layers(workdir):
+    (workdir / "meshkit.yaml").write_text("session: alpha\nmaster_port: 23456\n")
+    data = json.loads(run(["env", "--json", "--node-rank", "0"], workdir).stdout)
+    assert data["MASTER_PORT"] == "23456" and data["source"] == "explicit"
+    data = json.loads(
+        run(["env", "--json", "--node-rank", "0"], workdir, MESHKIT_MASTER_PORT="24000").stdout
+    )
+    assert data["MASTER_PORT"] == "24000"
+    data = json.loads(
+        run(
+            ["env", "--json", "-n", "0", "--master-port", "25000"],
+            workdir,
+            MESHKIT_MASTER_PORT="24000",
+        ).stdout
+    )
+    assert data["MASTER_PORT"] == "25000"
+
+
+def test_bad_input_is_one_clear_line_no_traceback(workdir):
+    (workdir / "hostfile").write_text("good\nbad:port\n")
+    out = run(["env"], workdir)
+    assert out.returncode != 0
+    assert "hostfile:2: bad port 'port'" in out.stderr and "Traceback" not in out.stderr
+    out = run(["env", "--hostfile", "missing"], workdir)
+    assert out.returncode != 0 and "missing: no such hostfile" in out.stderr
+    out = run(["env", "--nproc-per-node", "zero"], workdir)
+    assert out.returncode != 0 and "'auto'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_run_execs_with_variables_and_exit_code(workdir):
+    out = run(
+        ["run", "-n", "1", "--cmd", 'echo "$NODE_RANK/$NNODES $PET_MASTER_ADDR"; exit 3'], workdir
+    )
+    assert out.stdout.strip() == "1/2 10.255.255.1" and out.returncode == 3
+
+
+def test_env_and_run_never_import_ssh_or_torch(workdir):
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "meshkit", "env", "-n", "0"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    imported = {
+        line.split("|")[-1].strip().split(".")[0] for line in out.stderr.splitlines() if "|" in line
+    }
+    assert "netifaces" in imported or "hostlist" in imported
+    assert not imported & {"fabric", "paramiko", "torch"}
+
+
+def test_help_lists_every_task_and_flags(workdir):
+    out = run(["--list"], workdir)
+    assert "env" in out.stdout and "run" in out.stdout
+    out = run(["env", "--help"], workdir)
+    assert "--hostfile" in out.stdout and "--json" in out.stdout and "--node-rank" in out.stdout
