@@ -9,63 +9,16 @@ from __future__ import annotations
 import json as jsonlib
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from invoke.collection import Collection
 from invoke.context import Context
-from invoke.exceptions import Exit
 from invoke.tasks import task
 
-from .config import DEFAULTS, settings
+from . import tasks_sandbox
+from .cli import helps, int_option, option, reported
+from .config import DEFAULTS
 from .errors import MeshkitError
-
-HELP = {
-    "hostfile": "hostfile path (default: config meshkit.hostfile, i.e. ./hostfile)",
-    "include": "only these nodes: comma list of names, patterns (gpu*) or ranges (node[01-04])",
-    "exclude": "leave out these nodes (same forms as --include)",
-    "session": "job/session name (default: config meshkit.session, 'meshkit')",
-    "json": "print JSON instead of text",
-    "node_rank": "this node's rank, skipping discovery (also MESHKIT_NODE_RANK)",
-    "master_port": "master port (default: derived from the hostfile and session, same on every node)",
-    "nproc_per_node": "processes per node, or 'auto' (hostfile slots, else GPUs, else 1)",
-    "cmd": "the command to run (bash); $NODE_RANK, $MASTER_ADDR etc. expand in it",
-}
-
-
-def helps(*names: str, **extra: str) -> dict[str, str]:
-    """Help texts for the flags a task takes: shared wording from HELP, plus the task's own."""
-    return {**{n: HELP[n] for n in names}, **extra}
-
-
-@contextmanager
-def reported() -> Iterator[None]:
-    """Turn meshkit's user errors into a message and exit code 1, never a traceback."""
-    try:
-        yield
-    except MeshkitError as exc:
-        raise Exit(f"meshkit: {exc}", 1) from None
-    except KeyboardInterrupt:
-        raise Exit("meshkit: interrupted", 130) from None
-
-
-def option(c: Any, name: str, flag: Any) -> Any:
-    """A flag when given, else the configured value (flags are the last config level)."""
-    return flag if flag is not None else settings(c.config)[name]
-
-
-def int_option(c: Any, name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
-    value = option(c, name, flag)
-    if value is None or value == "" or (allow_auto and str(value) == "auto"):
-        return None
-    text = str(value)
-    if not text.isdigit() or int(text) < 1:
-        hint = " or 'auto'" if allow_auto else ""
-        raise MeshkitError(
-            f"--{name.replace('_', '-')} {text!r}: expected a whole number >= 1{hint}"
-        )
-    return int(text)
 
 
 def _node_env(
@@ -162,4 +115,5 @@ def run(
 
 
 ns = Collection(env, run)
+ns.add_collection(tasks_sandbox.ns)
 ns.configure({"meshkit": DEFAULTS})

@@ -1,0 +1,68 @@
+"""What every task shares: flag help, flags-over-config lookup, user errors as Exit, tables."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from invoke.exceptions import Exit
+
+from .config import settings
+from .errors import MeshkitError
+
+HELP = {
+    "hostfile": "hostfile path (default: config meshkit.hostfile, i.e. ./hostfile)",
+    "include": "only these nodes: comma list of names, patterns (gpu*) or ranges (node[01-04])",
+    "exclude": "leave out these nodes (same forms as --include)",
+    "session": "job/session name (default: config meshkit.session, 'meshkit')",
+    "json": "print JSON instead of text",
+    "node_rank": "this node's rank, skipping discovery (also MESHKIT_NODE_RANK)",
+    "master_port": "master port (default: derived from the hostfile and session, same on every node)",
+    "nproc_per_node": "processes per node, or 'auto' (hostfile slots, else GPUs, else 1)",
+    "cmd": "the command to run (bash); $NODE_RANK, $MASTER_ADDR etc. expand in it",
+}
+
+
+def helps(*names: str, **extra: str) -> dict[str, str]:
+    """Help texts for the flags a task takes: shared wording from HELP, plus the task's own."""
+    return {**{n: HELP[n] for n in names}, **extra}
+
+
+@contextmanager
+def reported() -> Iterator[None]:
+    """Turn meshkit's user errors into a message and exit code 1, never a traceback."""
+    try:
+        yield
+    except MeshkitError as exc:
+        raise Exit(f"meshkit: {exc}", 1) from None
+    except KeyboardInterrupt:
+        raise Exit("meshkit: interrupted", 130) from None
+
+
+def option(c: Any, name: str, flag: Any) -> Any:
+    """A flag when given, else the configured value (flags are the last config level)."""
+    return flag if flag is not None else settings(c.config)[name]
+
+
+def int_option(c: Any, name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
+    value = option(c, name, flag)
+    if value is None or value == "" or (allow_auto and str(value) == "auto"):
+        return None
+    text = str(value)
+    if not text.isdigit() or int(text) < 1:
+        hint = " or 'auto'" if allow_auto else ""
+        raise MeshkitError(
+            f"--{name.replace('_', '-')} {text!r}: expected a whole number >= 1{hint}"
+        )
+    return int(text)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain aligned text table."""
+    cells = [
+        [str(h) for h in headers],
+        *[["" if v is None else str(v) for v in row] for row in rows],
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells)

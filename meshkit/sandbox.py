@@ -1,0 +1,521 @@
+"""A local cluster of real sshd nodes on this machine (root only), for the tests and for trying
+meshkit without machines: what kind/minikube are for Kubernetes.
+
+Node ``i`` is a network namespace ``meshkit-n<i>`` with its own address on bridge ``mkbr0`` and a
+mount+UTS namespace (started inside it) with its own hostname and, by bind mounts, its own
+``/tmp``, ``/root/.ssh``, ``/etc/ssh`` (host keys, sshd_config) and ``/etc/hosts``. The rest of the
+filesystem is shared, like NFS on a real cluster. Each node runs a real OpenSSH ``sshd`` that
+accepts keys only. The controller (this machine, outside the namespaces) logs in with a bootstrap
+key and knows the nodes' host keys; the nodes know nothing of each other until ``meshkit mesh``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import MeshkitError
+
+BRIDGE = "mkbr0"
+NETNS_PREFIX = "meshkit-n"
+MAX_NODES = 64
+FIRST_HOST = 11  # node i is subnet + 11 + i; the controller (bridge) is subnet + 1
+PROGRAMS = {
+    "sshd": "openssh-server",
+    "ssh": "openssh-client",
+    "ssh-keygen": "openssh-client",
+    "tmux": "tmux",
+    "ip": "iproute2",
+    "unshare": "util-linux",
+    "nsenter": "util-linux",
+}
+COMMAND_TIMEOUT = 30.0
+READY_TIMEOUT = 10.0
+SSHD = "/usr/sbin/sshd"
+
+# Runs inside a node's fresh mount+UTS namespace; its data arrives as positional arguments only.
+NODE_INIT = r"""
+set -e
+name=$1 node=$2 hide=$3
+shift 3
+hostname "$name"
+mount --bind /tmp "$node/hosttmp"
+mount --bind "$node/tmp" /tmp
+for shared in "$@"; do
+  mkdir -p "$shared"
+  mount --bind "$node/hosttmp/${shared#/tmp/}" "$shared"
+done
+mount --bind "$node/ssh" /root/.ssh
+mount --bind "$node/etc_ssh" /etc/ssh
+mount --bind "$node/hosts" /etc/hosts
+mount -t tmpfs -o size=64k,mode=700 meshkit-hidden "$hide/controller"
+mount -t tmpfs -o size=64k,mode=700 meshkit-hidden "$hide/nodes"
+exec /usr/sbin/sshd -f /etc/ssh/sshd_config -E "$hide/logs/$name.sshd.log"
+"""
+
+SSHD_CONFIG = """\
+# meshkit sandbox node {name}
+ListenAddress {address}
+Port 22
+HostKey /etc/ssh/ssh_host_ed25519_key
+HostKey /etc/ssh/ssh_host_ecdsa_key
+PidFile none
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes yes
+LogLevel VERBOSE
+MaxStartups 64:30:128
+MaxSessions 64
+X11Forwarding no
+PrintMotd no
+AcceptEnv LANG LC_*
+Subsystem sftp internal-sftp
+"""
+
+
+class SandboxError(MeshkitError):
+    """The sandbox cannot be created, changed or removed."""
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    name: str
+    address: str
+    netns: str
+    veth: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything of one sandbox lives; pure arithmetic on the config."""
+
+    root: Path
+    subnet: ipaddress.IPv4Network
+    count: int
+
+    @property
+    def controller_address(self) -> str:
+        return str(self.subnet.network_address + 1)
+
+    @property
+    def nodes(self) -> list[Node]:
+        return [
+            Node(
+                i,
+                f"node{i}",
+                str(self.subnet.network_address + FIRST_HOST + i),
+                f"{NETNS_PREFIX}{i}",
+                f"mkv{i}",
+            )
+            for i in range(self.count)
+        ]
+
+    def node_dir(self, node: Node) -> Path:
+        return self.root / "nodes" / node.name
+
+    @property
+    def hostfile(self) -> Path:
+        return self.root / "hostfile"
+
+    @property
+    def ssh_config(self) -> Path:
+        return self.root / "ssh_config"
+
+    @property
+    def key(self) -> Path:
+        return self.root / "controller" / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.root / "controller" / "known_hosts"
+
+    @property
+    def shared(self) -> Path:
+        """A directory every node sees at the same path: a place for jobs' workdirs."""
+        return self.root / "shared"
+
+    def sshd_log(self, node: Node) -> Path:
+        return self.root / "logs" / f"{node.name}.sshd.log"
+
+
+def layout(root: str | os.PathLike[str], subnet: str, count: int) -> Layout:
+    try:
+        net = ipaddress.IPv4Network(subnet, strict=True)
+    except ValueError as exc:
+        raise SandboxError(
+            f"sandbox subnet {subnet!r}: {exc}; expected e.g. 10.77.0.0/24"
+        ) from None
+    if not 1 <= count <= MAX_NODES:
+        raise SandboxError(f"--nodes {count}: expected 1..{MAX_NODES}")
+    if net.num_addresses < FIRST_HOST + count + 1:
+        raise SandboxError(f"subnet {net} is too small for {count} nodes; use a /24")
+    return Layout(Path(root).resolve(), net, count)
+
+
+def _run(
+    argv: Sequence[str], *, check: bool = True, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    try:
+        done = subprocess.run(
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT,
+            input=input,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise SandboxError(f"{' '.join(argv)}: no answer in {COMMAND_TIMEOUT:.0f}s") from None
+    if check and done.returncode != 0:
+        raise SandboxError(f"{' '.join(argv)} failed: {done.stderr.strip() or done.stdout.strip()}")
+    return done
+
+
+def preflight() -> None:
+    """Root and the system programs, with the Debian packages that provide them."""
+    if os.geteuid() != 0:
+        raise SandboxError(
+            "the sandbox needs root (network namespaces, bind mounts, sshd): run with sudo"
+        )
+    missing = {
+        pkg
+        for prog, pkg in PROGRAMS.items()
+        if not (Path(SSHD).exists() if prog == "sshd" else shutil.which(prog))
+    }
+    if missing:
+        raise SandboxError(
+            f"missing programs; install them: apt-get install {' '.join(sorted(missing))}"
+        )
+
+
+def check_subnet(lay: Layout) -> None:
+    """Refuse a subnet that overlaps any route or address of this machine other than our bridge."""
+    routes = json.loads(_run(["ip", "-j", "route", "show", "table", "all"]).stdout or "[]")
+    for route in routes:
+        dst, dev = route.get("dst", ""), route.get("dev", "")
+        if (
+            dev == BRIDGE
+            or dst in ("", "default")
+            or route.get("type") in ("local", "broadcast", "multicast")
+        ):
+            continue
+        try:
+            other = ipaddress.ip_network(dst, strict=False)
+        except ValueError:
+            continue
+        if other.version == 4 and other.overlaps(lay.subnet):
+            raise SandboxError(
+                f"sandbox subnet {lay.subnet} overlaps route {dst} on {dev}; "
+                "choose another with --subnet (config meshkit.sandbox.subnet)"
+            )
+
+
+def _shared_under_tmp() -> list[str]:
+    """Paths the nodes must see although they live under /tmp (which each node has its own of):
+    the interpreter's environment, meshkit itself and the working directory."""
+    candidates = {
+        Path(sys.prefix).resolve(),
+        Path(__file__).resolve().parent.parent,
+        Path.cwd().resolve(),
+    }
+    under = sorted(str(p) for p in candidates if p.is_relative_to("/tmp") and p != Path("/tmp"))
+    return [p for p in under if not any(p != q and p.startswith(q + "/") for q in under)]
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(mode)
+
+
+def _keygen(path: Path, kind: str, comment: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", comment, "-f", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _prepare_files(lay: Layout) -> None:
+    nodes = lay.nodes
+    for sub in ("controller", "nodes", "logs", "shared"):
+        (lay.root / sub).mkdir(parents=True, exist_ok=True)
+    (lay.root / "controller").chmod(0o700)
+    keygens = [_keygen(lay.key, "ed25519", "meshkit-sandbox-controller")]
+    hosts = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n" + "".join(
+        f"{n.address} {n.name}\n" for n in nodes
+    )
+    for node in nodes:
+        d = lay.node_dir(node)
+        for sub, mode in (("ssh", 0o700), ("etc_ssh", 0o755), ("tmp", 0o1777), ("hosttmp", 0o755)):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+            (d / sub).chmod(mode)
+        for name in ("ssh_config", "moduli"):
+            if Path("/etc/ssh", name).exists():
+                shutil.copy(Path("/etc/ssh", name), d / "etc_ssh" / name)
+        _write(
+            d / "etc_ssh" / "sshd_config", SSHD_CONFIG.format(name=node.name, address=node.address)
+        )
+        _write(d / "hosts", hosts)
+        for kind in ("ed25519", "ecdsa"):
+            keygens.append(
+                _keygen(d / "etc_ssh" / f"ssh_host_{kind}_key", kind, f"root@{node.name}")
+            )
+    if any(p.wait(COMMAND_TIMEOUT) != 0 for p in keygens):
+        raise SandboxError("ssh-keygen failed while creating sandbox keys")
+    bootstrap = lay.key.with_suffix(".pub").read_text()
+    known = []
+    for node in nodes:
+        d = lay.node_dir(node)
+        _write(d / "ssh" / "authorized_keys", bootstrap, 0o600)
+        for kind in ("ed25519", "ecdsa"):
+            kind_blob = (d / "etc_ssh" / f"ssh_host_{kind}_key.pub").read_text().split()[:2]
+            known.append(f"{node.address} {' '.join(kind_blob)}\n")
+    _write(lay.known_hosts, "".join(known), 0o600)
+    _write(
+        lay.hostfile,
+        "# meshkit sandbox cluster (rank order; node0 is the master)\n"
+        + "".join(f"{n.address}\n" for n in nodes),
+    )
+    aliases = "".join(f"Host {n.name}\n  HostName {n.address}\n" for n in nodes)
+    _write(
+        lay.ssh_config,
+        (
+            f"# meshkit sandbox: ssh -F {lay.ssh_config} node0  (read by meshkit beside the hostfile)\n"
+            f"{aliases}Host {' '.join(n.name for n in nodes)} {' '.join(n.address for n in nodes)}\n"
+            f"  User root\n  IdentityFile {lay.key}\n  IdentitiesOnly yes\n"
+            f"  UserKnownHostsFile {lay.known_hosts}\n  StrictHostKeyChecking yes\n"
+        ),
+    )
+
+
+def _network(lay: Layout) -> None:
+    prefix = lay.subnet.prefixlen
+    batch = [
+        f"link add {BRIDGE} type bridge",
+        f"addr add {lay.controller_address}/{prefix} dev {BRIDGE}",
+        f"link set {BRIDGE} up",
+    ]
+    for node in lay.nodes:
+        _run(["ip", "netns", "add", node.netns])
+        batch += [
+            f"link add {node.veth} type veth peer name eth0 netns {node.netns}",
+            f"link set {node.veth} master {BRIDGE}",
+            f"link set {node.veth} up",
+        ]
+    _run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
+    for node in lay.nodes:
+        inside = [
+            "link set lo up",
+            f"addr add {node.address}/{prefix} dev eth0",
+            "link set eth0 up",
+        ]
+        _run(["ip", "-n", node.netns, "-batch", "-"], input="\n".join(inside) + "\n")
+
+
+def start_node(lay: Layout, node: Node) -> None:
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
+    _run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            node.netns,
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            NODE_INIT,
+            "node-init",
+            node.name,
+            str(lay.node_dir(node)),
+            str(lay.root),
+            *_shared_under_tmp(),
+        ]
+    )
+
+
+def wait_ready(lay: Layout, nodes: Sequence[Node]) -> None:
+    """Until every node's sshd accepts TCP (bounded by READY_TIMEOUT)."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    waiting = list(nodes)
+    while waiting:
+        for node in list(waiting):
+            try:
+                socket.create_connection((node.address, 22), timeout=0.5).close()
+                waiting.remove(node)
+            except OSError:
+                pass
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(n.name for n in waiting)
+            raise SandboxError(
+                f"sshd did not come up on {names} in {READY_TIMEOUT:.0f}s; see {lay.root}/logs"
+            )
+        if waiting:
+            time.sleep(0.05)
+
+
+def netns_pids(netns: str) -> list[int]:
+    done = _run(["ip", "netns", "pids", netns], check=False)
+    return [int(p) for p in done.stdout.split()]
+
+
+def kill_node(netns: str) -> None:
+    """Every process of a node, as a power cut would (bounded wait)."""
+    deadline = time.monotonic() + 5.0
+    while (pids := netns_pids(netns)) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    if netns_pids(netns):
+        raise SandboxError(f"processes of {netns} survived SIGKILL for 5s")
+
+
+def _existing_netns() -> list[str]:
+    done = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.startswith(NETNS_PREFIX)]
+
+
+def down(root: str | os.PathLike[str]) -> list[str]:
+    """Remove every sandbox namespace, link and file; safe to repeat and after a crash."""
+    removed = []
+    for netns in _existing_netns():
+        kill_node(netns)
+        _run(["ip", "netns", "del", netns], check=False)
+        removed.append(netns)
+    if _run(["ip", "link", "show", BRIDGE], check=False).returncode == 0:
+        _run(["ip", "link", "del", BRIDGE])
+        removed.append(BRIDGE)
+    path = Path(root)
+    state = _read_state(path)
+    if path.exists() and (state is not None or (path / "hostfile").exists()):
+        shutil.rmtree(path)
+        removed.append(str(path))
+    if (
+        state
+        and state.get("created_root_ssh")
+        and Path("/root/.ssh").exists()
+        and not any(Path("/root/.ssh").iterdir())
+    ):
+        Path("/root/.ssh").rmdir()
+    return removed
+
+
+def _read_state(root: Path) -> dict[str, object] | None:
+    try:
+        data = json.loads((root / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def up(root: str | os.PathLike[str], subnet: str, count: int) -> Layout:
+    """Create (or re-create) a sandbox of ``count`` nodes and wait until every sshd answers."""
+    preflight()
+    lay = layout(root, subnet, count)
+    down(lay.root)
+    check_subnet(lay)
+    created_root_ssh = not Path("/root/.ssh").exists()
+    if created_root_ssh:
+        Path("/root/.ssh").mkdir(mode=0o700)  # the bind-mount point for each node's own ~/.ssh
+    lay.root.mkdir(parents=True, exist_ok=True)
+    _write(
+        lay.root / "state.json",
+        json.dumps(
+            {"nodes": count, "subnet": str(lay.subnet), "created_root_ssh": created_root_ssh}
+        ),
+    )
+    try:
+        _prepare_files(lay)
+        _network(lay)
+        for node in lay.nodes:
+            start_node(lay, node)
+        wait_ready(lay, lay.nodes)
+    except BaseException:
+        down(lay.root)
+        raise
+    return lay
+
+
+def load(root: str | os.PathLike[str]) -> Layout:
+    """The layout of the running sandbox at ``root``."""
+    state = _read_state(Path(root))
+    if state is None:
+        raise SandboxError(f"no sandbox at {root}; create one with: meshkit sandbox.up --nodes 3")
+    return layout(root, str(state["subnet"]), int(str(state["nodes"])))
+
+
+def reboot(lay: Layout, index: int) -> Node:
+    """What a reboot looks like to meshkit: every process of the node dies, its /tmp is emptied,
+    and sshd comes back (with fresh namespaces)."""
+    if not 0 <= index < lay.count:
+        raise SandboxError(f"--node {index}: the sandbox has nodes 0..{lay.count - 1}")
+    node = lay.nodes[index]
+    kill_node(node.netns)
+    tmp = lay.node_dir(node) / "tmp"
+    for entry in tmp.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    start_node(lay, node)
+    wait_ready(lay, [node])
+    return node
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    node: Node
+    processes: int
+    sshd_up: bool
+
+
+def status(lay: Layout) -> list[NodeStatus]:
+    result = []
+    for node in lay.nodes:
+        try:
+            socket.create_connection((node.address, 22), timeout=0.5).close()
+            up_ = True
+        except OSError:
+            up_ = False
+        result.append(NodeStatus(node, len(netns_pids(node.netns)), up_))
+    return result
+
+
+def node_exec(
+    node: Node, argv: Sequence[str], timeout: float = COMMAND_TIMEOUT
+) -> subprocess.CompletedProcess[str]:
+    """Run a command *inside* a node (its net, mount and UTS namespaces), as its console would."""
+    pids = [
+        p
+        for p in netns_pids(node.netns)
+        if Path(f"/proc/{p}/exe").resolve() == Path(SSHD).resolve()
+    ]
+    if not pids:
+        raise SandboxError(f"{node.name} has no sshd; is it up?")
+    return subprocess.run(
+        ["nsenter", "-t", str(min(pids)), "--net", "--mount", "--uts", "--", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

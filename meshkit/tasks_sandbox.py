@@ -1,0 +1,103 @@
+"""``sandbox.*`` tasks: a local cluster of real sshd nodes (see meshkit.sandbox)."""
+
+from __future__ import annotations
+
+import json as jsonlib
+import time
+from typing import Any
+
+from invoke.collection import Collection
+from invoke.context import Context
+from invoke.tasks import task
+
+from . import sandbox
+from .cli import reported, table
+from .config import settings
+
+DIR_HELP = "sandbox state directory (default: config meshkit.sandbox.dir, /var/tmp/meshkit-sandbox)"
+
+
+def _conf(c: Context) -> Any:
+    return settings(c.config).sandbox
+
+
+def _dir(c: Context, flag: str | None) -> str:
+    return flag or str(_conf(c).dir)
+
+
+@task(
+    help={
+        "nodes": "how many nodes (default: config meshkit.sandbox.nodes, 3)",
+        "dir": DIR_HELP,
+        "subnet": "private IPv4 subnet for the nodes (default: meshkit.sandbox.subnet, 10.77.0.0/24)",
+    }
+)
+def up(
+    c: Context, nodes: int | None = None, dir: str | None = None, subnet: str | None = None
+) -> None:
+    """Create a local cluster of N real sshd nodes (root only); replaces a stale one."""
+    with reported():
+        started = time.monotonic()
+        lay = sandbox.up(_dir(c, dir), subnet or str(_conf(c).subnet), int(nodes or _conf(c).nodes))
+        took = time.monotonic() - started
+    print(table(["node", "address", "netns"], [(n.name, n.address, n.netns) for n in lay.nodes]))
+    print(
+        f"\n{lay.count} nodes up in {took:.1f}s (controller {lay.controller_address} on {sandbox.BRIDGE})"
+    )
+    print(f"hostfile:    {lay.hostfile}")
+    print(f"ssh config:  {lay.ssh_config}   (ssh -F {lay.ssh_config} node0)")
+    print(f"shared dir:  {lay.shared}   (every node sees it: put job workdirs here)")
+    print(f"next:        meshkit mesh --hostfile {lay.hostfile}")
+
+
+@task(help={"dir": DIR_HELP})
+def down(c: Context, dir: str | None = None) -> None:
+    """Remove the sandbox: its processes, namespaces, bridge and files (safe to repeat)."""
+    with reported():
+        sandbox.preflight()
+        removed = sandbox.down(_dir(c, dir))
+    print(f"removed: {', '.join(removed)}" if removed else "no sandbox to remove")
+
+
+@task(help={"node": "index of the node to reboot (0 = node0)", "dir": DIR_HELP})
+def reboot(c: Context, node: int, dir: str | None = None) -> None:
+    """Reboot one node: kill all its processes, empty its /tmp, start its sshd again."""
+    with reported():
+        sandbox.preflight()
+        rebooted = sandbox.reboot(sandbox.load(_dir(c, dir)), int(node))
+    print(f"{rebooted.name} ({rebooted.address}) rebooted: processes killed, /tmp emptied, sshd up")
+
+
+@task(help={"dir": DIR_HELP, "json": "print JSON"})
+def status(c: Context, dir: str | None = None, json: bool = False) -> None:
+    """Show the sandbox nodes: address, sshd up, process count."""
+    with reported():
+        sandbox.preflight()
+        states = sandbox.status(sandbox.load(_dir(c, dir)))
+    if json:
+        print(
+            jsonlib.dumps(
+                [
+                    {
+                        "node": s.node.name,
+                        "address": s.node.address,
+                        "sshd": s.sshd_up,
+                        "processes": s.processes,
+                    }
+                    for s in states
+                ]
+            )
+        )
+        return
+    print(
+        table(
+            ["node", "address", "sshd", "processes"],
+            [
+                (s.node.name, s.node.address, "up" if s.sshd_up else "down", s.processes)
+                for s in states
+            ],
+        )
+    )
+
+
+ns = Collection("sandbox", up, down, reboot, status)

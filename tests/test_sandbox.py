@@ -1,0 +1,122 @@
+"""The sandbox is a realistic cluster: separate machines on a network, sharing storage."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import SANDBOX_DIR, SUBNET, meshkit, ssh
+
+from meshkit import sandbox
+
+SANDBOX_NODES = 4
+
+
+def test_every_node_is_reachable_from_the_controller_with_the_bootstrap_key(cluster):
+    for node in cluster.nodes:
+        out = ssh(cluster, node.name, "hostname")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == node.name
+
+
+def test_nodes_do_not_trust_each_other_before_mesh(cluster):
+    out = ssh(
+        cluster,
+        "node1",
+        f"ssh -o BatchMode=yes -o ConnectTimeout=5 {cluster.nodes[2].address} true",
+    )
+    assert out.returncode != 0
+    assert "Host key verification failed" in out.stderr or "Permission denied" in out.stderr
+
+
+def test_each_node_has_its_own_identity_and_shares_storage(cluster):
+    marker = cluster.shared / "visible-everywhere"
+    marker.write_text("shared\n")
+    seen = []
+    for node in cluster.nodes:
+        out = ssh(
+            cluster,
+            node.name,
+            "hostname; hostname -I; ls -A ~/.ssh; echo $$ > /tmp/mine; ls /tmp; "
+            f"cat {marker}; cat /etc/ssh/ssh_host_ed25519_key.pub",
+        )
+        assert out.returncode == 0, out.stderr
+        seen.append(out.stdout.split("\n"))
+    assert [s[0] for s in seen] == [n.name for n in cluster.nodes]
+    assert [s[1].strip() for s in seen] == [n.address for n in cluster.nodes]
+    assert all(s[2] == "authorized_keys" and s[3] == "mine" and s[4] == "shared" for s in seen)
+    assert len({s[5] for s in seen}) == len(cluster.nodes)  # own host keys
+
+
+def test_controller_secrets_are_hidden_from_nodes(cluster):
+    out = ssh(cluster, "node0", f"ls -A {cluster.root}/controller {cluster.root}/nodes")
+    assert out.returncode == 0 and "id_ed25519" not in out.stdout and "node1" not in out.stdout
+
+
+def test_env_json_gives_each_node_its_rank_and_the_same_master(cluster):
+    results = []
+    for node in cluster.nodes:
+        out = sandbox.node_exec(
+            node,
+            [sys.executable, "-m", "meshkit", "env", "--json", "--hostfile", str(cluster.hostfile)],
+        )
+        assert out.returncode == 0, out.stderr
+        results.append(json.loads(out.stdout))
+    assert [r["NODE_RANK"] for r in results] == [str(i) for i in range(len(cluster.nodes))]
+    assert {(r["NNODES"], r["MASTER_ADDR"], r["MASTER_PORT"]) for r in results} == {
+        (str(len(cluster.nodes)), cluster.nodes[0].address, results[0]["MASTER_PORT"])
+    }
+    assert [r["matched"] for r in results] == [f"{n.address} on eth0" for n in cluster.nodes]
+    assert all(r["source"] == "hostfile" for r in results)
+
+
+def test_env_outside_the_cluster_is_a_clear_error(cluster):
+    out = meshkit("env", "--hostfile", str(cluster.hostfile))
+    assert (
+        out.returncode != 0 and "matches no line" in out.stderr and "local addresses:" in out.stderr
+    )
+    assert "Traceback" not in out.stderr
+
+
+def test_reboot_kills_tmux_and_empties_tmp(cluster):
+    assert (
+        ssh(
+            cluster, "node3", "tmux new-session -d -s victim sleep 600 && touch /tmp/before"
+        ).returncode
+        == 0
+    )
+    assert ssh(cluster, "node3", "tmux has-session -t victim").returncode == 0
+    out = meshkit("sandbox.reboot", "--node", "3", "--dir", SANDBOX_DIR)
+    assert out.returncode == 0, out.stderr
+    after = ssh(cluster, "node3", "tmux has-session -t victim; echo rc=$?; ls -A /tmp")
+    assert "rc=1" in after.stdout and "before" not in after.stdout
+    assert ssh(cluster, "node2", "hostname").stdout.strip() == "node2"  # the others are untouched
+
+
+def test_status_and_bad_input(cluster):
+    out = meshkit("sandbox.status", "--dir", SANDBOX_DIR, "--json")
+    assert [s["sshd"] for s in json.loads(out.stdout)] == [True] * len(cluster.nodes)
+    out = meshkit("sandbox.reboot", "--node", "99", "--dir", SANDBOX_DIR)
+    assert out.returncode != 0 and "nodes 0..3" in out.stderr
+
+
+def test_down_leaves_nothing_and_up_is_idempotent(cluster):
+    # re-up over a live sandbox replaces it
+    assert (
+        meshkit("sandbox.up", "--nodes", "2", "--dir", SANDBOX_DIR, "--subnet", SUBNET).returncode
+        == 0
+    )
+    out = meshkit("sandbox.down", "--dir", SANDBOX_DIR)
+    assert out.returncode == 0, out.stderr
+    assert (
+        "meshkit-n"
+        not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    )
+    assert (
+        subprocess.run(["ip", "link", "show", sandbox.BRIDGE], capture_output=True).returncode != 0
+    )
+    procs = subprocess.run(["pgrep", "-f", "sshd_config -E"], capture_output=True, text=True).stdout
+    assert procs.strip() == ""
+    assert not cluster.root.exists()
+    assert meshkit("sandbox.down", "--dir", SANDBOX_DIR).stdout.strip() == "no sandbox to remove"
