@@ -402,6 +402,12 @@ def down(root: str | os.PathLike[str]) -> list[str]:
         kill_node(netns)
         _run(["ip", "netns", "del", netns], check=False)
         removed.append(netns)
+    # The kernel frees a deleted namespace's veths lazily; delete our ends now so that an
+    # immediate up does not find them still there.
+    for link in json.loads(_run(["ip", "-j", "link", "show"], check=False).stdout or "[]"):
+        name = str(link.get("ifname", ""))
+        if name.startswith("mkv") and name[3:].isdigit():
+            _run(["ip", "link", "del", name], check=False)
     if _run(["ip", "link", "show", BRIDGE], check=False).returncode == 0:
         _run(["ip", "link", "del", BRIDGE])
         removed.append(BRIDGE)
@@ -501,15 +507,18 @@ def status(lay: Layout) -> list[NodeStatus]:
     return result
 
 
+def _exe(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:  # exited meanwhile
+        return None
+
+
 def node_exec(
     node: Node, argv: Sequence[str], timeout: float = COMMAND_TIMEOUT
 ) -> subprocess.CompletedProcess[str]:
     """Run a command *inside* a node (its net, mount and UTS namespaces), as its console would."""
-    pids = [
-        p
-        for p in netns_pids(node.netns)
-        if Path(f"/proc/{p}/exe").resolve() == Path(SSHD).resolve()
-    ]
+    pids = [p for p in netns_pids(node.netns) if _exe(p) == os.path.realpath(SSHD)]
     if not pids:
         raise SandboxError(f"{node.name} has no sshd; is it up?")
     return subprocess.run(

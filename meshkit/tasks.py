@@ -15,7 +15,7 @@ from invoke.collection import Collection
 from invoke.context import Context
 from invoke.tasks import task
 
-from . import tasks_sandbox
+from . import tasks_mesh, tasks_sandbox
 from .cli import helps, int_option, option, reported
 from .config import DEFAULTS
 from .errors import MeshkitError
@@ -114,6 +114,6 @@ def run(
         os.execvpe("bash", ["bash", "-c", cmd], {**os.environ, **variables(node), "PATH": path})
 
 
-ns = Collection(env, run)
+ns = Collection(env, run, tasks_mesh.mesh, tasks_mesh.check, tasks_mesh.unmesh)
 ns.add_collection(tasks_sandbox.ns)
 ns.configure({"meshkit": DEFAULTS})
