@@ -217,6 +217,12 @@ class Remote:
             connect_timeout=settings.connect_timeout,
             connect_kwargs=kwargs,
         )
+        # An IdentityFile that does not exist here (e.g. a controller's key named in a shared
+        # ssh_config, seen from a node) is skipped, as OpenSSH does.
+        listed = self.conn.connect_kwargs.get("key_filename") or []
+        self.conn.connect_kwargs["key_filename"] = [
+            k for k in listed if Path(k).expanduser().is_file()
+        ]
         client = self.conn.client
         client.set_missing_host_key_policy(
             StrictPolicy(settings.accept_new, settings.known_hosts_store)
@@ -311,6 +317,19 @@ class Remote:
         except FileNotFoundError:
             return False
 
+    def stream(self, command: str, out: TextIO) -> int:
+        """Run with stdout and stderr written to ``out`` as they arrive (no timeout: for --follow)."""
+        result = self.conn.run(
+            command,
+            hide=False,
+            warn=True,
+            in_stream=False,
+            pty=False,
+            out_stream=out,
+            err_stream=out,
+        )
+        return int(result.exited)
+
     def close(self) -> None:
         if self._sftp is not None:
             self._sftp.close()
@@ -324,35 +343,42 @@ class Cluster:
         self, hosts: Sequence[Host], settings: Settings, extra_ssh_configs: Sequence[str] = ()
     ) -> None:
         self.hosts, self.settings = list(hosts), settings
-        config = ssh_config([*settings.ssh_configs, *extra_ssh_configs])
+        self._config = ssh_config([*settings.ssh_configs, *extra_ssh_configs])
         self.remotes: dict[Host, Remote] = {}
         self.failures: dict[Host, str] = {}
+        self._open(self.hosts, "connect")
+
+    def _open(self, hosts: Sequence[Host], phase: str) -> None:
         opened = fan_out(
-            lambda h: Remote(h, settings, config).open(),
-            self.hosts,
-            settings,
+            lambda h: Remote(h, self.settings, self._config).open(),
+            hosts,
+            self.settings,
             lambda h: h,
-            Progress("connect", len(self.hosts)),
+            Progress(phase, len(hosts)),
         )
-        for host, outcome in opened.items():
-            if outcome.value is not None:
-                self.remotes[host] = outcome.value
-            else:
-                self.failures[host] = outcome.error or "failed"
+        self.remotes.update(succeeded(opened))
+        self.failures = {
+            h: e for h, e in {**self.failures, **failed(opened)}.items() if h not in self.remotes
+        }
+
+    def wait_for(self, seconds: float, interval: float = 1.0) -> None:
+        """Retry the nodes that failed to connect (rebooting, say) until they answer or time runs out."""
+        deadline = time.monotonic() + seconds
+        while self.failures and time.monotonic() < deadline:
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            self._open(list(self.failures), "reconnect")
 
     def each(
-        self, phase: str, fn: Callable[[Remote], T], hosts: Sequence[Host] | None = None
+        self,
+        phase: str,
+        fn: Callable[[Remote], T],
+        hosts: Sequence[Host] | None = None,
+        quiet: bool = False,
     ) -> dict[Host, Outcome[T]]:
         """``fn`` over the open connection of every (or the given) reachable node, in parallel."""
         chosen = [h for h in (hosts if hosts is not None else self.hosts) if h in self.remotes]
-        results = fan_out(
-            lambda h: fn(self.remotes[h]),
-            chosen,
-            self.settings,
-            lambda h: h,
-            Progress(phase, len(chosen)),
-        )
-        return results
+        progress = None if quiet else Progress(phase, len(chosen))
+        return fan_out(lambda h: fn(self.remotes[h]), chosen, self.settings, lambda h: h, progress)
 
     def __enter__(self) -> Cluster:
         return self

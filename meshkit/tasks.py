@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json as jsonlib
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -15,7 +16,7 @@ from invoke.collection import Collection
 from invoke.context import Context
 from invoke.tasks import task
 
-from . import tasks_mesh, tasks_sandbox
+from . import tasks_mesh, tasks_sandbox, tasks_train
 from .cli import helps, int_option, option, reported
 from .config import DEFAULTS
 from .errors import MeshkitError
@@ -86,7 +87,11 @@ def env(
         print(jsonlib.dumps(as_json(node)) if json else export_lines(node))
 
 
-@task(help=helps(*DISCOVERY, "cmd"))
+@task(
+    help=helps(
+        *DISCOVERY, "cmd", log="also append all output to this file; {rank} becomes the node rank"
+    )
+)
 def run(
     c: Context,
     cmd: str,
@@ -97,6 +102,7 @@ def run(
     nproc_per_node: str | None = None,
     include: str | None = None,
     exclude: str | None = None,
+    log: str | None = None,
 ) -> None:
     """Discover this node's rank, then exec CMD under bash with the variables exported.
 
@@ -111,9 +117,25 @@ def run(
         sys.stdout.flush()
         # Nodes share the venv path: make its tools (torchrun) reachable as if it were activated.
         path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-        os.execvpe("bash", ["bash", "-c", cmd], {**os.environ, **variables(node), "PATH": path})
+        script = cmd
+        if log:
+            target = log.replace("{rank}", str(node.node_rank))
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+            script = f"exec > >(tee -a {shlex.quote(target)}) 2>&1\n{cmd}"
+        os.execvpe("bash", ["bash", "-c", script], {**os.environ, **variables(node), "PATH": path})
 
 
-ns = Collection(env, run, tasks_mesh.mesh, tasks_mesh.check, tasks_mesh.unmesh)
+ns = Collection(
+    env,
+    run,
+    tasks_mesh.mesh,
+    tasks_mesh.check,
+    tasks_mesh.unmesh,
+    tasks_train.train,
+    tasks_train.status,
+    tasks_train.logs,
+    tasks_train.stop,
+    tasks_train.demo,
+)
 ns.add_collection(tasks_sandbox.ns)
 ns.configure({"meshkit": DEFAULTS})

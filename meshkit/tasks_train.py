@@ -1,0 +1,537 @@
+"""``train``, ``status``, ``logs``, ``stop`` and ``demo``: jobs in tmux on every node."""
+
+from __future__ import annotations
+
+import datetime
+import json as jsonlib
+import os
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from invoke.context import Context
+from invoke.exceptions import Exit
+from invoke.tasks import task
+
+from . import job as jobs
+from . import tmux
+from .cli import helps, int_option, option, reported, table
+from .errors import MeshkitError
+from .hostfile import Host
+from .job import Job, JobError
+from .tasks_mesh import ssh_settings
+
+PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
+
+
+class LaunchError(MeshkitError):
+    """Preflight or launch failed; nothing (or nothing more) was started."""
+
+
+def _saved(workdir: str, session: str) -> Job:
+    path = jobs.job_file(workdir, session)
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise JobError(f"no saved job at {path}; start one with: meshkit train --cmd CMD") from None
+    return jobs.from_json(text, str(path))
+
+
+def _workdir(c: Context, flag: str | None) -> str:
+    return os.path.abspath(option(c, "workdir", flag) or os.getcwd())
+
+
+def _load_job(c: Context, workdir: str | None, session: str | None) -> Job:
+    return _saved(_workdir(c, workdir), jobs.check_session(option(c, "session", session)))
+
+
+def _new_job(
+    c: Context,
+    cmd: str,
+    workdir: str | None,
+    session: str | None,
+    hostfile: str | None,
+    nproc_per_node: str | None,
+    include: str | None,
+    exclude: str | None,
+    hosts: Sequence[Host],
+) -> Job:
+    from .config import settings
+    from .topology import derive_master_port
+
+    conf = settings(c.config)
+    name = jobs.check_session(option(c, "session", session))
+    return Job(
+        cmd=cmd,
+        workdir=_workdir(c, workdir),
+        session=name,
+        hostfile=os.path.abspath(option(c, "hostfile", hostfile)),
+        python=str(conf.python or sys.executable),
+        master_port=int_option(c, "master_port", None) or derive_master_port(hosts, name),
+        nproc_per_node=int_option(c, "nproc_per_node", nproc_per_node, allow_auto=True),
+        include=option(c, "include", include),
+        exclude=option(c, "exclude", exclude),
+        setup=tuple(str(line) for line in conf.setup or ()),
+        env={str(k): str(v) for k, v in dict(conf.env or {}).items()},
+    )
+
+
+def _hosts_of(job: Job) -> list[Host]:
+    from .discovery import read_hosts
+
+    return read_hosts(job.hostfile, job.include, job.exclude)
+
+
+def preflight(cluster: Any, job: Job, hosts: Sequence[Host]) -> list[str]:
+    """Read-only checks on every node: the interpreter and workdir exist, and `meshkit env` there
+    gives exactly its hostfile rank and the same master and node count as everyone else."""
+    from .remote import failed, succeeded
+
+    probe = (
+        f"cd {shlex.quote(job.workdir)} && {tmux.command(tmux.meshkit_argv(job, 'env', '--json'))}"
+    )
+    results = cluster.each("preflight", lambda r: r.run(probe))
+    problems = [f"{h.label}: cannot connect: {e}" for h, e in cluster.failures.items()]
+    problems += [f"{h.label}: {e}" for h, e in failed(results).items()]
+    seen: dict[tuple[str, str, str], list[str]] = {}
+    for rank, host in enumerate(hosts):
+        if host not in succeeded(results):
+            continue
+        code, out, err = succeeded(results)[host]
+        if code != 0:
+            problems.append(f"{host.label}: {_explain(code, err, job)}")
+            continue
+        data = jsonlib.loads(out)
+        if data["NODE_RANK"] != str(rank):
+            problems.append(
+                f"{host.label}: is line {host.lineno} of {job.hostfile} (rank {rank}) but discovers NODE_RANK="
+                f"{data['NODE_RANK']} via {data['matched']}; the hostfile does not name this node as it sees itself"
+            )
+        seen.setdefault((data["NNODES"], data["MASTER_ADDR"], data["MASTER_PORT"]), []).append(
+            host.label
+        )
+    if len(seen) > 1:
+        problems.append(
+            "nodes disagree on NNODES/MASTER_ADDR/MASTER_PORT: "
+            + "; ".join(f"{'/'.join(k)} on {', '.join(v)}" for k, v in seen.items())
+        )
+    return problems
+
+
+def _explain(code: int, err: str, job: Job) -> str:
+    text = err.strip().splitlines()[-1] if err.strip() else f"exit {code}"
+    if code == 127 or (job.python in text and "No such file" in text):
+        return f"interpreter {job.python} not found; install meshkit at the same path there or set meshkit.python"
+    if "cd:" in text:
+        return f"workdir {job.workdir} is missing (it must be on storage every node shares)"
+    return text.removeprefix("meshkit: ")
+
+
+def _pick_port(master: Any, job: Job) -> tuple[int, str | None]:
+    ports = [job.master_port + i for i in range(PORT_SCAN + 1) if job.master_port + i <= 65535]
+    code, out, err = master.run(tmux.command(tmux.node_op(job, "port-free", *map(str, ports))))
+    if code != 0:
+        raise LaunchError(f"{master.host.label}: port probe failed: {err.strip()[:200]}")
+    free = [p["port"] for p in jsonlib.loads(out) if p["free"]]
+    if not free:
+        raise LaunchError(
+            f"ports {ports[0]}..{ports[-1]} are all busy on the master {master.host.label}; "
+            "pass --master-port"
+        )
+    note = (
+        None
+        if free[0] == job.master_port
+        else (
+            f"master port {job.master_port} is busy on {master.host.label}; using {free[0]} on every node"
+        )
+    )
+    return free[0], note
+
+
+def _status_rows(
+    cluster: Any, job: Job, hosts: Sequence[Host], quiet: bool = False
+) -> list[dict[str, Any]]:
+    from .remote import succeeded
+
+    def one(r: Any) -> dict[str, Any]:
+        rank = hosts.index(r.host)
+        code, out, err = r.run(
+            tmux.command(tmux.node_op(job, "status", job.session, job.log(rank), job.state_dir))
+        )
+        if code != 0:
+            raise LaunchError(err.strip()[-200:] or f"status exited {code}")
+        return dict(jsonlib.loads(out))
+
+    results = cluster.each("status", one, quiet=quiet)
+    failures = {**cluster.failures, **{h: o.error for h, o in results.items() if o.error}}
+    ok = succeeded(results)
+    rows = []
+    for rank, h in enumerate(hosts):
+        data = ok.get(h) or {
+            "state": "absent",
+            "exit_code": None,
+            "started": None,
+            "last_line": f"unreachable: {failures.get(h, 'unknown')}",
+        }
+        started = data["started"]
+        rows.append(
+            {
+                "node_rank": rank,
+                "host": h.label,
+                "state": data["state"],
+                "exit_code": data["exit_code"],
+                "started": datetime.datetime.fromtimestamp(
+                    started, datetime.timezone.utc
+                ).isoformat()
+                if started
+                else None,
+                "last_line": data["last_line"],
+            }
+        )
+    return rows
+
+
+def _print_status(rows: Sequence[dict[str, Any]]) -> None:
+    print(
+        table(
+            ["rank", "host", "state", "exit", "started", "last line"],
+            [
+                (
+                    r["node_rank"],
+                    r["host"],
+                    r["state"],
+                    r["exit_code"],
+                    (r["started"] or "")[:19],
+                    (r["last_line"] or "")[:70],
+                )
+                for r in rows
+            ],
+        )
+    )
+
+
+def _cluster(c: Context, job: Job, hosts: Sequence[Host], wait: float = 0.0) -> Any:
+    from .remote import Cluster
+
+    cluster = Cluster(hosts, ssh_settings(c, job.hostfile))
+    if wait:
+        cluster.wait_for(wait)
+    return cluster
+
+
+def launch(
+    c: Context, job: Job, hosts: Sequence[Host], *, wait: float = 0.0, dry_run: bool = False
+) -> Job:
+    """Preflight everywhere, then replace the session on every node, then save the job."""
+    from dataclasses import replace
+
+    from .remote import failed
+
+    with _cluster(c, job, hosts, wait) as cluster:
+        problems = preflight(cluster, job, hosts)
+        if problems:
+            raise LaunchError([*problems, "train: preflight failed; nothing was started"])
+        if dry_run:
+            print(
+                f"would run in tmux session {job.session!r} on {len(hosts)} nodes, in {job.workdir}:"
+            )
+            print(tmux.command(tmux.new_session(job)))
+            return job
+        stopped = failed(
+            cluster.each(
+                "stop old", lambda r: r.run(tmux.command(tmux.node_op(job, "stop", job.session)))
+            )
+        )
+        if stopped:
+            raise LaunchError(
+                [f"{h.label}: stopping the old session failed: {e}" for h, e in stopped.items()]
+            )
+        port, note = _pick_port(cluster.remotes[hosts[0]], job)
+        if note:
+            print(note)
+        job = replace(job, master_port=port)
+        master = cluster.remotes[hosts[0]]
+        master.run(tmux.command(["mkdir", "-p", str(job.home)]))
+        master.write_atomic(str(jobs.job_file(job.workdir, job.session)), job.to_json(), 0o644)
+
+        def start(r: Any) -> None:
+            code, _, err = r.run(tmux.command(tmux.new_session(job)))
+            if code != 0:
+                raise LaunchError(f"tmux new-session failed: {err.strip()[:200]}")
+
+        bad = failed(cluster.each("start", start))
+        if bad:
+            raise LaunchError(
+                [f"{h.label}: {e}" for h, e in bad.items()] + ["train: some nodes did not start"]
+            )
+        time.sleep(0.3)
+        _print_status(_status_rows(cluster, job, hosts))
+    print(
+        f"\nlogs: meshkit logs --session {job.session}   status: meshkit status --session {job.session}"
+    )
+    return job
+
+
+TRAIN_FLAGS = ("hostfile", "session", "include", "exclude")
+
+
+@task(
+    help=helps(
+        *TRAIN_FLAGS,
+        "nproc_per_node",
+        cmd="command to run on every node (bash; $NODE_RANK etc. "
+        "expand there); without it, relaunch the saved job",
+        workdir="directory on shared storage to run in; logs go to WORKDIR/.meshkit/SESSION/",
+        wait="seconds to wait for unreachable (rebooting) nodes before giving up",
+        dry_run="run the preflight and show the command; start nothing",
+    )
+)
+def train(
+    c: Context,
+    cmd: str | None = None,
+    workdir: str | None = None,
+    session: str | None = None,
+    hostfile: str | None = None,
+    nproc_per_node: str | None = None,
+    wait: float = 0.0,
+    dry_run: bool = False,
+    include: str | None = None,
+    exclude: str | None = None,
+) -> None:
+    """Start CMD detached in tmux on every node, each with its rank variables; or relaunch the saved job.
+
+    Preflight first (every node reachable, interpreter present, ranks 0..N-1 matching the hostfile,
+    one master and port): any failure starts nothing. After a reboot, `meshkit train` alone
+    relaunches the saved job from any node.
+    """
+    from .discovery import read_hosts
+
+    with reported():
+        if cmd is None:
+            job = _load_job(c, workdir, session)
+            print(f"relaunching saved job {job.session!r}: {job.cmd}")
+        else:
+            path = option(c, "hostfile", hostfile)
+            hosts = read_hosts(path, option(c, "include", include), option(c, "exclude", exclude))
+            job = _new_job(
+                c, cmd, workdir, session, hostfile, nproc_per_node, include, exclude, hosts
+            )
+        launch(c, job, _hosts_of(job), wait=float(wait), dry_run=dry_run)
+
+
+@task(
+    help=helps(
+        "session", "json", workdir="the job's workdir (default: config meshkit.workdir, else cwd)"
+    )
+)
+def status(
+    c: Context, session: str | None = None, workdir: str | None = None, json: bool = False
+) -> None:
+    """Per node: rank, host, state (running / exited / absent), exit code, start time, last log line."""
+    with reported():
+        job = _load_job(c, workdir, session)
+        hosts = _hosts_of(job)
+        with _cluster(c, job, hosts) as cluster:
+            rows = _status_rows(cluster, job, hosts)
+    if json:
+        print(jsonlib.dumps(rows))
+    else:
+        _print_status(rows)
+
+
+class _Prefixed:
+    """A stream that prefixes each complete line with the node's rank (shared lock: whole lines)."""
+
+    lock = threading.Lock()
+
+    def __init__(self, rank: int, out: TextIO) -> None:
+        self.prefix, self.out, self.partial = f"[{rank}] ", out, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.partial = (self.partial + text).split("\n")
+        if lines:
+            with self.lock:
+                self.out.write("".join(self.prefix + line + "\n" for line in lines))
+                self.out.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@task(
+    help=helps(
+        "session",
+        node="only this rank",
+        lines="how many last lines per node (default 20)",
+        follow="keep printing new lines (Ctrl-C to stop)",
+        workdir="the job's workdir (default: config meshkit.workdir, else cwd)",
+    )
+)
+def logs(
+    c: Context,
+    session: str | None = None,
+    node: int | None = None,
+    lines: int = 20,
+    follow: bool = False,
+    workdir: str | None = None,
+) -> None:
+    """Each node's log, every line prefixed with the node's rank."""
+    with reported():
+        job = _load_job(c, workdir, session)
+        hosts = _hosts_of(job)
+        ranks = [int(node)] if node is not None else list(range(len(hosts)))
+        if any(not 0 <= r < len(hosts) for r in ranks):
+            raise MeshkitError(f"--node {node}: the job has ranks 0..{len(hosts) - 1}")
+        chosen = [hosts[r] for r in ranks]
+        with _cluster(c, job, chosen) as cluster:
+            for h, err in cluster.failures.items():
+                print(f"[{hosts.index(h)}] unreachable: {err}", file=sys.stderr)
+            tail = ["tail", "-n", str(int(lines))] + (["-F"] if follow else [])
+            cluster.each(
+                "logs",
+                lambda r: r.stream(
+                    tmux.command([*tail, job.log(hosts.index(r.host))]) + " 2>/dev/null",
+                    _Prefixed(hosts.index(r.host), sys.stdout),
+                ),
+            )
+
+
+@task(
+    help=helps("session", workdir="the job's workdir (default: config meshkit.workdir, else cwd)")
+)
+def stop(c: Context, session: str | None = None, workdir: str | None = None) -> None:
+    """End the job on every node: its tmux session and every process it started (torchrun and its
+    workers included), TERM then KILL; then check that nothing of it is left."""
+    from .remote import failed, succeeded
+
+    with reported():
+        job = _load_job(c, workdir, session)
+        hosts = _hosts_of(job)
+        with _cluster(c, job, hosts) as cluster:
+            results = cluster.each(
+                "stop", lambda r: r.run(tmux.command(tmux.node_op(job, "stop", job.session)))
+            )
+        rows, leftovers = [], []
+        for rank, h in enumerate(hosts):
+            if h in succeeded(results):
+                data = jsonlib.loads(succeeded(results)[h][1])
+                left = data["left"]
+                rows.append(
+                    (
+                        rank,
+                        h.label,
+                        "ended" if data["session"] else "none",
+                        data["signalled"],
+                        "nothing left" if not left else f"{len(left)} LEFT: {left}",
+                    )
+                )
+                if left:
+                    leftovers.append(h.label)
+            else:
+                error = cluster.failures.get(h) or failed(results).get(h, "?")
+                rows.append((rank, h.label, "?", "?", f"unreachable: {error}"))
+                leftovers.append(h.label)
+        print(table(["rank", "host", "session", "signalled", "verified"], rows))
+        if leftovers:
+            raise Exit(f"meshkit: could not verify the job ended on: {', '.join(leftovers)}", 1)
+
+
+def example_script() -> Path:
+    """The bundled example job (templates/example_train.py in the source tree)."""
+    path = Path(__file__).resolve().parent.parent / "templates" / "example_train.py"
+    if not path.is_file():
+        raise MeshkitError(f"{path} is missing; run the demo from a meshkit checkout")
+    return path
+
+
+@task(
+    help={
+        "nodes": "sandbox nodes (default 3)",
+        "nproc_per_node": "processes per node (default 2)",
+        "timeout": "seconds to wait for the job (default 300)",
+    }
+)
+def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 300.0) -> None:
+    """sandbox.up -> mesh -> train the bundled example (torchrun, gloo, a real all_reduce) -> results.
+
+    Needs root (the sandbox). Leaves the sandbox up to explore; `meshkit sandbox.down` removes it.
+    """
+    import shutil
+
+    from . import sandbox
+    from .config import settings
+    from .tasks_mesh import mesh
+
+    with reported():
+        conf = settings(c.config).sandbox
+        print(f"== sandbox.up --nodes {nodes}")
+        lay = sandbox.up(conf.dir, conf.subnet, int(nodes))
+        print(table(["node", "address"], [(n.name, n.address) for n in lay.nodes]))
+        print(f"\n== mesh --hostfile {lay.hostfile}")
+        mesh(c, hostfile=str(lay.hostfile))
+        workdir = lay.shared / "demo"
+        workdir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(example_script(), workdir / "example_train.py")
+        print(
+            f"\n== train (torchrun example_train.py, {nproc_per_node} per node, gloo) in {workdir}"
+        )
+        job = _new_job(
+            c,
+            "torchrun example_train.py",
+            str(workdir),
+            "demo",
+            str(lay.hostfile),
+            str(nproc_per_node),
+            None,
+            None,
+            hosts := _hosts_of_path(str(lay.hostfile)),
+        )
+        job = launch(c, job, hosts)
+        rows = _wait_done(c, job, hosts, float(timeout))
+        print("\n== results (one line per rank, from each node's log)")
+        results = []
+        for rank in range(len(hosts)):
+            log = Path(job.log(rank))
+            results += [
+                ln for ln in log.read_text().splitlines() if ln.startswith("meshkit-example")
+            ]
+        for line in sorted(results, key=lambda ln: int(ln.split("rank=")[1].split()[0])):
+            print(line)
+        print("\n== status")
+        _print_status(rows)
+        good = len(results) == len(hosts) * int(nproc_per_node) and all(
+            "ok=True" in ln for ln in results
+        )
+        if not good or any(r["exit_code"] != 0 for r in rows):
+            raise Exit(
+                "meshkit: demo failed: not every rank reported a correct all_reduce (see above)", 1
+            )
+        print(
+            f"\ndemo ok: {len(results)} ranks on {len(hosts)} nodes agreed on the all_reduce sum."
+        )
+        print(
+            f"explore: ssh -F {lay.ssh_config} node1 | meshkit status --workdir {workdir} --session demo"
+            " | meshkit sandbox.down"
+        )
+
+
+def _hosts_of_path(path: str) -> list[Host]:
+    from .discovery import read_hosts
+
+    return read_hosts(path)
+
+
+def _wait_done(c: Context, job: Job, hosts: Sequence[Host], timeout: float) -> list[dict[str, Any]]:
+    """Poll status (one connection per node, reused) until no node is running."""
+    deadline = time.monotonic() + timeout
+    with _cluster(c, job, hosts) as cluster:
+        while True:
+            rows = _status_rows(cluster, job, hosts, quiet=True)
+            if all(r["state"] != "running" for r in rows) or time.monotonic() > deadline:
+                return rows
+            time.sleep(1.0)
