@@ -51,8 +51,9 @@ def _wait_gone(session: str, seconds: float) -> list[int]:
     return left
 
 
-def stop(session: str) -> dict[str, object]:
-    """End the tmux session, then TERM (and after a grace period KILL) every tagged process."""
+def stop(session: str, state_dir: str) -> dict[str, object]:
+    """End the tmux session, then TERM (and after a grace period KILL) every tagged process; then
+    forget the run's state, so a stopped job reads ``absent`` on every node alike."""
     had_session = tmux("has-session", "-t", f"={session}").returncode == 0
     tmux("kill-session", "-t", f"={session}")
     pids = job_pids(session)
@@ -61,6 +62,10 @@ def stop(session: str) -> dict[str, object]:
     if left:
         _signal_all(left, signal.SIGKILL)
         left = _wait_gone(session, KILL_GRACE)
+    if not left:
+        for name in ("exit", "started"):
+            with contextlib.suppress(OSError):
+                (Path(state_dir) / name).unlink()
     return {"session": had_session, "signalled": len(pids), "left": left}
 
 
@@ -121,14 +126,16 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("session")
     s.add_argument("log")
     s.add_argument("state_dir")
-    sub.add_parser("stop").add_argument("session")
+    st = sub.add_parser("stop")
+    st.add_argument("session")
+    st.add_argument("state_dir")
     p = sub.add_parser("port-free")
     p.add_argument("ports", type=int, nargs="+")
     args = parser.parse_args(argv)
     if args.op == "status":
         result: object = status(args.session, args.log, args.state_dir)
     elif args.op == "stop":
-        result = stop(args.session)
+        result = stop(args.session, args.state_dir)
     else:
         result = [port_free(p) for p in args.ports]
     print(json.dumps(result))

@@ -121,7 +121,9 @@ def run(
         if log:
             target = log.replace("{rank}", str(node.node_rank))
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-            script = f"exec > >(tee -a {shlex.quote(target)}) 2>&1\n{cmd}"
+            # A pipeline, not `exec > >(tee ...)`: bash then waits for tee, so the log is complete
+            # by the time the exit code is recorded.
+            script = f"{{ {cmd}\n}} 2>&1 | tee -a {shlex.quote(target)}\nexit ${{PIPESTATUS[0]}}"
         os.execvpe("bash", ["bash", "-c", script], {**os.environ, **variables(node), "PATH": path})
 
 

@@ -243,7 +243,10 @@ def launch(
             return job
         stopped = failed(
             cluster.each(
-                "stop old", lambda r: r.run(tmux.command(tmux.node_op(job, "stop", job.session)))
+                "stop old",
+                lambda r: r.run(
+                    tmux.command(tmux.node_op(job, "stop", job.session, job.state_dir))
+                ),
             )
         )
         if stopped:
@@ -414,7 +417,10 @@ def stop(c: Context, session: str | None = None, workdir: str | None = None) -> 
         hosts = _hosts_of(job)
         with _cluster(c, job, hosts) as cluster:
             results = cluster.each(
-                "stop", lambda r: r.run(tmux.command(tmux.node_op(job, "stop", job.session)))
+                "stop",
+                lambda r: r.run(
+                    tmux.command(tmux.node_op(job, "stop", job.session, job.state_dir))
+                ),
             )
         rows, leftovers = [], []
         for rank, h in enumerate(hosts):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 import time
 
 import torch
@@ -26,13 +27,15 @@ def main() -> None:
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value)
     expected = world * (world + 1) // 2
-    print(
+    line = (
         f"meshkit-example rank={rank} world_size={world} node_rank={os.environ.get('GROUP_RANK')} "
         f"meshkit_node_rank={os.environ.get('NODE_RANK')} local_rank={os.environ.get('LOCAL_RANK')} "
         f"host={socket.gethostname()} sum={int(value.item())} expected={expected} "
-        f"ok={int(value.item()) == expected}",
-        flush=True,
+        f"ok={int(value.item()) == expected}\n"
     )
+    # One write per line: the node's processes share one pipe, and a single small write is atomic.
+    sys.stdout.write(line)
+    sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
     time.sleep(args.sleep)

@@ -1,0 +1,233 @@
+"""train / status / logs / stop on the sandbox: real tmux, real torchrun with gloo across nodes."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import meshkit
+
+from meshkit import sandbox
+
+SANDBOX_NODES = 3
+NPROC = 2
+REPO = Path(__file__).resolve().parent.parent
+RESULT = re.compile(
+    r"meshkit-example rank=(\d+) world_size=(\d+) node_rank=\S+ meshkit_node_rank=(\d+) local_rank=\S+ "
+    r"host=(\S+) sum=(\d+) expected=(\d+)"
+)
+
+
+@pytest.fixture(scope="module")
+def meshed(cluster):
+    out = meshkit("mesh", "--hostfile", str(cluster.hostfile), "--no-verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+    workdir = cluster.shared / "work"
+    workdir.mkdir()
+    shutil.copy(REPO / "templates" / "example_train.py", workdir / "example_train.py")
+    return cluster, workdir
+
+
+def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: float = 240):
+    """meshkit run *inside* a node, as a user logged in there would."""
+    line = f"cd {shlex.quote(str(workdir))} && {env} {shlex.join([sys.executable, '-m', 'meshkit', *args])}"
+    return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
+
+
+def wait_for(predicate, timeout: float = 120, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"not reached within {timeout}s")
+
+
+def results(workdir: Path, session: str, nodes: int) -> list[tuple[int, re.Match[str]]]:
+    found = []
+    for rank in range(nodes):
+        log = workdir / ".meshkit" / session / f"node{rank}.log"
+        if log.exists():
+            found += [(rank, m) for m in RESULT.finditer(log.read_text())]
+    return found
+
+
+def check_results(found, nodes: int) -> None:
+    world = nodes * NPROC
+    assert sorted(int(m.group(1)) for _, m in found) == list(range(world))
+    for log_rank, m in found:
+        assert int(m.group(2)) == world and m.group(5) == m.group(6) == str(
+            world * (world + 1) // 2
+        )
+        assert (
+            int(m.group(3)) == log_rank and m.group(4) == f"node{log_rank}"
+        )  # ran where NODE_RANK says
+
+
+def status(lay, workdir: Path, session: str, index: int = 0):
+    out = on_node(lay, index, workdir, "status", "--session", session, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def job_processes(lay) -> list[str]:
+    left = []
+    for node in lay.nodes:
+        out = sandbox.node_exec(node, ["pgrep", "-af", "example_train|torchrun|meshkit run"])
+        left += [f"{node.name}: {line}" for line in out.stdout.splitlines() if "pgrep" not in line]
+    return left
+
+
+def test_bare_torchrun_from_a_worker_status_reboot_relaunch_stop(meshed):
+    lay, workdir = meshed
+    n = len(lay.nodes)
+    out = on_node(
+        lay,
+        1,
+        workdir,
+        "train",
+        "--hostfile",
+        str(lay.hostfile),
+        "--session",
+        "bare",
+        "--nproc-per-node",
+        str(NPROC),
+        "--cmd",
+        "torchrun example_train.py --sleep 600",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    check_results(wait_for(lambda: len(r := results(workdir, "bare", n)) == n * NPROC and r), n)
+
+    rows = status(lay, workdir, "bare")
+    assert [(r["node_rank"], r["host"], r["state"]) for r in rows] == [
+        (i, node.address, "running") for i, node in enumerate(lay.nodes)
+    ]
+    assert set(rows[0]) == {"node_rank", "host", "state", "exit_code", "started", "last_line"}
+
+    sandbox.reboot(lay, 2)
+    rows = status(lay, workdir, "bare")
+    assert [r["state"] for r in rows] == ["running", "running", "absent"]
+
+    # relaunch from another node with no --cmd: the saved job, all ranks again
+    out = on_node(lay, 0, workdir, "train", "--session", "bare", "--wait", "20")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "relaunching saved job" in out.stdout
+    wait_for(lambda: len(results(workdir, "bare", n)) == 2 * n * NPROC)
+    assert [r["state"] for r in status(lay, workdir, "bare", index=2)] == ["running"] * n
+
+    logs = on_node(lay, 2, workdir, "logs", "--session", "bare", "--lines", "3", "--node", "1")
+    assert logs.returncode == 0 and all(
+        line.startswith("[1] ") for line in logs.stdout.splitlines()
+    )
+
+    out = on_node(lay, 2, workdir, "stop", "--session", "bare")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("nothing left") == n
+    assert job_processes(lay) == []
+    assert [r["state"] for r in status(lay, workdir, "bare")] == ["absent"] * n
+
+
+def test_seed_style_run_sh_from_a_worker_and_exit_codes(meshed):
+    lay, workdir = meshed
+    n = len(lay.nodes)
+    cmd = f"{REPO}/templates/run.sh $GPUS_PER_NODE $NNODES $NODE_RANK $MASTER_ADDR $MASTER_PORT"
+    out = on_node(
+        lay,
+        2,
+        workdir,
+        "train",
+        "--hostfile",
+        str(lay.hostfile),
+        "--session",
+        "seed",
+        "--nproc-per-node",
+        str(NPROC),
+        "--cmd",
+        cmd,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = wait_for(lambda: all_exited(lay, workdir, "seed"))
+    assert [r["exit_code"] for r in rows] == [0] * n
+    check_results(results(workdir, "seed", n), n)
+
+    out = on_node(
+        lay,
+        0,
+        workdir,
+        "train",
+        "--hostfile",
+        str(lay.hostfile),
+        "--session",
+        "fails",
+        "--cmd",
+        "echo about to fail; exit 7",
+    )
+    assert out.returncode == 0
+    rows = wait_for(lambda: all_exited(lay, workdir, "fails"))
+    assert [(r["exit_code"], r["last_line"]) for r in rows] == [(7, "about to fail")] * n
+
+
+def all_exited(lay, workdir: Path, session: str):
+    rows = status(lay, workdir, session)
+    return rows if all(r["state"] == "exited" for r in rows) else None
+
+
+def nothing_started(lay, session: str) -> bool:
+    return all(
+        sandbox.node_exec(node, ["tmux", "has-session", "-t", session]).returncode != 0
+        for node in lay.nodes
+    )
+
+
+def test_preflight_failures_start_nothing(meshed, tmp_path):
+    lay, workdir = meshed
+    base = ["train", "--hostfile", str(lay.hostfile), "--session", "bad", "--cmd", "sleep 600"]
+
+    out = on_node(lay, 1, workdir, *base, env="MESHKIT_PYTHON=/nonexistent/python3")
+    assert out.returncode != 0 and "interpreter /nonexistent/python3 not found" in out.stderr
+    assert "nothing was started" in out.stderr and "Traceback" not in out.stderr
+    assert nothing_started(lay, "bad")
+
+    swapped = lay.shared / "swapped"
+    swapped.mkdir()
+    (swapped / "hostfile").write_text("node0\nnode1\nnode2\n")
+    (swapped / "ssh_config").write_text(
+        f"Host node0\n  HostName {lay.nodes[1].address}\nHost node1\n  HostName {lay.nodes[0].address}\n"
+        f"Host node2\n  HostName {lay.nodes[2].address}\n"
+    )
+    out = on_node(
+        lay,
+        2,
+        workdir,
+        "train",
+        "--hostfile",
+        str(swapped / "hostfile"),
+        "--session",
+        "bad",
+        "--cmd",
+        "sleep 600",
+    )
+    assert out.returncode != 0 and "discovers NODE_RANK=1" in out.stderr, out.stderr
+    assert nothing_started(lay, "bad")
+
+    subprocess.run(["ip", "link", "set", lay.nodes[2].veth, "down"], check=True)
+    try:
+        out = on_node(lay, 0, workdir, *base, env="MESHKIT_CONNECT_TIMEOUT=3", timeout=60)
+    finally:
+        subprocess.run(["ip", "link", "set", lay.nodes[2].veth, "up"], check=True)
+    assert (
+        out.returncode != 0
+        and f"{lay.nodes[2].address}: cannot connect: no answer within 3s" in out.stderr
+    )
+    assert nothing_started(lay, "bad")
+
+    out = meshkit("train", "--session", "nosuch", "--workdir", str(workdir))
+    assert out.returncode != 0 and "no saved job" in out.stderr and "--cmd" in out.stderr
