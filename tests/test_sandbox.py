@@ -33,20 +33,25 @@ def test_nodes_do_not_trust_each_other_before_mesh(cluster):
 def test_each_node_has_its_own_identity_and_shares_storage(cluster):
     marker = cluster.shared / "visible-everywhere"
     marker.write_text("shared\n")
+    probe = (
+        "echo name=$(hostname); echo addr=$(hostname -I); echo ssh=$(ls -A ~/.ssh); echo $$ > /tmp/mine; "
+        f"echo tmp=$(ls -A /tmp | grep -c mine); echo shared=$(cat {marker}); "
+        "echo hostkey=$(cut -d' ' -f2 /etc/ssh/ssh_host_ed25519_key.pub)"
+    )
     seen = []
     for node in cluster.nodes:
-        out = ssh(
-            cluster,
-            node.name,
-            "hostname; hostname -I; ls -A ~/.ssh; echo $$ > /tmp/mine; ls /tmp; "
-            f"cat {marker}; cat /etc/ssh/ssh_host_ed25519_key.pub",
-        )
+        out = ssh(cluster, node.name, probe)
         assert out.returncode == 0, out.stderr
-        seen.append(out.stdout.split("\n"))
-    assert [s[0] for s in seen] == [n.name for n in cluster.nodes]
-    assert [s[1].strip() for s in seen] == [n.address for n in cluster.nodes]
-    assert all(s[2] == "authorized_keys" and s[3] == "mine" and s[4] == "shared" for s in seen)
-    assert len({s[5] for s in seen}) == len(cluster.nodes)  # own host keys
+        seen.append(dict(line.split("=", 1) for line in out.stdout.splitlines()))
+    assert [s["name"] for s in seen] == [n.name for n in cluster.nodes]
+    assert [s["addr"].strip() for s in seen] == [n.address for n in cluster.nodes]
+    assert all(
+        s["ssh"] == "authorized_keys" and s["tmp"] == "1" and s["shared"] == "shared" for s in seen
+    )
+    assert len({s["hostkey"] for s in seen}) == len(cluster.nodes)  # own host keys
+    # /tmp is each node's own: each /tmp/mine landed in that node's private directory
+    mine = {(cluster.node_dir(n) / "tmp" / "mine").read_text() for n in cluster.nodes}
+    assert len(mine) == len(cluster.nodes)
 
 
 def test_controller_secrets_are_hidden_from_nodes(cluster):

@@ -1,0 +1,1 @@
+"""meshkit's benchmarks: ``python -m benchmarks`` (root; builds sandbox clusters)."""
