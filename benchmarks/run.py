@@ -122,33 +122,36 @@ def stop_all(lay: sandbox.Layout, workdir: Path) -> None:
         )
 
 
+def one_round(n: int) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """Every variant once, each on a fresh sandbox state (unmesh between meshes is not timed)."""
+    lay = sandbox.up(DIR, SUBNET, n)
+    hostfile = str(lay.hostfile)
+    workdir = lay.shared / "bench"
+    workdir.mkdir(exist_ok=True)
+    times: dict[str, float] = {"floor": timed(lambda: floor(lay))}
+    reset_logs(lay)
+    times["mesh_no_verify"] = timed(
+        lambda: check([*MESHKIT, "mesh", "--hostfile", hostfile, "--no-verify"])
+    )
+    counted = {"mesh": logins(lay)}
+    check([*MESHKIT, "unmesh", "--hostfile", hostfile])
+    times["mesh"] = timed(lambda: check([*MESHKIT, "mesh", "--hostfile", hostfile]))
+    check([*MESHKIT, "unmesh", "--hostfile", hostfile])
+    reset_logs(lay)
+    times["seed"] = timed(lambda: seed(lay))
+    counted["seed"] = logins(lay)
+    times["launch"] = timed(lambda: launch_meshkit(lay, workdir))
+    times["launch_sequential"] = timed(lambda: launch_sequential(lay, workdir))
+    stop_all(lay, workdir)
+    return times, counted
+
+
 def measure_n(n: int, repeats: int) -> dict[str, object]:
-    samples: dict[str, list[float]] = {
-        k: [] for k in ("floor", "mesh", "mesh_no_verify", "seed", "launch", "launch_sequential")
-    }
-    counted: dict[str, list[int]] = {}
-    for _ in range(repeats):
-        lay = sandbox.up(DIR, SUBNET, n)
-        hostfile = str(lay.hostfile)
-        samples["floor"].append(timed(lambda: floor(lay)))
-        reset_logs(lay)
-        samples["mesh_no_verify"].append(
-            timed(lambda: check([*MESHKIT, "mesh", "--hostfile", hostfile, "--no-verify"]))
-        )
-        counted["mesh"] = logins(lay)
-        check([*MESHKIT, "unmesh", "--hostfile", hostfile])
-        samples["mesh"].append(timed(lambda: check([*MESHKIT, "mesh", "--hostfile", hostfile])))
-        check([*MESHKIT, "unmesh", "--hostfile", hostfile])
-        reset_logs(lay)
-        samples["seed"].append(timed(lambda: seed(lay)))
-        counted["seed"] = logins(lay)
-        workdir = lay.shared / "bench"
-        workdir.mkdir(exist_ok=True)
-        samples["launch"].append(timed(lambda: launch_meshkit(lay, workdir)))
-        samples["launch_sequential"].append(timed(lambda: launch_sequential(lay, workdir)))
-        stop_all(lay, workdir)
+    rounds = [one_round(n) for _ in range(repeats)]
     sandbox.down(DIR)
-    med = {k: statistics.median(v) for k, v in samples.items()}
+    med = {k: statistics.median(r[0][k] for r in rounds) for k in rounds[0][0]}
+    counted = {k: sorted({c for r in rounds for c in r[1][k]}) for k in rounds[0][1]}
+    print(f"N={n}: " + ", ".join(f"{k} {v:.2f}s" for k, v in med.items()), file=sys.stderr)
     return {
         "nodes": n,
         "median_s": {k: round(v, 3) for k, v in med.items()},
@@ -160,7 +163,7 @@ def measure_n(n: int, repeats: int) -> dict[str, object]:
             "launch/floor": round(med["launch"] / med["floor"], 2),
             "launch_sequential/launch": round(med["launch_sequential"] / med["launch"], 2),
         },
-        "controller_logins_per_node": {k: sorted(set(v)) for k, v in counted.items()},
+        "controller_logins_per_node": counted,
     }
 
 
