@@ -9,6 +9,7 @@ from typing import Any
 from invoke.exceptions import Exit
 
 from .config import settings
+from .envcmd import pick, pick_int
 from .errors import MeshkitError
 
 HELP = {
@@ -42,20 +43,11 @@ def reported() -> Iterator[None]:
 
 def option(c: Any, name: str, flag: Any) -> Any:
     """A flag when given, else the configured value (flags are the last config level)."""
-    return flag if flag is not None else settings(c.config)[name]
+    return pick(settings(c.config), name, flag)
 
 
 def int_option(c: Any, name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
-    value = option(c, name, flag)
-    if value is None or value == "" or (allow_auto and str(value) == "auto"):
-        return None
-    text = str(value)
-    if not text.isdigit() or int(text) < 1:
-        hint = " or 'auto'" if allow_auto else ""
-        raise MeshkitError(
-            f"--{name.replace('_', '-')} {text!r}: expected a whole number >= 1{hint}"
-        )
-    return int(text)
+    return pick_int(settings(c.config), name, flag, allow_auto=allow_auto)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -69,6 +69,23 @@ def stop(session: str, state_dir: str) -> dict[str, object]:
     return {"session": had_session, "signalled": len(pids), "left": left}
 
 
+def start(session: str, state_dir: str, argv: list[str]) -> dict[str, object]:
+    """Replace the job's session in one call: stop the old one (whole tree), start the new one,
+    and say whether it is running."""
+    old = stop(session, state_dir)
+    if old["left"]:
+        return {"started": False, "error": f"processes of the old session survived: {old['left']}"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    if done.returncode != 0:
+        return {"started": False, "error": done.stderr.strip()[-300:] or f"exit {done.returncode}"}
+    running = tmux("has-session", "-t", f"={session}").returncode == 0
+    return {
+        "started": True,
+        "running": running,
+        "replaced": bool(old["session"]) or bool(old["signalled"]),
+    }
+
+
 def status(session: str, log: str, state_dir: str) -> dict[str, object]:
     running = tmux("has-session", "-t", f"={session}").returncode == 0
     state = Path(state_dir)
@@ -129,15 +146,23 @@ def main(argv: list[str] | None = None) -> None:
     st = sub.add_parser("stop")
     st.add_argument("session")
     st.add_argument("state_dir")
+    go = sub.add_parser("start")
+    go.add_argument("session")
+    go.add_argument("state_dir")
+    go.add_argument("argv", nargs=argparse.REMAINDER)
     p = sub.add_parser("port-free")
+    p.add_argument("session")
     p.add_argument("ports", type=int, nargs="+")
     args = parser.parse_args(argv)
     if args.op == "status":
         result: object = status(args.session, args.log, args.state_dir)
     elif args.op == "stop":
         result = stop(args.session, args.state_dir)
+    elif args.op == "start":
+        argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        result = start(args.session, args.state_dir, argv)
     else:
-        result = [port_free(p) for p in args.ports]
+        result = {"ports": [port_free(p) for p in args.ports], "ours": bool(job_pids(args.session))}
     print(json.dumps(result))
 
 

@@ -61,7 +61,7 @@ mount --bind "$node/etc_ssh" /etc/ssh
 mount --bind "$node/hosts" /etc/hosts
 mount -t tmpfs -o size=64k,mode=700 meshkit-hidden "$hide/controller"
 mount -t tmpfs -o size=64k,mode=700 meshkit-hidden "$hide/nodes"
-exec /usr/sbin/sshd -f /etc/ssh/sshd_config -E "$hide/logs/$name.sshd.log"
+exec /usr/sbin/sshd -D -f /etc/ssh/sshd_config -E "$hide/logs/$name.sshd.log"
 """
 
 SSHD_CONFIG = """\
@@ -329,28 +329,36 @@ def _network(lay: Layout) -> None:
 
 
 def start_node(lay: Layout, node: Node) -> None:
+    """Boot a node: fresh mount, UTS and PID namespaces inside its network namespace, with sshd
+    in the foreground as the node's PID 1 (a node's processes see only each other, as on a real
+    machine; the node dies with its sshd)."""
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
-    _run(
-        [
-            "ip",
-            "netns",
-            "exec",
-            node.netns,
-            "unshare",
-            "--mount",
-            "--uts",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            NODE_INIT,
-            "node-init",
-            node.name,
-            str(lay.node_dir(node)),
-            str(lay.root),
-            *_shared_under_tmp(),
-        ]
-    )
+    argv = [
+        "ip",
+        "netns",
+        "exec",
+        node.netns,
+        "unshare",
+        "--mount",
+        "--uts",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        NODE_INIT,
+        "node-init",
+        node.name,
+        str(lay.node_dir(node)),
+        str(lay.root),
+        *_shared_under_tmp(),
+    ]
+    with open(lay.root / "logs" / f"{node.name}.boot.log", "w") as log:
+        subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+        )
 
 
 def wait_ready(lay: Layout, nodes: Sequence[Node]) -> None:
@@ -367,7 +375,7 @@ def wait_ready(lay: Layout, nodes: Sequence[Node]) -> None:
         if waiting and time.monotonic() > deadline:
             names = ", ".join(n.name for n in waiting)
             raise SandboxError(
-                f"sshd did not come up on {names} in {READY_TIMEOUT:.0f}s; see {lay.root}/logs"
+                f"sshd did not come up on {names} in {READY_TIMEOUT:.0f}s; see {lay.root}/logs/*.boot.log"
             )
         if waiting:
             time.sleep(0.05)
@@ -522,7 +530,7 @@ def node_exec(
     if not pids:
         raise SandboxError(f"{node.name} has no sshd; is it up?")
     return subprocess.run(
-        ["nsenter", "-t", str(min(pids)), "--net", "--mount", "--uts", "--", *argv],
+        ["nsenter", "-t", str(min(pids)), "--net", "--mount", "--uts", "--pid", "--", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -6,49 +6,14 @@ the top: SSH (fabric/paramiko) is imported inside the tasks that need it.
 
 from __future__ import annotations
 
-import json as jsonlib
-import os
-import shlex
-import sys
-from typing import Any
-
 from invoke.collection import Collection
 from invoke.context import Context
 from invoke.tasks import task
 
 from . import tasks_mesh, tasks_sandbox, tasks_train
-from .cli import helps, int_option, option, reported
-from .config import DEFAULTS
-from .errors import MeshkitError
-
-
-def _node_env(
-    c: Any,
-    hostfile: Any,
-    node_rank: Any,
-    session: Any,
-    master_port: Any,
-    nproc_per_node: Any,
-    include: Any,
-    exclude: Any,
-) -> Any:
-    from .discovery import discover
-
-    rank = None
-    if node_rank is not None:
-        if not str(node_rank).isdigit():
-            raise MeshkitError(f"--node-rank {node_rank!r}: expected a whole number >= 0")
-        rank = int(node_rank)
-    return discover(
-        option(c, "hostfile", hostfile),
-        session=option(c, "session", session),
-        node_rank=rank,
-        master_port=int_option(c, "master_port", master_port),
-        nproc_per_node=int_option(c, "nproc_per_node", nproc_per_node, allow_auto=True),
-        include=option(c, "include", include),
-        exclude=option(c, "exclude", exclude),
-    )
-
+from .cli import helps, reported
+from .config import settings
+from .defaults import DEFAULTS
 
 DISCOVERY = (
     "hostfile",
@@ -78,13 +43,20 @@ def env(
     Sources, first match wins: --node-rank/MESHKIT_NODE_RANK, torchrun, SLURM, OpenMPI, PBS, then
     the hostfile matched against this machine's addresses. Use: eval "$(meshkit env)".
     """
-    from .distenv import as_json, export_lines
+    from .envcmd import node_env, print_env
 
     with reported():
-        node = _node_env(
-            c, hostfile, node_rank, session, master_port, nproc_per_node, include, exclude
+        node = node_env(
+            settings(c.config),
+            hostfile=hostfile,
+            node_rank=node_rank,
+            session=session,
+            master_port=master_port,
+            nproc_per_node=nproc_per_node,
+            include=include,
+            exclude=exclude,
         )
-        print(jsonlib.dumps(as_json(node)) if json else export_lines(node))
+        print_env(node, json)
 
 
 @task(
@@ -108,23 +80,20 @@ def run(
 
     This is what every node runs inside tmux for `meshkit train`.
     """
-    from .distenv import variables
+    from .envcmd import exec_run, node_env
 
     with reported():
-        node = _node_env(
-            c, hostfile, node_rank, session, master_port, nproc_per_node, include, exclude
+        node = node_env(
+            settings(c.config),
+            hostfile=hostfile,
+            node_rank=node_rank,
+            session=session,
+            master_port=master_port,
+            nproc_per_node=nproc_per_node,
+            include=include,
+            exclude=exclude,
         )
-        sys.stdout.flush()
-        # Nodes share the venv path: make its tools (torchrun) reachable as if it were activated.
-        path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-        script = cmd
-        if log:
-            target = log.replace("{rank}", str(node.node_rank))
-            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-            # A pipeline, not `exec > >(tee ...)`: bash then waits for tee, so the log is complete
-            # by the time the exit code is recorded.
-            script = f"{{ {cmd}\n}} 2>&1 | tee -a {shlex.quote(target)}\nexit ${{PIPESTATUS[0]}}"
-        os.execvpe("bash", ["bash", "-c", script], {**os.environ, **variables(node), "PATH": path})
+        exec_run(node, cmd, log)
 
 
 ns = Collection(

@@ -86,18 +86,25 @@ def _hosts_of(job: Job) -> list[Host]:
     return read_hosts(job.hostfile, job.include, job.exclude)
 
 
-def preflight(cluster: Any, job: Job, hosts: Sequence[Host]) -> list[str]:
+def preflight(cluster: Any, job: Job, hosts: Sequence[Host]) -> tuple[list[str], dict[str, Any]]:
     """Read-only checks on every node: the interpreter and workdir exist, and `meshkit env` there
-    gives exactly its hostfile rank and the same master and node count as everyone else."""
+    gives exactly its hostfile rank and the same master and node count as everyone else. The
+    master also probes the master port (and the next few). Returns the problems and that probe."""
     from .remote import failed, succeeded
 
-    probe = (
+    base = (
         f"cd {shlex.quote(job.workdir)} && {tmux.command(tmux.meshkit_argv(job, 'env', '--json'))}"
     )
-    results = cluster.each("preflight", lambda r: r.run(probe))
+    ports = [p for p in range(job.master_port, job.master_port + PORT_SCAN + 1) if p <= 65535]
+    probe = tmux.command(tmux.node_op(job, "port-free", job.session, *map(str, ports)))
+    master = hosts[0]
+    results = cluster.each(
+        "preflight", lambda r: r.run(f"{base} && {probe}" if r.host == master else base)
+    )
     problems = [f"{h.label}: cannot connect: {e}" for h, e in cluster.failures.items()]
     problems += [f"{h.label}: {e}" for h, e in failed(results).items()]
     seen: dict[tuple[str, str, str], list[str]] = {}
+    ports_seen: dict[str, Any] = {}
     for rank, host in enumerate(hosts):
         if host not in succeeded(results):
             continue
@@ -105,11 +112,15 @@ def preflight(cluster: Any, job: Job, hosts: Sequence[Host]) -> list[str]:
         if code != 0:
             problems.append(f"{host.label}: {_explain(code, err, job)}")
             continue
-        data = jsonlib.loads(out)
+        lines = out.splitlines()
+        data = jsonlib.loads(lines[0])
+        if host == master:
+            ports_seen = jsonlib.loads(lines[1])
         if data["NODE_RANK"] != str(rank):
             problems.append(
-                f"{host.label}: is line {host.lineno} of {job.hostfile} (rank {rank}) but discovers NODE_RANK="
-                f"{data['NODE_RANK']} via {data['matched']}; the hostfile does not name this node as it sees itself"
+                f"{host.label}: is line {host.lineno} of {job.hostfile} (rank {rank}) but discovers "
+                f"NODE_RANK={data['NODE_RANK']} via {data['matched']}; the hostfile does not name this "
+                "node as it sees itself"
             )
         seen.setdefault((data["NNODES"], data["MASTER_ADDR"], data["MASTER_PORT"]), []).append(
             host.label
@@ -119,7 +130,7 @@ def preflight(cluster: Any, job: Job, hosts: Sequence[Host]) -> list[str]:
             "nodes disagree on NNODES/MASTER_ADDR/MASTER_PORT: "
             + "; ".join(f"{'/'.join(k)} on {', '.join(v)}" for k, v in seen.items())
         )
-    return problems
+    return problems, ports_seen
 
 
 def _explain(code: int, err: str, job: Job) -> str:
@@ -131,25 +142,21 @@ def _explain(code: int, err: str, job: Job) -> str:
     return text.removeprefix("meshkit: ")
 
 
-def _pick_port(master: Any, job: Job) -> tuple[int, str | None]:
-    ports = [job.master_port + i for i in range(PORT_SCAN + 1) if job.master_port + i <= 65535]
-    code, out, err = master.run(tmux.command(tmux.node_op(job, "port-free", *map(str, ports))))
-    if code != 0:
-        raise LaunchError(f"{master.host.label}: port probe failed: {err.strip()[:200]}")
-    free = [p["port"] for p in jsonlib.loads(out) if p["free"]]
+def pick_port(probe: dict[str, Any], job: Job, master: Host) -> tuple[int, str | None]:
+    """The derived port if free, or held by this very session (replacing it frees the port), else
+    the next free one, which every node is then given."""
+    ports = probe["ports"]
+    if ports[0]["free"] or probe["ours"]:
+        return job.master_port, None
+    free = [p["port"] for p in ports if p["free"]]
     if not free:
         raise LaunchError(
-            f"ports {ports[0]}..{ports[-1]} are all busy on the master {master.host.label}; "
-            "pass --master-port"
+            f"ports {ports[0]['port']}..{ports[-1]['port']} are all busy on the master "
+            f"{master.label}; pass --master-port"
         )
-    note = (
-        None
-        if free[0] == job.master_port
-        else (
-            f"master port {job.master_port} is busy on {master.host.label}; using {free[0]} on every node"
-        )
-    )
-    return free[0], note
+    return free[
+        0
+    ], f"master port {job.master_port} is busy on {master.label}; using {free[0]} on every node"
 
 
 def _status_rows(
@@ -226,53 +233,59 @@ def _cluster(c: Context, job: Job, hosts: Sequence[Host], wait: float = 0.0) -> 
 def launch(
     c: Context, job: Job, hosts: Sequence[Host], *, wait: float = 0.0, dry_run: bool = False
 ) -> Job:
-    """Preflight everywhere, then replace the session on every node, then save the job."""
+    """Preflight everywhere (read-only), save the job, then replace the session on every node in
+    one call per node."""
     from dataclasses import replace
 
-    from .remote import failed
+    from .remote import failed, succeeded
 
     with _cluster(c, job, hosts, wait) as cluster:
-        problems = preflight(cluster, job, hosts)
+        problems, probe = preflight(cluster, job, hosts)
         if problems:
             raise LaunchError([*problems, "train: preflight failed; nothing was started"])
+        port, note = pick_port(probe, job, hosts[0])
+        job = replace(job, master_port=port)
+        if note:
+            print(note)
         if dry_run:
             print(
                 f"would run in tmux session {job.session!r} on {len(hosts)} nodes, in {job.workdir}:"
             )
             print(tmux.command(tmux.new_session(job)))
             return job
-        stopped = failed(
-            cluster.each(
-                "stop old",
-                lambda r: r.run(
-                    tmux.command(tmux.node_op(job, "stop", job.session, job.state_dir))
-                ),
-            )
-        )
-        if stopped:
-            raise LaunchError(
-                [f"{h.label}: stopping the old session failed: {e}" for h, e in stopped.items()]
-            )
-        port, note = _pick_port(cluster.remotes[hosts[0]], job)
-        if note:
-            print(note)
-        job = replace(job, master_port=port)
         master = cluster.remotes[hosts[0]]
-        master.run(tmux.command(["mkdir", "-p", str(job.home)]))
+        master.ensure_dir(str(job.home.parent), 0o755)
+        master.ensure_dir(str(job.home), 0o755)
         master.write_atomic(str(jobs.job_file(job.workdir, job.session)), job.to_json(), 0o644)
+        start = tmux.command(
+            tmux.node_op(job, "start", job.session, job.state_dir, "--", *tmux.new_session(job))
+        )
 
-        def start(r: Any) -> None:
-            code, _, err = r.run(tmux.command(tmux.new_session(job)))
+        def one(r: Any) -> dict[str, Any]:
+            code, out, err = r.run(start)
             if code != 0:
-                raise LaunchError(f"tmux new-session failed: {err.strip()[:200]}")
+                raise LaunchError(f"start failed: {err.strip()[-200:]}")
+            result = dict(jsonlib.loads(out))
+            if not result["started"]:
+                raise LaunchError(str(result["error"]))
+            return result
 
-        bad = failed(cluster.each("start", start))
+        results = cluster.each("start", one)
+        bad = failed(results)
+        rows = [
+            (
+                rank,
+                h.label,
+                "running" if succeeded(results).get(h, {}).get("running") else "NOT RUNNING",
+                bad.get(h, ""),
+            )
+            for rank, h in enumerate(hosts)
+        ]
+        print(table(["rank", "host", "state", "error"], rows))
         if bad:
             raise LaunchError(
-                [f"{h.label}: {e}" for h, e in bad.items()] + ["train: some nodes did not start"]
+                ["train: some nodes did not start (see above); `meshkit stop` ends the others"]
             )
-        time.sleep(0.3)
-        _print_status(_status_rows(cluster, job, hosts))
     print(
         f"\nlogs: meshkit logs --session {job.session}   status: meshkit status --session {job.session}"
     )

@@ -34,9 +34,10 @@ def test_each_node_has_its_own_identity_and_shares_storage(cluster):
     marker = cluster.shared / "visible-everywhere"
     marker.write_text("shared\n")
     probe = (
-        "echo name=$(hostname); echo addr=$(hostname -I); echo ssh=$(ls -A ~/.ssh); echo $$ > /tmp/mine; "
+        "echo name=$(hostname); echo addr=$(hostname -I); echo ssh=$(ls -A ~/.ssh); hostname > /tmp/mine; "
         f"echo tmp=$(ls -A /tmp | grep -c mine); echo shared=$(cat {marker}); "
-        "echo hostkey=$(cut -d' ' -f2 /etc/ssh/ssh_host_ed25519_key.pub)"
+        "echo hostkey=$(cut -d' ' -f2 /etc/ssh/ssh_host_ed25519_key.pub); "
+        "echo init=$(tr '\\0' ' ' < /proc/1/cmdline | cut -c1-14); echo others=$(pgrep -c -f '[s]shd_config -E')"
     )
     seen = []
     for node in cluster.nodes:
@@ -49,9 +50,12 @@ def test_each_node_has_its_own_identity_and_shares_storage(cluster):
         s["ssh"] == "authorized_keys" and s["tmp"] == "1" and s["shared"] == "shared" for s in seen
     )
     assert len({s["hostkey"] for s in seen}) == len(cluster.nodes)  # own host keys
+    # own process table: its sshd is PID 1 and the other nodes' sshds are invisible
+    assert all(s["init"] == "sshd: /usr/sbi" and s["others"] == "1" for s in seen), seen
     # /tmp is each node's own: each /tmp/mine landed in that node's private directory
-    mine = {(cluster.node_dir(n) / "tmp" / "mine").read_text() for n in cluster.nodes}
-    assert len(mine) == len(cluster.nodes)
+    assert [(cluster.node_dir(n) / "tmp" / "mine").read_text().strip() for n in cluster.nodes] == [
+        n.name for n in cluster.nodes
+    ]
 
 
 def test_controller_secrets_are_hidden_from_nodes(cluster):

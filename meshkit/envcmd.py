@@ -1,0 +1,85 @@
+"""What ``meshkit env`` and ``meshkit run`` do, shared by the invoke tasks and the fast path.
+
+These run on every node at every launch, so this module imports neither invoke nor anything of SSH.
+``conf`` is the ``meshkit`` config section (invoke's DataProxy or a plain dict); flags win over it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+from .distenv import NodeEnv, as_json, export_lines, variables
+from .errors import MeshkitError
+
+
+def pick(conf: Mapping[str, Any], name: str, flag: Any) -> Any:
+    """A flag when given, else the configured value (flags are the last config level)."""
+    return flag if flag is not None else conf[name]
+
+
+def pick_int(
+    conf: Mapping[str, Any], name: str, flag: Any, *, allow_auto: bool = False
+) -> int | None:
+    value = pick(conf, name, flag)
+    if value is None or value == "" or (allow_auto and str(value) == "auto"):
+        return None
+    text = str(value)
+    if not text.isdigit() or int(text) < 1:
+        hint = " or 'auto'" if allow_auto else ""
+        raise MeshkitError(
+            f"--{name.replace('_', '-')} {text!r}: expected a whole number >= 1{hint}"
+        )
+    return int(text)
+
+
+def node_env(
+    conf: Mapping[str, Any],
+    *,
+    hostfile: str | None = None,
+    node_rank: str | None = None,
+    session: str | None = None,
+    master_port: str | None = None,
+    nproc_per_node: str | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+) -> NodeEnv:
+    from .discovery import discover
+
+    rank = None
+    if node_rank is not None:
+        if not str(node_rank).isdigit():
+            raise MeshkitError(f"--node-rank {node_rank!r}: expected a whole number >= 0")
+        rank = int(node_rank)
+    return discover(
+        pick(conf, "hostfile", hostfile),
+        session=pick(conf, "session", session),
+        node_rank=rank,
+        master_port=pick_int(conf, "master_port", master_port),
+        nproc_per_node=pick_int(conf, "nproc_per_node", nproc_per_node, allow_auto=True),
+        include=pick(conf, "include", include),
+        exclude=pick(conf, "exclude", exclude),
+    )
+
+
+def print_env(node: NodeEnv, as_json_output: bool) -> None:
+    print(json.dumps(as_json(node)) if as_json_output else export_lines(node))
+
+
+def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
+    """Replace this process with ``bash -c CMD`` carrying the node's variables."""
+    # Nodes share the venv path: make its tools (torchrun) reachable as if it were activated.
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    script = cmd
+    if log:
+        target = log.replace("{rank}", str(node.node_rank))
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        # A pipeline, not `exec > >(tee ...)`: bash then waits for tee, so the log is complete by
+        # the time the exit code is recorded.
+        script = f"{{ {cmd}\n}} 2>&1 | tee -a {shlex.quote(target)}\nexit ${{PIPESTATUS[0]}}"
+    sys.stdout.flush()
+    os.execvpe("bash", ["bash", "-c", script], {**os.environ, **variables(node), "PATH": path})

@@ -1,0 +1,90 @@
+"""The fast path for env/run must be indistinguishable from the invoke tasks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from meshkit import fastcli
+from meshkit.tasks import ns
+
+
+@pytest.mark.parametrize("task", sorted(fastcli.FLAGS))
+def test_same_flags_and_short_flags_as_the_invoke_task(task):
+    invoke_args = {
+        (a.name, tuple(sorted(a.nicknames)), a.kind is bool) for a in ns[task].get_arguments()
+    }
+    fast_args = {(name, (short,), name in fastcli.BOOLEAN) for name, short in fastcli.FLAGS[task]}
+    assert fast_args == invoke_args
+
+
+def both_paths(args, cwd, env):
+    fast = subprocess.run(
+        [sys.executable, "-m", "meshkit", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=60,
+    )
+    slow = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from meshkit.main import program; program().run()",
+            *args,
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=60,
+    )
+    return fast, slow
+
+
+@pytest.mark.parametrize("config", ["meshkit.yaml", "meshkit.json"])
+def test_same_output_with_config_files_and_env(tmp_path, config):
+    (tmp_path / "hostfile").write_text("10.255.255.1 slots=2\n10.255.255.2 slots=2\n")
+    body = (
+        "session: alpha\nnproc_per_node: 3\n"
+        if config.endswith("yaml")
+        else '{"meshkit": {"session": "alpha"}}'
+    )
+    (tmp_path / config).write_text(body)
+    for args in (
+        ["env", "-n", "1"],
+        ["env", "--json", "--node-rank=0", "-m", "24000"],
+        ["run", "-n", "1", "--cmd", "echo $NODE_RANK $MASTER_PORT $NPROC_PER_NODE"],
+    ):
+        fast, slow = both_paths(args, tmp_path, {"MESHKIT_EXCLUDE": "nothing-matches"})
+        assert (fast.returncode, fast.stdout, fast.stderr) == (
+            slow.returncode,
+            slow.stdout,
+            slow.stderr,
+        ), args
+    fast, slow = both_paths(["env", "-n", "0"], tmp_path, {"MESHKIT_MASTER_PORT": "21000"})
+    assert "export MASTER_PORT=21000" in fast.stdout and fast.stdout == slow.stdout
+
+
+def test_errors_match_and_unknown_flags_fall_back(tmp_path):
+    (tmp_path / "hostfile").write_text("a\nb:0\n")
+    fast, slow = both_paths(["env"], tmp_path, {})
+    assert fast.returncode == slow.returncode == 1 and fast.stderr == slow.stderr
+    fast, slow = both_paths(["env", "--bogus"], tmp_path, {})
+    assert fast.returncode != 0 and "--bogus" in fast.stdout + fast.stderr
+
+
+def test_settings_layering_without_invoke(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "meshkit.yaml").write_text("meshkit:\n  session: beta\n  sandbox:\n    nodes: 5\n")
+    conf = fastcli.settings({"MESHKIT_CONNECT_TIMEOUT": "4", "MESHKIT_SESSION": "gamma"})
+    assert (
+        conf["session"] == "gamma"
+        and conf["connect_timeout"] == 4
+        and conf["sandbox"]["nodes"] == 5
+    )
+    assert conf["sandbox"]["subnet"] == "10.77.0.0/24"
