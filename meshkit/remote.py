@@ -278,6 +278,16 @@ class Remote:
         except FileNotFoundError:
             return None
 
+    def exists(self, path: str) -> bool:
+        try:
+            self.sftp.stat(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def listdir(self, path: str) -> list[str]:
+        return list(self.sftp.listdir(path))
+
     def ensure_dir(self, path: str, mode: int = 0o700) -> None:
         try:
             self.sftp.mkdir(path, mode)
