@@ -22,6 +22,7 @@ HELP = {
     "master_port": "master port (default: derived from the hostfile and session, same on every node)",
     "nproc_per_node": "processes per node, or 'auto' (hostfile slots, else GPUs, else 1)",
     "cmd": "the command to run (bash); $NODE_RANK, $MASTER_ADDR etc. expand in it",
+    "workdir": "the job's workdir (default: config meshkit.workdir, else cwd)",
 }
 
 

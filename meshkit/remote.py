@@ -249,15 +249,20 @@ class Remote:
         key = self.conn.transport.get_remote_server_key()
         return key.get_name(), key.get_base64()
 
-    def run(self, command: str, timeout: float | None = None) -> tuple[int, str, str]:
-        """A command line (built with shlex.join by the caller); its exit code, stdout and stderr."""
+    def run(
+        self, command: str, timeout: float | None = None, out: TextIO | None = None
+    ) -> tuple[int, str, str]:
+        """A command line (built with shlex.join by the caller); its exit code, stdout and stderr.
+        With ``out``, both streams are written there as they arrive instead (and no timeout
+        applies unless given: for --follow)."""
         result = self.conn.run(
             command,
-            hide=True,
+            hide=out is None,
             warn=True,
             in_stream=False,
             pty=False,
-            timeout=timeout or self.settings.command_timeout,
+            timeout=timeout or (None if out else self.settings.command_timeout),
+            **({"out_stream": out, "err_stream": out} if out else {}),
         )
         return result.exited, result.stdout, result.stderr
 
@@ -326,19 +331,6 @@ class Remote:
             return True
         except FileNotFoundError:
             return False
-
-    def stream(self, command: str, out: TextIO) -> int:
-        """Run with stdout and stderr written to ``out`` as they arrive (no timeout: for --follow)."""
-        result = self.conn.run(
-            command,
-            hide=False,
-            warn=True,
-            in_stream=False,
-            pty=False,
-            out_stream=out,
-            err_stream=out,
-        )
-        return int(result.exited)
 
     def close(self) -> None:
         if self._sftp is not None:

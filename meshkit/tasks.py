@@ -6,6 +6,8 @@ the top: SSH (fabric/paramiko) is imported inside the tasks that need it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from invoke.collection import Collection
 from invoke.context import Context
 from invoke.tasks import task
@@ -26,6 +28,13 @@ DISCOVERY = (
 )
 
 
+def _node(c: Context, flags: dict[str, Any]) -> Any:
+    """Discovery with this task's flags (those named in DISCOVERY) over the configuration."""
+    from .envcmd import node_env
+
+    return node_env(settings(c.config), **{name: flags[name] for name in DISCOVERY})
+
+
 @task(help=helps(*DISCOVERY, "json"))
 def env(
     c: Context,
@@ -43,19 +52,10 @@ def env(
     Sources, first match wins: --node-rank/MESHKIT_NODE_RANK, torchrun, SLURM, OpenMPI, PBS, then
     the hostfile matched against this machine's addresses. Use: eval "$(meshkit env)".
     """
-    from .envcmd import node_env, print_env
+    from .envcmd import print_env
 
     with reported():
-        node = node_env(
-            settings(c.config),
-            hostfile=hostfile,
-            node_rank=node_rank,
-            session=session,
-            master_port=master_port,
-            nproc_per_node=nproc_per_node,
-            include=include,
-            exclude=exclude,
-        )
+        node = _node(c, locals())
         print_env(node, json)
 
 
@@ -80,19 +80,10 @@ def run(
 
     This is what every node runs inside tmux for `meshkit train`.
     """
-    from .envcmd import exec_run, node_env
+    from .envcmd import exec_run
 
     with reported():
-        node = node_env(
-            settings(c.config),
-            hostfile=hostfile,
-            node_rank=node_rank,
-            session=session,
-            master_port=master_port,
-            nproc_per_node=nproc_per_node,
-            include=include,
-            exclude=exclude,
-        )
+        node = _node(c, locals())
         exec_run(node, cmd, log)
 
 

@@ -339,11 +339,7 @@ def train(
         launch(c, job, _hosts_of(job), wait=float(wait), dry_run=dry_run)
 
 
-@task(
-    help=helps(
-        "session", "json", workdir="the job's workdir (default: config meshkit.workdir, else cwd)"
-    )
-)
+@task(help=helps("session", "json", "workdir"))
 def status(
     c: Context, session: str | None = None, workdir: str | None = None, json: bool = False
 ) -> None:
@@ -382,10 +378,10 @@ class _Prefixed:
 @task(
     help=helps(
         "session",
+        "workdir",
         node="only this rank",
         lines="how many last lines per node (default 20)",
         follow="keep printing new lines (Ctrl-C to stop)",
-        workdir="the job's workdir (default: config meshkit.workdir, else cwd)",
     )
 )
 def logs(
@@ -410,16 +406,14 @@ def logs(
             tail = ["tail", "-n", str(int(lines))] + (["-F"] if follow else [])
             cluster.each(
                 "logs",
-                lambda r: r.stream(
+                lambda r: r.run(
                     tmux.command([*tail, job.log(hosts.index(r.host))]) + " 2>/dev/null",
-                    _Prefixed(hosts.index(r.host), sys.stdout),
+                    out=_Prefixed(hosts.index(r.host), sys.stdout),
                 ),
             )
 
 
-@task(
-    help=helps("session", workdir="the job's workdir (default: config meshkit.workdir, else cwd)")
-)
+@task(help=helps("session", "workdir"))
 def stop(c: Context, session: str | None = None, workdir: str | None = None) -> None:
     """End the job on every node: its tmux session and every process it started (torchrun and its
     workers included), TERM then KILL; then check that nothing of it is left."""

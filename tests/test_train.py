@@ -41,6 +41,13 @@ def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: 
     return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
 
 
+def train_on(lay, index: int, workdir: Path, session: str, *args: str):
+    """``meshkit train`` with the sandbox's hostfile, run inside node ``index``."""
+    return on_node(
+        lay, index, workdir, "train", "--hostfile", str(lay.hostfile), "--session", session, *args
+    )
+
+
 def wait_for(predicate, timeout: float = 120, interval: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -89,14 +96,10 @@ def job_processes(lay) -> list[str]:
 def test_bare_torchrun_from_a_worker_status_reboot_relaunch_stop(meshed):
     lay, workdir = meshed
     n = len(lay.nodes)
-    out = on_node(
+    out = train_on(
         lay,
         1,
         workdir,
-        "train",
-        "--hostfile",
-        str(lay.hostfile),
-        "--session",
         "bare",
         "--nproc-per-node",
         str(NPROC),
@@ -139,37 +142,13 @@ def test_seed_style_run_sh_from_a_worker_and_exit_codes(meshed):
     lay, workdir = meshed
     n = len(lay.nodes)
     cmd = f"{REPO}/templates/run.sh $GPUS_PER_NODE $NNODES $NODE_RANK $MASTER_ADDR $MASTER_PORT"
-    out = on_node(
-        lay,
-        2,
-        workdir,
-        "train",
-        "--hostfile",
-        str(lay.hostfile),
-        "--session",
-        "seed",
-        "--nproc-per-node",
-        str(NPROC),
-        "--cmd",
-        cmd,
-    )
+    out = train_on(lay, 2, workdir, "seed", "--nproc-per-node", str(NPROC), "--cmd", cmd)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = wait_for(lambda: all_exited(lay, workdir, "seed"))
     assert [r["exit_code"] for r in rows] == [0] * n
     check_results(results(workdir, "seed", n), n)
 
-    out = on_node(
-        lay,
-        0,
-        workdir,
-        "train",
-        "--hostfile",
-        str(lay.hostfile),
-        "--session",
-        "fails",
-        "--cmd",
-        "echo about to fail; exit 7",
-    )
+    out = train_on(lay, 0, workdir, "fails", "--cmd", "echo about to fail; exit 7")
     assert out.returncode == 0
     rows = wait_for(lambda: all_exited(lay, workdir, "fails"))
     assert [(r["exit_code"], r["last_line"]) for r in rows] == [(7, "about to fail")] * n
