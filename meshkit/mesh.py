@@ -211,7 +211,11 @@ def parse_verify(source: Host, hosts: Sequence[Host], output: str) -> list[PairF
 
 def verify(cluster: Cluster, hosts: Sequence[Host]) -> list[PairFailure]:
     """The N x N check, run on the nodes over the controller's existing connections."""
-    timeout = cluster.settings.connect_timeout * (len(hosts) // VERIFY_BATCH + 2) + 30
+    # Each node makes N logins, VERIFY_BATCH at a time; each batch may take up to connect_timeout
+    # (and on an oversubscribed machine, logins queue for CPU): budget the batches on top of the
+    # usual command timeout.
+    batches = -(-len(hosts) // VERIFY_BATCH)
+    timeout = cluster.settings.command_timeout + cluster.settings.connect_timeout * batches
     rank = {h: i for i, h in enumerate(hosts)}
     results = cluster.each(
         "verify",
