@@ -155,7 +155,8 @@ def describe(exc: BaseException, host: Host, settings: Settings) -> str:
         return str(exc)
     if isinstance(exc, (paramiko.SSHException, OSError, EOFError)):
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    raise exc
+    # Still one host's result: a surprise on one node must not hide what happened on the others.
+    return f"unexpected {type(exc).__name__}: {exc}"
 
 
 def fan_out(

@@ -58,26 +58,31 @@ def _new_job(
     nproc_per_node: str | None,
     include: str | None,
     exclude: str | None,
-    hosts: Sequence[Host],
-) -> Job:
+) -> tuple[Job, list[Host]]:
+    """A job from flags and config, with the hosts it runs on (read once, also for the port)."""
     from .config import settings
+    from .discovery import read_hosts
     from .topology import derive_master_port
 
     conf = settings(c.config)
     name = jobs.check_session(option(c, "session", session))
-    return Job(
+    path = os.path.abspath(option(c, "hostfile", hostfile))
+    chosen = (option(c, "include", include), option(c, "exclude", exclude))
+    hosts = read_hosts(path, *chosen)
+    job = Job(
         cmd=cmd,
         workdir=_workdir(c, workdir),
         session=name,
-        hostfile=os.path.abspath(option(c, "hostfile", hostfile)),
+        hostfile=path,
         python=str(conf.python or sys.executable),
         master_port=int_option(c, "master_port", None) or derive_master_port(hosts, name),
         nproc_per_node=int_option(c, "nproc_per_node", nproc_per_node, allow_auto=True),
-        include=option(c, "include", include),
-        exclude=option(c, "exclude", exclude),
+        include=chosen[0],
+        exclude=chosen[1],
         setup=tuple(str(line) for line in conf.setup or ()),
         env={str(k): str(v) for k, v in dict(conf.env or {}).items()},
     )
+    return job, hosts
 
 
 def _hosts_of(job: Job) -> list[Host]:
@@ -324,19 +329,16 @@ def train(
     one master and port): any failure starts nothing. After a reboot, `meshkit train` alone
     relaunches the saved job from any node.
     """
-    from .discovery import read_hosts
-
     with reported():
         if cmd is None:
             job = _load_job(c, workdir, session)
+            hosts = _hosts_of(job)
             print(f"relaunching saved job {job.session!r}: {job.cmd}")
         else:
-            path = option(c, "hostfile", hostfile)
-            hosts = read_hosts(path, option(c, "include", include), option(c, "exclude", exclude))
-            job = _new_job(
-                c, cmd, workdir, session, hostfile, nproc_per_node, include, exclude, hosts
+            job, hosts = _new_job(
+                c, cmd, workdir, session, hostfile, nproc_per_node, include, exclude
             )
-        launch(c, job, _hosts_of(job), wait=float(wait), dry_run=dry_run)
+        launch(c, job, hosts, wait=float(wait), dry_run=dry_run)
 
 
 @task(help=helps("session", "json", "workdir"))
@@ -493,7 +495,7 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
         print(
             f"\n== train (torchrun example_train.py, {nproc_per_node} per node, gloo) in {workdir}"
         )
-        job = _new_job(
+        job, hosts = _new_job(
             c,
             "torchrun example_train.py",
             str(workdir),
@@ -502,7 +504,6 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
             str(nproc_per_node),
             None,
             None,
-            hosts := _hosts_of_path(str(lay.hostfile)),
         )
         job = launch(c, job, hosts)
         rows = _wait_done(c, job, hosts, float(timeout))
@@ -531,12 +532,6 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
             f"explore: ssh -F {lay.ssh_config} node1 | meshkit status --workdir {workdir} --session demo"
             " | meshkit sandbox.down"
         )
-
-
-def _hosts_of_path(path: str) -> list[Host]:
-    from .discovery import read_hosts
-
-    return read_hosts(path)
 
 
 def _wait_done(c: Context, job: Job, hosts: Sequence[Host], timeout: float) -> list[dict[str, Any]]:
