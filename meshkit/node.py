@@ -10,8 +10,11 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 SESSION_TAG = "MESHKIT_SESSION"
 TERM_GRACE = 5.0
@@ -136,6 +139,45 @@ def port_free(port: int) -> dict[str, object]:
     return {"port": port, "free": True}
 
 
+def run_env(cwd: str, argv: list[str]) -> dict[str, object]:
+    """``meshkit env --json ...`` in the job's workdir, as a login there would run it."""
+    if not Path(cwd).is_dir():
+        return {"code": 1, "out": "", "err": f"cd: {cwd}: No such file or directory"}
+    try:
+        done = subprocess.run(
+            argv, cwd=cwd, capture_output=True, text=True, timeout=60, check=False
+        )
+    except FileNotFoundError:
+        return {"code": 127, "out": "", "err": f"{argv[0]}: No such file or directory"}
+    return {"code": done.returncode, "out": done.stdout, "err": done.stderr}
+
+
+def probe_ports(session: str, ports: list[int]) -> dict[str, object]:
+    return {"ports": [port_free(p) for p in ports], "ours": bool(job_pids(session))}
+
+
+OPS: dict[str, Callable[..., object]] = {
+    "env": run_env,
+    "port-free": probe_ports,
+    "start": start,
+    "stop": stop,
+    "status": status,
+}
+
+
+def serve(requests: IO[str], replies: IO[str]) -> None:
+    """Answer one JSON request per line (``{"op": ..., "args": {...}}``) until stdin closes: the
+    controller's one exec channel per node for a whole launch (data arrives as JSON, never shell)."""
+    for line in requests:
+        try:
+            request = json.loads(line)
+            reply = {"ok": True, "result": OPS[request["op"]](**request["args"])}
+        except Exception as exc:  # one request failed; say so and keep serving
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m meshkit.node")
     sub = parser.add_subparsers(dest="op", required=True)
@@ -150,10 +192,14 @@ def main(argv: list[str] | None = None) -> None:
     go.add_argument("session")
     go.add_argument("state_dir")
     go.add_argument("argv", nargs=argparse.REMAINDER)
+    sub.add_parser("serve")
     p = sub.add_parser("port-free")
     p.add_argument("session")
     p.add_argument("ports", type=int, nargs="+")
     args = parser.parse_args(argv)
+    if args.op == "serve":
+        serve(sys.stdin, sys.stdout)
+        return
     if args.op == "status":
         result: object = status(args.session, args.log, args.state_dir)
     elif args.op == "stop":
@@ -162,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         result = start(args.session, args.state_dir, argv)
     else:
-        result = {"ports": [port_free(p) for p in args.ports], "ours": bool(job_pids(args.session))}
+        result = probe_ports(args.session, args.ports)
     print(json.dumps(result))
 
 

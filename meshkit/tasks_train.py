@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import json as jsonlib
 import os
-import shlex
 import sys
 import threading
 import time
@@ -91,36 +90,45 @@ def _hosts_of(job: Job) -> list[Host]:
     return read_hosts(job.hostfile, job.include, job.exclude)
 
 
-def preflight(cluster: Any, job: Job, hosts: Sequence[Host]) -> tuple[list[str], dict[str, Any]]:
-    """Read-only checks on every node: the interpreter and workdir exist, and `meshkit env` there
-    gives exactly its hostfile rank and the same master and node count as everyone else. The
-    master also probes the master port (and the next few). Returns the problems and that probe."""
-    from .remote import failed, succeeded
+def preflight(
+    cluster: Any, agents: dict[Host, Any], job: Job, hosts: Sequence[Host]
+) -> tuple[list[str], dict[str, Any]]:
+    """Read-only checks on every node, each through a node agent opened here (one exec per node
+    for the whole launch): the interpreter and workdir exist, and `meshkit env` there gives exactly
+    its hostfile rank and the same master and node count as everyone else. The master also probes
+    the master port (and the next few). Returns the problems and that probe."""
+    from .remote import Agent, AgentGone, failed, succeeded
 
-    base = (
-        f"cd {shlex.quote(job.workdir)} && {tmux.command(tmux.meshkit_argv(job, 'env', '--json'))}"
-    )
+    argv = tmux.meshkit_argv(job, "env", "--json")
     ports = [p for p in range(job.master_port, job.master_port + PORT_SCAN + 1) if p <= 65535]
-    probe = tmux.command(tmux.node_op(job, "port-free", job.session, *map(str, ports)))
-    master = hosts[0]
-    results = cluster.each(
-        "preflight", lambda r: r.run(f"{base} && {probe}" if r.host == master else base)
-    )
+
+    def check(r: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        agents[r.host] = agent = Agent(r, job.python)
+        try:
+            env = agent.call("env", cwd=job.workdir, argv=argv)
+            probe = (
+                agent.call("port-free", session=job.session, ports=ports)
+                if r.host == hosts[0]
+                else None
+            )
+        except AgentGone as gone:
+            raise LaunchError(_explain(gone.code, gone.err, job)) from None
+        return env, probe
+
+    results = cluster.each("preflight", check)
     problems = [f"{h.label}: cannot connect: {e}" for h, e in cluster.failures.items()]
     problems += [f"{h.label}: {e}" for h, e in failed(results).items()]
     seen: dict[tuple[str, str, str], list[str]] = {}
-    ports_seen: dict[str, Any] = {}
+    probe: dict[str, Any] = {}
     for rank, host in enumerate(hosts):
         if host not in succeeded(results):
             continue
-        code, out, err = succeeded(results)[host]
-        if code != 0:
-            problems.append(f"{host.label}: {_explain(code, err, job)}")
+        env, port_probe = succeeded(results)[host]
+        probe = port_probe or probe
+        if env["code"] != 0:
+            problems.append(f"{host.label}: {_explain(env['code'], env['err'], job)}")
             continue
-        lines = out.splitlines()
-        data = jsonlib.loads(lines[0])
-        if host == master:
-            ports_seen = jsonlib.loads(lines[1])
+        data = jsonlib.loads(env["out"])
         if data["NODE_RANK"] != str(rank):
             problems.append(
                 f"{host.label}: is line {host.lineno} of {job.hostfile} (rank {rank}) but discovers "
@@ -135,7 +143,7 @@ def preflight(cluster: Any, job: Job, hosts: Sequence[Host]) -> tuple[list[str],
             "nodes disagree on NNODES/MASTER_ADDR/MASTER_PORT: "
             + "; ".join(f"{'/'.join(k)} on {', '.join(v)}" for k, v in seen.items())
         )
-    return problems, ports_seen
+    return problems, probe
 
 
 def _explain(code: int, err: str, job: Job) -> str:
@@ -238,59 +246,65 @@ def _cluster(c: Context, job: Job, hosts: Sequence[Host], wait: float = 0.0) -> 
 def launch(
     c: Context, job: Job, hosts: Sequence[Host], *, wait: float = 0.0, dry_run: bool = False
 ) -> Job:
-    """Preflight everywhere (read-only), save the job, then replace the session on every node in
-    one call per node."""
+    """Preflight everywhere (read-only), save the job, then replace the session on every node;
+    both phases go through one node agent per node."""
+    agents: dict[Host, Any] = {}
+    with _cluster(c, job, hosts, wait) as cluster:
+        try:
+            return _launch(cluster, agents, job, hosts, dry_run)
+        finally:
+            for agent in agents.values():
+                agent.close()
+
+
+def _launch(
+    cluster: Any, agents: dict[Host, Any], job: Job, hosts: Sequence[Host], dry_run: bool
+) -> Job:
     from dataclasses import replace
 
     from .remote import failed, succeeded
 
-    with _cluster(c, job, hosts, wait) as cluster:
-        problems, probe = preflight(cluster, job, hosts)
-        if problems:
-            raise LaunchError([*problems, "train: preflight failed; nothing was started"])
-        port, note = pick_port(probe, job, hosts[0])
-        job = replace(job, master_port=port)
-        if note:
-            print(note)
-        if dry_run:
-            print(
-                f"would run in tmux session {job.session!r} on {len(hosts)} nodes, in {job.workdir}:"
-            )
-            print(tmux.command(tmux.new_session(job)))
-            return job
-        master = cluster.remotes[hosts[0]]
-        master.ensure_dir(str(job.home.parent), 0o755)
-        master.ensure_dir(str(job.home), 0o755)
-        master.write_atomic(str(jobs.job_file(job.workdir, job.session)), job.to_json(), 0o644)
-        start = tmux.command(
-            tmux.node_op(job, "start", job.session, job.state_dir, "--", *tmux.new_session(job))
+    problems, probe = preflight(cluster, agents, job, hosts)
+    if problems:
+        raise LaunchError([*problems, "train: preflight failed; nothing was started"])
+    port, note = pick_port(probe, job, hosts[0])
+    job = replace(job, master_port=port)
+    if note:
+        print(note)
+    if dry_run:
+        print(f"would run in tmux session {job.session!r} on {len(hosts)} nodes, in {job.workdir}:")
+        print(tmux.command(tmux.new_session(job)))
+        return job
+    master = cluster.remotes[hosts[0]]
+    master.ensure_dir(str(job.home.parent), 0o755)
+    master.ensure_dir(str(job.home), 0o755)
+    master.write_atomic(str(jobs.job_file(job.workdir, job.session)), job.to_json(), 0o644)
+    argv = tmux.new_session(job)
+
+    def start(r: Any) -> dict[str, Any]:
+        result = dict(
+            agents[r.host].call("start", session=job.session, state_dir=job.state_dir, argv=argv)
         )
+        if not result["started"]:
+            raise LaunchError(str(result["error"]))
+        return result
 
-        def one(r: Any) -> dict[str, Any]:
-            code, out, err = r.run(start)
-            if code != 0:
-                raise LaunchError(f"start failed: {err.strip()[-200:]}")
-            result = dict(jsonlib.loads(out))
-            if not result["started"]:
-                raise LaunchError(str(result["error"]))
-            return result
-
-        results = cluster.each("start", one)
-        bad = failed(results)
-        rows = [
-            (
-                rank,
-                h.label,
-                "running" if succeeded(results).get(h, {}).get("running") else "NOT RUNNING",
-                bad.get(h, ""),
-            )
-            for rank, h in enumerate(hosts)
-        ]
-        print(table(["rank", "host", "state", "error"], rows))
-        if bad:
-            raise LaunchError(
-                ["train: some nodes did not start (see above); `meshkit stop` ends the others"]
-            )
+    results = cluster.each("start", start)
+    bad = failed(results)
+    rows = [
+        (
+            rank,
+            h.label,
+            "running" if succeeded(results).get(h, {}).get("running") else "NOT RUNNING",
+            bad.get(h, ""),
+        )
+        for rank, h in enumerate(hosts)
+    ]
+    print(table(["rank", "host", "state", "error"], rows))
+    if bad:
+        raise LaunchError(
+            ["train: some nodes did not start (see above); `meshkit stop` ends the others"]
+        )
     print(
         f"\nlogs: meshkit logs --session {job.session}   status: meshkit status --session {job.session}"
     )

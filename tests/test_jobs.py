@@ -106,3 +106,26 @@ def test_node_status_and_port_probe(tmp_path):
     )
     data = json.loads(out.stdout)
     assert data["ports"][0]["port"] == 1 and data["ours"] is False
+
+
+def test_node_agent_answers_json_requests_and_survives_bad_ones(tmp_path):
+    import io
+
+    requests = io.StringIO(
+        json.dumps({"op": "port-free", "args": {"session": "s", "ports": [1]}})
+        + "\n"
+        + json.dumps({"op": "nosuch", "args": {}})
+        + "\n"
+        + json.dumps({"op": "env", "args": {"cwd": str(tmp_path / "missing"), "argv": ["x"]}})
+        + "\n"
+        + json.dumps(
+            {"op": "env", "args": {"cwd": str(tmp_path), "argv": ["/nonexistent/python3"]}}
+        )
+        + "\n"
+    )
+    replies = io.StringIO()
+    node.serve(requests, replies)
+    got = [json.loads(line) for line in replies.getvalue().splitlines()]
+    assert got[0]["ok"] and got[0]["result"]["ports"][0]["port"] == 1
+    assert not got[1]["ok"] and "nosuch" in got[1]["error"]
+    assert got[2]["result"]["err"].startswith("cd: ") and got[3]["result"]["code"] == 127
