@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from invoke.exceptions import Exit
 
 from .config import settings
 from .envcmd import pick, pick_int
 from .errors import MeshkitError
+
+if TYPE_CHECKING:
+    from .remote import PhaseEvent
 
 HELP = {
     "hostfile": "hostfile path (default: config meshkit.hostfile, i.e. ./hostfile)",
@@ -59,3 +63,19 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def progress(event: PhaseEvent) -> None:
+    """``phase  done/total`` on stderr: redrawn in place on a terminal, one line when finished."""
+    out = sys.stderr
+    if not event.finished:
+        if out.isatty():
+            out.write(f"\r  {event.phase:<9} {event.done}/{event.total}")
+            out.flush()
+        return
+    tail = f", {event.failed} failed" if event.failed else ""
+    lead = "\r" if out.isatty() else ""
+    out.write(
+        f"{lead}  {event.phase:<9} {event.done}/{event.total}{tail}  ({event.elapsed:.2f}s)\n"
+    )
+    out.flush()

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from . import hostfile, localnet, sources, topology
 from .distenv import NodeEnv, combine
-from .hostfile import Host, HostfileError
+from .errors import HostfileError, SourceError
+from .hostfile import Host
 
 MAX_HOSTFILE_BYTES = 4 * 1024 * 1024
 
@@ -87,4 +88,4 @@ def _read_nodefile(path: str | None) -> str | None:
     try:
         return Path(path).read_text()
     except OSError as exc:
-        raise sources.SourceError(f"PBS_NODEFILE={path}: cannot read: {exc}") from None
+        raise SourceError(f"PBS_NODEFILE={path}: cannot read: {exc}") from None

@@ -6,7 +6,7 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .errors import MeshkitError
+from .errors import DistEnvError
 from .hostfile import Host
 from .sources import Placement
 from .topology import Match, derive_master_port, master_addr
@@ -25,10 +25,6 @@ VARIABLES = (
     "PET_MASTER_PORT",
     "PET_NPROC_PER_NODE",
 )
-
-
-class DistEnvError(MeshkitError):
-    """The pieces of a node environment contradict each other."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""The root of meshkit's user-facing errors.
+"""Every user-facing error meshkit raises, in one place (one type per kind of failure, as libtmux
+does). The CLI turns any ``MeshkitError`` into its message and a non-zero exit, never a traceback.
 
-Each module raises its own subclass (one type per kind of failure, as libtmux does); tasks turn any
-of them into ``invoke.Exit`` so users get the message and a non-zero code, never a traceback.
+``str()`` of each is one line per problem, each naming where (``file:line`` or the host) and the fix.
+Standard library only: node-side code imports this module too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,75 @@ from __future__ import annotations
 class MeshkitError(Exception):
     """A problem the user can fix; ``str()`` is one line per problem, each naming where and how."""
 
+    exit_code = 1
+
     def __init__(self, problems: str | list[str]) -> None:
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("\n".join(self.problems))
+
+
+class UsageError(MeshkitError):
+    """A flag or config value is malformed (exit code 2)."""
+
+    exit_code = 2
+
+
+class HostfileError(MeshkitError):
+    """The hostfile (or a filter) is malformed; each problem names ``path:line`` and the fix."""
+
+
+class ConfigError(UsageError):
+    """A configuration file or ``MESHKIT_*`` variable is malformed."""
+
+
+class TopologyError(MeshkitError):
+    """This node cannot be placed in the hostfile (no match, or several)."""
+
+
+class SourceError(MeshkitError):
+    """A launcher's variables (SLURM, OpenMPI, PBS, torchrun) are present but unusable."""
+
+
+class DistEnvError(MeshkitError):
+    """The pieces of a node environment contradict each other."""
+
+
+class KeyFormatError(MeshkitError):
+    """A public key line is not a well-formed SSH public key."""
+
+
+class UnsafeFileError(MeshkitError):
+    """A node's ``~/.ssh`` file is one sshd would refuse (mode, owner, symlink): reported, never
+    repaired into one it accepts."""
+
+
+class JobError(MeshkitError):
+    """A job description is missing or malformed, or clashes with another job."""
+
+
+class RemoteError(MeshkitError):
+    """A node cannot be reached or used; the message names the node and what to do."""
+
+
+class AgentGone(RemoteError):
+    """The node agent exited (e.g. its interpreter is missing): its exit code and stderr."""
+
+    def __init__(self, code: int, err: str) -> None:
+        self.code, self.err = code, err
+        super().__init__(err.splitlines()[-1] if err.strip() else f"node agent exited {code}")
+
+
+class ProtocolError(RemoteError):
+    """A node agent's reply is malformed or too large."""
+
+
+class LaunchError(MeshkitError):
+    """Preflight or launch failed; nothing (or nothing more) was started."""
+
+
+class MeshAbort(MeshkitError):
+    """Some nodes failed before anything was written; nothing was changed."""
+
+
+class SandboxError(MeshkitError):
+    """The sandbox cannot be created, changed or removed."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import hostlist
 
-from .errors import MeshkitError
+from .errors import HostfileError
 
 MAX_NODES = 4096
 MAX_LINE_CHARS = 1024
@@ -30,10 +30,6 @@ _HOSTNAME = re.compile(
 )
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
 _RANGE_CHARS = re.compile(r"^[A-Za-z0-9_.,\[\]-]+$")
-
-
-class HostfileError(MeshkitError):
-    """The hostfile (or a filter) is malformed; each problem names ``path:line`` and the fix."""
 
 
 @dataclass(frozen=True)

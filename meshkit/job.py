@@ -7,13 +7,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 
-from .errors import MeshkitError
+from .errors import JobError
 
 _SESSION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
-
-
-class JobError(MeshkitError):
-    """A job description is missing or malformed."""
 
 
 def check_session(name: str) -> str:

@@ -13,7 +13,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .errors import MeshkitError
+from .errors import KeyFormatError
 
 KEY_TYPES = frozenset(
     {
@@ -38,10 +38,6 @@ KNOWN_TAG = "meshkit"  # comment of known_hosts lines mesh adds
 GENERATED_COMMENT = "meshkit-generated@"  # comment of user keys mesh creates
 MAX_BLOB_CHARS = 16384
 _LABEL = re.compile(r"^[A-Za-z0-9_.:\[\]@-]{1,300}$")
-
-
-class KeyFormatError(MeshkitError):
-    """A public key line is not a well-formed SSH public key."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import keys
+from .errors import KeyFormatError
 from .hostfile import Host
 from .keys import Inspection, PublicKey
 from .remote import Cluster, Remote
@@ -77,7 +78,7 @@ def inspect(remote: Remote) -> NodeFacts:
     facts = keys.parse_inspection(text, remote.host.label)
     kind, blob = remote.server_key
     if not any(k.kind == kind and k.blob == blob for k in facts.host_keys):
-        raise keys.KeyFormatError(
+        raise KeyFormatError(
             f"the {kind} host key this connection was shown is not among /etc/ssh/ssh_host_*_key.pub; "
             "is sshd using other key files?"
         )
@@ -105,7 +106,7 @@ def _host_keys(remote: Remote) -> list[str]:
 def generate_key(remote: Remote) -> Inspection:
     code, out, err = remote.run(KEYGEN)
     if code != 0:
-        raise keys.KeyFormatError(
+        raise KeyFormatError(
             f"creating ~/.ssh/id_ed25519 failed (exit {code}): {err.strip()[:200]}"
         )
     return keys.parse_inspection(out, remote.host.label)

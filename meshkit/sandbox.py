@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import MeshkitError
+from .errors import SandboxError
 
 BRIDGE = "mkbr0"
 NETNS_PREFIX = "meshkit-n"
@@ -85,10 +85,6 @@ PrintMotd no
 AcceptEnv LANG LC_*
 Subsystem sftp internal-sftp
 """
-
-
-class SandboxError(MeshkitError):
-    """The sandbox cannot be created, changed or removed."""
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,7 @@ from dataclasses import dataclass
 
 import hostlist
 
-from .errors import MeshkitError
-
-
-class SourceError(MeshkitError):
-    """A launcher's variables are present but malformed."""
+from .errors import SourceError
 
 
 @dataclass(frozen=True)

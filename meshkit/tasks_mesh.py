@@ -12,9 +12,9 @@ from invoke.context import Context
 from invoke.exceptions import Exit
 from invoke.tasks import task
 
-from .cli import helps, option, reported, table
+from .cli import helps, option, progress, reported, table
 from .config import settings
-from .errors import MeshkitError
+from .errors import MeshAbort, MeshkitError
 from .hostfile import Host
 
 SSH_HELP = {
@@ -22,10 +22,6 @@ SSH_HELP = {
     "password": "prompt once for a login password and use it for every node",
     "accept_new_host_keys": "trust host keys seen for the first time (recorded in ~/.ssh/known_hosts)",
 }
-
-
-class MeshAbort(MeshkitError):
-    """Some nodes failed before anything was written; nothing was changed."""
 
 
 def _hosts(
@@ -128,7 +124,7 @@ def mesh(
         addresses = resolve_all(h.host for h in hosts)
         st = ssh_settings(c, path, identity, password, accept_new_host_keys)
         print(f"mesh: {len(hosts)} nodes from {path}{' (dry run)' if dry_run else ''}")
-        with Cluster(hosts, st) as cluster:
+        with Cluster(hosts, st, progress=progress) as cluster:
             inspected = cluster.each("inspect", m.inspect)
             failures = {**cluster.failures, **failed(inspected)}
             if failures and not skip_unreachable:
@@ -230,7 +226,7 @@ def check(
 
     with reported():
         hosts, path = _hosts(c, hostfile, include, exclude)
-        with Cluster(hosts, ssh_settings(c, path, identity)) as cluster:
+        with Cluster(hosts, ssh_settings(c, path, identity), progress=progress) as cluster:
             if not json:
                 failed = _verify_report(cluster, hosts)
                 if failed:
@@ -279,7 +275,7 @@ def unmesh(
 
     with reported():
         hosts, path = _hosts(c, hostfile, include, exclude)
-        with Cluster(hosts, ssh_settings(c, path, identity)) as cluster:
+        with Cluster(hosts, ssh_settings(c, path, identity), progress=progress) as cluster:
             inspected = cluster.each("inspect", m.inspect)
             failures = {**cluster.failures, **failed(inspected)}
             if failures:

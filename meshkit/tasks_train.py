@@ -18,17 +18,13 @@ from invoke.tasks import task
 
 from . import job as jobs
 from . import tmux
-from .cli import helps, int_option, option, reported, table
-from .errors import MeshkitError
+from .cli import helps, int_option, option, progress, reported, table
+from .errors import JobError, LaunchError, MeshkitError
 from .hostfile import Host
-from .job import Job, JobError
+from .job import Job
 from .tasks_mesh import ssh_settings
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
-
-
-class LaunchError(MeshkitError):
-    """Preflight or launch failed; nothing (or nothing more) was started."""
 
 
 def _saved(workdir: str, session: str) -> Job:
@@ -97,7 +93,8 @@ def preflight(
     for the whole launch): the interpreter and workdir exist, and `meshkit env` there gives exactly
     its hostfile rank and the same master and node count as everyone else. The master also probes
     the master port (and the next few). Returns the problems and that probe."""
-    from .remote import Agent, AgentGone, failed, succeeded
+    from .errors import AgentGone
+    from .remote import Agent, failed, succeeded
 
     argv = tmux.meshkit_argv(job, "env", "--json")
     ports = [p for p in range(job.master_port, job.master_port + PORT_SCAN + 1) if p <= 65535]
@@ -237,7 +234,7 @@ def _print_status(rows: Sequence[dict[str, Any]]) -> None:
 def _cluster(c: Context, job: Job, hosts: Sequence[Host], wait: float = 0.0) -> Any:
     from .remote import Cluster
 
-    cluster = Cluster(hosts, ssh_settings(c, job.hostfile))
+    cluster = Cluster(hosts, ssh_settings(c, job.hostfile), progress=progress)
     if wait:
         cluster.wait_for(wait)
     return cluster

@@ -10,7 +10,7 @@ import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import MeshkitError
+from .errors import TopologyError
 from .hostfile import Host
 
 # Interfaces that exist identically on many machines (container bridges, veth ends): an address on
@@ -27,10 +27,6 @@ SHARED_INTERFACE_PREFIXES = (
     "cali",
 )
 PORT_RANGE = (20000, 30000)  # below Linux's ephemeral range (32768+), above well-known services
-
-
-class TopologyError(MeshkitError):
-    """This node cannot be placed in the hostfile (no match, or several)."""
 
 
 @dataclass(frozen=True)

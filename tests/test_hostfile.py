@@ -1,7 +1,8 @@
 import pytest
 
 from meshkit import hostfile
-from meshkit.hostfile import Host, HostfileError, duplicate_problems, parse, select
+from meshkit.errors import HostfileError
+from meshkit.hostfile import Host, duplicate_problems, parse, select
 
 
 def test_full_syntax_in_rank_order():

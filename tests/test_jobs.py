@@ -12,7 +12,8 @@ import pytest
 
 from meshkit import job as jobs
 from meshkit import node, tmux
-from meshkit.job import Job, JobError
+from meshkit.errors import JobError
+from meshkit.job import Job
 
 HOSTILE = """echo "it's $NODE_RANK"; echo `date` $(whoami) && exit 3 # ; rm -rf /"""
 

@@ -1,6 +1,7 @@
 import pytest
 
-from meshkit.sources import SourceError, from_environment
+from meshkit.errors import SourceError
+from meshkit.sources import from_environment
 
 
 def test_nothing_means_hostfile():

@@ -1,0 +1,43 @@
+"""One line per failure: what went wrong with a node and how to fix it."""
+
+from __future__ import annotations
+
+import socket
+
+import paramiko
+from invoke.exceptions import CommandTimedOut
+
+from ..errors import MeshkitError
+from ..hostfile import Host
+from .connection import Settings, UnknownHostKey, fingerprint
+
+
+def describe(exc: BaseException, host: Host, settings: Settings) -> str:
+    """One line: what went wrong with this node and how to fix it."""
+    port = host.port or settings.port or 22
+    if isinstance(exc, UnknownHostKey):
+        return (
+            f"unknown host key {exc.kind} {exc.fingerprint}; verify it (ssh-keygen -lf on the node), "
+            "then rerun with --accept-new-host-keys"
+        )
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return (
+            f"HOST KEY CHANGED: expected {fingerprint(exc.expected_key)}, got {fingerprint(exc.key)}; "
+            f"refused. If the node was reinstalled, remove the old key: ssh-keygen -R {host.known_hosts_name()}"
+        )
+    if isinstance(exc, paramiko.AuthenticationException):
+        return "authentication failed: pass --identity KEY (a key the node accepts) or --password"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return f"no answer within {settings.connect_timeout:.0f}s on port {port}: is the node up and reachable?"
+    if isinstance(exc, CommandTimedOut):
+        return f"a remote command took longer than {exc.timeout}s; the node may be overloaded"
+    if isinstance(exc, (paramiko.ssh_exception.NoValidConnectionsError, ConnectionRefusedError)):
+        return f"connection refused on port {port}: is sshd running?"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve {host.host}: check the name or use an address"
+    if isinstance(exc, MeshkitError):
+        return str(exc)
+    if isinstance(exc, (paramiko.SSHException, OSError, EOFError)):
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    # Still one host's result: a surprise on one node must not hide what happened on the others.
+    return f"unexpected {type(exc).__name__}: {exc}"

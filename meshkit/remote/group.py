@@ -1,0 +1,182 @@
+"""Every node at once: connections opened in parallel and reused by every phase, and a result per
+host that keeps its exception (a surprise on one node never hides what happened on the others).
+
+Progress goes to a callback (``ProgressFn``) that the CLI renders; nothing here prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import paramiko
+
+from ..hostfile import Host
+from .connection import Remote, Settings, ssh_config
+from .describe import describe
+
+K = TypeVar("K")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[T]):
+    """One host's result: its value, or the exception it raised with that exception described."""
+
+    value: T | None = None
+    exc: BaseException | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def succeeded(results: dict[K, Outcome[T]]) -> dict[K, T]:
+    """The items whose call returned, with their values."""
+    return {k: o.value for k, o in results.items() if o.error is None}  # type: ignore[misc]
+
+
+def failed(results: dict[K, Outcome[T]]) -> dict[K, str]:
+    """The items whose call failed, with the readable reason."""
+    return {k: o.error for k, o in results.items() if o.error is not None}
+
+
+@dataclass(frozen=True)
+class PhaseEvent:
+    """A phase's progress: sent after each item, and once more with ``finished`` at the end."""
+
+    phase: str
+    done: int
+    total: int
+    failed: int
+    elapsed: float
+    finished: bool
+
+
+ProgressFn = Callable[[PhaseEvent], None]
+
+
+class _Counter:
+    def __init__(self, phase: str, total: int, report: ProgressFn) -> None:
+        self.phase, self.total, self.report = phase, total, report
+        self.done = self.failed = 0
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+
+    def tick(self, ok: bool) -> None:
+        with self._lock:
+            self.done += 1
+            self.failed += not ok
+            self._send(False)
+
+    def finish(self) -> None:
+        self._send(True)
+
+    def _send(self, finished: bool) -> None:
+        elapsed = time.monotonic() - self.started
+        self.report(PhaseEvent(self.phase, self.done, self.total, self.failed, elapsed, finished))
+
+
+def fan_out(
+    fn: Callable[[K], T],
+    items: Sequence[K],
+    settings: Settings,
+    host_of: Callable[[K], Host],
+    phase: str = "",
+    progress: ProgressFn | None = None,
+) -> dict[K, Outcome[T]]:
+    """``fn`` on every item at once (bounded pool); each item's result or its exception."""
+    counter = _Counter(phase, len(items), progress) if progress and phase else None
+
+    def one(item: K) -> Outcome[T]:
+        outcome: Outcome[T]
+        try:
+            outcome = Outcome(fn(item))
+        except Exception as exc:
+            outcome = Outcome(exc=exc, error=describe(exc, host_of(item), settings))
+        if counter:
+            counter.tick(outcome.ok)
+        return outcome
+
+    if not items:
+        return {}
+    with ThreadPoolExecutor(max_workers=max(1, min(settings.parallel, len(items)))) as pool:
+        results = dict(zip(items, pool.map(one, items)))
+    if counter:
+        counter.finish()
+    return results
+
+
+class Cluster:
+    """Connections to the reachable nodes, and why the others failed; closes everything on exit."""
+
+    def __init__(
+        self,
+        hosts: Sequence[Host],
+        settings: Settings,
+        extra_ssh_configs: Sequence[str] = (),
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self.hosts, self.settings, self.progress = list(hosts), settings, progress
+        self._config: paramiko.SSHConfig = ssh_config([*settings.ssh_configs, *extra_ssh_configs])
+        self.remotes: dict[Host, Remote] = {}
+        self.failures: dict[Host, str] = {}
+        self.errors: dict[Host, BaseException] = {}
+        self._open(self.hosts, "connect")
+
+    def _open(self, hosts: Sequence[Host], phase: str) -> None:
+        opened = fan_out(
+            lambda h: Remote(h, self.settings, self._config).open(),
+            hosts,
+            self.settings,
+            lambda h: h,
+            phase,
+            self.progress,
+        )
+        self.remotes.update(succeeded(opened))
+        self.failures = {
+            h: e for h, e in {**self.failures, **failed(opened)}.items() if h not in self.remotes
+        }
+        self.errors.update({h: o.exc for h, o in opened.items() if o.exc is not None})
+
+    def wait_for(self, seconds: float, interval: float = 1.0) -> None:
+        """Retry the nodes that failed to connect (rebooting, say) until they answer or time runs out."""
+        deadline = time.monotonic() + seconds
+        while self.failures and time.monotonic() < deadline:
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            self._open(list(self.failures), "reconnect")
+
+    def each(
+        self,
+        phase: str,
+        fn: Callable[[Remote], T],
+        hosts: Sequence[Host] | None = None,
+        quiet: bool = False,
+    ) -> dict[Host, Outcome[T]]:
+        """``fn`` over the open connection of every (or the given) reachable node, in parallel."""
+        chosen = [h for h in (hosts if hosts is not None else self.hosts) if h in self.remotes]
+        return fan_out(
+            lambda h: fn(self.remotes[h]),
+            chosen,
+            self.settings,
+            lambda h: h,
+            phase,
+            None if quiet else self.progress,
+        )
+
+    def close(self) -> None:
+        for remote in self.remotes.values():
+            with contextlib.suppress(Exception):
+                remote.close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
