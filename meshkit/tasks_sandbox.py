@@ -21,28 +21,39 @@ def _conf(c: Context) -> Any:
     return settings(c.config).sandbox
 
 
-def _dir(c: Context, flag: str | None) -> str:
-    return flag or str(_conf(c).dir)
+def _dir(c: Context, flag: str | None, name: str | None) -> str:
+    return flag or sandbox.default_dir(str(_conf(c).dir), name or sandbox.DEFAULT)
+
+
+NAME_HELP = "sandbox name, so that several run side by side (default: 'default')"
 
 
 @task(
     help={
         "nodes": "how many nodes (default: config meshkit.sandbox.nodes, 3)",
         "dir": DIR_HELP,
-        "subnet": "private IPv4 subnet for the nodes (default: meshkit.sandbox.subnet, 10.77.0.0/24)",
+        "name": NAME_HELP,
+        "subnet": "private IPv4 subnet for the nodes (default: meshkit.sandbox.subnet, 10.77.0.0/24,"
+        " for the default sandbox; one picked from the name for the others)",
     }
 )
 def up(
-    c: Context, nodes: int | None = None, dir: str | None = None, subnet: str | None = None
+    c: Context,
+    nodes: int | None = None,
+    dir: str | None = None,
+    subnet: str | None = None,
+    name: str | None = None,
 ) -> None:
     """Create a local cluster of N real sshd nodes (root only); replaces a stale one."""
     with reported():
         started = time.monotonic()
-        lay = sandbox.up(_dir(c, dir), subnet or str(_conf(c).subnet), int(nodes or _conf(c).nodes))
+        label = sandbox.check_name(name or sandbox.DEFAULT)
+        net = subnet or sandbox.default_subnet(str(_conf(c).subnet), label)
+        lay = sandbox.up(_dir(c, dir, label), net, int(nodes or _conf(c).nodes), label)
         took = time.monotonic() - started
     print(table(["node", "address", "netns"], [(n.name, n.address, n.netns) for n in lay.nodes]))
     print(
-        f"\n{lay.count} nodes up in {took:.1f}s (controller {lay.controller_address} on {sandbox.BRIDGE})"
+        f"\n{lay.count} nodes up in {took:.1f}s (controller {lay.controller_address} on {lay.bridge})"
     )
     print(f"hostfile:    {lay.hostfile}")
     print(f"ssh config:  {lay.ssh_config}   (ssh -F {lay.ssh_config} node0)")
@@ -50,30 +61,30 @@ def up(
     print(f"next:        meshkit mesh --hostfile {lay.hostfile}")
 
 
-@task(help={"dir": DIR_HELP})
-def down(c: Context, dir: str | None = None) -> None:
+@task(help={"dir": DIR_HELP, "name": NAME_HELP})
+def down(c: Context, dir: str | None = None, name: str | None = None) -> None:
     """Remove the sandbox: its processes, namespaces, bridge and files (safe to repeat)."""
     with reported():
         sandbox.preflight()
-        removed = sandbox.down(_dir(c, dir))
+        removed = sandbox.down(_dir(c, dir, name), name or sandbox.DEFAULT)
     print(f"removed: {', '.join(removed)}" if removed else "no sandbox to remove")
 
 
-@task(help={"node": "index of the node to reboot (0 = node0)", "dir": DIR_HELP})
-def reboot(c: Context, node: int, dir: str | None = None) -> None:
+@task(help={"node": "index of the node to reboot (0 = node0)", "dir": DIR_HELP, "name": NAME_HELP})
+def reboot(c: Context, node: int, dir: str | None = None, name: str | None = None) -> None:
     """Reboot one node: kill all its processes, empty its /tmp, start its sshd again."""
     with reported():
         sandbox.preflight()
-        rebooted = sandbox.reboot(sandbox.load(_dir(c, dir)), int(node))
+        rebooted = sandbox.reboot(sandbox.load(_dir(c, dir, name)), int(node))
     print(f"{rebooted.name} ({rebooted.address}) rebooted: processes killed, /tmp emptied, sshd up")
 
 
-@task(help={"dir": DIR_HELP, "json": "print JSON"})
-def status(c: Context, dir: str | None = None, json: bool = False) -> None:
+@task(help={"dir": DIR_HELP, "name": NAME_HELP, "json": "print JSON"})
+def status(c: Context, dir: str | None = None, name: str | None = None, json: bool = False) -> None:
     """Show the sandbox nodes: address, sshd up, process count."""
     with reported():
         sandbox.preflight()
-        states = sandbox.status(sandbox.load(_dir(c, dir)))
+        states = sandbox.status(sandbox.load(_dir(c, dir, name)))
     if json:
         print(
             jsonlib.dumps(

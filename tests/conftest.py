@@ -1,20 +1,23 @@
 """Shared fixtures. Sandbox tests run against real sshd nodes in network namespaces (root only);
-without root they skip, and .ci/run fails a CI run in which they skipped."""
+without root they skip, and .ci/run fails a CI run in which they skipped.
+
+Each test module gets its own named sandbox (bridge, namespaces, subnet, directory), so modules run
+in parallel under pytest-xdist (``--dist loadfile``) without touching each other's nodes."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from meshkit import sandbox
 
-SANDBOX_DIR = "/var/tmp/meshkit-test-sandbox"
-SUBNET = "10.77.0.0/24"
 MESHKIT = [sys.executable, "-m", "meshkit"]
 
 
@@ -22,14 +25,37 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sandbox: needs root; runs against a real local cluster")
 
 
+def sandbox_name(module: str) -> str:
+    """``tests/test_mesh.py`` -> ``tmesh``: a valid sandbox name per test module."""
+    stem = module.rsplit(".", 1)[-1].removeprefix("test_")
+    return ("t" + re.sub(r"[^a-z0-9]", "", stem.lower()))[:8]
+
+
+def sandbox_dir(name: str) -> str:
+    return f"/var/tmp/meshkit-test-{name}"
+
+
+def need_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("sandbox tests need root (network namespaces, sshd)")
+
+
+@contextmanager
+def fresh_sandbox(name: str, nodes: int) -> Iterator[sandbox.Layout]:
+    need_root()
+    lay = sandbox.up(sandbox_dir(name), sandbox.default_subnet("", name), nodes, name)
+    try:
+        yield lay
+    finally:
+        sandbox.down(sandbox_dir(name), name)
+
+
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest) -> Iterator[sandbox.Layout]:
     """A fresh sandbox per test module (bringing one up takes well under a second)."""
-    if os.geteuid() != 0:
-        pytest.skip("sandbox tests need root (network namespaces, sshd)")
-    lay = sandbox.up(SANDBOX_DIR, SUBNET, getattr(request.module, "SANDBOX_NODES", 4))
-    yield lay
-    sandbox.down(SANDBOX_DIR)
+    name = sandbox_name(request.module.__name__)
+    with fresh_sandbox(name, getattr(request.module, "SANDBOX_NODES", 4)) as lay:
+        yield lay
 
 
 def ssh(

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import SANDBOX_DIR, SUBNET, meshkit
+from conftest import fresh_sandbox, meshkit
 
 from meshkit import sandbox
 
@@ -20,11 +19,8 @@ FAST = {"MESHKIT_CONNECT_TIMEOUT": "3"}
 
 @pytest.fixture
 def lay():
-    if os.geteuid() != 0:
-        pytest.skip("sandbox tests need root (network namespaces, sshd)")
-    layout = sandbox.up(SANDBOX_DIR, SUBNET, NODES)
-    yield layout
-    sandbox.down(SANDBOX_DIR)
+    with fresh_sandbox("tmesh", NODES) as layout:
+        yield layout
 
 
 def ssh_files(lay) -> dict[str, dict[str, bytes]]:

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from conftest import SANDBOX_DIR, SUBNET, meshkit, ssh
+from conftest import meshkit, ssh
 
 from meshkit import sandbox
 
@@ -96,7 +96,9 @@ def test_reboot_kills_tmux_and_empties_tmp(cluster):
         == 0
     )
     assert ssh(cluster, "node3", "tmux has-session -t victim").returncode == 0
-    out = meshkit("sandbox.reboot", "--node", "3", "--dir", SANDBOX_DIR)
+    out = meshkit(
+        "sandbox.reboot", "--node", "3", "--dir", str(cluster.root), "--name", cluster.name
+    )
     assert out.returncode == 0, out.stderr
     after = ssh(cluster, "node3", "tmux has-session -t victim; echo rc=$?; ls -A /tmp")
     assert "rc=1" in after.stdout and "before" not in after.stdout
@@ -104,28 +106,35 @@ def test_reboot_kills_tmux_and_empties_tmp(cluster):
 
 
 def test_status_and_bad_input(cluster):
-    out = meshkit("sandbox.status", "--dir", SANDBOX_DIR, "--json")
+    out = meshkit("sandbox.status", "--dir", str(cluster.root), "--name", cluster.name, "--json")
     assert [s["sshd"] for s in json.loads(out.stdout)] == [True] * len(cluster.nodes)
-    out = meshkit("sandbox.reboot", "--node", "99", "--dir", SANDBOX_DIR)
+    out = meshkit(
+        "sandbox.reboot", "--node", "99", "--dir", str(cluster.root), "--name", cluster.name
+    )
     assert out.returncode != 0 and "nodes 0..3" in out.stderr
 
 
 def test_down_leaves_nothing_and_up_is_idempotent(cluster):
     # re-up over a live sandbox replaces it
-    assert (
-        meshkit("sandbox.up", "--nodes", "2", "--dir", SANDBOX_DIR, "--subnet", SUBNET).returncode
-        == 0
-    )
-    out = meshkit("sandbox.down", "--dir", SANDBOX_DIR)
+    where = ["--dir", str(cluster.root), "--name", cluster.name]
+    up = meshkit("sandbox.up", "--nodes", "2", *where, "--subnet", str(cluster.subnet))
+    assert up.returncode == 0, up.stderr
+    out = meshkit("sandbox.down", *where)
     assert out.returncode == 0, out.stderr
     assert (
-        "meshkit-n"
+        f"meshkit-{cluster.name}-n"
         not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     )
     assert (
-        subprocess.run(["ip", "link", "show", sandbox.BRIDGE], capture_output=True).returncode != 0
+        subprocess.run(["ip", "link", "show", cluster.bridge], capture_output=True).returncode != 0
     )
-    procs = subprocess.run(["pgrep", "-f", "sshd_config -E"], capture_output=True, text=True).stdout
+    mine = (
+        f"-E {cluster.root}/logs/"  # this sandbox's sshds; other modules' sandboxes run beside it
+    )
+    procs = subprocess.run(["pgrep", "-f", mine], capture_output=True, text=True).stdout
     assert procs.strip() == ""
     assert not cluster.root.exists()
-    assert meshkit("sandbox.down", "--dir", SANDBOX_DIR).stdout.strip() == "no sandbox to remove"
+    assert (
+        meshkit("sandbox.down", "--dir", str(cluster.root), "--name", cluster.name).stdout.strip()
+        == "no sandbox to remove"
+    )

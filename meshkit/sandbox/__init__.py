@@ -1,7 +1,7 @@
 """A local cluster of real sshd nodes on this machine (root only), for the tests and for trying
 meshkit without machines: what kind/minikube are for Kubernetes.
 
-Node ``i`` is a network namespace ``meshkit-n<i>`` with its own address on bridge ``mkbr0`` and a
+Node ``i`` is a network namespace (``meshkit-n<i>``) with its own address on the sandbox's bridge and a
 mount+UTS namespace (started inside it) with its own hostname and, by bind mounts, its own
 ``/tmp``, ``/root/.ssh``, ``/etc/ssh`` (host keys, sshd_config) and ``/etc/hosts``. The rest of the
 filesystem is shared, like NFS on a real cluster. Each node runs a real OpenSSH ``sshd`` that
@@ -25,12 +25,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import SandboxError
+from ..errors import SandboxError
+from .layout import DEFAULT, Layout, Node, check_name, default_dir, default_subnet, layout
 
-BRIDGE = "mkbr0"
-NETNS_PREFIX = "meshkit-n"
-MAX_NODES = 64
-FIRST_HOST = 11  # node i is subnet + 11 + i; the controller (bridge) is subnet + 1
+__all__ = [
+    "DEFAULT",
+    "Layout",
+    "Node",
+    "check_name",
+    "default_dir",
+    "default_subnet",
+    "down",
+    "layout",
+    "load",
+    "node_exec",
+    "reboot",
+    "status",
+    "up",
+]
+
 PROGRAMS = {
     "sshd": "openssh-server",
     "ssh": "openssh-client",
@@ -87,82 +100,6 @@ Subsystem sftp internal-sftp
 """
 
 
-@dataclass(frozen=True)
-class Node:
-    index: int
-    name: str
-    address: str
-    netns: str
-    veth: str
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where everything of one sandbox lives; pure arithmetic on the config."""
-
-    root: Path
-    subnet: ipaddress.IPv4Network
-    count: int
-
-    @property
-    def controller_address(self) -> str:
-        return str(self.subnet.network_address + 1)
-
-    @property
-    def nodes(self) -> list[Node]:
-        return [
-            Node(
-                i,
-                f"node{i}",
-                str(self.subnet.network_address + FIRST_HOST + i),
-                f"{NETNS_PREFIX}{i}",
-                f"mkv{i}",
-            )
-            for i in range(self.count)
-        ]
-
-    def node_dir(self, node: Node) -> Path:
-        return self.root / "nodes" / node.name
-
-    @property
-    def hostfile(self) -> Path:
-        return self.root / "hostfile"
-
-    @property
-    def ssh_config(self) -> Path:
-        return self.root / "ssh_config"
-
-    @property
-    def key(self) -> Path:
-        return self.root / "controller" / "id_ed25519"
-
-    @property
-    def known_hosts(self) -> Path:
-        return self.root / "controller" / "known_hosts"
-
-    @property
-    def shared(self) -> Path:
-        """A directory every node sees at the same path: a place for jobs' workdirs."""
-        return self.root / "shared"
-
-    def sshd_log(self, node: Node) -> Path:
-        return self.root / "logs" / f"{node.name}.sshd.log"
-
-
-def layout(root: str | os.PathLike[str], subnet: str, count: int) -> Layout:
-    try:
-        net = ipaddress.IPv4Network(subnet, strict=True)
-    except ValueError as exc:
-        raise SandboxError(
-            f"sandbox subnet {subnet!r}: {exc}; expected e.g. 10.77.0.0/24"
-        ) from None
-    if not 1 <= count <= MAX_NODES:
-        raise SandboxError(f"--nodes {count}: expected 1..{MAX_NODES}")
-    if net.num_addresses < FIRST_HOST + count + 1:
-        raise SandboxError(f"subnet {net} is too small for {count} nodes; use a /24")
-    return Layout(Path(root).resolve(), net, count)
-
-
 def _run(
     argv: Sequence[str], *, check: bool = True, input: str | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -205,7 +142,7 @@ def check_subnet(lay: Layout) -> None:
     for route in routes:
         dst, dev = route.get("dst", ""), route.get("dev", "")
         if (
-            dev == BRIDGE
+            dev == lay.bridge
             or dst in ("", "default")
             or route.get("type") in ("local", "broadcast", "multicast")
         ):
@@ -226,7 +163,7 @@ def _shared_under_tmp() -> list[str]:
     the interpreter's environment, meshkit itself and the working directory."""
     candidates = {
         Path(sys.prefix).resolve(),
-        Path(__file__).resolve().parent.parent,
+        Path(__file__).resolve().parent.parent.parent,
         Path.cwd().resolve(),
     }
     under = sorted(str(p) for p in candidates if p.is_relative_to("/tmp") and p != Path("/tmp"))
@@ -303,15 +240,15 @@ def _prepare_files(lay: Layout) -> None:
 def _network(lay: Layout) -> None:
     prefix = lay.subnet.prefixlen
     batch = [
-        f"link add {BRIDGE} type bridge",
-        f"addr add {lay.controller_address}/{prefix} dev {BRIDGE}",
-        f"link set {BRIDGE} up",
+        f"link add {lay.bridge} type bridge",
+        f"addr add {lay.controller_address}/{prefix} dev {lay.bridge}",
+        f"link set {lay.bridge} up",
     ]
     for node in lay.nodes:
         _run(["ip", "netns", "add", node.netns])
         batch += [
             f"link add {node.veth} type veth peer name eth0 netns {node.netns}",
-            f"link set {node.veth} master {BRIDGE}",
+            f"link set {node.veth} master {lay.bridge}",
             f"link set {node.veth} up",
         ]
     _run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
@@ -394,39 +331,45 @@ def kill_node(netns: str) -> None:
         raise SandboxError(f"processes of {netns} survived SIGKILL for 5s")
 
 
-def _existing_netns() -> list[str]:
+def _netns_names() -> list[str]:
     done = _run(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in done.stdout.splitlines() if line.startswith(NETNS_PREFIX)]
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
 
 
-def down(root: str | os.PathLike[str]) -> list[str]:
-    """Remove every sandbox namespace, link and file; safe to repeat and after a crash."""
+def _existing_netns(lay: Layout) -> list[str]:
+    return [n for n in _netns_names() if lay.owns_netns(n)]
+
+
+def down(root: str | os.PathLike[str], name: str = DEFAULT) -> list[str]:
+    """Remove every namespace, link and file of the sandbox ``name``; safe to repeat and after a
+    crash. Other sandboxes are left alone."""
+    path = Path(root)
+    state = _read_state(path)
+    name = str(state.get("name", name)) if state else check_name(name)
+    lay = Layout(path.resolve(), ipaddress.IPv4Network("10.77.0.0/24"), 1, name)  # names only
     removed = []
-    for netns in _existing_netns():
+    for netns in _existing_netns(lay):
         kill_node(netns)
         _run(["ip", "netns", "del", netns], check=False)
         removed.append(netns)
     # The kernel frees a deleted namespace's veths lazily; delete our ends now so that an
     # immediate up does not find them still there.
     for link in json.loads(_run(["ip", "-j", "link", "show"], check=False).stdout or "[]"):
-        name = str(link.get("ifname", ""))
-        if name.startswith("mkv") and name[3:].isdigit():
-            _run(["ip", "link", "del", name], check=False)
-    if _run(["ip", "link", "show", BRIDGE], check=False).returncode == 0:
-        _run(["ip", "link", "del", BRIDGE])
-        removed.append(BRIDGE)
-    path = Path(root)
-    state = _read_state(path)
+        ifname = str(link.get("ifname", ""))
+        if lay.owns_veth(ifname):
+            _run(["ip", "link", "del", ifname], check=False)
+    if _run(["ip", "link", "show", lay.bridge], check=False).returncode == 0:
+        _run(["ip", "link", "del", lay.bridge])
+        removed.append(lay.bridge)
     if path.exists() and (state is not None or (path / "hostfile").exists()):
         shutil.rmtree(path)
         removed.append(str(path))
-    if (
-        state
-        and state.get("created_root_ssh")
-        and Path("/root/.ssh").exists()
-        and not any(Path("/root/.ssh").iterdir())
-    ):
-        Path("/root/.ssh").rmdir()
+    # /root/.ssh is every node's bind-mount point: remove it (if up created it) only when it is
+    # empty and no other sandbox is running, or a node of that one could not boot again.
+    others = any(n.startswith("meshkit-") for n in _netns_names())
+    if state and state.get("created_root_ssh") and not others:
+        with contextlib.suppress(OSError):  # not empty, or gone already
+            Path("/root/.ssh").rmdir()
     return removed
 
 
@@ -438,20 +381,26 @@ def _read_state(root: Path) -> dict[str, object] | None:
     return data if isinstance(data, dict) else None
 
 
-def up(root: str | os.PathLike[str], subnet: str, count: int) -> Layout:
-    """Create (or re-create) a sandbox of ``count`` nodes and wait until every sshd answers."""
+def up(root: str | os.PathLike[str], subnet: str, count: int, name: str = DEFAULT) -> Layout:
+    """Create (or re-create) the sandbox ``name`` of ``count`` nodes and wait until every sshd
+    answers."""
     preflight()
-    lay = layout(root, subnet, count)
-    down(lay.root)
+    lay = layout(root, subnet, count, name)
+    down(lay.root, name)
     check_subnet(lay)
     created_root_ssh = not Path("/root/.ssh").exists()
-    if created_root_ssh:
-        Path("/root/.ssh").mkdir(mode=0o700)  # the bind-mount point for each node's own ~/.ssh
+    # The bind-mount point for each node's own ~/.ssh; another sandbox may create it meanwhile.
+    Path("/root/.ssh").mkdir(mode=0o700, exist_ok=True)
     lay.root.mkdir(parents=True, exist_ok=True)
     _write(
         lay.root / "state.json",
         json.dumps(
-            {"nodes": count, "subnet": str(lay.subnet), "created_root_ssh": created_root_ssh}
+            {
+                "name": name,
+                "nodes": count,
+                "subnet": str(lay.subnet),
+                "created_root_ssh": created_root_ssh,
+            }
         ),
     )
     try:
@@ -461,7 +410,7 @@ def up(root: str | os.PathLike[str], subnet: str, count: int) -> Layout:
             start_node(lay, node)
         wait_ready(lay, lay.nodes)
     except BaseException:
-        down(lay.root)
+        down(lay.root, name)
         raise
     return lay
 
@@ -471,7 +420,9 @@ def load(root: str | os.PathLike[str]) -> Layout:
     state = _read_state(Path(root))
     if state is None:
         raise SandboxError(f"no sandbox at {root}; create one with: meshkit sandbox.up --nodes 3")
-    return layout(root, str(state["subnet"]), int(str(state["nodes"])))
+    return layout(
+        root, str(state["subnet"]), int(str(state["nodes"])), str(state.get("name", DEFAULT))
+    )
 
 
 def reboot(lay: Layout, index: int) -> Node:
