@@ -8,7 +8,7 @@ from invoke.collection import Collection
 from invoke.context import Context
 from invoke.tasks import task
 
-from meshkit.tasks import ns as meshkit_tasks
+from meshkit.cli.tasks import ns as meshkit_tasks
 
 
 @task(

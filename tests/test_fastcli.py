@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from meshkit import fastcli
-from meshkit.tasks import ns
+from meshkit.cli import fast as fastcli
+from meshkit.cli.tasks import ns
 
 
 @pytest.mark.parametrize("task", sorted(fastcli.FLAGS))
@@ -34,7 +34,7 @@ def both_paths(args, cwd, env):
         [
             sys.executable,
             "-c",
-            "import sys; from meshkit.main import program; program().run()",
+            "import sys; from meshkit.cli.main import program; program().run()",
             *args,
         ],
         cwd=cwd,

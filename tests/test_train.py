@@ -31,7 +31,7 @@ def meshed(cluster):
     assert out.returncode == 0, out.stdout + out.stderr
     workdir = cluster.shared / "work"
     workdir.mkdir()
-    shutil.copy(REPO / "templates" / "example_train.py", workdir / "example_train.py")
+    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir / "example_train.py")
     return cluster, workdir
 
 
@@ -141,7 +141,7 @@ def test_bare_torchrun_from_a_worker_status_reboot_relaunch_stop(meshed):
 def test_seed_style_run_sh_from_a_worker_and_exit_codes(meshed):
     lay, workdir = meshed
     n = len(lay.nodes)
-    cmd = f"{REPO}/templates/run.sh $GPUS_PER_NODE $NNODES $NODE_RANK $MASTER_ADDR $MASTER_PORT"
+    cmd = f"{REPO}/meshkit/templates/run.sh $GPUS_PER_NODE $NNODES $NODE_RANK $MASTER_ADDR $MASTER_PORT"
     out = train_on(lay, 2, workdir, "seed", "--nproc-per-node", str(NPROC), "--cmd", cmd)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = wait_for(lambda: all_exited(lay, workdir, "seed"))

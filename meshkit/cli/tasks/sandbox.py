@@ -10,9 +10,9 @@ from invoke.collection import Collection
 from invoke.context import Context
 from invoke.tasks import task
 
-from . import sandbox
-from .cli import reported, table
-from .config import settings
+from ... import sandbox
+from ...config import settings
+from ..common import reported, table
 
 DIR_HELP = "sandbox state directory (default: config meshkit.sandbox.dir, /var/tmp/meshkit-sandbox)"
 

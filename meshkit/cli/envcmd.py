@@ -13,8 +13,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from .distenv import NodeEnv, as_json, export_lines, variables
-from .errors import MeshkitError
+from ..distenv import NodeEnv, as_json, export_lines, variables
+from ..errors import MeshkitError
 
 
 def pick(conf: Mapping[str, Any], name: str, flag: Any) -> Any:
@@ -48,7 +48,7 @@ def node_env(
     include: str | None = None,
     exclude: str | None = None,
 ) -> NodeEnv:
-    from .discovery import discover
+    from ..discovery import discover
 
     rank = None
     if node_rank is not None:

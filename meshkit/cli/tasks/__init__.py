@@ -12,10 +12,12 @@ from invoke.collection import Collection
 from invoke.context import Context
 from invoke.tasks import task
 
-from . import tasks_mesh, tasks_sandbox, tasks_train
-from .cli import helps, reported
-from .config import settings
-from .defaults import DEFAULTS
+from ...config import settings
+from ...defaults import DEFAULTS
+from ..common import helps, reported
+from . import jobs as tasks_train
+from . import mesh as tasks_mesh
+from . import sandbox as tasks_sandbox
 
 DISCOVERY = (
     "hostfile",
@@ -30,7 +32,7 @@ DISCOVERY = (
 
 def _node(c: Context, flags: dict[str, Any]) -> Any:
     """Discovery with this task's flags (those named in DISCOVERY) over the configuration."""
-    from .envcmd import node_env
+    from ..envcmd import node_env
 
     return node_env(settings(c.config), **{name: flags[name] for name in DISCOVERY})
 
@@ -52,7 +54,7 @@ def env(
     Sources, first match wins: --node-rank/MESHKIT_NODE_RANK, torchrun, SLURM, OpenMPI, PBS, then
     the hostfile matched against this machine's addresses. Use: eval "$(meshkit env)".
     """
-    from .envcmd import print_env
+    from ..envcmd import print_env
 
     with reported():
         node = _node(c, locals())
@@ -80,7 +82,7 @@ def run(
 
     This is what every node runs inside tmux for `meshkit train`.
     """
-    from .envcmd import exec_run
+    from ..envcmd import exec_run
 
     with reported():
         node = _node(c, locals())

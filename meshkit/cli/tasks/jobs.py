@@ -16,13 +16,13 @@ from invoke.context import Context
 from invoke.exceptions import Exit
 from invoke.tasks import task
 
-from . import job as jobs
-from . import tmux
-from .cli import helps, int_option, option, progress, reported, table
-from .errors import JobError, LaunchError, MeshkitError
-from .hostfile import Host
-from .job import Job
-from .tasks_mesh import ssh_settings
+from ... import job as jobs
+from ... import tmux
+from ...errors import JobError, LaunchError, MeshkitError
+from ...hostfile import Host
+from ...job import Job
+from ..common import helps, int_option, option, progress, reported, table
+from .mesh import ssh_settings
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
 
@@ -55,9 +55,9 @@ def _new_job(
     exclude: str | None,
 ) -> tuple[Job, list[Host]]:
     """A job from flags and config, with the hosts it runs on (read once, also for the port)."""
-    from .config import settings
-    from .discovery import read_hosts
-    from .topology import derive_master_port
+    from ...config import settings
+    from ...discovery import read_hosts
+    from ...topology import derive_master_port
 
     conf = settings(c.config)
     name = jobs.check_session(option(c, "session", session))
@@ -81,7 +81,7 @@ def _new_job(
 
 
 def _hosts_of(job: Job) -> list[Host]:
-    from .discovery import read_hosts
+    from ...discovery import read_hosts
 
     return read_hosts(job.hostfile, job.include, job.exclude)
 
@@ -93,8 +93,8 @@ def preflight(
     for the whole launch): the interpreter and workdir exist, and `meshkit env` there gives exactly
     its hostfile rank and the same master and node count as everyone else. The master also probes
     the master port (and the next few). Returns the problems and that probe."""
-    from .errors import AgentGone
-    from .remote import Agent, failed, succeeded
+    from ...errors import AgentGone
+    from ...remote import Agent, failed, succeeded
 
     argv = tmux.meshkit_argv(job, "env", "--json")
     ports = [p for p in range(job.master_port, job.master_port + PORT_SCAN + 1) if p <= 65535]
@@ -172,7 +172,7 @@ def pick_port(probe: dict[str, Any], job: Job, master: Host) -> tuple[int, str |
 def _status_rows(
     cluster: Any, job: Job, hosts: Sequence[Host], quiet: bool = False
 ) -> list[dict[str, Any]]:
-    from .remote import succeeded
+    from ...remote import succeeded
 
     def one(r: Any) -> dict[str, Any]:
         rank = hosts.index(r.host)
@@ -232,7 +232,7 @@ def _print_status(rows: Sequence[dict[str, Any]]) -> None:
 
 
 def _cluster(c: Context, job: Job, hosts: Sequence[Host], wait: float = 0.0) -> Any:
-    from .remote import Cluster
+    from ...remote import Cluster
 
     cluster = Cluster(hosts, ssh_settings(c, job.hostfile), progress=progress)
     if wait:
@@ -259,7 +259,7 @@ def _launch(
 ) -> Job:
     from dataclasses import replace
 
-    from .remote import failed, succeeded
+    from ...remote import failed, succeeded
 
     problems, probe = preflight(cluster, agents, job, hosts)
     if problems:
@@ -430,7 +430,7 @@ def logs(
 def stop(c: Context, session: str | None = None, workdir: str | None = None) -> None:
     """End the job on every node: its tmux session and every process it started (torchrun and its
     workers included), TERM then KILL; then check that nothing of it is left."""
-    from .remote import failed, succeeded
+    from ...remote import failed, succeeded
 
     with reported():
         job = _load_job(c, workdir, session)
@@ -467,14 +467,6 @@ def stop(c: Context, session: str | None = None, workdir: str | None = None) -> 
             raise Exit(f"meshkit: could not verify the job ended on: {', '.join(leftovers)}", 1)
 
 
-def example_script() -> Path:
-    """The bundled example job (templates/example_train.py in the source tree)."""
-    path = Path(__file__).resolve().parent.parent / "templates" / "example_train.py"
-    if not path.is_file():
-        raise MeshkitError(f"{path} is missing; run the demo from a meshkit checkout")
-    return path
-
-
 @task(
     help={
         "nodes": "sandbox nodes (default 3)",
@@ -487,11 +479,9 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
 
     Needs root (the sandbox). Leaves the sandbox up to explore; `meshkit sandbox.down` removes it.
     """
-    import shutil
-
-    from . import sandbox
-    from .config import settings
-    from .tasks_mesh import mesh
+    from ... import sandbox, templates
+    from ...config import settings
+    from .mesh import mesh
 
     with reported():
         conf = settings(c.config).sandbox
@@ -502,7 +492,7 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
         mesh(c, hostfile=str(lay.hostfile))
         workdir = lay.shared / "demo"
         workdir.mkdir(parents=True, exist_ok=True)
-        shutil.copy(example_script(), workdir / "example_train.py")
+        templates.copy_to("example_train.py", workdir)
         print(
             f"\n== train (torchrun example_train.py, {nproc_per_node} per node, gloo) in {workdir}"
         )

@@ -9,13 +9,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import __version__
+from .. import __version__
 
 
 def program() -> Any:
     from invoke.program import Program
 
-    from .config import MeshkitConfig
+    from ..config import MeshkitConfig
     from .tasks import ns
 
     return Program(
@@ -29,7 +29,7 @@ def program() -> Any:
 
 
 def main() -> None:
-    from .fastcli import run_fast
+    from .fast import run_fast
 
     if not run_fast(sys.argv[1:]):
         program().run()

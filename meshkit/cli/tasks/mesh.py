@@ -12,10 +12,10 @@ from invoke.context import Context
 from invoke.exceptions import Exit
 from invoke.tasks import task
 
-from .cli import helps, option, progress, reported, table
-from .config import settings
-from .errors import MeshAbort, MeshkitError
-from .hostfile import Host
+from ...config import settings
+from ...errors import MeshAbort, MeshkitError
+from ...hostfile import Host
+from ..common import helps, option, progress, reported, table
 
 SSH_HELP = {
     "identity": "private key the controller logs in with (a bootstrap key; default: ssh config/agent)",
@@ -27,7 +27,7 @@ SSH_HELP = {
 def _hosts(
     c: Context, hostfile: str | None, include: str | None, exclude: str | None
 ) -> tuple[list[Host], str]:
-    from .discovery import read_hosts
+    from ...discovery import read_hosts
 
     path = option(c, "hostfile", hostfile)
     return read_hosts(path, option(c, "include", include), option(c, "exclude", exclude)), str(path)
@@ -41,7 +41,7 @@ def ssh_settings(
     accept_new: bool = False,
 ) -> Any:
     """Connection settings from config and flags; the ssh_config beside the hostfile is read too."""
-    from .remote import Settings
+    from ...remote import Settings
 
     conf = settings(c.config)
     configs = [
@@ -71,7 +71,7 @@ def _abort(failures: dict[Host, str], what: str) -> MeshAbort:
 
 
 def _verify_report(cluster: Any, hosts: Sequence[Host]) -> int:
-    from .mesh import matrix, verify
+    from ...mesh import matrix, verify
 
     failures = verify(cluster, hosts)
     pairs = len(hosts) ** 2
@@ -115,9 +115,9 @@ def mesh(
     every authorized_keys and every host key in every known_hosts (tagged, merged, atomic), then
     checks all N x N pairs. Rerunning changes nothing; `meshkit unmesh` undoes it.
     """
-    from . import mesh as m
-    from .localnet import resolve_all
-    from .remote import Cluster, failed, succeeded
+    from ... import mesh as m
+    from ...localnet import resolve_all
+    from ...remote import Cluster, failed, succeeded
 
     with reported():
         hosts, path = _hosts(c, hostfile, include, exclude)
@@ -175,7 +175,7 @@ def mesh(
 def _with_placeholders(facts: list[Any]) -> list[Any]:
     from dataclasses import replace
 
-    from .mesh import placeholder_key
+    from ...mesh import placeholder_key
 
     return [
         f
@@ -221,8 +221,8 @@ def check(
     exclude: str | None = None,
 ) -> None:
     """Check all N x N pairs: from every node, ssh to every node with BatchMode and strict host keys."""
-    from .mesh import verify
-    from .remote import Cluster
+    from ...mesh import verify
+    from ...remote import Cluster
 
     with reported():
         hosts, path = _hosts(c, hostfile, include, exclude)
@@ -270,8 +270,8 @@ def unmesh(
 ) -> None:
     """Remove exactly what mesh added: its tagged authorized_keys and known_hosts lines and the user
     keys it created. Every other line stays byte for byte."""
-    from . import mesh as m
-    from .remote import Cluster, failed, succeeded
+    from ... import mesh as m
+    from ...remote import Cluster, failed, succeeded
 
     with reported():
         hosts, path = _hosts(c, hostfile, include, exclude)

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from invoke.exceptions import Exit
 
-from .config import settings
+from ..config import settings
+from ..errors import MeshkitError
 from .envcmd import pick, pick_int
-from .errors import MeshkitError
 
 if TYPE_CHECKING:
-    from .remote import PhaseEvent
+    from ..remote import PhaseEvent
 
 HELP = {
     "hostfile": "hostfile path (default: config meshkit.hostfile, i.e. ./hostfile)",

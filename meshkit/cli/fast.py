@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .defaults import DEFAULTS
-from .errors import MeshkitError
+from ..defaults import DEFAULTS
+from ..errors import MeshkitError
 
 DISCOVERY_FLAGS = (
     ("hostfile", "h"),
