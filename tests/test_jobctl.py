@@ -200,3 +200,34 @@ def test_one_ctrl_c_ends_follow_promptly(meshed):
         follow.kill()
     assert code == 130, code
     assert inside(lay, 0, str(work), "stop").returncode == 0
+
+
+def test_one_ctrl_c_ends_a_command_stuck_on_a_hung_node(meshed):
+    """A node whose sshd accepts TCP but never answers (SIGSTOP): the connect phase hangs until
+    connect_timeout; one Ctrl-C must end the command at once, exit 130, no traceback."""
+    lay = meshed
+    work = project(lay, "hung")  # a directory with no meshkit.yaml
+    node = lay.nodes[2]
+    sshd = [
+        p
+        for p in sandbox.netns_pids(node.netns)
+        if os.path.realpath(f"/proc/{p}/exe") == os.path.realpath(sandbox.SSHD)
+    ]
+    os.kill(min(sshd), signal.SIGSTOP)
+    try:
+        hung = subprocess.Popen(
+            [*MESHKIT, "check", "--hostfile", str(lay.hostfile)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=str(work),
+            env={**os.environ, "MESHKIT_CONNECT_TIMEOUT": "120"},
+        )
+        time.sleep(3)
+        assert hung.poll() is None  # still waiting for node2
+        hung.send_signal(signal.SIGINT)
+        code = hung.wait(timeout=10)
+        err = hung.stderr.read() if hung.stderr else ""
+    finally:
+        os.kill(min(sshd), signal.SIGCONT)
+    assert code == 130 and "interrupted" in err and "Traceback" not in err, err
