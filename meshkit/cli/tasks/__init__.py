@@ -96,6 +96,7 @@ ns = Collection(
     tasks_train.status,
     tasks_train.logs,
     tasks_train.stop,
+    tasks_train.supervise,
     tasks_train.demo,
 )
 ns.add_collection(tasks_sandbox.ns)
