@@ -270,7 +270,7 @@ def _watch(
 # ---- starting and ending the supervisor -----------------------------------------------------
 
 
-def supervisor_argv(job: Job) -> list[str]:
+def supervisor_argv(job: Job, log: str) -> list[str]:
     return [
         job.python,
         "-m",
@@ -282,6 +282,8 @@ def supervisor_argv(job: Job) -> list[str]:
         job.session,
         "--workdir",
         job.workdir,
+        "--log",
+        log,
     ]
 
 
@@ -289,11 +291,9 @@ def start_local(job: Job, log: str) -> str | None:
     """Start the supervisor detached in its own tmux session on this machine (it outlives the
     user's login), its output appended to ``log``. Returns an error, or None."""
     import os
-    import shlex
     import subprocess
 
     os.makedirs(os.path.dirname(log), exist_ok=True)
-    script = f"exec {shlex.join(supervisor_argv(job))} >> {shlex.quote(log)} 2>&1"
     subprocess.run(
         ["tmux", "kill-session", "-t", f"={job.supervisor_tmux}"],
         capture_output=True,
@@ -302,7 +302,16 @@ def start_local(job: Job, log: str) -> str | None:
     )
     try:
         done = subprocess.run(
-            ["tmux", "new-session", "-d", "-s", job.supervisor_tmux, "--", "bash", "-c", script],
+            # No shell in between: the supervisor opens its log itself (--log).
+            [
+                "tmux",
+                "new-session",
+                "-d",
+                "-s",
+                job.supervisor_tmux,
+                "--",
+                *supervisor_argv(job, log),
+            ],
             capture_output=True,
             text=True,
             timeout=10,

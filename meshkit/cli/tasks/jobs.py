@@ -275,9 +275,13 @@ def _start_supervisor(pool: ops.NodePool, job: Job, hosts: Sequence[Host]) -> No
     print(f"supervisor: tmux session {job.supervisor_tmux} on {record.host}, log {log}")
 
 
-@task(help=helps(*JOB_FLAGS))
+@task(help=helps(*JOB_FLAGS, log="append output to this file"))
 def supervise(
-    c: Context, hostfile: str | None = None, session: str | None = None, workdir: str | None = None
+    c: Context,
+    hostfile: str | None = None,
+    session: str | None = None,
+    workdir: str | None = None,
+    log: str | None = None,
 ) -> None:
     """(Started by `train --restarts`, in tmux.) Watch the saved job on every node and relaunch
     it on failure, as `train --restarts` describes."""
@@ -287,6 +291,11 @@ def supervise(
     from ...node.supervise import register
     from ...ops import supervise as sup
 
+    if log:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     with reported():
         job = _find(hostfile, session, workdir)
         hosts = _hosts_of(job)
