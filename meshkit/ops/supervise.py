@@ -22,6 +22,7 @@ MISSES = 2  # consecutive unanswered polls before a node counts as gone (one bli
 COME_BACK = 300.0  # seconds to wait for every node to answer again before a relaunch
 BACKOFF = 2.0  # seconds before the first relaunch, doubled for each later one
 MAX_BACKOFF = 60.0
+GIVE_UP_GRACE = 30.0  # seconds the nodes still running get to end by themselves after a give-up
 
 RUNNING, GAVE_UP, DONE = "running", "gave up", "done"
 
@@ -248,8 +249,15 @@ def _watch(
             return record
         # A failure: end the job everywhere (keeping exit codes when giving up).
         give_up = decision.action == GAVE_UP
-        still = [hosts[n.rank] for n in seen if n.state != "exited"]
+        still = [hosts[n.rank] for n in seen if n.state == RUNNING]
         if give_up:
+            # The other nodes usually fail on their own within seconds (torchrun notices a lost
+            # peer): give them a while, so status shows the codes they really ended with.
+            deadline = time.monotonic() + GIVE_UP_GRACE
+            while still and time.monotonic() < deadline:
+                time.sleep(interval)
+                rows = ops.status(pool, job, hosts, phase="")
+                still = [hosts[r.node_rank] for r in rows if r.state == RUNNING and not r.error]
             if still:
                 ops.stop(pool, job, hosts, keep_exit=True, only=still)
             rows = ops.status(pool, job, hosts, phase="")
