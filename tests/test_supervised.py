@@ -50,7 +50,10 @@ def supervisor_is(lay, workdir: Path, session: str, *states: str):
 
 def attempts(workdir: Path, session: str, rank: int) -> list[str]:
     """A node's log split at the attempt markers (logs append: every attempt is kept)."""
-    text = (workdir / ".meshkit" / session / f"node{rank}.log").read_text()
+    log = workdir / ".meshkit" / session / f"node{rank}.log"
+    if not log.exists():
+        return []
+    text = log.read_text()
     parts = text.split("===== meshkit: attempt ")
     return [parts[0], *("attempt " + p for p in parts[1:])]
 
