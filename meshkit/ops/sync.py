@@ -35,7 +35,7 @@ MTIME_SLACK = 0.002  # seconds: filesystems keep mtimes at different resolutions
 
 def unshared(pool: NodePool, workdir: str, hosts: Sequence[Host]) -> list[Host]:
     """The nodes that do not see this machine's ``workdir`` (a marker written here is absent or
-    different there). A node that cannot be asked counts as not sharing it."""
+    different there); ``LaunchError`` when a node cannot be asked."""
     marker = Path(workdir) / ".meshkit" / f".shared-{secrets.token_hex(8)}"
     token = secrets.token_hex(16)
     try:
@@ -47,10 +47,16 @@ def unshared(pool: NodePool, workdir: str, hosts: Sequence[Host]) -> list[Host]:
         seen = pool.call_all("shared?", lambda h: LogsRequest(str(marker), 1), LogsReply, hosts)
     finally:
         marker.unlink(missing_ok=True)
+    # The first request to each node's agent: one that cannot answer (a missing interpreter,
+    # say) stops the launch here, with the agent's own reason, as preflight would.
+    problems = [f"{h.label}: cannot connect: {e}" for h, e in pool.failures.items()]
+    problems += [f"{h.label}: {o.error}" for h, o in seen.items() if o.error]
+    if problems:
+        raise LaunchError([*problems, "train: preflight failed; nothing was started"])
     return [
         h
         for h in hosts
-        if not ((o := seen.get(h)) is not None and o.value is not None and o.value.lines == [token])
+        if (o := seen.get(h)) is not None and o.value is not None and o.value.lines != [token]
     ]
 
 
