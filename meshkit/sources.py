@@ -112,6 +112,20 @@ OPENMPI_NO_HOSTFILE = (
 )
 
 
+def _interleaving_policy(env: Mapping[str, str]) -> str | None:
+    """The mpirun option that numbers ranks across nodes rather than in per-node blocks, if any
+    (mpirun passes its mapping and ranking options to every process as MCA variables)."""
+    mapping = env.get("OMPI_MCA_rmaps_base_mapping_policy", "").split(":", 1)[0].lower()
+    ranking = env.get("OMPI_MCA_rmaps_base_ranking_policy", "").split(":", 1)[0].lower()
+    if mapping in ("node", "seq", "dist"):
+        return f"--map-by {mapping}"
+    if ranking == "node":
+        return "--rank-by node"
+    if env.get("OMPI_MCA_rmaps_rank_file_path"):
+        return "a rankfile"
+    return None
+
+
 def openmpi(env: Mapping[str, str], _nodefile: str | None = None) -> Placement | None:
     """OpenMPI says how many processes run on this node (``OMPI_COMM_WORLD_LOCAL_SIZE``), never
     which node this is: ``OMPI_COMM_WORLD_NODE_RANK`` is the process's index *on* its node. So a
@@ -147,6 +161,8 @@ def openmpi(env: Mapping[str, str], _nodefile: str | None = None) -> Placement |
     if size % local_size != 0 or (num_nodes is not None and num_nodes * local_size != size):
         nodes = f" on {num_nodes} nodes" if num_nodes is not None else ""
         problem = f"uneven placement: {size} processes{nodes}, {local_size} on this node"
+    elif (policy := _interleaving_policy(env)) is not None:
+        problem = f"this node's ranks are not one block ({policy} interleaves them across nodes)"
     elif rank % local_size != local_rank:
         problem = (
             f"this node's ranks are not one block (rank {rank} is local rank {local_rank} of "

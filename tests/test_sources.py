@@ -103,6 +103,13 @@ def test_openmpi_refuses_what_it_cannot_derive_and_says_what_is_needed():
             3, 4, 1, 0, MASTER_ADDR="m", OMPI_MCA_orte_num_nodes="2"
         ),
         "not one block": ompi(1, 4, 2, 0, MASTER_ADDR="m"),  # --map-by node
+        # rank 0 looks like a block on its own; mpirun's mapping option says it is not
+        "(--map-by node interleaves": ompi(
+            0, 4, 2, 0, MASTER_ADDR="m", OMPI_MCA_rmaps_base_mapping_policy="node"
+        ),
+        "(--rank-by node interleaves": ompi(
+            0, 4, 2, 0, MASTER_ADDR="m", OMPI_MCA_rmaps_base_ranking_policy="node:span"
+        ),
     }
     for why, env in cases.items():
         p = from_environment(env)
