@@ -69,10 +69,16 @@ def torchrun(env: Mapping[str, str], _nodefile: str | None = None) -> Placement 
     )
 
 
-def _tasks_per_node(text: str) -> int | None:
-    """SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE look like ``4`` or ``4(x3),2``; take the first."""
-    found = re.match(r"^(\d+)", text.strip())
-    return int(found.group(1)) if found else None
+def _tasks_per_node(name: str, text: str) -> int | None:
+    """SLURM's tasks per node look like ``4`` or ``4(x3),2``: every node must run the same count
+    (NPROC_PER_NODE is one number), so ``4(x3),2`` is refused."""
+    counts = set(re.findall(r"(\d+)(?:\(x\d+\))?", text.strip()))
+    if len(counts) > 1:
+        raise SourceError(
+            f"{name}={text!r}: nodes run different numbers of tasks; run the same number on "
+            "every node (srun --ntasks-per-node=N)"
+        )
+    return int(counts.pop()) if counts else None
 
 
 def slurm(env: Mapping[str, str], _nodefile: str | None = None) -> Placement | None:
@@ -91,14 +97,24 @@ def slurm(env: Mapping[str, str], _nodefile: str | None = None) -> Placement | N
     nnodes = (
         _int(env, "SLURM_NNODES", 1) or _int(env, "SLURM_JOB_NUM_NODES", 1) or (len(nodes) or None)
     )
-    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    # The step's own tasks first: inside an sbatch allocation, srun may start fewer per node.
+    per_node_var = next(
+        (
+            k
+            for k in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+            if env.get(k)
+        ),
+        "",
+    )
+    per_node = env.get(per_node_var, "")
     return Placement(
         "slurm",
         rank,
         nnodes=nnodes,
         master_addr=env.get("MASTER_ADDR") or (nodes[0] if nodes else None),
         master_port=_int(env, "MASTER_PORT", 1),
-        nproc_per_node=_tasks_per_node(per_node) or _int(env, "SLURM_GPUS_ON_NODE", 1),
+        nproc_per_node=_tasks_per_node(per_node_var, per_node)
+        or _int(env, "SLURM_GPUS_ON_NODE", 1),
         matched="SLURM_NODEID",
         verify_master=bool(env.get("MASTER_ADDR")),
     )

@@ -158,3 +158,13 @@ def test_order_torchrun_before_slurm_before_openmpi():
     assert from_environment(env).source == "slurm"
     env |= {"GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     assert from_environment(env).source == "torchrun"
+
+
+def test_slurm_step_tasks_win_and_uneven_tasks_are_refused():
+    env = {"SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    p = from_environment(
+        env | {"SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    )
+    assert p is not None and p.nproc_per_node == 2 and p.master_addr == "n1"
+    with pytest.raises(SourceError, match=r"SLURM_TASKS_PER_NODE='2\(x1\),1': nodes run different"):
+        from_environment(env | {"SLURM_TASKS_PER_NODE": "2(x1),1"})
