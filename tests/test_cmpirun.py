@@ -9,6 +9,7 @@ import json
 import shutil
 import sys
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ WHERE = (
     "pathlib.Path(sys.argv[1], name).write_text(f'{socket.gethostname()} {out.returncode} {text}')\n"
 )
 TRAIN = """\
+import pathlib
 import socket
 
 import torch
@@ -39,7 +41,8 @@ from meshkit.torch import init_distributed
 place = init_distributed(hostfile={hostfile!r}, timeout=90)
 value = torch.tensor([float(place.rank + 1)])
 dist.all_reduce(value)
-print("RESULT", socket.gethostname(), place.rank, place.world_size, value.item(), flush=True)
+line = f"RESULT {{socket.gethostname()}} {{place.rank}} {{place.world_size}} {{value.item()}}"
+pathlib.Path({results!r}, f"rank{{place.rank}}").write_text(line)  # mpirun interleaves stdout
 dist.destroy_process_group()
 """
 
@@ -204,14 +207,37 @@ def test_env_under_mpirun_without_hostfile_derives_or_refuses(lay: sandbox.Layou
 @pytest.mark.parametrize("per_node", [1, 2])
 def test_init_distributed_under_mpirun_in_reverse_order(lay: sandbox.Layout, per_node: int) -> None:
     script = Path(lay.shared) / "cmpi_train.py"
-    script.write_text(TRAIN.format(hostfile=str(lay.hostfile)))
+    script.write_text(TRAIN.format(hostfile=str(lay.hostfile), results=str(results(lay))))
     # From node3 with -H reversed: mpirun's rank 0 runs on node3, far from MASTER_ADDR (node0).
     rc, out = mpirun(lay, 3, [3, 2, 1, 0], per_node, [sys.executable, str(script)])
     assert rc == 0, out
-    results = [line.split() for line in out.splitlines() if line.startswith("RESULT")]
+    reports = [p.read_text().split() for p in (Path(lay.shared) / "cmpi-results").iterdir()]
     world = NODES * per_node
-    assert len(results) == world, out
-    assert sorted(int(r[2]) for r in results) == list(range(world))
-    assert {float(r[4]) for r in results} == {float(world * (world + 1) // 2)}
+    assert len(reports) == world, out
+    assert sorted(int(r[2]) for r in reports) == list(range(world))
+    assert {float(r[4]) for r in reports} == {float(world * (world + 1) // 2)}
     # the torch rank follows the hostfile: rank 0 (and the store) on the master node
-    assert {r[1] for r in results if int(r[2]) < per_node} == {"node0"}
+    assert {r[1] for r in reports if int(r[2]) < per_node} == {"node0"}
+
+
+def test_init_distributed_from_the_hostfile_alone_any_start_order(lay: sandbox.Layout) -> None:
+    """No launcher: each node runs the script itself (as ``meshkit run`` would), node3 first; the
+    hostfile makes node0 the host of the store, whichever process starts first."""
+    script = Path(lay.shared) / "cmpi_train.py"
+    script.write_text(TRAIN.format(hostfile=str(lay.hostfile), results=str(results(lay))))
+    with ThreadPoolExecutor(NODES) as pool:
+        runs = [
+            pool.submit(
+                sandbox.node_exec,
+                lay.nodes[i],
+                ["timeout", str(int(MPI_TIMEOUT)), sys.executable, str(script)],
+                MPI_TIMEOUT + 10,
+            )
+            for i in reversed(range(NODES))
+        ]
+        outs = [r.result() for r in runs]
+    assert all(o.returncode == 0 for o in outs), [o.stdout + o.stderr for o in outs]
+    reports = sorted(
+        p.read_text().split()[1:] for p in (Path(lay.shared) / "cmpi-results").iterdir()
+    )
+    assert reports == [[f"node{i}", str(i), str(NODES), "10.0"] for i in range(NODES)]
