@@ -43,7 +43,7 @@ def lay() -> Iterator[sandbox.Layout]:
     try:
         slurm.preflight()
     except SandboxError as exc:  # CI installs them
-        pytest.skip(str(exc))
+        pytest.skip(f"sandbox SLURM: {exc}")  # .ci/run fails a CI run with this skip
     root = sandbox_dir(NAME)
     layout = sandbox.up(root, sandbox.default_subnet("", NAME), NODES, NAME, slurm=True)
     try:
