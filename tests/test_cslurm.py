@@ -5,6 +5,7 @@ hostfile at all."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +23,9 @@ NAME = "cslurmt"
 NODES = 4
 JOB_TIMEOUT = 180.0
 TRAIN = """\
+import pathlib
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -32,7 +35,8 @@ from meshkit.torch import init_distributed
 place = init_distributed(timeout=90)
 value = torch.tensor([float(place.rank + 1)])
 dist.all_reduce(value)
-print("RESULT", socket.gethostname(), place.rank, place.world_size, value.item(), flush=True)
+line = f"RESULT {socket.gethostname()} {place.rank} {place.world_size} {value.item()}"
+pathlib.Path(sys.argv[1], f"rank{place.rank}").write_text(line)  # one file per rank: whole lines
 dist.destroy_process_group()
 """
 
@@ -115,16 +119,19 @@ def test_sbatch_tasks_init_distributed_and_all_reduce(lay: sandbox.Layout) -> No
     (shared / "cslurm_train.py").write_text(TRAIN)
     out = shared / "cslurm.out"
     out.unlink(missing_ok=True)
+    reports = shared / "cslurm-results"
+    shutil.rmtree(reports, ignore_errors=True)
+    reports.mkdir()
     batch = shared / "cslurm.sbatch"
     batch.write_text(
         "#!/bin/sh\n"
         f"#SBATCH --nodes={NODES} --ntasks-per-node=2 --chdir=/ --output={out}\n"
-        f"srun {sys.executable} {shared / 'cslurm_train.py'}\n"
+        f"srun {sys.executable} {shared / 'cslurm_train.py'} {reports}\n"
     )
     done = in_node(lay, ["sbatch", "--parsable", "--wait", str(batch)], node=2)
     text = out.read_text() if out.exists() else ""
     assert done.returncode == 0, done.stdout + done.stderr + text
-    results = [line.split() for line in text.splitlines() if line.startswith("RESULT")]
+    results = [p.read_text().split() for p in reports.iterdir()]
     world = NODES * 2
     assert len(results) == world, text
     assert sorted(int(r[2]) for r in results) == list(range(world))
