@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -241,3 +242,41 @@ def test_init_distributed_from_the_hostfile_alone_any_start_order(lay: sandbox.L
         p.read_text().split()[1:] for p in (Path(lay.shared) / "cmpi-results").iterdir()
     )
     assert reports == [[f"node{i}", str(i), str(NODES), "10.0"] for i in range(NODES)]
+
+
+def test_pbs_nodefile_on_real_nodes(lay: sandbox.Layout) -> None:
+    """PBS's nodefile (one line per slot), read on each node, found by the node's hostname."""
+    nodefile = Path(lay.shared) / "cmpi.nodefile"
+    nodefile.write_text("".join(f"{n.name}\n{n.name}\n" for n in lay.nodes))
+
+    def env_on(node: sandbox.Node, *extra: str) -> subprocess.CompletedProcess[str]:
+        return sandbox.node_exec(
+            node,
+            [
+                "env",
+                f"PBS_NODEFILE={nodefile}",
+                *extra,
+                sys.executable,
+                "-m",
+                "meshkit",
+                "env",
+                "--json",
+            ],
+        )
+
+    for i, node in enumerate(lay.nodes):
+        done = env_on(node)
+        assert done.returncode == 0, done.stderr
+        got = json.loads(done.stdout)
+        assert (got["NODE_RANK"], got["MASTER_ADDR"], got["NPROC_PER_NODE"], got["source"]) == (
+            str(i),
+            "node0",
+            "2",
+            "pbs",
+        )
+    # a MASTER_ADDR of the user's that is not node 0 is refused where it shows
+    wrong = f"MASTER_ADDR={lay.nodes[2].address}"
+    outcomes = [env_on(n, wrong) for n in lay.nodes]
+    assert [o.returncode != 0 for o in outcomes] == [True, False, True, False]
+    assert "is this machine, but pbs makes it node 2" in outcomes[2].stderr
+    assert "Traceback" not in outcomes[0].stderr + outcomes[2].stderr
