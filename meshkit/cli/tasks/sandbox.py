@@ -9,18 +9,16 @@ from typing import Any
 
 from invoke.collection import Collection
 from invoke.context import Context
-from invoke.tasks import task
 
 from ... import sandbox
-from ...config import settings
 from ...sandbox.slurm import conf_path as slurm_conf_path
-from ..common import reported, table
+from ..common import conf, reported, table, task
 
 DIR_HELP = "sandbox state directory (default: config meshkit.sandbox.dir, /var/tmp/meshkit-sandbox)"
 
 
 def _conf(c: Context) -> Any:
-    return settings(c.config).sandbox
+    return conf().sandbox
 
 
 def _dir(c: Context, flag: str | None, name: str | None) -> str:
@@ -65,12 +63,12 @@ def up(
     print(f"shared dir:  {lay.shared}   (every node sees it: put job workdirs here)")
     print(f"next:        meshkit mesh --hostfile {lay.hostfile}")
     if slurm:
-        conf = slurm_conf_path(lay)
+        slurm_conf = slurm_conf_path(lay)
         print(
-            f"slurm:       export SLURM_CONF={conf}   (in a node: nsenter or ssh, then srun/sbatch)"
+            f"slurm:       export SLURM_CONF={slurm_conf}   (in a node: nsenter or ssh, then srun/sbatch)"
         )
         print(
-            f"             e.g. SLURM_CONF={conf} srun -N{lay.count} {sys.executable} -m meshkit env"
+            f"             e.g. SLURM_CONF={slurm_conf} srun -N{lay.count} {sys.executable} -m meshkit env"
         )
 
 
