@@ -6,7 +6,6 @@ import struct
 import pytest
 
 from meshkit import keys
-from meshkit.hostfile import Host
 from meshkit.keys import (
     KeyFormatError,
     PublicKey,
@@ -89,7 +88,7 @@ def test_two_meshes_share_a_line_and_unmesh_takes_only_its_own_tag():
     assert one.added == [f"{b.kind} {b.blob} meshkit:n1 mesh=mesha"]
     two = merge_authorized(one.text, [("n1", b), ("n0", a)], "meshb")
     assert two.added == [] and two.claimed == 1  # the admin's line for a is not claimed
-    assert f"meshkit:n1 mesh=mesha,meshb" in two.text and two.text.startswith(admin)
+    assert "meshkit:n1 mesh=mesha,meshb" in two.text and two.text.startswith(admin)
     assert keys.listed_by_others(two.text, b, "mesha")
     text, n = remove_tagged(two.text, known_hosts=False, mesh_id="mesha")
     assert n == 1 and "meshkit:n1 mesh=meshb" in text
