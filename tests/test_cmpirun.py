@@ -52,7 +52,11 @@ dist.destroy_process_group()
 def lay() -> Iterator[sandbox.Layout]:
     with fresh_sandbox(NAME, NODES) as layout:
         done = meshkit(
-            "mesh", "--hostfile", str(layout.hostfile), env={"MESHKIT_CONNECT_TIMEOUT": "5"}
+            "mesh",
+            "--hostfile",
+            str(layout.hostfile),
+            env={"MESHKIT_CONNECT_TIMEOUT": "5"},
+            timeout=400,  # a bound, not a speed check: CI machines run other sandboxes too
         )
         assert done.returncode == 0, done.stdout + done.stderr
         yield layout
