@@ -147,15 +147,17 @@ def test_bare_torchrun_gloo_all_reduce_completes_with_the_exported_interface(mes
 
 
 @pytest.mark.parametrize(
-    ("session", "override"),
+    ("session", "override", "advertised"),
     [
         # gloo falls back to the hostname: 127.0.1.1 on every node
-        ("unset", "env -u GLOO_SOCKET_IFNAME -u NCCL_SOCKET_IFNAME"),
+        ("unset", "env -u GLOO_SOCKET_IFNAME -u NCCL_SOCKET_IFNAME", "127.0.1.1"),
         # one name for all nodes, the wrong one: every node advertises 172.17.0.1
-        ("docker", "env GLOO_SOCKET_IFNAME=docker0"),
+        ("docker", "env GLOO_SOCKET_IFNAME=docker0", "172.17.0.1"),
     ],
 )
-def test_without_the_right_interface_the_same_job_fails_bounded(meshed, session, override):
+def test_without_the_right_interface_the_same_job_fails_bounded(
+    meshed, session, override, advertised
+):
     lay, workdir = meshed
     train(
         lay, workdir, session, f"{override} torchrun collective_probe.py --backend gloo --timeout 8"
@@ -165,3 +167,6 @@ def test_without_the_right_interface_the_same_job_fails_bounded(meshed, session,
     assert all(r["exit_code"] != 0 for r in rows), (rows, lines)
     assert lines and all("error=" in line for line in lines.values()), lines
     assert not any("ok=True" in line for line in lines.values())
+    # gloo's own words: a peer tried the address every node shares, e.g.
+    # "timed out connecting: SO_ERROR: Connection refused, remote=[127.0.1.1]:25517"
+    assert any(f"remote=[{advertised}]" in line for line in lines.values()), lines
