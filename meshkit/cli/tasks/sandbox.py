@@ -8,17 +8,15 @@ from typing import Any
 
 from invoke.collection import Collection
 from invoke.context import Context
-from invoke.tasks import task
 
 from ... import sandbox
-from ...config import settings
-from ..common import reported, table
+from ..common import conf, reported, table, task
 
 DIR_HELP = "sandbox state directory (default: config meshkit.sandbox.dir, /var/tmp/meshkit-sandbox)"
 
 
 def _conf(c: Context) -> Any:
-    return settings(c.config).sandbox
+    return conf().sandbox
 
 
 def _dir(c: Context, flag: str | None, name: str | None) -> str:
