@@ -11,8 +11,8 @@ import pytest
 
 from meshkit import settings
 from meshkit.cli import fast as fastcli
-from meshkit.errors import ConfigError
 from meshkit.cli.tasks import ns
+from meshkit.errors import ConfigError
 
 
 @pytest.mark.parametrize("task", sorted(fastcli.FLAGS))
