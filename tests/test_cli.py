@@ -67,7 +67,8 @@ def test_bad_input_is_one_clear_line_no_traceback(workdir):
 
 def test_run_execs_with_variables_and_exit_code(workdir):
     out = run(
-        ["run", "--node-rank", "1", "--cmd", 'echo "$NODE_RANK/$NNODES $PET_MASTER_ADDR"; exit 3'], workdir
+        ["run", "--node-rank", "1", "--cmd", 'echo "$NODE_RANK/$NNODES $PET_MASTER_ADDR"; exit 3'],
+        workdir,
     )
     assert out.stdout.strip() == "1/2 10.255.255.1" and out.returncode == 3
 
@@ -102,7 +103,11 @@ def test_dash_h_is_help_everywhere_and_usage_errors_exit_2(workdir):
     for meaningless in ("--pty", "--echo", "--warn-only", "--write-pyc", "--prompt-for-sudo"):
         assert meaningless not in top
     assert "--version" in top and "Exit codes" in top
-    for args in (["status", "--bogus"], ["nosuchtask"], ["train", "--session", "my.job", "--cmd", "x"]):
+    for args in (
+        ["status", "--bogus"],
+        ["nosuchtask"],
+        ["train", "--session", "my.job", "--cmd", "x"],
+    ):
         out = run(args, workdir)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert "Traceback" not in out.stderr and out.stderr.startswith("meshkit: ")
