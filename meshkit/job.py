@@ -1,22 +1,58 @@
-"""A training job as meshkit saves and relaunches it. Pure: data and paths, no I/O."""
+"""A training job as meshkit saves, finds and relaunches it. Pure: data and paths, no I/O.
+
+A job is identified by where it lives and what it is called: its workdir and session name (two
+projects may both use the default session without touching each other). It is saved in
+``WORKDIR/.meshkit/SESSION/job.json``, and indexed beside the hostfile (``HOSTFILE_DIR/.meshkit/
+jobs/HOSTFILE_NAME--SESSION.json``), so that ``status``, ``logs``, ``stop`` and a bare ``train``
+find it from any node and any directory.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
 
-from .errors import JobError
+from .errors import JobError, UsageError
 
-_SESSION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+if TYPE_CHECKING:
+    from .protocol import NodeJob
+
+# tmux renames sessions containing '.' or ':' (my.job -> my_job), so neither is allowed.
+_SESSION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+MAX_ENV_VALUE = 65536
+MAX_JOB_FILE = 1 << 20
 
 
 def check_session(name: str) -> str:
-    """tmux session names end up in paths and commands: keep them plain."""
+    """Session names become tmux session names and path parts: keep them to tmux's own rules."""
     if not _SESSION.match(name):
-        raise JobError(f"session name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)")
+        raise UsageError(
+            f"session name {name[:70]!r}: use letters, digits, '_' or '-' (at most 64, no '.' or "
+            "':', which tmux would rename)"
+        )
     return name
+
+
+def check_env(env: dict[str, str], where: str = "config meshkit.env") -> dict[str, str]:
+    """Names become ``export NAME=...`` on every node: only shell variable names pass."""
+    for name, value in env.items():
+        if not _ENV_NAME.match(name):
+            raise UsageError(
+                f"{where}: {name[:60]!r} is not a variable name (letters, digits, '_'; not first "
+                "a digit)"
+            )
+        if len(value) > MAX_ENV_VALUE or "\0" in value:
+            raise UsageError(f"{where}: the value of {name} is too long or holds a NUL byte")
+    return env
+
+
+def job_id(workdir: str, session: str) -> str:
+    return hashlib.sha256(f"{workdir}\0{session}".encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -34,38 +70,110 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
 
     @property
+    def id(self) -> str:
+        return job_id(self.workdir, self.session)
+
+    @property
+    def label(self) -> str:
+        """How messages name the job."""
+        return f"{self.session!r} in {self.workdir}"
+
+    @property
+    def tmux_session(self) -> str:
+        return f"{self.session}-{self.id[:8]}"
+
+    @property
     def home(self) -> PurePosixPath:
         """Where the job keeps its file and logs: on shared storage, so every node sees them."""
-        return PurePosixPath(self.workdir) / ".meshkit" / self.session
+        return job_home(self.workdir, self.session)
+
+    @property
+    def file(self) -> PurePosixPath:
+        return self.home / "job.json"
+
+    @property
+    def index(self) -> PurePosixPath:
+        return index_file(self.hostfile, self.session)
 
     @property
     def log_pattern(self) -> str:
+        """What ``meshkit run --log`` is given: it replaces ``{rank}`` in the file name only."""
         return str(self.home / "node{rank}.log")
 
     def log(self, rank: int) -> str:
-        return self.log_pattern.format(rank=rank)
+        return str(self.home / f"node{rank}.log")
 
-    @property
-    def state_dir(self) -> str:
-        """Per node and wiped by a reboot (each node's own /tmp): start time and exit code."""
-        return f"/tmp/meshkit-{self.session}"
+    def meshkit_argv(self, task: str, *extra: str) -> list[str]:
+        """``python -m meshkit TASK`` with the job's discovery flags: the same on every node."""
+        argv = [self.python, "-m", "meshkit", task, "--hostfile", self.hostfile]
+        argv += ["--session", self.session, "--master-port", str(self.master_port)]
+        if self.nproc_per_node:
+            argv += ["--nproc-per-node", str(self.nproc_per_node)]
+        if self.include:
+            argv += ["--include", self.include]
+        if self.exclude:
+            argv += ["--exclude", self.exclude]
+        return [*argv, *extra]
+
+    def node_job(self) -> NodeJob:
+        """What every node is sent to start its part."""
+        from .protocol import NodeJob
+
+        return NodeJob(
+            job_id=self.id,
+            session=self.session,
+            label=self.label,
+            workdir=self.workdir,
+            tmux_session=self.tmux_session,
+            argv=self.meshkit_argv("run", "--log", self.log_pattern, "--cmd", self.cmd),
+            env=dict(self.env),
+            setup=list(self.setup),
+        )
 
     def to_json(self) -> str:
         data = asdict(self)
         data["setup"] = list(self.setup)
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
+    def index_json(self) -> str:
+        return json.dumps({"workdir": self.workdir, "session": self.session, "id": self.id}) + "\n"
+
+
+def job_home(workdir: str, session: str) -> PurePosixPath:
+    return PurePosixPath(workdir) / ".meshkit" / session
+
 
 def job_file(workdir: str, session: str) -> PurePosixPath:
-    return PurePosixPath(workdir) / ".meshkit" / session / "job.json"
+    return job_home(workdir, session) / "job.json"
+
+
+def index_file(hostfile: str, session: str) -> PurePosixPath:
+    path = PurePosixPath(hostfile)
+    return path.parent / ".meshkit" / "jobs" / f"{path.name}--{session}.json"
 
 
 def from_json(text: str, where: str) -> Job:
     try:
         data = json.loads(text)
         data["setup"] = tuple(data.get("setup") or ())
-        return Job(**data)
-    except (ValueError, TypeError) as exc:
+        job = Job(**data)
+        if not all(isinstance(getattr(job, k), str) for k in ("cmd", "workdir", "session")):
+            raise TypeError("cmd, workdir and session must be strings")
+        check_session(job.session)
+        check_env(job.env, where)
+    except (ValueError, TypeError, UsageError) as exc:
         raise JobError(
             f"{where}: not a meshkit job file ({exc}); relaunch with --cmd to replace it"
         ) from None
+    return job
+
+
+def workdir_from_index(text: str, where: str) -> str:
+    try:
+        data = json.loads(text)
+        workdir = data["workdir"]
+        if not isinstance(workdir, str) or not workdir.startswith("/"):
+            raise TypeError("workdir is not an absolute path")
+    except (ValueError, TypeError, KeyError) as exc:
+        raise JobError(f"{where}: not a meshkit job index ({exc}); relaunch with --cmd") from None
+    return workdir

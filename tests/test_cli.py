@@ -46,7 +46,7 @@ def test_env_json_keys_and_config_layers(workdir):
     assert data["MASTER_PORT"] == "24000"
     data = json.loads(
         run(
-            ["env", "--json", "-n", "0", "--master-port", "25000"],
+            ["env", "--json", "--node-rank", "0", "--master-port", "25000"],
             workdir,
             MESHKIT_MASTER_PORT="24000",
         ).stdout
@@ -67,14 +67,15 @@ def test_bad_input_is_one_clear_line_no_traceback(workdir):
 
 def test_run_execs_with_variables_and_exit_code(workdir):
     out = run(
-        ["run", "-n", "1", "--cmd", 'echo "$NODE_RANK/$NNODES $PET_MASTER_ADDR"; exit 3'], workdir
+        ["run", "--node-rank", "1", "--cmd", 'echo "$NODE_RANK/$NNODES $PET_MASTER_ADDR"; exit 3'],
+        workdir,
     )
     assert out.stdout.strip() == "1/2 10.255.255.1" and out.returncode == 3
 
 
 def test_env_and_run_never_import_ssh_or_torch(workdir):
     out = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "meshkit", "env", "-n", "0"],
+        [sys.executable, "-X", "importtime", "-m", "meshkit", "env", "--node-rank", "0"],
         cwd=workdir,
         capture_output=True,
         text=True,
@@ -92,3 +93,21 @@ def test_help_lists_every_task_and_flags(workdir):
     assert "env" in out.stdout and "run" in out.stdout
     out = run(["env", "--help"], workdir)
     assert "--hostfile" in out.stdout and "--json" in out.stdout and "--node-rank" in out.stdout
+
+
+def test_dash_h_is_help_everywhere_and_usage_errors_exit_2(workdir):
+    for args in (["-h"], ["--help"], ["mesh", "-h"], ["status", "-h"], ["train", "--help"]):
+        out = run(args, workdir)
+        assert out.returncode == 0 and "Usage" in out.stdout, (args, out.stderr)
+    top = run(["--help"], workdir).stdout
+    for meaningless in ("--pty", "--echo", "--warn-only", "--write-pyc", "--prompt-for-sudo"):
+        assert meaningless not in top
+    assert "--version" in top and "Exit codes" in top
+    for args in (
+        ["status", "--bogus"],
+        ["nosuchtask"],
+        ["train", "--session", "my.job", "--cmd", "x"],
+    ):
+        out = run(args, workdir)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr and out.stderr.startswith("meshkit: ")

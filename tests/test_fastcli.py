@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+from meshkit import settings
 from meshkit.cli import fast as fastcli
 from meshkit.cli.tasks import ns
+from meshkit.errors import ConfigError
 
 
 @pytest.mark.parametrize("task", sorted(fastcli.FLAGS))
-def test_same_flags_and_short_flags_as_the_invoke_task(task):
-    invoke_args = {
-        (a.name, tuple(sorted(a.nicknames)), a.kind is bool) for a in ns[task].get_arguments()
-    }
-    fast_args = {(name, (short,), name in fastcli.BOOLEAN) for name, short in fastcli.FLAGS[task]}
+def test_same_flags_as_the_invoke_task_and_no_short_flags(task):
+    invoke_args = {(a.name, a.kind is bool) for a in ns[task].get_arguments()}
+    fast_args = {(name, name in fastcli.BOOLEAN) for name in fastcli.FLAGS[task]}
     assert fast_args == invoke_args
+    assert all(not a.nicknames for a in ns[task].get_arguments())  # -h is help, nothing else
 
 
 def both_paths(args, cwd, env):
@@ -56,9 +58,9 @@ def test_same_output_with_config_files_and_env(tmp_path, config):
     )
     (tmp_path / config).write_text(body)
     for args in (
-        ["env", "-n", "1"],
-        ["env", "--json", "--node-rank=0", "-m", "24000"],
-        ["run", "-n", "1", "--cmd", "echo $NODE_RANK $MASTER_PORT $NPROC_PER_NODE"],
+        ["env", "--node-rank", "1"],
+        ["env", "--json", "--node-rank=0", "--master-port", "24000"],
+        ["run", "--node-rank", "1", "--cmd", "echo $NODE_RANK $MASTER_PORT $NPROC_PER_NODE"],
     ):
         fast, slow = both_paths(args, tmp_path, {"MESHKIT_EXCLUDE": "nothing-matches"})
         assert (fast.returncode, fast.stdout, fast.stderr) == (
@@ -66,7 +68,7 @@ def test_same_output_with_config_files_and_env(tmp_path, config):
             slow.stdout,
             slow.stderr,
         ), args
-    fast, slow = both_paths(["env", "-n", "0"], tmp_path, {"MESHKIT_MASTER_PORT": "21000"})
+    fast, slow = both_paths(["env", "--node-rank", "0"], tmp_path, {"MESHKIT_MASTER_PORT": "21000"})
     assert "export MASTER_PORT=21000" in fast.stdout and fast.stdout == slow.stdout
 
 
@@ -81,10 +83,30 @@ def test_errors_match_and_unknown_flags_fall_back(tmp_path):
 def test_settings_layering_without_invoke(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "meshkit.yaml").write_text("meshkit:\n  session: beta\n  sandbox:\n    nodes: 5\n")
-    conf = fastcli.settings({"MESHKIT_CONNECT_TIMEOUT": "4", "MESHKIT_SESSION": "gamma"})
-    assert (
-        conf["session"] == "gamma"
-        and conf["connect_timeout"] == 4
-        and conf["sandbox"]["nodes"] == 5
-    )
-    assert conf["sandbox"]["subnet"] == "10.77.0.0/24"
+    conf = settings.load({"MESHKIT_CONNECT_TIMEOUT": "4", "MESHKIT_SESSION": "gamma"})
+    assert conf.session == "gamma" and conf.connect_timeout == 4.0 and conf.sandbox.nodes == 5
+    assert conf.sandbox.subnet == "10.77.0.0/24"
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "message"),
+    [
+        ("connect_timeout: soon\n", {}, "connect_timeout = 'soon': expected a number of seconds"),
+        ("parallel: 0\n", {}, "parallel = '0': expected a whole number 1..1024"),
+        ("sessoin: x\n", {}, "unknown key 'sessoin'"),
+        ("env:\n  'A;rm -rf /': x\n", {}, "is not a variable name"),
+        ("- a\n- b\n", {}, "expected a mapping of meshkit keys"),
+        ("hostfile: [\n", {}, "not valid YAML"),
+        ("", {"MESHKIT_MASTER_PORT": "70000"}, "MESHKIT_MASTER_PORT: master_port = '70000'"),
+        ("", {"MESHKIT_ENV": "A=1"}, "MESHKIT_ENV='A=1': expected JSON"),
+    ],
+)
+def test_bad_configuration_is_a_clear_usage_error(tmp_path, monkeypatch, text, env, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "meshkit.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        settings.load(env)
+    (tmp_path / "hostfile").write_text("10.255.255.1\n")
+    fast, slow = both_paths(["env", "--node-rank", "0"], tmp_path, env)
+    assert fast.returncode == slow.returncode == 2, (fast.stderr, slow.stderr)
+    assert message in fast.stderr and "Traceback" not in fast.stderr + slow.stderr

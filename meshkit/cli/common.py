@@ -1,15 +1,19 @@
-"""What every task shares: flag help, flags-over-config lookup, user errors as Exit, tables."""
+"""What every task shares: flag help, flags over configuration, errors as exit codes, tables and
+progress. The only place (with the task modules) that prints or exits."""
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from invoke.exceptions import Exit
+from invoke.tasks import Task
+from invoke.tasks import task as invoke_task
 
-from ..config import settings
+from .. import settings
 from ..errors import MeshkitError
 from .envcmd import pick, pick_int
 
@@ -26,8 +30,15 @@ HELP = {
     "master_port": "master port (default: derived from the hostfile and session, same on every node)",
     "nproc_per_node": "processes per node, or 'auto' (hostfile slots, else GPUs, else 1)",
     "cmd": "the command to run (bash); $NODE_RANK, $MASTER_ADDR etc. expand in it",
-    "workdir": "the job's workdir (default: config meshkit.workdir, else cwd)",
+    "workdir": "the job's workdir (default: config meshkit.workdir, else found through the "
+    "hostfile's job index, else the current directory)",
 }
+
+
+def task(**options: Any) -> Callable[[Callable[..., None]], Task[Any]]:
+    """invoke's ``@task`` without its automatic short flags: they differed per task (``-h`` was
+    --hostfile on some), so the only short flag left is ``-h`` for help, everywhere."""
+    return invoke_task(auto_shortflags=False, **options)  # type: ignore[no-any-return]
 
 
 def helps(*names: str, **extra: str) -> dict[str, str]:
@@ -35,24 +46,33 @@ def helps(*names: str, **extra: str) -> dict[str, str]:
     return {**{n: HELP[n] for n in names}, **extra}
 
 
+@functools.lru_cache(maxsize=1)
+def conf() -> settings.Config:
+    """The checked configuration (files and MESHKIT_* variables), read once per command."""
+    return settings.load()
+
+
 @contextmanager
 def reported() -> Iterator[None]:
-    """Turn meshkit's user errors into a message and exit code 1, never a traceback."""
+    """Turn meshkit's errors into a message and their exit code (1, or 2 for usage errors), and
+    Ctrl-C into 130, never a traceback. Connections opened inside are closed on the way out."""
     try:
         yield
     except MeshkitError as exc:
-        raise Exit(f"meshkit: {exc}", 1) from None
+        sys.stdout.flush()
+        raise Exit(f"meshkit: {exc}", exc.exit_code) from None
     except KeyboardInterrupt:
+        sys.stdout.flush()
         raise Exit("meshkit: interrupted", 130) from None
 
 
-def option(c: Any, name: str, flag: Any) -> Any:
+def option(name: str, flag: Any) -> Any:
     """A flag when given, else the configured value (flags are the last config level)."""
-    return pick(settings(c.config), name, flag)
+    return pick(conf(), name, flag)
 
 
-def int_option(c: Any, name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
-    return pick_int(settings(c.config), name, flag, allow_auto=allow_auto)
+def int_option(name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
+    return pick_int(conf(), name, flag, allow_auto=allow_auto)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -68,6 +88,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 def progress(event: PhaseEvent) -> None:
     """``phase  done/total`` on stderr: redrawn in place on a terminal, one line when finished."""
     out = sys.stderr
+    if not event.phase:
+        return
     if not event.finished:
         if out.isatty():
             out.write(f"\r  {event.phase:<9} {event.done}/{event.total}")

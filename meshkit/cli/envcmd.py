@@ -1,7 +1,7 @@
 """What ``meshkit env`` and ``meshkit run`` do, shared by the invoke tasks and the fast path.
 
 These run on every node at every launch, so this module imports neither invoke nor anything of SSH.
-``conf`` is the ``meshkit`` config section (invoke's DataProxy or a plain dict); flags win over it.
+``conf`` is the checked configuration (``meshkit.settings.Config``); flags win over it.
 """
 
 from __future__ import annotations
@@ -10,35 +10,31 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from ..distenv import NodeEnv, as_json, export_lines, variables
-from ..errors import MeshkitError
+from ..errors import UsageError
+from ..settings import Config
 
 
-def pick(conf: Mapping[str, Any], name: str, flag: Any) -> Any:
+def pick(conf: Config, name: str, flag: Any) -> Any:
     """A flag when given, else the configured value (flags are the last config level)."""
-    return flag if flag is not None else conf[name]
+    return flag if flag is not None else conf.get(name)
 
 
-def pick_int(
-    conf: Mapping[str, Any], name: str, flag: Any, *, allow_auto: bool = False
-) -> int | None:
+def pick_int(conf: Config, name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
     value = pick(conf, name, flag)
     if value is None or value == "" or (allow_auto and str(value) == "auto"):
         return None
     text = str(value)
     if not text.isdigit() or int(text) < 1:
         hint = " or 'auto'" if allow_auto else ""
-        raise MeshkitError(
-            f"--{name.replace('_', '-')} {text!r}: expected a whole number >= 1{hint}"
-        )
+        raise UsageError(f"--{name.replace('_', '-')} {text!r}: expected a whole number >= 1{hint}")
     return int(text)
 
 
 def node_env(
-    conf: Mapping[str, Any],
+    conf: Config,
     *,
     hostfile: str | None = None,
     node_rank: str | None = None,
@@ -53,7 +49,7 @@ def node_env(
     rank = None
     if node_rank is not None:
         if not str(node_rank).isdigit():
-            raise MeshkitError(f"--node-rank {node_rank!r}: expected a whole number >= 0")
+            raise UsageError(f"--node-rank {node_rank!r}: expected a whole number >= 0")
         rank = int(node_rank)
     return discover(
         pick(conf, "hostfile", hostfile),
@@ -76,7 +72,9 @@ def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     script = cmd
     if log:
-        target = log.replace("{rank}", str(node.node_rank))
+        # {rank} is replaced in the file name only: a directory may hold any characters.
+        head, name = os.path.split(log)
+        target = os.path.join(head, name.replace("{rank}", str(node.node_rank)))
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
         # A pipeline, not `exec > >(tee ...)`: bash then waits for tee, so the log is complete by
         # the time the exit code is recorded.

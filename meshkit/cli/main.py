@@ -6,30 +6,92 @@ launch); everything else, and anything unusual about those two, goes to the Prog
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .. import __version__
 
-
-def program() -> Any:
+if TYPE_CHECKING:
     from invoke.program import Program
 
-    from ..config import MeshkitConfig
+# invoke's own core flags that mean something to meshkit; --pty, --echo, --warn-only, --config
+# and the rest configure invoke's shell runner, which meshkit does not use.
+CORE_FLAGS = ("help", "version", "list", "complete", "print-completion-script")
+USAGE_EXIT = 2
+INTERRUPTED_EXIT = 130
+
+
+def program() -> Program:
+    from invoke.exceptions import Exit, ParseError
+    from invoke.parser.argument import Argument
+    from invoke.program import Program
+
     from .tasks import ns
 
-    return Program(
+    class MeshkitProgram(Program):
+        def task_args(self) -> list[Argument]:
+            return []  # --collection, --search-root: meshkit's collection is fixed
+
+        def print_help(self) -> None:
+            # invoke reads its other core flags internally, so they stay parseable; the help
+            # lists only those that mean something to meshkit.
+            print(f"Usage: {self.binary} [--help] [--version] <task> [--task-opts] ...")
+            print("       meshkit <task> --help   (or -h): the task's own flags\n")
+            print("Core options:\n")
+            wanted = tuple(f"--{name}" for name in CORE_FLAGS)
+            self.print_columns(
+                [t for t in self.initial_context.help_tuples() if wanted and _names(t[0], wanted)]
+            )
+            self.list_tasks()
+            print("Exit codes: 0 ok, 1 failed on some node, 2 usage error, 130 interrupted.\n")
+
+        def parse_core(self, argv: list[str] | None) -> None:
+            try:
+                super().parse_core(argv)
+            except ParseError as exc:
+                raise Exit(f"meshkit: {exc} (see meshkit --help)", USAGE_EXIT) from None
+
+        def parse_tasks(self) -> None:
+            try:
+                super().parse_tasks()
+            except ParseError as exc:
+                raise Exit(f"meshkit: {exc} (see meshkit <task> --help)", USAGE_EXIT) from None
+
+    return MeshkitProgram(
         namespace=ns,
         name="meshkit",
         binary="meshkit",
         binary_names=["meshkit"],
         version=__version__,
-        config_class=MeshkitConfig,
     )
+
+
+def _names(flags: str, wanted: tuple[str, ...]) -> bool:
+    return any(part.split("=")[0].split("[")[0].strip() in wanted for part in flags.split(","))
 
 
 def main() -> None:
     from .fast import run_fast
 
-    if not run_fast(sys.argv[1:]):
-        program().run()
+    try:
+        if not run_fast(sys.argv[1:]):
+            program().run()
+    except KeyboardInterrupt:
+        print("meshkit: interrupted", file=sys.stderr)
+        _leave(INTERRUPTED_EXIT)
+    except BrokenPipeError:  # `meshkit ... | head`: the reader is gone, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _leave(0)
+    except SystemExit as exc:
+        if exc.code == INTERRUPTED_EXIT:
+            # Worker threads may still be blocked in a connect; the connections are closed
+            # already, so leave now rather than wait for them (Ctrl-C ends within a second).
+            _leave(INTERRUPTED_EXIT)
+        raise
+
+
+def _leave(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

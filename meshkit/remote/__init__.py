@@ -9,12 +9,13 @@
 
 from __future__ import annotations
 
-from .agent import Agent
+from .agent import Agent, AgentPool
 from .connection import Remote, Settings, StrictPolicy, UnknownHostKey, fingerprint, ssh_config
 from .group import Cluster, Outcome, PhaseEvent, ProgressFn, failed, fan_out, succeeded
 
 __all__ = [
     "Agent",
+    "AgentPool",
     "Cluster",
     "Outcome",
     "PhaseEvent",

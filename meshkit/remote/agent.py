@@ -1,52 +1,153 @@
-"""The client of the node agent (``python -m meshkit.node serve``) over one exec channel."""
+"""The client of the node agent (``python -m meshkit.node serve``): typed requests over one exec
+channel per node, each reply read with a bound on its size and on the time it takes."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import shlex
 import socket
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import PurePosixPath
+from typing import TypeVar
 
-from ..errors import AgentGone, RemoteError
+import paramiko
+
+from ..errors import AgentGone, ProtocolError, RemoteError
+from ..hostfile import Host
+from ..protocol import (
+    MAX_LINE,
+    NodeFailure,
+    ProtocolViolation,
+    Reply,
+    Request,
+    decode_reply,
+    encode_request,
+    op_of,
+)
 from .connection import Remote
+from .group import Cluster, Outcome
+
+R = TypeVar("R", bound=Reply)
 
 
 class Agent:
-    """A node-side ``meshkit.node serve`` over one exec channel: several requests, one shell start.
-    Requests and replies are JSON lines on the channel's stdin/stdout."""
+    """One node agent; ``call`` sends a request and returns its typed reply."""
 
     def __init__(self, remote: Remote, python: str) -> None:
-        self.remote = remote
+        self.remote, self.python = remote, python
         transport = remote.conn.client.get_transport()
-        self.channel = transport.open_session(timeout=remote.settings.connect_timeout)
+        if transport is None:
+            raise RemoteError("the connection is closed")
+        self.channel: paramiko.Channel = transport.open_session(
+            timeout=remote.settings.connect_timeout
+        )
         self.channel.settimeout(remote.settings.command_timeout)
         self.channel.exec_command(shlex.join([python, "-m", "meshkit.node", "serve"]))
-        self._out = self.channel.makefile("r")
-        self._in = self.channel.makefile_stdin("w")
+        self._out = self.channel.makefile("rb")
+        self._in = self.channel.makefile_stdin("wb")
 
-    def call(self, op: str, **args: Any) -> Any:
-        """One request's result; RemoteError when the node says it failed or the agent is gone."""
+    def call(self, request: Request, expect: type[R], timeout: float | None = None) -> R:
+        """The reply to ``request`` (``RemoteError`` if the node says it failed, the agent is
+        gone, or no reply came within ``timeout``, default the command timeout)."""
+        op = type(request).__name__
+        limit = timeout or self.remote.settings.command_timeout
+        self.channel.settimeout(limit)
         try:
-            self._in.write(json.dumps({"op": op, "args": args}) + "\n")
+            self._in.write(encode_request(request).encode())
             self._in.flush()
-            line = self._out.readline()
+            raw: bytes = self._out.readline(MAX_LINE + 2)
         except (socket.timeout, TimeoutError):
-            raise RemoteError(
-                f"the node agent did not answer {op!r} within "
-                f"{self.remote.settings.command_timeout:.0f}s"
-            ) from None
-        if not line:
-            err = self.channel.makefile_stderr("r").read().strip()
-            raise AgentGone(
-                self.channel.recv_exit_status(), err.decode() if isinstance(err, bytes) else err
+            raise RemoteError(f"the node agent did not answer {op} within {limit:.0f}s") from None
+        if not raw:
+            err = self.channel.makefile_stderr("rb").read(65536).decode(errors="replace")
+            raise AgentGone(self.channel.recv_exit_status(), self._explain(err))
+        if not raw.endswith(b"\n"):
+            raise ProtocolError(f"the node agent's reply to {op} exceeds {MAX_LINE} bytes")
+        try:
+            reply = decode_reply(op_of(request), raw.decode(errors="replace"))
+        except NodeFailure as exc:
+            raise RemoteError(f"{op} failed on the node: {exc}") from None
+        except ProtocolViolation as exc:
+            raise ProtocolError(f"malformed reply to {op} from the node agent: {exc}") from None
+        if not isinstance(reply, expect):
+            raise ProtocolError(f"the node agent answered {op} with {type(reply).__name__}")
+        return reply
+
+    def _explain(self, err: str) -> str:
+        """Why the agent is gone, as the fix: mostly a missing interpreter or meshkit."""
+        if "No module named meshkit" in err or "No module named 'meshkit" in err:
+            return f"meshkit is not installed for {self.python} on the node; install it there"
+        if self.python in err and ("No such file" in err or "not found" in err):
+            return (
+                f"interpreter {self.python} not found on the node; install meshkit at the same "
+                "path there or set meshkit.python"
             )
-        reply = json.loads(line)
-        if not reply["ok"]:
-            raise RemoteError(f"{op} failed on the node: {reply['error']}")
-        return reply["result"]
+        return err
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.channel.shutdown_write()
             self.channel.close()
+
+
+class AgentPool:
+    """One node agent per reachable node of a cluster, opened on first use and reused by every
+    later call of the same command; what the ops layer talks to (a test double replaces it)."""
+
+    def __init__(self, cluster: Cluster, python: str) -> None:
+        self.cluster, self.python = cluster, python
+        self._agents: dict[Host, Agent] = {}
+
+    @property
+    def hosts(self) -> list[Host]:
+        return list(self.cluster.hosts)
+
+    @property
+    def failures(self) -> dict[Host, str]:
+        """Nodes that could not be connected to, with why."""
+        return dict(self.cluster.failures)
+
+    def call_all(
+        self,
+        phase: str,
+        request_for: Callable[[Host], Request | None],
+        expect: type[R],
+        hosts: Sequence[Host] | None = None,
+        timeout: float | None = None,
+    ) -> dict[Host, Outcome[R]]:
+        """``request_for(host)`` on every (or the given) reachable node at once; ``None`` skips."""
+
+        def one(remote: Remote) -> R:
+            request = request_for(remote.host)
+            if request is None:
+                raise _Skipped
+            agent = self._agents.get(remote.host)
+            if agent is None:
+                agent = self._agents[remote.host] = Agent(remote, self.python)
+            return agent.call(request, expect, timeout)
+
+        results = self.cluster.each(phase, one, hosts)
+        return {h: o for h, o in results.items() if not isinstance(o.exc, _Skipped)}
+
+    def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
+        """Write a file on ``host`` through SFTP (parents created, temp file then rename)."""
+        remote = self.cluster.remotes.get(host)
+        if remote is None:
+            raise RemoteError(f"{host.label}: not connected: {self.failures.get(host, '?')}")
+        remote.makedirs(str(PurePosixPath(path).parent), 0o755)
+        remote.write_atomic(path, text, mode)
+
+    def close(self) -> None:
+        for agent in self._agents.values():
+            agent.close()
+        self._agents.clear()
+
+    def __enter__(self) -> AgentPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Skipped(Exception):
+    """``request_for`` returned None for this node."""

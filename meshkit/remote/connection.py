@@ -357,6 +357,20 @@ class Remote:
             if not self._is_dir(path):
                 raise
 
+    def makedirs(self, path: str, mode: int = 0o755) -> None:
+        """``mkdir -p``: create the missing directories (existing ones keep their mode)."""
+        missing = []
+        current = path.rstrip("/") or "/"
+        while current not in ("", "/") and not self._is_dir(current):
+            missing.append(current)
+            current = current.rsplit("/", 1)[0] or "/"
+        for directory in reversed(missing):
+            try:
+                self.sftp.mkdir(directory, mode)
+            except OSError:
+                if not self._is_dir(directory):
+                    raise
+
     def _is_dir(self, path: str) -> bool:
         try:
             return stat.S_ISDIR(self.sftp.stat(path).st_mode or 0)

@@ -342,7 +342,8 @@ def _existing_netns(lay: Layout) -> list[str]:
 
 def down(root: str | os.PathLike[str], name: str = DEFAULT) -> list[str]:
     """Remove every namespace, link and file of the sandbox ``name``; safe to repeat and after a
-    crash. Other sandboxes are left alone."""
+    crash. Other sandboxes are left alone. SLURM's daemons (``up(slurm=True)``) run inside the
+    nodes, so killing every process of every node ends them too."""
     path = Path(root)
     state = _read_state(path)
     name = str(state.get("name", name)) if state else check_name(name)
@@ -381,10 +382,16 @@ def _read_state(root: Path) -> dict[str, object] | None:
     return data if isinstance(data, dict) else None
 
 
-def up(root: str | os.PathLike[str], subnet: str, count: int, name: str = DEFAULT) -> Layout:
+def up(
+    root: str | os.PathLike[str], subnet: str, count: int, name: str = DEFAULT, slurm: bool = False
+) -> Layout:
     """Create (or re-create) the sandbox ``name`` of ``count`` nodes and wait until every sshd
-    answers."""
+    answers; with ``slurm``, also a private SLURM cluster on the nodes (see ``sandbox.slurm``)."""
+    from . import slurm as slurm_cluster
+
     preflight()
+    if slurm:
+        slurm_cluster.preflight()
     lay = layout(root, subnet, count, name)
     down(lay.root, name)
     check_subnet(lay)
@@ -400,6 +407,7 @@ def up(root: str | os.PathLike[str], subnet: str, count: int, name: str = DEFAUL
                 "nodes": count,
                 "subnet": str(lay.subnet),
                 "created_root_ssh": created_root_ssh,
+                "slurm": slurm,
             }
         ),
     )
@@ -409,6 +417,8 @@ def up(root: str | os.PathLike[str], subnet: str, count: int, name: str = DEFAUL
         for node in lay.nodes:
             start_node(lay, node)
         wait_ready(lay, lay.nodes)
+        if slurm:
+            slurm_cluster.start(lay)
     except BaseException:
         down(lay.root, name)
         raise
@@ -440,6 +450,11 @@ def reboot(lay: Layout, index: int) -> Node:
             entry.unlink()
     start_node(lay, node)
     wait_ready(lay, [node])
+    if (_read_state(lay.root) or {}).get("slurm"):
+        from . import slurm
+
+        slurm.start_daemons(lay, node)
+        slurm.wait_idle(lay, [node])
     return node
 
 

@@ -10,11 +10,8 @@ from typing import Any
 
 from invoke.collection import Collection
 from invoke.context import Context
-from invoke.tasks import task
 
-from ...config import settings
-from ...defaults import DEFAULTS
-from ..common import helps, reported
+from ..common import conf, helps, reported, task
 from . import jobs as tasks_train
 from . import mesh as tasks_mesh
 from . import sandbox as tasks_sandbox
@@ -34,7 +31,7 @@ def _node(c: Context, flags: dict[str, Any]) -> Any:
     """Discovery with this task's flags (those named in DISCOVERY) over the configuration."""
     from ..envcmd import node_env
 
-    return node_env(settings(c.config), **{name: flags[name] for name in DISCOVERY})
+    return node_env(conf(), **{name: flags[name] for name in DISCOVERY})
 
 
 @task(help=helps(*DISCOVERY, "json"))
@@ -102,4 +99,3 @@ ns = Collection(
     tasks_train.demo,
 )
 ns.add_collection(tasks_sandbox.ns)
-ns.configure({"meshkit": DEFAULTS})

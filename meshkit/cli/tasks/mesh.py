@@ -9,12 +9,10 @@ from typing import Any
 
 from invoke.context import Context
 from invoke.exceptions import Exit
-from invoke.tasks import task
 
-from ...config import settings
 from ...errors import MeshkitError
 from ...hostfile import Host
-from ..common import helps, option, progress, reported, table
+from ..common import conf, helps, option, progress, reported, table, task
 
 SSH_HELP = {
     "identity": "private key the controller logs in with (a bootstrap key; default: ssh config/agent)",
@@ -28,8 +26,8 @@ def _hosts(
 ) -> tuple[list[Host], str]:
     from ...discovery import read_hosts
 
-    path = option(c, "hostfile", hostfile)
-    return read_hosts(path, option(c, "include", include), option(c, "exclude", exclude)), str(path)
+    path = option("hostfile", hostfile)
+    return read_hosts(path, option("include", include), option("exclude", exclude)), str(path)
 
 
 def ssh_settings(
@@ -42,23 +40,23 @@ def ssh_settings(
     """Connection settings from config and flags; the ssh_config beside the hostfile is read too."""
     from ...remote import Settings
 
-    conf = settings(c.config)
+    cfg = conf()
     configs = [
         str(p)
-        for p in (conf.ssh_config, Path(hostfile).parent / "ssh_config")
+        for p in (cfg.ssh_config, Path(hostfile).parent / "ssh_config")
         if p and Path(p).is_file()
     ]
     secret = getpass.getpass("SSH password for all nodes: ") if password else None
     return Settings(
-        connect_timeout=float(conf.connect_timeout),
-        command_timeout=float(conf.command_timeout),
-        identity=identity or conf.identity,
+        connect_timeout=float(cfg.connect_timeout),
+        command_timeout=float(cfg.command_timeout),
+        identity=identity or cfg.identity,
         password=secret,
         accept_new=accept_new,
         ssh_configs=tuple(configs),
-        user=conf.user,
-        port=int(conf.port) if conf.port else None,
-        parallel=int(conf.parallel),
+        user=cfg.user,
+        port=int(cfg.port) if cfg.port else None,
+        parallel=int(cfg.parallel),
     )
 
 

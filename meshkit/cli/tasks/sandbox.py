@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import json as jsonlib
+import sys
 import time
 from typing import Any
 
 from invoke.collection import Collection
 from invoke.context import Context
-from invoke.tasks import task
 
 from ... import sandbox
-from ...config import settings
-from ..common import reported, table
+from ...sandbox.slurm import conf_path as slurm_conf_path
+from ..common import conf, reported, table, task
 
 DIR_HELP = "sandbox state directory (default: config meshkit.sandbox.dir, /var/tmp/meshkit-sandbox)"
 
 
 def _conf(c: Context) -> Any:
-    return settings(c.config).sandbox
+    return conf().sandbox
 
 
 def _dir(c: Context, flag: str | None, name: str | None) -> str:
@@ -35,6 +35,8 @@ NAME_HELP = "sandbox name, so that several run side by side (default: 'default')
         "name": NAME_HELP,
         "subnet": "private IPv4 subnet for the nodes (default: meshkit.sandbox.subnet, 10.77.0.0/24,"
         " for the default sandbox; one picked from the name for the others)",
+        "slurm": "also run a private SLURM cluster on the nodes (slurmctld, one slurmd per node,"
+        " munge; Debian slurm-wlm and munge)",
     }
 )
 def up(
@@ -43,13 +45,14 @@ def up(
     dir: str | None = None,
     subnet: str | None = None,
     name: str | None = None,
+    slurm: bool = False,
 ) -> None:
     """Create a local cluster of N real sshd nodes (root only); replaces a stale one."""
     with reported():
         started = time.monotonic()
         label = sandbox.check_name(name or sandbox.DEFAULT)
         net = subnet or sandbox.default_subnet(str(_conf(c).subnet), label)
-        lay = sandbox.up(_dir(c, dir, label), net, int(nodes or _conf(c).nodes), label)
+        lay = sandbox.up(_dir(c, dir, label), net, int(nodes or _conf(c).nodes), label, slurm)
         took = time.monotonic() - started
     print(table(["node", "address", "netns"], [(n.name, n.address, n.netns) for n in lay.nodes]))
     print(
@@ -59,6 +62,14 @@ def up(
     print(f"ssh config:  {lay.ssh_config}   (ssh -F {lay.ssh_config} node0)")
     print(f"shared dir:  {lay.shared}   (every node sees it: put job workdirs here)")
     print(f"next:        meshkit mesh --hostfile {lay.hostfile}")
+    if slurm:
+        slurm_conf = slurm_conf_path(lay)
+        print(
+            f"slurm:       export SLURM_CONF={slurm_conf}   (in a node: nsenter or ssh, then srun/sbatch)"
+        )
+        print(
+            f"             e.g. SLURM_CONF={slurm_conf} srun -N{lay.count} {sys.executable} -m meshkit env"
+        )
 
 
 @task(help={"dir": DIR_HELP, "name": NAME_HELP})

@@ -1,0 +1,290 @@
+"""A node's side of jobs: start (in tmux, under a keeper), status, stop, the jobs running here,
+and log reads. Standard library only.
+
+Each job has a state directory in this node's own /tmp (so a reboot forgets it: the job then
+reads ``absent``): ``spec.json`` (what to run), ``keeper.pid``, ``started`` and ``exit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..protocol import (
+    MAX_LOG_BYTES,
+    JobsReply,
+    LogsReply,
+    LogsRequest,
+    NodeJob,
+    RunningJob,
+    StartReply,
+    StartRequest,
+    StatusReply,
+    StatusRequest,
+    StopReply,
+    StopRequest,
+)
+from . import procs
+
+TMUX_TIMEOUT = 10.0
+KEEPER_START_TIMEOUT = 10.0  # the keeper writes keeper.pid within this after tmux starts it
+JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
+
+
+def jobs_root() -> Path:
+    return Path("/tmp") / f"meshkit-{os.getuid()}" / "jobs"
+
+
+def state_dir(job_id: str) -> Path:
+    if not JOB_ID.match(job_id):
+        raise ValueError(f"bad job id {job_id[:40]!r}")
+    return jobs_root() / job_id
+
+
+def _read(path: Path, limit: int = 65536) -> str | None:
+    try:
+        with path.open("rb") as handle:
+            return handle.read(limit).decode(errors="replace")
+    except OSError:
+        return None
+
+
+def _read_int(path: Path) -> int | None:
+    text = _read(path, 64)
+    try:
+        return int(text.strip()) if text else None
+    except ValueError:
+        return None
+
+
+def _read_float(path: Path) -> float | None:
+    text = _read(path, 64)
+    try:
+        return float(text.strip()) if text else None
+    except ValueError:
+        return None
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(tmp, path)
+
+
+def keeper_pid(job_id: str) -> int | None:
+    """The job's keeper, if it is alive and really is that job's keeper (pids get reused)."""
+    d = state_dir(job_id)
+    pid = _read_int(d / "keeper.pid")
+    if pid is None or not procs.alive(pid):
+        return None
+    argv = procs.cmdline(pid)
+    return pid if "keep" in argv and str(d) in argv else None
+
+
+def _label(job_id: str) -> str:
+    text = _read(state_dir(job_id) / "spec.json")
+    try:
+        return str(json.loads(text or "{}").get("label") or job_id)
+    except ValueError:
+        return job_id
+
+
+def running_jobs() -> list[RunningJob]:
+    root = jobs_root()
+    try:
+        ids = sorted(p.name for p in root.iterdir() if JOB_ID.match(p.name))
+    except OSError:
+        return []
+    return [RunningJob(i, _label(i)) for i in ids if keeper_pid(i) is not None]
+
+
+def jobs() -> JobsReply:
+    return JobsReply(running_jobs())
+
+
+def _state(job_id: str) -> tuple[str, int | None]:
+    d = state_dir(job_id)
+    code = _read_int(d / "exit")
+    if code is not None:
+        return "exited", code
+    if keeper_pid(job_id) is not None:
+        return "running", None
+    return "absent", None
+
+
+def _tmux(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["tmux", *args], capture_output=True, text=True, timeout=TMUX_TIMEOUT, check=False
+    )
+
+
+def _stop(job_id: str) -> tuple[bool, int, list[int]]:
+    """End a job's whole tree: its descendants first (while the keeper still holds them), then
+    the keeper, then whatever still carries the tag; then look again."""
+    keeper = keeper_pid(job_id)
+    d = state_dir(job_id)
+    tmux_session = ""
+    with contextlib.suppress(ValueError, TypeError):
+        tmux_session = str(json.loads(_read(d / "spec.json") or "{}").get("tmux_session") or "")
+
+    def below() -> list[int]:
+        return procs.descendants(keeper) if keeper else []
+
+    signalled, _ = procs.end(lambda: below() + procs.tagged(job_id))
+    if keeper:
+        more, _ = procs.end(lambda: [keeper] if procs.alive(keeper) else [])
+        signalled += more
+    if tmux_session:
+        _tmux("kill-session", "-t", f"={tmux_session}")
+    left = [p for p in procs.tagged(job_id) + ([keeper] if keeper else []) if procs.alive(p)]
+    found = keeper is not None or signalled > 0
+    if not left:
+        for name in ("exit", "started", "keeper.pid"):
+            with contextlib.suppress(OSError):
+                (d / name).unlink()
+    return found, signalled, left
+
+
+def stop(request: StopRequest) -> StopReply:
+    found, signalled, left = _stop(request.job_id)
+    return StopReply(found, signalled, left)
+
+
+def start(request: StartRequest) -> StartReply:
+    """Start the job here unless another meshkit job runs (and ``replace`` was not given);
+    the same job's old run is replaced. Then look: is its keeper up (or has it already exited)?"""
+    job = request.job
+    others = [r for r in running_jobs() if r.job_id != job.job_id]
+    if others and not request.replace:
+        return StartReply(False, "absent", [], others, "another meshkit job is running here")
+    replaced: list[RunningJob] = []
+    for victim in [*(others if request.replace else []), RunningJob(job.job_id, job.label)]:
+        found, _, left = _stop(victim.job_id)
+        if left:
+            return StartReply(
+                False,
+                "absent",
+                replaced,
+                [],
+                f"processes of {victim.label} survived TERM and KILL: {left[:20]}",
+            )
+        if found:
+            replaced.append(victim)
+    d = state_dir(job.job_id)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for name in ("exit", "started", "keeper.pid", "error"):
+        with contextlib.suppress(OSError):
+            (d / name).unlink()
+    write_atomic(d / "spec.json", json.dumps(_spec(job)))
+    _tmux("kill-session", "-t", f"={job.tmux_session}")  # a stale one whose keeper is gone
+    # Nothing the user wrote passes through tmux: no -c (tmux expands formats there); the keeper
+    # reads the spec and changes directory itself.
+    done = _tmux(
+        "new-session",
+        "-d",
+        "-s",
+        job.tmux_session,
+        "--",
+        sys.executable,
+        "-m",
+        "meshkit.node",
+        "keep",
+        str(d),
+    )
+    if done.returncode != 0:
+        return StartReply(
+            False, "absent", replaced, [], done.stderr.strip()[-300:] or "tmux failed"
+        )
+    deadline = time.monotonic() + KEEPER_START_TIMEOUT
+    while time.monotonic() < deadline:
+        state, _ = _state(job.job_id)
+        if state != "absent":
+            error = _read(d / "error", 2000)
+            return StartReply(True, state, replaced, [], error.strip() if error else None)
+        time.sleep(0.02)
+    return StartReply(
+        False,
+        "absent",
+        replaced,
+        [],
+        f"the job's keeper did not start in {KEEPER_START_TIMEOUT:.0f}s",
+    )
+
+
+def _spec(job: NodeJob) -> dict[str, object]:
+    return {
+        "job_id": job.job_id,
+        "session": job.session,
+        "label": job.label,
+        "workdir": job.workdir,
+        "tmux_session": job.tmux_session,
+        "argv": job.argv,
+        "env": job.env,
+        "setup": job.setup,
+    }
+
+
+def status(request: StatusRequest) -> StatusReply:
+    state, code = _state(request.job_id)
+    started = _read_float(state_dir(request.job_id) / "started") if state != "absent" else None
+    return StatusReply(state, code, started, last_line(Path(request.log)))
+
+
+def last_line(path: Path, window: int = 8192) -> str | None:
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - window))
+            lines = [ln for ln in handle.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    return lines[-1][-300:] if lines else None
+
+
+def logs(request: LogsRequest) -> LogsReply:
+    """The last lines, or what was appended since ``offset`` (at most MAX_LOG_BYTES a call)."""
+    path = Path(request.path)
+    try:
+        with path.open("rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            if request.offset is None:
+                start = max(0, size - MAX_LOG_BYTES)
+                handle.seek(start)
+                data = handle.read(MAX_LOG_BYTES)
+                lines = data.decode(errors="replace").splitlines()
+                if start > 0 and lines:
+                    lines = lines[1:]  # the first one is cut
+                keep = max(0, min(request.lines, 100000))
+                return LogsReply(lines[-keep:] if keep else [], size)
+            offset = (
+                min(request.offset, size) if request.offset <= size else 0
+            )  # truncated: restart
+            handle.seek(offset)
+            data = handle.read(MAX_LOG_BYTES)
+    except OSError:
+        return LogsReply([], request.offset or 0, missing=True)
+    complete = data[: data.rfind(b"\n") + 1]  # whole lines only; the rest comes next time
+    return LogsReply(complete.decode(errors="replace").splitlines(), offset + len(complete))
+
+
+def port_free(port: int) -> bool:
+    """Whether a TCP listener could bind ``port`` here (as torchrun's store will)."""
+    import socket
+
+    for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.bind((addr, port))
+            return True
+        except OSError as exc:
+            if exc.errno == 98:  # EADDRINUSE
+                return False
+    return True

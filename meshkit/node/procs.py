@@ -1,0 +1,131 @@
+"""This node's processes, read from /proc: the process tree under a job's keeper, and the processes
+that carry a job's tag. Standard library only.
+
+A job's keeper is a child subreaper (``PR_SET_CHILD_SUBREAPER``): whatever the job starts stays
+in the keeper's tree, even after ``setsid``, a double fork or ``env -i`` (which sheds the tag), so
+the tree is what ``stop`` ends and checks. The tag (``MESHKIT_JOB`` in the environment) catches
+what outlived its keeper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+JOB_TAG = "MESHKIT_JOB"  # every process of a job inherits it (unless it clears its environment)
+SESSION_TAG = "MESHKIT_SESSION"  # the user's session name, for scripts that want it
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants re-parent to this process instead of init (Linux >= 3.4)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def parents() -> dict[int, int]:
+    """pid -> parent pid, for every process visible here."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; split after the last ')'
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 1 and fields[1].isdigit():
+            table[int(entry.name)] = int(fields[1])
+    return table
+
+
+def descendants(root: int, table: dict[int, int] | None = None) -> list[int]:
+    """Every process below ``root`` (not ``root`` itself)."""
+    table = parents() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, ppid in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def tagged(job_id: str) -> list[int]:
+    """Processes whose environment carries this job's tag (except this process)."""
+    tag = f"{JOB_TAG}={job_id}".encode()
+    me = os.getpid()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            if tag in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, already dead and waiting to be reaped, does not count)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def signal_all(pids: Iterable[int], sig: int) -> int:
+    sent = 0
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+            sent += 1
+    return sent
+
+
+def end(
+    find: Callable[[], list[int]],
+    term_grace: float = 5.0,
+    kill_grace: float = 2.0,
+    poll: float = 0.05,
+) -> tuple[int, list[int]]:
+    """TERM what ``find()`` returns (looking again as new processes appear), then KILL what is
+    left, then look once more. Returns how many were signalled and what is still alive."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + term_grace
+    while True:
+        current = [p for p in find() if alive(p)]
+        fresh = [p for p in current if p not in seen]
+        signal_all(fresh, signal.SIGTERM)
+        seen.update(fresh)
+        if not current or time.monotonic() > deadline:
+            break
+        time.sleep(poll)
+    deadline = time.monotonic() + kill_grace
+    while (current := [p for p in find() if alive(p)]) and time.monotonic() < deadline:
+        signal_all(current, signal.SIGKILL)
+        seen.update(current)
+        time.sleep(poll)
+    left = [p for p in find() if alive(p)]
+    return len(seen), left

@@ -1,0 +1,475 @@
+"""Jobs over a cluster: find the saved job, preflight, launch, status, stop and logs. Every node
+operation goes through the node agent (``NodePool``); these functions print nothing and return
+dataclasses for the CLI to render. The verdicts (preflight problems, port choice, status rows)
+are pure functions of the replies, unit-tested with a fake pool.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+from ..errors import JobError, LaunchError
+from ..hostfile import Host
+from ..job import Job, check_session, from_json, job_file, workdir_from_index
+from ..protocol import (
+    EnvReply,
+    EnvRequest,
+    JobsReply,
+    JobsRequest,
+    LogsReply,
+    LogsRequest,
+    PortsReply,
+    PortsRequest,
+    Reply,
+    Request,
+    RunningJob,
+    StartReply,
+    StartRequest,
+    StatusReply,
+    StatusRequest,
+    StopReply,
+    StopRequest,
+)
+from ..remote.group import Outcome
+
+PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
+R = TypeVar("R", bound=Reply)
+
+
+class NodePool(Protocol):
+    """One agent per node (``remote.AgentPool``, or a test double)."""
+
+    @property
+    def failures(self) -> dict[Host, str]: ...
+
+    def call_all(
+        self,
+        phase: str,
+        request_for: Callable[[Host], Request | None],
+        expect: type[R],
+        hosts: Sequence[Host] | None = None,
+        timeout: float | None = None,
+    ) -> dict[Host, Outcome[R]]: ...
+
+    def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None: ...
+
+
+# ---- finding the saved job ------------------------------------------------------------------
+
+
+def read_local(path: str, limit: int = 1 << 20) -> str | None:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(limit).decode(errors="replace")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise JobError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def find_job(
+    session: str,
+    *,
+    workdir: str | None,
+    hostfile: str | None,
+    cwd: str,
+    read: Callable[[str], str | None] = read_local,
+) -> Job:
+    """The saved job: in ``--workdir`` if given; else through the index beside the hostfile;
+    else in the current directory. The error says everywhere it looked."""
+    check_session(session)
+    looked: list[str] = []
+
+    def load(directory: str) -> Job | None:
+        path = str(job_file(directory, session))
+        looked.append(path)
+        text = read(path)
+        return None if text is None else from_json(text, path)
+
+    if workdir:
+        job = load(str(Path(workdir).absolute()))
+    else:
+        job = None
+        if hostfile:
+            from ..job import index_file
+
+            index = str(index_file(str(Path(hostfile).absolute()), session))
+            looked.append(index)
+            text = read(index)
+            if text is not None:
+                job = load(workdir_from_index(text, index))
+        if job is None:
+            job = load(cwd)
+    if job is None:
+        raise JobError(
+            [
+                f"no saved job {session!r}; looked in:",
+                *(f"  {p}" for p in dict.fromkeys(looked)),
+                "start one with: meshkit train --cmd CMD (or pass --hostfile/--workdir/--session)",
+            ]
+        )
+    return job
+
+
+# ---- preflight ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preflight:
+    problems: list[str]
+    port: int
+    note: str | None
+    running: dict[Host, list[RunningJob]] = field(default_factory=dict)
+
+
+def explain_env_failure(code: int, err: str, job: Job) -> str:
+    text = err.strip().splitlines()[-1] if err.strip() else f"exit {code}"
+    if code == 127 or (job.python in text and "No such file" in text):
+        return (
+            f"interpreter {job.python} not found; install meshkit at the same path there or set "
+            "meshkit.python"
+        )
+    if "cd:" in text:
+        return f"workdir {job.workdir} is missing (it must be on storage every node shares)"
+    return text.removeprefix("meshkit: ")
+
+
+def env_verdicts(
+    job: Job, hosts: Sequence[Host], envs: dict[Host, Outcome[EnvReply]], failures: dict[Host, str]
+) -> list[str]:
+    """Pure: every node must discover exactly its hostfile rank, and all must agree on the node
+    count, master and port."""
+    problems = [f"{h.label}: cannot connect: {e}" for h, e in failures.items()]
+    seen: dict[tuple[str, str, str], list[str]] = {}
+    for rank, host in enumerate(hosts):
+        outcome = envs.get(host)
+        if outcome is None:
+            continue
+        if outcome.value is None:
+            problems.append(f"{host.label}: {outcome.error}")
+            continue
+        reply = outcome.value
+        if reply.code != 0:
+            problems.append(f"{host.label}: {explain_env_failure(reply.code, reply.err, job)}")
+            continue
+        try:
+            data = json.loads(reply.out)
+            found = (str(data["NODE_RANK"]), str(data.get("matched")))
+            key = (str(data["NNODES"]), str(data["MASTER_ADDR"]), str(data["MASTER_PORT"]))
+        except (ValueError, KeyError, TypeError):
+            problems.append(
+                f"{host.label}: meshkit env printed no usable JSON: {reply.out[:200]!r}"
+            )
+            continue
+        if found[0] != str(rank):
+            problems.append(
+                f"{host.label}: is line {host.lineno} of {job.hostfile} (rank {rank}) but discovers "
+                f"NODE_RANK={found[0]} via {found[1]}; the hostfile does not name this node as it "
+                "sees itself"
+            )
+        seen.setdefault(key, []).append(host.label)
+    if len(seen) > 1:
+        problems.append(
+            "nodes disagree on NNODES/MASTER_ADDR/MASTER_PORT: "
+            + "; ".join(f"{'/'.join(k)} on {', '.join(v)}" for k, v in seen.items())
+        )
+    return problems
+
+
+def conflict_verdicts(job: Job, running: dict[Host, list[RunningJob]], replace: bool) -> list[str]:
+    """Pure: another job running on a node stops the launch unless ``--replace``."""
+    if replace:
+        return []
+    return [
+        f"{h.label}: another meshkit job is running there: {r.label}; stop it "
+        f"(meshkit stop --workdir ... --session ...) or pass --replace to end it"
+        for h, jobs in running.items()
+        for r in jobs
+        if r.job_id != job.id
+    ]
+
+
+def pick_port(probe: PortsReply, job: Job, master: Host) -> tuple[int, str | None]:
+    """The derived port if free, or held by this very job (replacing it frees the port), else the
+    next free one, which every node is then given."""
+    ports = probe.ports
+    if not ports or ports[0].free or probe.ours:
+        return job.master_port, None
+    free = [p.port for p in ports if p.free]
+    if not free:
+        raise LaunchError(
+            f"ports {ports[0].port}..{ports[-1].port} are all busy on the master {master.label}; "
+            "pass --master-port"
+        )
+    return free[
+        0
+    ], f"master port {job.master_port} is busy on {master.label}; using {free[0]} on every node"
+
+
+def preflight(pool: NodePool, job: Job, hosts: Sequence[Host], replace: bool = False) -> Preflight:
+    """Read-only, on every node: `meshkit env` there gives exactly its hostfile rank and the same
+    master; which meshkit jobs run there; and on the master, which ports are free."""
+    argv = job.meshkit_argv("env", "--json")
+    envs = pool.call_all("preflight", lambda h: EnvRequest(job.workdir, argv), EnvReply)
+    ok = [h for h in hosts if h in envs and envs[h].ok]
+    jobs = pool.call_all("jobs", lambda h: JobsRequest(), JobsReply, ok)
+    running = {h: o.value.running for h, o in jobs.items() if o.value is not None}
+    problems = env_verdicts(job, hosts, envs, pool.failures)
+    problems += [f"{h.label}: {o.error}" for h, o in jobs.items() if o.error]
+    problems += conflict_verdicts(job, running, replace)
+    port, note = job.master_port, None
+    if not problems:
+        scan = [p for p in range(job.master_port, job.master_port + PORT_SCAN + 1) if p <= 65535]
+        probe = pool.call_all("ports", lambda h: PortsRequest(job.id, scan), PortsReply, hosts[:1])
+        outcome = probe.get(hosts[0])
+        if outcome is None or outcome.value is None:
+            problems.append(
+                f"{hosts[0].label}: port probe failed: {outcome.error if outcome else '?'}"
+            )
+        else:
+            port, note = pick_port(outcome.value, job, hosts[0])
+    return Preflight(problems, port, note, running)
+
+
+# ---- launch -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StartRow:
+    node_rank: int
+    host: str
+    state: str  # running | exited | absent
+    error: str | None
+    replaced: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.state in ("running", "exited")
+
+
+@dataclass(frozen=True)
+class Launch:
+    job: Job
+    rows: list[StartRow]
+    note: str | None
+    dry_run: bool
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+
+def launch(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    *,
+    replace: bool = False,
+    dry_run: bool = False,
+) -> Launch:
+    """Preflight everywhere (read-only; any problem starts nothing anywhere), save the job and
+    its index through the master, then start it on every node."""
+    checked = preflight(pool, job, hosts, replace)
+    if checked.problems:
+        raise LaunchError([*checked.problems, "train: preflight failed; nothing was started"])
+    job = replace_port(job, checked.port)
+    if dry_run:
+        return Launch(job, [], checked.note, True)
+    master = hosts[0]
+    pool.write_file(master, str(job.file), job.to_json())
+    pool.write_file(master, str(job.index), job.index_json())
+    spec = job.node_job()
+    started = pool.call_all("start", lambda h: StartRequest(spec, replace), StartReply)
+    return Launch(job, start_rows(hosts, started, pool.failures), checked.note, False)
+
+
+def replace_port(job: Job, port: int) -> Job:
+    return job if port == job.master_port else replace(job, master_port=port)
+
+
+def start_rows(
+    hosts: Sequence[Host], started: dict[Host, Outcome[StartReply]], failures: dict[Host, str]
+) -> list[StartRow]:
+    rows = []
+    for rank, h in enumerate(hosts):
+        outcome = started.get(h)
+        if outcome is None or outcome.value is None:
+            error = outcome.error if outcome else f"unreachable: {failures.get(h, 'unknown')}"
+            rows.append(StartRow(rank, h.label, "absent", error, []))
+            continue
+        reply = outcome.value
+        error = reply.error if not reply.started else None
+        if reply.conflicts:
+            error = "another meshkit job is running: " + ", ".join(r.label for r in reply.conflicts)
+        rows.append(StartRow(rank, h.label, reply.state, error, [r.label for r in reply.replaced]))
+    return rows
+
+
+# ---- status -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StatusRow:
+    node_rank: int
+    host: str
+    state: str  # running | exited | absent
+    exit_code: int | None
+    started: str | None  # ISO 8601, UTC
+    last_line: str | None
+    error: str | None = None
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "node_rank": self.node_rank,
+            "host": self.host,
+            "state": self.state,
+            "exit_code": self.exit_code,
+            "started": self.started,
+            "last_line": self.last_line,
+        }
+
+
+def status_rows(
+    hosts: Sequence[Host], replies: dict[Host, Outcome[StatusReply]], failures: dict[Host, str]
+) -> list[StatusRow]:
+    """Pure: one row per node; a node that cannot be asked is ``absent`` with the reason."""
+    rows = []
+    for rank, h in enumerate(hosts):
+        outcome = replies.get(h)
+        if outcome is None or outcome.value is None:
+            error = outcome.error if outcome else f"unreachable: {failures.get(h, 'unknown')}"
+            rows.append(StatusRow(rank, h.label, "absent", None, None, f"error: {error}", error))
+            continue
+        r = outcome.value
+        started = (
+            datetime.datetime.fromtimestamp(r.started, datetime.timezone.utc).isoformat()
+            if r.started
+            else None
+        )
+        rows.append(StatusRow(rank, h.label, r.state, r.exit_code, started, r.last_line))
+    return rows
+
+
+def status(
+    pool: NodePool, job: Job, hosts: Sequence[Host], phase: str = "status"
+) -> list[StatusRow]:
+    replies = pool.call_all(
+        phase, lambda h: StatusRequest(job.id, job.log(hosts.index(h))), StatusReply
+    )
+    return status_rows(hosts, replies, pool.failures)
+
+
+def wait_done(
+    pool: NodePool, job: Job, hosts: Sequence[Host], timeout: float, interval: float = 1.0
+) -> list[StatusRow]:
+    """Poll status until no node is running (or ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = status(pool, job, hosts, phase="")
+        if all(r.state != "running" for r in rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(interval)
+
+
+# ---- stop ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StopRow:
+    node_rank: int
+    host: str
+    found: bool
+    signalled: int
+    left: list[int]
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        """Verified: the node answered and nothing of the job is alive there."""
+        return self.error is None and not self.left
+
+
+def stop(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[StopRow]:
+    """End the job's whole process tree on every node, then check (on the node) that nothing of it
+    is left. A node that cannot be asked is a failure, never "nothing left"."""
+    replies = pool.call_all("stop", lambda h: StopRequest(job.id), StopReply)
+    rows = []
+    for rank, h in enumerate(hosts):
+        outcome = replies.get(h)
+        if outcome is None or outcome.value is None:
+            error = outcome.error if outcome else f"unreachable: {pool.failures.get(h, 'unknown')}"
+            rows.append(StopRow(rank, h.label, False, 0, [], error))
+        else:
+            r = outcome.value
+            rows.append(StopRow(rank, h.label, r.found, r.signalled, r.left, None))
+    return rows
+
+
+# ---- logs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogChunk:
+    rank: int
+    lines: list[str]
+    error: str | None = None
+
+
+def logs(
+    pool: NodePool, job: Job, hosts: Sequence[Host], ranks: Sequence[int], lines: int
+) -> list[LogChunk]:
+    chosen = [hosts[r] for r in ranks]
+    replies = pool.call_all(
+        "logs", lambda h: LogsRequest(job.log(hosts.index(h)), lines), LogsReply, chosen
+    )
+    return _chunks(hosts, ranks, replies, pool.failures, {})
+
+
+def follow(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    ranks: Sequence[int],
+    lines: int,
+    interval: float = 0.5,
+) -> Iterator[list[LogChunk]]:
+    """The last ``lines`` lines, then whatever each node appends, polled every ``interval``
+    through the same agents (ends when the caller stops iterating, e.g. on Ctrl-C)."""
+    offsets: dict[Host, int] = {}
+    chosen = [hosts[r] for r in ranks]
+    while True:
+        replies = pool.call_all(
+            "",
+            lambda h: LogsRequest(job.log(hosts.index(h)), lines, offsets.get(h)),
+            LogsReply,
+            chosen,
+        )
+        yield _chunks(hosts, ranks, replies, pool.failures, offsets)
+        time.sleep(interval)
+
+
+def _chunks(
+    hosts: Sequence[Host],
+    ranks: Sequence[int],
+    replies: dict[Host, Outcome[LogsReply]],
+    failures: dict[Host, str],
+    offsets: dict[Host, int],
+) -> list[LogChunk]:
+    chunks = []
+    for rank in ranks:
+        h = hosts[rank]
+        outcome = replies.get(h)
+        if outcome is None or outcome.value is None:
+            error = outcome.error if outcome else f"unreachable: {failures.get(h, 'unknown')}"
+            if h not in offsets:
+                chunks.append(LogChunk(rank, [], error))
+            continue
+        offsets[h] = outcome.value.offset
+        chunks.append(LogChunk(rank, outcome.value.lines))
+    return chunks

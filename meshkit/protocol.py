@@ -1,0 +1,276 @@
+"""What the controller and a node agent say to each other: typed requests and replies, one JSON
+object per line over the stdin/stdout of a single exec channel.
+
+Standard library only: the node side imports this too. Both sides bound what they read (a line is
+at most ``MAX_LINE`` bytes) and check every field's type, so a reply from a node is data, never
+trusted structure. Adding an op = a request class, a reply class and an entry in ``OPS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, Union
+
+VERSION = 1
+MAX_LINE = 1 << 20  # bytes in one request or reply line
+MAX_LOG_BYTES = 256 * 1024  # log bytes one `logs` reply carries
+
+
+class ProtocolViolation(ValueError):
+    """A line that is not a well-formed request or reply."""
+
+
+# ---- requests and replies ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnvRequest:
+    """Run ``meshkit env --json ...`` (``argv``) in ``cwd``, as a login there would."""
+
+    cwd: str
+    argv: list[str]
+
+
+@dataclass(frozen=True)
+class EnvReply:
+    code: int
+    out: str
+    err: str
+
+
+@dataclass(frozen=True)
+class PortsRequest:
+    """Which of ``ports`` a TCP listener could bind here; ``job_id``'s own job may hold one."""
+
+    job_id: str
+    ports: list[int]
+
+
+@dataclass(frozen=True)
+class PortState:
+    port: int
+    free: bool
+
+
+@dataclass(frozen=True)
+class PortsReply:
+    ports: list[PortState]
+    ours: bool  # the job asked about is running here (so its port is about to be freed)
+
+
+@dataclass(frozen=True)
+class NodeJob:
+    """What a node needs to run its part of a job (the same on every node: each node discovers
+    its own rank). ``argv`` is ``meshkit run ...``; ``env`` and ``setup`` come from config."""
+
+    job_id: str
+    session: str
+    label: str  # how messages name the job: "SESSION in WORKDIR"
+    workdir: str
+    tmux_session: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    setup: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    job_id: str
+    label: str
+
+
+@dataclass(frozen=True)
+class StartRequest:
+    job: NodeJob
+    replace: bool = False  # end other meshkit jobs running here (never without the user's say)
+
+
+@dataclass(frozen=True)
+class StartReply:
+    started: bool
+    state: str  # "running" | "exited" | "absent"
+    replaced: list[RunningJob]
+    conflicts: list[RunningJob]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class JobsRequest:
+    """The meshkit jobs running on this node."""
+
+
+@dataclass(frozen=True)
+class JobsReply:
+    running: list[RunningJob]
+
+
+@dataclass(frozen=True)
+class StatusRequest:
+    job_id: str
+    log: str
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    state: str  # "running" | "exited" | "absent"
+    exit_code: int | None
+    started: float | None
+    last_line: str | None
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    job_id: str
+
+
+@dataclass(frozen=True)
+class StopReply:
+    found: bool  # the job had a keeper (or processes) here
+    signalled: int
+    left: list[int]  # processes of the job still alive after TERM and KILL (looked, not assumed)
+
+
+@dataclass(frozen=True)
+class LogsRequest:
+    """The last ``lines`` lines of ``path``, or (``offset`` given) what was appended since."""
+
+    path: str
+    lines: int = 20
+    offset: int | None = None
+
+
+@dataclass(frozen=True)
+class LogsReply:
+    lines: list[str]
+    offset: int  # where the next `follow` read starts
+    missing: bool = False
+
+
+Request = Union[
+    EnvRequest, PortsRequest, StartRequest, JobsRequest, StatusRequest, StopRequest, LogsRequest
+]
+Reply = Union[EnvReply, PortsReply, StartReply, JobsReply, StatusReply, StopReply, LogsReply]
+
+OPS: dict[str, tuple[type[Any], type[Any]]] = {
+    "env": (EnvRequest, EnvReply),
+    "ports": (PortsRequest, PortsReply),
+    "start": (StartRequest, StartReply),
+    "jobs": (JobsRequest, JobsReply),
+    "status": (StatusRequest, StatusReply),
+    "stop": (StopRequest, StopReply),
+    "logs": (LogsRequest, LogsReply),
+}
+_OP_OF = {req: op for op, (req, _) in OPS.items()}
+
+
+def op_of(request: Request) -> str:
+    return _OP_OF[type(request)]
+
+
+T = TypeVar("T")
+
+
+# ---- encoding ---------------------------------------------------------------------------------
+
+
+def encode_request(request: Request) -> str:
+    op = _OP_OF[type(request)]
+    return _line({"v": VERSION, "op": op, "args": dataclasses.asdict(request)})
+
+
+def decode_request(line: str) -> tuple[str, Request]:
+    data = _load(line)
+    op = data.get("op")
+    if data.get("v") != VERSION or not isinstance(op, str) or op not in OPS:
+        raise ProtocolViolation(f"unknown request {str(op)[:40]!r} (protocol v{data.get('v')})")
+    request: Request = build(OPS[op][0], data.get("args"), "args")
+    return op, request
+
+
+def encode_reply(reply: Reply | None, error: str | None = None) -> str:
+    if error is not None:
+        return _line({"ok": False, "error": error[:4000]})
+    return _line({"ok": True, "result": dataclasses.asdict(reply) if reply else {}})
+
+
+def decode_reply(op: str, line: str) -> Reply:
+    """The reply to ``op``; a node's own error comes back as ``NodeFailure``."""
+    data = _load(line)
+    if data.get("ok") is False:
+        raise NodeFailure(str(data.get("error"))[:4000])
+    reply: Reply = build(OPS[op][1], data.get("result"), "result")
+    return reply
+
+
+class NodeFailure(Exception):
+    """The agent answered that the request failed on the node (its message)."""
+
+
+def _line(data: dict[str, object]) -> str:
+    text = json.dumps(data, separators=(",", ":"))
+    if len(text.encode()) > MAX_LINE:
+        raise ProtocolViolation(f"message of {len(text)} bytes exceeds {MAX_LINE}")
+    return text + "\n"
+
+
+def _load(line: str) -> dict[str, Any]:
+    if len(line.encode()) > MAX_LINE + 1:
+        raise ProtocolViolation(f"line longer than {MAX_LINE} bytes")
+    try:
+        data = json.loads(line)
+    except ValueError as exc:
+        raise ProtocolViolation(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProtocolViolation("not a JSON object")
+    return data
+
+
+def build(cls: type[T], data: object, where: str) -> T:
+    """A dataclass from JSON, checking every field against its annotation."""
+    if not isinstance(data, dict):
+        raise ProtocolViolation(f"{where}: expected an object")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in data:
+            values[f.name] = _check(hints[f.name], data[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolViolation(f"{where}.{f.name}: missing")
+    return cls(**values)
+
+
+def _check(kind: Any, value: object, where: str) -> object:
+    origin = typing.get_origin(kind)
+    if origin in (Union, types.UnionType):
+        for option in typing.get_args(kind):
+            try:
+                return _check(option, value, where)
+            except ProtocolViolation:
+                continue
+        raise ProtocolViolation(f"{where}: unexpected {type(value).__name__}")
+    if kind is type(None):
+        if value is None:
+            return None
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(kind)
+            return [_check(item, v, f"{where}[]") for v in value]
+    elif origin is dict:
+        if isinstance(value, dict):
+            key, val = typing.get_args(kind)
+            return {_check(key, k, where): _check(val, v, where) for k, v in value.items()}
+    elif dataclasses.is_dataclass(kind):
+        return build(kind, value, where)  # type: ignore[arg-type]
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind in (str, bool) and isinstance(value, kind):
+        return value
+    raise ProtocolViolation(f"{where}: unexpected {type(value).__name__}")

@@ -1,0 +1,218 @@
+"""meshkit's configuration: one loader, used by the fast path (``env``/``run``) and every task.
+
+Sources, lowest to highest: the defaults below, ``/etc/meshkit.yaml``, ``~/.meshkit.yaml``,
+``./meshkit.yaml`` (``.yml``/``.json`` too; keys bare or under ``meshkit:``), ``MESHKIT_<KEY>``
+environment variables, then flags. Every value is checked here: a bad one is a ``ConfigError``
+naming the file or variable, the key and what is expected. Never imports invoke or SSH.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+LEVELS = ("/etc/meshkit", "~/.meshkit", "./meshkit")  # system, user, project
+SUFFIXES = ("yaml", "yml", "json")  # the first file found at a level wins
+MAX_CONFIG_BYTES = 1 << 20
+
+DEFAULTS: dict[str, Any] = {
+    "hostfile": "hostfile",  # relative to the working directory
+    "include": None,  # comma list of names, patterns or ranges to keep
+    "exclude": None,  # ... and to drop
+    "user": None,  # login user when the hostfile line names none (else ssh config, else $USER)
+    "port": None,  # SSH port when the hostfile line names none (else ssh config, else 22)
+    "identity": None,  # private key for the controller's logins (a bootstrap key)
+    "ssh_config": None,  # extra ssh_config file; an ``ssh_config`` beside the hostfile is read too
+    "connect_timeout": 10.0,  # seconds for TCP connect + SSH handshake + auth, per node
+    "command_timeout": 120.0,  # seconds for any one remote command
+    "parallel": 32,  # nodes contacted at once
+    "session": "meshkit",  # job name (tmux session prefix), also salts the derived master port
+    "workdir": None,  # where the job runs and keeps its logs (shared storage); default: cwd
+    "python": None,  # node-side interpreter path; default: the one running meshkit
+    "nproc_per_node": None,  # processes per node; default: hostfile slots, else GPUs, else 1
+    "master_port": None,  # default: derived from the hostfile and session
+    "setup": [],  # shell lines run before the job on every node (e.g. activate a venv)
+    "env": {},  # extra environment variables for the job
+    "sandbox": {
+        "dir": "/var/tmp/meshkit-sandbox",  # state of the local test cluster (shared "storage")
+        "subnet": "10.77.0.0/24",  # its private network; checked against the host's routes
+        "nodes": 3,
+    },
+}
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    dir: str = "/var/tmp/meshkit-sandbox"
+    subnet: str = "10.77.0.0/24"
+    nodes: int = 3
+
+
+@dataclass(frozen=True)
+class Config:
+    hostfile: str = "hostfile"
+    include: str | None = None
+    exclude: str | None = None
+    user: str | None = None
+    port: int | None = None
+    identity: str | None = None
+    ssh_config: str | None = None
+    connect_timeout: float = 10.0
+    command_timeout: float = 120.0
+    parallel: int = 32
+    session: str = "meshkit"
+    workdir: str | None = None
+    python: str | None = None
+    nproc_per_node: int | None = None
+    master_port: int | None = None
+    setup: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+    def get(self, name: str) -> Any:
+        return getattr(self, name)
+
+
+def _read_file(base: str) -> tuple[str, dict[str, Any]] | None:
+    for suffix in SUFFIXES:
+        path = Path(os.path.expanduser(f"{base}.{suffix}"))
+        if not path.is_file():
+            continue
+        try:
+            if path.stat().st_size > MAX_CONFIG_BYTES:
+                raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
+            text = path.read_text()
+            if suffix == "json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read: {exc}") from None
+        except ValueError as exc:  # json.JSONDecodeError and yaml.YAMLError's parse errors
+            raise ConfigError(f"{path}: not valid {suffix.upper()}: {str(exc)[:200]}") from None
+        except Exception as exc:  # yaml.YAMLError is not a ValueError
+            raise ConfigError(f"{path}: not valid YAML: {str(exc)[:200]}") from None
+        data = data or {}
+        section = data.get("meshkit", data) if isinstance(data, dict) else None
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: expected a mapping of meshkit keys (e.g. 'hostfile: x')")
+        return str(path), section
+    return None
+
+
+def _from_env(key: str, default: Any, text: str) -> Any:
+    var = f"MESHKIT_{key.upper()}"
+    if isinstance(default, (dict, list)):
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ConfigError(
+                f"{var}={text[:60]!r}: expected JSON (a {type(default).__name__})"
+            ) from None
+    return text
+
+
+def raw(environ: Mapping[str, str] | None = None) -> dict[str, tuple[Any, str]]:
+    """Each key's value and where it came from (for error messages), before checking."""
+    environ = os.environ if environ is None else environ
+    merged: dict[str, tuple[Any, str]] = {
+        k: (copy.deepcopy(v), "default") for k, v in DEFAULTS.items()
+    }
+    for base in LEVELS:
+        found = _read_file(base)
+        if found is None:
+            continue
+        where, section = found
+        for key, value in section.items():
+            if key not in DEFAULTS:
+                known = ", ".join(sorted(DEFAULTS))
+                raise ConfigError(f"{where}: unknown key {str(key)[:40]!r}; the keys are: {known}")
+            if key == "sandbox" and isinstance(value, dict):
+                merged[key] = ({**merged[key][0], **value}, where)
+            else:
+                merged[key] = (value, where)
+    for key, default in DEFAULTS.items():
+        var = f"MESHKIT_{key.upper()}"
+        if var in environ:
+            merged[key] = (_from_env(key, default, environ[var]), var)
+    return merged
+
+
+def _check(name: str, kind: Any, value: Any, where: str) -> Any:
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{where}: {name} = {str(value)[:60]!r}: expected {expected}")
+
+    text = str(kind)
+    optional = "None" in text
+    if value is None or value == "":
+        if optional:
+            return None
+        raise bad("a value")
+    if "float" in text:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise bad("a number of seconds") from None
+        if not 0 < number <= 86400:
+            raise bad("seconds between 0 and 86400")
+        return number
+    if "int" in text:
+        if isinstance(value, bool) or not str(value).strip().isdigit():
+            raise bad("a whole number")
+        number = int(str(value).strip())
+        limits = {"port": (1, 65535), "master_port": (1, 65535), "parallel": (1, 1024)}
+        low, high = limits.get(name, (1, 1 << 20))
+        if not low <= number <= high:
+            raise bad(f"a whole number {low}..{high}")
+        return number
+    if "tuple" in text:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise bad("a list of shell lines")
+        return tuple(items)
+    if "dict" in text:
+        if not isinstance(value, dict):
+            raise bad("a mapping NAME: value")
+        from .job import check_env
+
+        env = {str(k): str(v) for k, v in value.items()}
+        try:
+            return check_env(env, where)
+        except ConfigError:
+            raise
+        except Exception as exc:  # UsageError from check_env, re-filed as a config problem
+            raise ConfigError(str(exc)) from None
+    if isinstance(value, (dict, list)):
+        raise bad("a single value")
+    return str(value)
+
+
+def load(environ: Mapping[str, str] | None = None) -> Config:
+    """The checked configuration, from every level."""
+    merged = raw(environ)
+    hints = {f.name: f.type for f in fields(Config)}
+    values: dict[str, Any] = {}
+    for key, (value, where) in merged.items():
+        if key == "sandbox":
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: sandbox: expected a mapping with dir, subnet, nodes")
+            unknown = set(value) - {"dir", "subnet", "nodes"}
+            if unknown:
+                raise ConfigError(f"{where}: sandbox: unknown keys {sorted(unknown)}")
+            values[key] = SandboxConfig(
+                str(value.get("dir") or SandboxConfig.dir),
+                str(value.get("subnet") or SandboxConfig.subnet),
+                _check("sandbox.nodes", "int", value.get("nodes", 3), where),
+            )
+        else:
+            values[key] = _check(key, hints[key], value, where)
+    return Config(**values)
