@@ -23,7 +23,7 @@ from fabric import Config as FabricConfig
 from fabric import Connection
 from invoke.exceptions import CommandTimedOut
 
-from ..errors import MeshkitError
+from ..errors import MeshkitError, PhaseTimeout
 from ..hostfile import Host
 
 
@@ -87,16 +87,12 @@ def ssh_config(paths: Sequence[str]) -> paramiko.SSHConfig:
     return config
 
 
-class PhaseTimeout(MeshkitError):
-    """A phase did not finish within the timeout it names; the connection was closed so that
-    nothing after it waits again."""
+class GatewayError(paramiko.SSHException):
+    """A ProxyJump hop failed (its host key, its login): which hop, and why."""
 
-    def __init__(self, phase: str, seconds: float, setting: str = "command_timeout") -> None:
-        self.phase, self.seconds = phase, seconds
-        super().__init__(
-            f"{phase}: no answer within {seconds:.0f}s ({setting}); the link or the node is down, "
-            "nothing more was done there"
-        )
+    def __init__(self, hop: str, cause: BaseException) -> None:
+        self.hop, self.cause = hop, cause
+        super().__init__(f"gateway {hop}: {cause}")
 
 
 class RevokedHostKey(paramiko.SSHException):
@@ -207,6 +203,14 @@ class Remote:
         ]
 
     def open(self) -> Remote:
+        gateway = self.conn.gateway
+        if isinstance(gateway, Connection):
+            try:
+                gateway.open()
+            except GatewayError:
+                raise
+            except Exception as exc:
+                raise GatewayError(str(gateway.host), exc) from exc
         self.conn.open()
         hop: Any = self.conn
         while isinstance(hop, Connection):
