@@ -122,7 +122,7 @@ def load_known_hosts(keys: paramiko.HostKeys, path: str) -> set[tuple[str, str]]
             continue
         try:
             entry = paramiko.hostkeys.HostKeyEntry.from_line(line)
-        except (paramiko.SSHException, ValueError, TypeError, IndexError):
+        except Exception:  # InvalidHostKey, bad base64, a key type paramiko lacks: skip the line
             continue
         if entry is not None and entry.key is not None:
             for name in entry.hostnames:
@@ -172,16 +172,19 @@ class Remote:
 
     def _harden(self, conn: Connection) -> None:
         settings = self.settings
-        if conn is not self.conn:
-            conn.connect_timeout = int(settings.connect_timeout)
-            for k, v in _connect_kwargs(settings).items():
-                if k != "key_filename":
-                    conn.connect_kwargs.setdefault(k, v)
-        # An IdentityFile that does not exist here (e.g. a controller's key named in a shared
-        # ssh_config, seen from a node) is skipped, as OpenSSH does.
         listed = conn.connect_kwargs.get("key_filename") or []
         if isinstance(listed, str):
             listed = [listed]
+        if conn is not self.conn:
+            # A gateway gets the same timeouts and --identity as the nodes behind it.
+            conn.connect_timeout = int(settings.connect_timeout)
+            for k, v in _connect_kwargs(settings).items():
+                if k == "key_filename":
+                    listed = [*v, *listed]
+                else:
+                    conn.connect_kwargs.setdefault(k, v)
+        # An IdentityFile that does not exist here (e.g. a controller's key named in a shared
+        # ssh_config, seen from a node) is skipped, as OpenSSH does.
         conn.connect_kwargs["key_filename"] = [k for k in listed if Path(k).expanduser().is_file()]
         client = conn.client
         client.set_missing_host_key_policy(

@@ -33,7 +33,10 @@ def served_key(remote: Remote, kind: str) -> PublicKey | None:
     algorithms = ALGORITHMS.get(kind)
     if algorithms is None:
         return None
-    sock = remote.key_probe_socket()
+    try:
+        sock = remote.key_probe_socket()
+    except (OSError, paramiko.SSHException):
+        return None  # no second route to sshd: the key stays unproven (and untrusted)
     if sock is None:
         return None
     transport = paramiko.Transport(sock)
