@@ -24,6 +24,8 @@ VARIABLES = (
     "PET_MASTER_ADDR",
     "PET_MASTER_PORT",
     "PET_NPROC_PER_NODE",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
 )
 
 
@@ -38,6 +40,9 @@ class NodeEnv:
     nproc_per_node: int
     source: str
     matched: str
+    # GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME -> interface: differs per node (eno1 here, eth0 there)
+    socket_ifnames: tuple[tuple[str, str], ...] = ()
+    interface_source: str = ""  # why that interface (or why none)
 
     def __post_init__(self) -> None:
         if not 0 <= self.node_rank < self.nnodes:
@@ -68,7 +73,7 @@ def variables(env: NodeEnv) -> dict[str, str]:
         f"PET_{k}": plain[k]
         for k in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE")
     }
-    return {k: str(v) for k, v in {**plain, **torchrun}.items()}
+    return {k: str(v) for k, v in {**plain, **torchrun, **dict(env.socket_ifnames)}.items()}
 
 
 def export_lines(env: NodeEnv) -> str:
@@ -80,6 +85,7 @@ def as_json(env: NodeEnv) -> dict[str, object]:
     out: dict[str, object] = dict(variables(env))
     out["source"] = env.source
     out["matched"] = env.matched
+    out["interface_source"] = env.interface_source
     return out
 
 

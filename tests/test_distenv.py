@@ -1,3 +1,4 @@
+import dataclasses
 import shlex
 import subprocess
 from dataclasses import replace
@@ -95,8 +96,11 @@ def test_exports_are_eval_safe_and_complete():
         text=True,
     )
     assert out.stdout == "host'; touch /tmp/pwned; '"
+    e = dataclasses.replace(
+        e, socket_ifnames=(("GLOO_SOCKET_IFNAME", "ens3"), ("NCCL_SOCKET_IFNAME", "ens3"))
+    )
     assert list(variables(e)) == list(VARIABLES)
-    assert set(as_json(e)) == {*VARIABLES, "source", "matched"}
+    assert set(as_json(e)) == {*VARIABLES, "source", "matched", "interface_source"}
     assert shlex.split(export_lines(env_for(1)).splitlines()[0]) == ["export", "NODE_RANK=1"]
     v = variables(env_for(2))
     assert (v["PET_NODE_RANK"], v["PET_NNODES"], v["PET_NPROC_PER_NODE"], v["WORLD_SIZE"]) == (

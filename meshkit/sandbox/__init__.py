@@ -26,18 +26,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SandboxError
+from . import networks as netopts
 from .layout import DEFAULT, Layout, Node, check_name, default_dir, default_subnet, layout
+from .networks import Options, cut, mend
 
 __all__ = [
     "DEFAULT",
     "Layout",
     "Node",
+    "Options",
     "check_name",
+    "cut",
     "default_dir",
     "default_subnet",
     "down",
     "layout",
     "load",
+    "mend",
     "node_exec",
     "reboot",
     "status",
@@ -204,7 +209,7 @@ def _prepare_files(lay: Layout) -> None:
         _write(
             d / "etc_ssh" / "sshd_config", SSHD_CONFIG.format(name=node.name, address=node.address)
         )
-        _write(d / "hosts", hosts)
+        _write(d / "hosts", netopts.hosts_text(lay, node) if lay.networks.any else hosts)
         for kind in ("ed25519", "ecdsa"):
             keygens.append(
                 _keygen(d / "etc_ssh" / f"ssh_host_{kind}_key", kind, f"root@{node.name}")
@@ -246,17 +251,21 @@ def _network(lay: Layout) -> None:
     ]
     for node in lay.nodes:
         _run(["ip", "netns", "add", node.netns])
+        eth = netopts.primary_ifname(lay.networks, node.index)
         batch += [
-            f"link add {node.veth} type veth peer name eth0 netns {node.netns}",
+            f"link add {node.veth} type veth peer name {eth} netns {node.netns}",
             f"link set {node.veth} master {lay.bridge}",
             f"link set {node.veth} up",
         ]
+    batch += netopts.host_batch(lay)
     _run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
     for node in lay.nodes:
+        eth = netopts.primary_ifname(lay.networks, node.index)
         inside = [
             "link set lo up",
-            f"addr add {node.address}/{prefix} dev eth0",
-            "link set eth0 up",
+            f"addr add {node.address}/{prefix} dev {eth}",
+            f"link set {eth} up",
+            *netopts.node_batch(lay, node),
         ]
         _run(["ip", "-n", node.netns, "-batch", "-"], input="\n".join(inside) + "\n")
 
@@ -355,10 +364,14 @@ def down(root: str | os.PathLike[str], name: str = DEFAULT) -> list[str]:
         removed.append(netns)
     # The kernel frees a deleted namespace's veths lazily; delete our ends now so that an
     # immediate up does not find them still there.
-    for link in json.loads(_run(["ip", "-j", "link", "show"], check=False).stdout or "[]"):
-        ifname = str(link.get("ifname", ""))
+    links = [
+        str(link.get("ifname", ""))
+        for link in json.loads(_run(["ip", "-j", "link", "show"], check=False).stdout or "[]")
+    ]
+    for ifname in links:
         if lay.owns_veth(ifname):
             _run(["ip", "link", "del", ifname], check=False)
+    removed += netopts.teardown(lay, links)
     if _run(["ip", "link", "show", lay.bridge], check=False).returncode == 0:
         _run(["ip", "link", "del", lay.bridge])
         removed.append(lay.bridge)
@@ -383,18 +396,25 @@ def _read_state(root: Path) -> dict[str, object] | None:
 
 
 def up(
-    root: str | os.PathLike[str], subnet: str, count: int, name: str = DEFAULT, slurm: bool = False
+    root: str | os.PathLike[str],
+    subnet: str,
+    count: int,
+    name: str = DEFAULT,
+    networks: Options | None = None,
+    slurm: bool = False,
 ) -> Layout:
     """Create (or re-create) the sandbox ``name`` of ``count`` nodes and wait until every sshd
-    answers; with ``slurm``, also a private SLURM cluster on the nodes (see ``sandbox.slurm``)."""
+    answers. ``networks`` adds real-world network features (see networks.Options); ``slurm``
+    also a private SLURM cluster on the nodes (see ``sandbox.slurm``)."""
     from . import slurm as slurm_cluster
 
     preflight()
     if slurm:
         slurm_cluster.preflight()
-    lay = layout(root, subnet, count, name)
+    lay = layout(root, subnet, count, name, networks)
     down(lay.root, name)
     check_subnet(lay)
+    netopts.check_second_subnet(lay)
     created_root_ssh = not Path("/root/.ssh").exists()
     # The bind-mount point for each node's own ~/.ssh; another sandbox may create it meanwhile.
     Path("/root/.ssh").mkdir(mode=0o700, exist_ok=True)
@@ -408,6 +428,7 @@ def up(
                 "subnet": str(lay.subnet),
                 "created_root_ssh": created_root_ssh,
                 "slurm": slurm,
+                "networks": lay.networks.as_state(),
             }
         ),
     )
@@ -431,7 +452,11 @@ def load(root: str | os.PathLike[str]) -> Layout:
     if state is None:
         raise SandboxError(f"no sandbox at {root}; create one with: meshkit sandbox.up --nodes 3")
     return layout(
-        root, str(state["subnet"]), int(str(state["nodes"])), str(state.get("name", DEFAULT))
+        root,
+        str(state["subnet"]),
+        int(str(state["nodes"])),
+        str(state.get("name", DEFAULT)),
+        Options.from_state(state.get("networks")),
     )
 
 

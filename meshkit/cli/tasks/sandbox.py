@@ -37,6 +37,9 @@ NAME_HELP = "sandbox name, so that several run side by side (default: 'default')
         " for the default sandbox; one picked from the name for the others)",
         "slurm": "also run a private SLURM cluster on the nodes (slurmctld, one slurmd per node,"
         " munge; Debian slurm-wlm and munge)",
+        "networks": "real-world networks, comma list of: second (a second network per node),"
+        " ifnames (interface names differ between nodes), docker0 (the same docker0 address in every"
+        " node), debian-hosts (the '127.0.1.1 <hostname>' line); or 'all'",
     }
 )
 def up(
@@ -46,13 +49,17 @@ def up(
     subnet: str | None = None,
     name: str | None = None,
     slurm: bool = False,
+    networks: str | None = None,
 ) -> None:
     """Create a local cluster of N real sshd nodes (root only); replaces a stale one."""
     with reported():
         started = time.monotonic()
         label = sandbox.check_name(name or sandbox.DEFAULT)
         net = subnet or sandbox.default_subnet(str(_conf(c).subnet), label)
-        lay = sandbox.up(_dir(c, dir, label), net, int(nodes or _conf(c).nodes), label, slurm)
+        options = sandbox.Options.parse(networks or "")
+        lay = sandbox.up(
+            _dir(c, dir, label), net, int(nodes or _conf(c).nodes), label, options, slurm
+        )
         took = time.monotonic() - started
     print(table(["node", "address", "netns"], [(n.name, n.address, n.netns) for n in lay.nodes]))
     print(
@@ -61,6 +68,8 @@ def up(
     print(f"hostfile:    {lay.hostfile}")
     print(f"ssh config:  {lay.ssh_config}   (ssh -F {lay.ssh_config} node0)")
     print(f"shared dir:  {lay.shared}   (every node sees it: put job workdirs here)")
+    if lay.networks.any:
+        print(f"networks:    {lay.networks.describe()}")
     print(f"next:        meshkit mesh --hostfile {lay.hostfile}")
     if slurm:
         slurm_conf = slurm_conf_path(lay)
@@ -122,4 +131,34 @@ def status(c: Context, dir: str | None = None, name: str | None = None, json: bo
     )
 
 
-ns = Collection("sandbox", up, down, reboot, status)
+PAIR_HELP = {
+    "a": "index of one node",
+    "b": "index of the other node",
+    "dir": DIR_HELP,
+    "name": NAME_HELP,
+}
+
+
+@task(help=PAIR_HELP)
+def cut(c: Context, a: int, b: int, dir: str | None = None, name: str | None = None) -> None:
+    """Cut the link between two nodes, both ways (undo with sandbox.mend)."""
+    with reported():
+        sandbox.preflight()
+        lay = sandbox.load(_dir(c, dir, name))
+        sandbox.cut(lay, int(a), int(b))
+    print(
+        f"cut: node{a} <-> node{b} (no route between them; undo: meshkit sandbox.mend -a {a} -b {b})"
+    )
+
+
+@task(help=PAIR_HELP)
+def mend(c: Context, a: int, b: int, dir: str | None = None, name: str | None = None) -> None:
+    """Restore the link between two nodes that sandbox.cut took down."""
+    with reported():
+        sandbox.preflight()
+        lay = sandbox.load(_dir(c, dir, name))
+        sandbox.mend(lay, int(a), int(b))
+    print(f"mended: node{a} <-> node{b}")
+
+
+ns = Collection("sandbox", up, down, reboot, status, cut, mend)
