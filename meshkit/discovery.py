@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from . import hostfile, localnet, sources, topology
-from .distenv import NodeEnv, combine
+from .distenv import NodeEnv, combine, master_problem
 from .errors import HostfileError, SourceError
 from .hostfile import Host
 
@@ -64,7 +64,9 @@ def discover(
         hosts = read_hosts(hostfile_path, include, exclude)
     match = None
     local = None
-    if placement is None and hosts is not None:
+    # OpenMPI cannot tell which node this is: a hostfile, when there is one, decides.
+    hostfile_decides = placement is not None and placement.hostfile_decides and hosts is not None
+    if hosts is not None and (placement is None or hostfile_decides):
         resolved = localnet.resolve_all(h.host for h in hosts)
         local = localnet.local_addresses()
         match = topology.match_rank(
@@ -74,6 +76,14 @@ def discover(
             env["MESHKIT_HOSTNAME"],
             str(hostfile_path),
         )
+    if placement is not None and placement.verify_master and not hostfile_decides:
+        problem = master_problem(
+            placement,
+            localnet.resolve(placement.master_addr) if placement.master_addr else (),
+            [a.address for a in localnet.local_addresses()],
+        )
+        if problem:
+            raise SourceError(problem)
     node = combine(
         placement,
         hosts,

@@ -14,9 +14,12 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
 
 from .errors import JobError, UsageError
-from .protocol import NodeJob
+
+if TYPE_CHECKING:
+    from .protocol import NodeJob
 
 # tmux renames sessions containing '.' or ':' (my.job -> my_job), so neither is allowed.
 _SESSION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")
@@ -114,6 +117,8 @@ class Job:
 
     def node_job(self) -> NodeJob:
         """What every node is sent to start its part."""
+        from .protocol import NodeJob
+
         return NodeJob(
             job_id=self.id,
             session=self.session,

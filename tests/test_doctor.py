@@ -19,6 +19,7 @@ from meshkit.hostfile import Host, parse
 from meshkit.ops import doctor
 from meshkit.protocol import ConnectReply, ConnectResult, EnvReply, FactsReply, ListenReply
 from meshkit.remote.group import Outcome
+from meshkit.sandbox import networks
 
 HOSTS = parse("10.0.0.1 slots=2\n10.0.0.2 slots=2\n10.0.0.3 slots=2\n")
 
@@ -150,10 +151,13 @@ NAME = "tndoctor"
 def meshed() -> Iterator[tuple[sandbox.Layout, Path]]:
     need_root()
     path = sandbox_dir(NAME)
-    lay = sandbox.up(path, sandbox.default_subnet("", NAME), 3, NAME, sandbox.Options.all())
+    opts = sandbox.Options(second=True, ifnames=True, debian_hosts=True)
+    lay = sandbox.up(path, sandbox.default_subnet("", NAME), 3, NAME, networks=opts)
     try:
         out = meshkit("mesh", "--hostfile", str(lay.hostfile), "--no-verify")
         assert out.returncode == 0, out.stdout + out.stderr
+        # docker0 after the mesh: mesh refuses the address every node shares (see test_networks)
+        networks.add_docker(lay)
         workdir = lay.shared / "work"
         workdir.mkdir()
         yield lay, workdir

@@ -1,19 +1,24 @@
-"""The job file, the tmux argv and wrapper script, and the node-side helpers (real processes)."""
+"""The job model, the protocol, and the node side (agent, keeper, stop) with real processes and a
+real (private) tmux server on this machine."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import subprocess
-import sys
+import shlex
 import time
+from pathlib import Path
 
 import pytest
 
 from meshkit import job as jobs
-from meshkit import node, tmux
-from meshkit.errors import JobError
+from meshkit import protocol
+from meshkit.errors import JobError, UsageError
 from meshkit.job import Job
+from meshkit.node import agent, procs
+from meshkit.node import jobs as node_jobs
+from meshkit.ops.jobs import find_job
 
 HOSTILE = """echo "it's $NODE_RANK"; echo `date` $(whoami) && exit 3 # ; rm -rf /"""
 
@@ -36,97 +41,173 @@ def make_job(**kw: object) -> Job:
 def test_job_round_trips_and_rejects_bad_files():
     job = make_job()
     assert jobs.from_json(job.to_json(), "f") == job
-    assert str(jobs.job_file("/shared/w d", "s1")) == "/shared/w d/.meshkit/s1/job.json"
+    assert str(job.file) == "/shared/w d/.meshkit/s1/job.json"
     assert job.log(3) == "/shared/w d/.meshkit/s1/node3.log"
+    assert str(job.index) == "/shared/.meshkit/jobs/hostfile--s1.json"
     with pytest.raises(JobError, match="not a meshkit job file"):
         jobs.from_json('{"cmd": 1}', "f")
-    for bad in ("", "a b", "x;y", "../up", "a" * 65):
-        with pytest.raises(JobError, match="session name"):
-            jobs.check_session(bad)
+    with pytest.raises(JobError, match="not a meshkit job file"):
+        jobs.from_json(make_job().to_json().replace('"s1"', '"a.b"'), "f")
 
 
-def test_wrapper_script_carries_the_command_verbatim_through_bash():
-    job = make_job()
-    argv = tmux.new_session(job)
-    assert argv[:8] == ["tmux", "new-session", "-d", "-s", "s1", "-c", "/shared/w d", "bash"]
-    script = argv[-1]
-    # the command is one argument of `meshkit run --cmd`, exactly as given
-    run_line = next(line for line in script.splitlines() if " -m meshkit run " in line)
-    import shlex
-
-    words = shlex.split(run_line)
-    assert words[words.index("--cmd") + 1] == HOSTILE
-    assert words[words.index("--log") + 1] == "/shared/w d/.meshkit/s1/node{rank}.log"
-    assert "export MESHKIT_SESSION=s1" in script and "export A='x y'" in script
-    # and the whole tmux argv survives a remote shell
-    assert shlex.split(tmux.command(argv)) == argv
+@pytest.mark.parametrize("bad", ["", "a b", "x;y", "../up", "a" * 65, "my.job", "a:b"])
+def test_session_names_follow_tmux_rules(bad):
+    with pytest.raises(UsageError, match="session name"):
+        jobs.check_session(bad)
 
 
-def test_node_stop_ends_every_tagged_process_and_only_those():
-    session = f"t{os.getpid()}"
-    env = {**os.environ, "MESHKIT_SESSION": session}
-    tagged = subprocess.Popen(
-        ["bash", "-c", "sleep 300 & sleep 300 & wait"], env=env, start_new_session=True
-    )
-    other = subprocess.Popen(["sleep", "300"])
-    try:
-        deadline = time.monotonic() + 10
-        while len(node.job_pids(session)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(node.job_pids(session)) == 3  # bash and both sleeps, found by their tag
-        result = node.stop(session, "/nonexistent-state")
-        assert result["left"] == [] and result["signalled"] == 3
-        assert node.job_pids(session) == []
-        assert other.poll() is None
-    finally:
-        for p in (tagged, other):
-            p.kill()
-            p.wait()
+def test_identity_includes_the_workdir_and_paths_never_meet_a_format_language():
+    a, b = make_job(workdir="/p/one"), make_job(workdir="/p/two")
+    assert a.id != b.id and a.tmux_session != b.tmux_session  # same session, two projects
+    odd = make_job(workdir="/x/exp#S{r}#(touch /tmp/pwn)")
+    assert odd.log(2) == "/x/exp#S{r}#(touch /tmp/pwn)/.meshkit/s1/node2.log"
+    assert "#" not in odd.tmux_session and "{" not in odd.tmux_session
 
 
-def test_node_status_and_port_probe(tmp_path):
-    state = tmp_path / "state"
-    state.mkdir()
-    log = tmp_path / "node0.log"
-    assert node.status("nosuch-session", str(log), str(state))["state"] == "absent"
-    (state / "exit").write_text("7\n")
-    (state / "started").write_text("1700000000\n")
-    log.write_text("first\nlast words\n\n")
-    got = node.status("nosuch-session", str(log), str(state))
-    assert got == {
-        "state": "exited",
-        "exit_code": 7,
-        "started": 1700000000,
-        "last_line": "last words",
-    }
-    out = subprocess.run(
-        [sys.executable, "-m", "meshkit.node", "port-free", "s", "1"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    data = json.loads(out.stdout)
-    assert data["ports"][0]["port"] == 1 and data["ours"] is False
+def test_node_job_carries_the_command_verbatim():
+    spec = make_job().node_job()
+    assert spec.argv[spec.argv.index("--cmd") + 1] == HOSTILE
+    assert spec.argv[spec.argv.index("--log") + 1] == "/shared/w d/.meshkit/s1/node{rank}.log"
+    assert spec.env == {"A": "x y"} and spec.setup == ["source /venv/bin/activate"]
 
 
-def test_node_agent_answers_json_requests_and_survives_bad_ones(tmp_path):
-    import io
+@pytest.mark.parametrize("name", ["A;B", "1X", "A B", "$(x)", ""])
+def test_env_names_must_be_variable_names(name):
+    with pytest.raises(UsageError, match="not a variable name"):
+        jobs.check_env({name: "v"})
 
-    requests = io.StringIO(
-        json.dumps({"op": "port-free", "args": {"session": "s", "ports": [1]}})
-        + "\n"
-        + json.dumps({"op": "nosuch", "args": {}})
-        + "\n"
-        + json.dumps({"op": "env", "args": {"cwd": str(tmp_path / "missing"), "argv": ["x"]}})
-        + "\n"
-        + json.dumps(
-            {"op": "env", "args": {"cwd": str(tmp_path), "argv": ["/nonexistent/python3"]}}
-        )
-        + "\n"
-    )
+
+def test_find_job_by_workdir_index_or_cwd_and_says_where_it_looked():
+    job = make_job(workdir="/proj", hostfile="/shared/hostfile")
+    files = {str(job.file): job.to_json(), str(job.index): job.index_json()}
+    found = find_job("s1", workdir=None, hostfile="/shared/hostfile", cwd="/home/u", read=files.get)
+    assert found == job  # through the index beside the hostfile, from another directory
+    assert find_job("s1", workdir="/proj", hostfile=None, cwd="/", read=files.get) == job
+    with pytest.raises(JobError) as info:
+        find_job("s1", workdir=None, hostfile="/other/hf", cwd="/home/u", read=files.get)
+    text = str(info.value)
+    assert "/other/.meshkit/jobs/hf--s1.json" in text and "/home/u/.meshkit/s1/job.json" in text
+
+
+def test_protocol_round_trips_and_rejects_malformed_lines():
+    request = protocol.StartRequest(make_job().node_job(), replace=True)
+    op, back = protocol.decode_request(protocol.encode_request(request))
+    assert op == "start" and back == request
+    reply = protocol.StatusReply("exited", 7, 1.5, "last")
+    assert protocol.decode_reply("status", protocol.encode_reply(reply)) == reply
+    for bad in (
+        '{"v": 1, "op": "status", "args": {"job_id": 5, "log": "x"}}',
+        '{"v": 1, "op": "rm", "args": {}}',
+        '{"v": 2, "op": "jobs", "args": {}}',
+        "[1]",
+        "not json",
+    ):
+        with pytest.raises(protocol.ProtocolViolation):
+            protocol.decode_request(bad)
+    with pytest.raises(protocol.NodeFailure, match="boom"):
+        protocol.decode_reply("status", protocol.encode_reply(None, "boom"))
+    with pytest.raises(protocol.ProtocolViolation):
+        protocol.decode_reply("status", '{"ok": true, "result": {"state": 1}}')
+
+
+def test_agent_answers_and_survives_bad_requests(tmp_path):
+    lines = [
+        protocol.encode_request(protocol.PortsRequest("0" * 16, [1])),
+        '{"v": 1, "op": "nosuch", "args": {}}\n',
+        protocol.encode_request(protocol.EnvRequest(str(tmp_path / "missing"), ["x"])),
+        protocol.encode_request(protocol.EnvRequest(str(tmp_path), ["/nonexistent/python3"])),
+        "x" * (protocol.MAX_LINE + 10) + "\n",
+        protocol.encode_request(protocol.JobsRequest()),
+    ]
     replies = io.StringIO()
-    node.serve(requests, replies)
+    agent.serve(io.StringIO("".join(lines)), replies)
     got = [json.loads(line) for line in replies.getvalue().splitlines()]
     assert got[0]["ok"] and got[0]["result"]["ports"][0]["port"] == 1
     assert not got[1]["ok"] and "nosuch" in got[1]["error"]
     assert got[2]["result"]["err"].startswith("cd: ") and got[3]["result"]["code"] == 127
+    assert not got[4]["ok"] and "longer than" in got[4]["error"]
+    assert got[-1]["ok"]  # still serving after all of that
+
+
+# ---- the keeper and stop, with real processes under a private tmux server ---------------------
+
+
+@pytest.fixture
+def private_tmux(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMUX_TMPDIR", str(tmp_path))
+    yield
+    os.system(f"TMUX_TMPDIR={shlex.quote(str(tmp_path))} tmux kill-server 2>/dev/null")
+
+
+def spec(workdir: Path, cmd: str, session: str = "t") -> protocol.NodeJob:
+    job = make_job(workdir=str(workdir), session=session, cmd=cmd, env={"X": "1"}, setup=())
+    node_job = job.node_job()
+    return protocol.NodeJob(**{**node_job.__dict__, "argv": ["bash", "-c", cmd]})
+
+
+def wait_for(predicate, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not reached within {timeout}s")
+
+
+def test_stop_ends_what_setsid_and_env_i_detached(private_tmux, tmp_path):
+    work = tmp_path / "w"
+    work.mkdir()
+    escaped = work / "escaped.pid"
+    cmd = f"setsid env -i sh -c 'echo $$ > {escaped}; exec sleep 300' & sleep 300"
+    job = spec(work, cmd)
+    started = node_jobs.start(protocol.StartRequest(job))
+    assert started.started and started.state == "running", started
+    pid = int(wait_for(lambda: escaped.exists() and escaped.read_text().strip()))
+    assert job.job_id.encode() not in Path(f"/proc/{pid}/environ").read_bytes()  # shed the tag
+    status = node_jobs.status(protocol.StatusRequest(job.job_id, str(work / "log")))
+    assert status.state == "running"
+    stopped = node_jobs.stop(protocol.StopRequest(job.job_id))
+    assert stopped.found and stopped.left == [] and stopped.signalled >= 3
+    assert not procs.alive(pid)
+    after = node_jobs.status(protocol.StatusRequest(job.job_id, str(work / "log")))
+    assert after.state == "absent"
+
+
+def test_exit_code_workdir_with_format_characters_and_another_job(private_tmux, tmp_path):
+    odd = tmp_path / "exp#S{r}#(touch pwned)"
+    odd.mkdir()
+    job = spec(odd, 'pwd > where; echo "last words"; exit 7')
+    assert node_jobs.start(protocol.StartRequest(job)).started
+    wait_for(lambda: (odd / "where").exists() and node_jobs._state(job.job_id)[0] == "exited")
+    assert (odd / "where").read_text().strip() == str(odd)
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+    assert node_jobs._state(job.job_id) == ("exited", 7)
+    # another job (other workdir, same session name) running here blocks a start unless replace
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    first = spec(other_dir, "sleep 300")
+    assert node_jobs.start(protocol.StartRequest(first)).started
+    second_dir = tmp_path / "second"
+    second_dir.mkdir()
+    second = spec(second_dir, "sleep 300")
+    refused = node_jobs.start(protocol.StartRequest(second))
+    assert not refused.started and [r.job_id for r in refused.conflicts] == [first.job_id]
+    assert node_jobs._state(first.job_id)[0] == "running"  # untouched
+    taken = node_jobs.start(protocol.StartRequest(second, replace=True))
+    assert taken.started and [r.job_id for r in taken.replaced] == [first.job_id]
+    assert node_jobs._state(first.job_id)[0] == "absent"
+    assert node_jobs.stop(protocol.StopRequest(second.job_id)).left == []
+
+
+def test_logs_tail_and_follow_offsets(tmp_path):
+    log = tmp_path / "node0.log"
+    log.write_text("".join(f"line {i}\n" for i in range(50)))
+    tail = node_jobs.logs(protocol.LogsRequest(str(log), 3))
+    assert tail.lines == ["line 47", "line 48", "line 49"]
+    with log.open("a") as out:
+        out.write("new 1\npartial")
+    more = node_jobs.logs(protocol.LogsRequest(str(log), 3, tail.offset))
+    assert more.lines == ["new 1"]  # the partial line waits for its newline
+    missing = node_jobs.logs(protocol.LogsRequest(str(tmp_path / "none"), 3))
+    assert missing.missing and missing.lines == []

@@ -123,6 +123,17 @@ def test_cut_takes_one_link_down_both_ways_and_mend_restores_it(lay):
     assert "Traceback" not in bad.stderr
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="mesh records every address of a node in known_hosts, docker0's 172.17.0.1 included, "
+    "and refuses it as claimed by every node (meshplan reads /proc/net/fib_trie, which names no "
+    "interface); reported to the lead / mesh owner",
+)
+def test_mesh_accepts_the_same_docker0_address_on_every_node(lay):
+    out = meshkit("mesh", "--hostfile", str(lay.hostfile), "--no-verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_down_removes_the_second_network(lay):
     # (runs last in this module: the fixture's down would do the same)
     sandbox.down(sandbox_dir(NAME), NAME)

@@ -120,22 +120,18 @@ def ssh_checks(hosts: Sequence[Host], failures: Sequence[PairFailureLike]) -> li
     """One row per node that logs in everywhere; one row per broken pair."""
     checks = []
     for source in hosts:
-        broken = [f for f in failures if f.source == source]
+        broken: dict[Host, list[str]] = {}
+        for f in failures:
+            if f.source == source:
+                broken.setdefault(f.target, []).append(f.error)
         if not broken:
             checks.append(
                 Check("ssh", source.label, None, True, f"logs in to all {len(hosts)} nodes")
             )
-        checks += [
-            Check(
-                "ssh",
-                source.label,
-                f.target.label,
-                False,
-                f.error[:300],
-                ssh_fix(f.error),
-            )
-            for f in broken
-        ]
+        for target, errors in broken.items():
+            # verify tries each pair by the hostfile spelling and by hostname: one row per pair
+            detail = "; ".join(dict.fromkeys(errors))[:300]
+            checks.append(Check("ssh", source.label, target.label, False, detail, ssh_fix(detail)))
     return checks
 
 

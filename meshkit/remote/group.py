@@ -10,7 +10,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -106,8 +106,18 @@ def fan_out(
 
     if not items:
         return {}
-    with ThreadPoolExecutor(max_workers=max(1, min(settings.parallel, len(items)))) as pool:
-        results = dict(zip(items, pool.map(one, items)))
+    pool = ThreadPoolExecutor(max_workers=max(1, min(settings.parallel, len(items))))
+    futures = [pool.submit(one, item) for item in items]
+    try:
+        # Waiting in short slices keeps the main thread able to take Ctrl-C at once; the
+        # callers' `with Cluster` then closes every connection, which ends the blocked workers.
+        while wait(futures, timeout=0.2).not_done:
+            pass
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    results = {item: future.result() for item, future in zip(items, futures)}
     if counter:
         counter.finish()
     return results

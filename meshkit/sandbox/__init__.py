@@ -351,7 +351,8 @@ def _existing_netns(lay: Layout) -> list[str]:
 
 def down(root: str | os.PathLike[str], name: str = DEFAULT) -> list[str]:
     """Remove every namespace, link and file of the sandbox ``name``; safe to repeat and after a
-    crash. Other sandboxes are left alone."""
+    crash. Other sandboxes are left alone. SLURM's daemons (``up(slurm=True)``) run inside the
+    nodes, so killing every process of every node ends them too."""
     path = Path(root)
     state = _read_state(path)
     name = str(state.get("name", name)) if state else check_name(name)
@@ -399,11 +400,17 @@ def up(
     subnet: str,
     count: int,
     name: str = DEFAULT,
+    slurm: bool = False,
     networks: Options | None = None,
 ) -> Layout:
     """Create (or re-create) the sandbox ``name`` of ``count`` nodes and wait until every sshd
-    answers. ``networks`` adds real-world network features (see networks.Options)."""
+    answers; with ``slurm``, also a private SLURM cluster on the nodes (see ``sandbox.slurm``);
+    ``networks`` adds real-world network features (see ``sandbox.networks``)."""
+    from . import slurm as slurm_cluster
+
     preflight()
+    if slurm:
+        slurm_cluster.preflight()
     lay = layout(root, subnet, count, name, networks)
     down(lay.root, name)
     check_subnet(lay)
@@ -421,6 +428,7 @@ def up(
                 "subnet": str(lay.subnet),
                 "created_root_ssh": created_root_ssh,
                 "networks": lay.networks.as_state(),
+                "slurm": slurm,
             }
         ),
     )
@@ -430,6 +438,8 @@ def up(
         for node in lay.nodes:
             start_node(lay, node)
         wait_ready(lay, lay.nodes)
+        if slurm:
+            slurm_cluster.start(lay)
     except BaseException:
         down(lay.root, name)
         raise
@@ -465,6 +475,11 @@ def reboot(lay: Layout, index: int) -> Node:
             entry.unlink()
     start_node(lay, node)
     wait_ready(lay, [node])
+    if (_read_state(lay.root) or {}).get("slurm"):
+        from . import slurm
+
+        slurm.start_daemons(lay, node)
+        slurm.wait_idle(lay, [node])
     return node
 
 

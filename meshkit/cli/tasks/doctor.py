@@ -90,8 +90,8 @@ def doctor(
     interface each node's backends will use, the master port (free on the master, reachable from
     every node), node-to-node TCP on those interfaces, versions, GPUs vs slots, the shared
     workdir, clocks, and a tiny all_reduce. Every check is bounded in time; exit 1 if any fails."""
-    from ...mesh import verify
     from ...ops import doctor as ops
+    from ...ops.mesh import verify
     from ...remote import AgentPool, Cluster
 
     with reported():
@@ -111,7 +111,7 @@ def doctor(
                 pool,
                 job,
                 hosts,
-                verify=None if quick else (lambda: verify(cluster, hosts)),
+                verify=None if quick else (lambda: verify(cluster, hosts).failures),
                 collective=not quick,
                 probe_seconds=seconds,
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json as jsonlib
+import sys
 import time
 from typing import Any
 
@@ -10,6 +11,7 @@ from invoke.collection import Collection
 from invoke.context import Context
 
 from ... import sandbox
+from ...sandbox.slurm import conf_path as slurm_conf_path
 from ..common import conf, reported, table, task
 
 DIR_HELP = "sandbox state directory (default: config meshkit.sandbox.dir, /var/tmp/meshkit-sandbox)"
@@ -36,6 +38,8 @@ NAME_HELP = "sandbox name, so that several run side by side (default: 'default')
         "networks": "real-world networks, comma list of: second (a second network per node),"
         " ifnames (interface names differ between nodes), docker0 (the same docker0 address in every"
         " node), debian-hosts (the '127.0.1.1 <hostname>' line); or 'all'",
+        "slurm": "also run a private SLURM cluster on the nodes (slurmctld, one slurmd per node,"
+        " munge; Debian slurm-wlm and munge)",
     }
 )
 def up(
@@ -45,6 +49,7 @@ def up(
     subnet: str | None = None,
     name: str | None = None,
     networks: str | None = None,
+    slurm: bool = False,
 ) -> None:
     """Create a local cluster of N real sshd nodes (root only); replaces a stale one."""
     with reported():
@@ -52,7 +57,14 @@ def up(
         label = sandbox.check_name(name or sandbox.DEFAULT)
         net = subnet or sandbox.default_subnet(str(_conf(c).subnet), label)
         options = sandbox.Options.parse(networks or "")
-        lay = sandbox.up(_dir(c, dir, label), net, int(nodes or _conf(c).nodes), label, options)
+        lay = sandbox.up(
+            _dir(c, dir, label),
+            net,
+            int(nodes or _conf(c).nodes),
+            label,
+            slurm,
+            networks=options,
+        )
         took = time.monotonic() - started
     print(table(["node", "address", "netns"], [(n.name, n.address, n.netns) for n in lay.nodes]))
     print(
@@ -64,6 +76,14 @@ def up(
     if lay.networks.any:
         print(f"networks:    {lay.networks.describe()}")
     print(f"next:        meshkit mesh --hostfile {lay.hostfile}")
+    if slurm:
+        slurm_conf = slurm_conf_path(lay)
+        print(
+            f"slurm:       export SLURM_CONF={slurm_conf}   (in a node: nsenter or ssh, then srun/sbatch)"
+        )
+        print(
+            f"             e.g. SLURM_CONF={slurm_conf} srun -N{lay.count} {sys.executable} -m meshkit env"
+        )
 
 
 @task(help={"dir": DIR_HELP, "name": NAME_HELP})

@@ -1,0 +1,233 @@
+"""Job control as users live it, on real sshd nodes with real tmux: from another node's home
+directory, two projects side by side, detached processes, a missing interpreter, paths with
+tmux format characters, and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import MESHKIT, meshkit
+
+from meshkit import sandbox
+
+SANDBOX_NODES = 3
+
+
+@pytest.fixture(scope="module")
+def meshed(cluster):
+    out = meshkit("mesh", "--hostfile", str(cluster.hostfile), "--no-verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return cluster
+
+
+def inside(lay, index: int, cwd: str, *args: str, timeout: float = 120):
+    """``meshkit ARGS`` run inside node ``index`` from directory ``cwd``."""
+    line = f"cd {shlex.quote(cwd)} && {shlex.join([sys.executable, '-m', 'meshkit', *args])}"
+    return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
+
+
+def project(lay, name: str) -> Path:
+    work = lay.shared / name
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+def wait_for(predicate, timeout: float = 60, interval: float = 0.3):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"not reached within {timeout}s")
+
+
+def states(lay, index: int, cwd: str, *where: str) -> list[str]:
+    out = inside(lay, index, cwd, "status", "--json", *where)
+    assert out.returncode in (0, 1), out.stderr
+    return [row["state"] for row in json.loads(out.stdout)]
+
+
+def test_status_logs_stop_and_relaunch_from_another_nodes_home(meshed):
+    lay = meshed
+    work = project(lay, "proj")
+    hf = str(lay.hostfile)
+    cmd = 'echo "hello from $NODE_RANK"; sleep 300'
+    out = inside(lay, 0, str(work), "train", "--hostfile", hf, "--session", "far", "--cmd", cmd)
+    assert out.returncode == 0, out.stdout + out.stderr
+    where = ("--hostfile", hf, "--session", "far")
+    # node2, in root's home: nothing but the hostfile and the session name
+    assert wait_for(lambda: states(lay, 2, "/root", *where) == ["running"] * 3)
+    logs = inside(lay, 2, "/root", "logs", *where, "--lines", "5")
+    assert logs.returncode == 0, logs.stderr
+    assert {f"[{r}] hello from {r}" for r in range(3)} <= set(logs.stdout.splitlines())
+    stop = inside(lay, 2, "/root", "stop", *where)
+    assert stop.returncode == 0 and stop.stdout.count("nothing left") == 3, (
+        stop.stdout + stop.stderr
+    )
+    assert states(lay, 1, "/tmp", *where) == ["absent"] * 3
+    again = inside(lay, 1, "/root", "train", *where)  # a bare relaunch, from a third place
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert wait_for(lambda: states(lay, 0, "/", *where) == ["running"] * 3)
+    assert inside(lay, 0, "/", "stop", *where).returncode == 0
+    # nothing found: the error says where it looked
+    missing = inside(lay, 2, "/root", "status", "--hostfile", hf, "--session", "nosuch")
+    assert missing.returncode == 1 and "looked in" in missing.stderr
+    assert f"{lay.root}/.meshkit/jobs/hostfile--nosuch.json" in missing.stderr
+
+
+def test_two_projects_with_the_default_session_never_end_each_other(meshed):
+    lay = meshed
+    a, b = project(lay, "alpha"), project(lay, "beta")
+    hf = str(lay.hostfile)
+    assert inside(lay, 0, str(a), "train", "--hostfile", hf, "--cmd", "sleep 300").returncode == 0
+    refused = inside(lay, 1, str(b), "train", "--hostfile", hf, "--cmd", "sleep 300")
+    assert refused.returncode == 1 and "another meshkit job is running there" in refused.stderr
+    assert f"'meshkit' in {a}" in refused.stderr and "--replace" in refused.stderr
+    assert states(lay, 0, str(a), "--hostfile", hf) == ["running"] * 3  # untouched
+    taken = inside(lay, 1, str(b), "train", "--hostfile", hf, "--cmd", "sleep 300", "--replace")
+    assert taken.returncode == 0, taken.stdout + taken.stderr
+    assert "alpha" in taken.stdout  # the table names what it replaced
+    assert states(lay, 0, str(a), "--workdir", str(a)) == ["absent"] * 3
+    assert states(lay, 0, str(b), "--workdir", str(b)) == ["running"] * 3
+    assert inside(lay, 0, str(b), "stop", "--workdir", str(b)).returncode == 0
+
+
+def test_stop_finds_setsid_env_i_processes_and_says_so_only_after_looking(meshed):
+    lay = meshed
+    work = project(lay, "detach")
+    cmd = "setsid env -i sleep 301 & setsid nohup sleep 302 >/dev/null 2>&1 & sleep 300"
+    hf = str(lay.hostfile)
+    assert inside(lay, 0, str(work), "train", "--hostfile", hf, "--cmd", cmd).returncode == 0
+
+    def sleeping(index: int) -> list[str]:
+        found = sandbox.node_exec(lay.nodes[index], ["pgrep", "-a", "-x", "sleep"])
+        return [ln for ln in found.stdout.splitlines() if ln.endswith(("sleep 301", "sleep 302"))]
+
+    assert wait_for(lambda: all(len(sleeping(i)) == 2 for i in range(3)))
+    out = inside(lay, 2, str(work), "stop")
+    assert out.returncode == 0 and out.stdout.count("nothing left") == 3, out.stdout + out.stderr
+    assert all(sleeping(i) == [] for i in range(3))
+
+
+def test_stop_with_a_missing_interpreter_is_a_row_per_node_not_a_traceback(meshed):
+    lay = meshed
+    work = project(lay, "nopython")
+    hf = str(lay.hostfile)
+    assert (
+        inside(lay, 0, str(work), "train", "--hostfile", hf, "--cmd", "sleep 300").returncode == 0
+    )
+    saved = work / ".meshkit" / "meshkit" / "job.json"
+    original = saved.read_text()
+    data = json.loads(original)
+    data["python"] = "/nonexistent/python3"
+    saved.write_text(json.dumps(data))
+    out = inside(lay, 1, str(work), "stop")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stdout.count("FAILED: interpreter /nonexistent/python3 not found") == 3, out.stdout
+    saved.write_text(original)
+    assert inside(lay, 1, str(work), "stop").returncode == 0
+
+
+def test_paths_with_tmux_format_characters_are_only_paths(meshed):
+    lay = meshed
+    work = project(lay, "exp#S{r}#(touch pwned)")
+    hf = str(lay.hostfile)
+    cmd = 'pwd > "where$NODE_RANK"; echo done'
+    out = inside(lay, 0, str(work), "train", "--hostfile", hf, "--cmd", cmd)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert wait_for(lambda: states(lay, 1, str(work)) == ["exited"] * 3)
+    assert all((work / f"where{r}").read_text().strip() == str(work) for r in range(3))
+    assert not list(lay.shared.rglob("pwned")) and not Path("/root/pwned").exists()
+    logs = inside(lay, 1, str(work), "logs")
+    assert logs.returncode == 0 and logs.stdout.count("done") == 3, logs.stdout + logs.stderr
+
+
+def test_a_session_name_tmux_would_rename_is_refused(meshed):
+    out = inside(
+        meshed,
+        0,
+        "/root",
+        "train",
+        "--hostfile",
+        str(meshed.hostfile),
+        "--session",
+        "my.job",
+        "--cmd",
+        "true",
+    )
+    assert out.returncode == 2 and "session name 'my.job'" in out.stderr
+
+
+def test_one_ctrl_c_ends_follow_promptly(meshed):
+    lay = meshed
+    work = project(lay, "follow")
+    hf = str(lay.hostfile)
+    assert (
+        inside(
+            lay,
+            0,
+            str(work),
+            "train",
+            "--hostfile",
+            hf,
+            "--cmd",
+            "while true; do echo tick; sleep 0.2; done",
+        ).returncode
+        == 0
+    )
+    follow = subprocess.Popen(
+        [*MESHKIT, "logs", "--hostfile", hf, "--workdir", str(work), "--follow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ},
+    )
+    try:
+        assert follow.stdout is not None
+        wait_for(lambda: "tick" in follow.stdout.readline(), timeout=30, interval=0)
+        follow.send_signal(signal.SIGINT)
+        code = follow.wait(timeout=10)  # one Ctrl-C is enough (it used to take two)
+    finally:
+        follow.kill()
+    assert code == 130, code
+    assert inside(lay, 0, str(work), "stop").returncode == 0
+
+
+def test_one_ctrl_c_ends_a_command_stuck_on_a_hung_node(meshed):
+    """A node whose sshd accepts TCP but never answers (SIGSTOP): the connect phase hangs until
+    connect_timeout; one Ctrl-C must end the command at once, exit 130, no traceback."""
+    lay = meshed
+    work = project(lay, "hung")  # a directory with no meshkit.yaml
+    node = lay.nodes[2]
+    sshd = [
+        p
+        for p in sandbox.netns_pids(node.netns)
+        if os.path.realpath(f"/proc/{p}/exe") == os.path.realpath(sandbox.SSHD)
+    ]
+    os.kill(min(sshd), signal.SIGSTOP)
+    try:
+        hung = subprocess.Popen(
+            [*MESHKIT, "check", "--hostfile", str(lay.hostfile)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=str(work),
+            env={**os.environ, "MESHKIT_CONNECT_TIMEOUT": "120"},
+        )
+        time.sleep(3)
+        assert hung.poll() is None  # still waiting for node2
+        hung.send_signal(signal.SIGINT)
+        code = hung.wait(timeout=10)
+        err = hung.stderr.read() if hung.stderr else ""
+    finally:
+        os.kill(min(sshd), signal.SIGCONT)
+    assert code == 130 and "interrupted" in err and "Traceback" not in err, err

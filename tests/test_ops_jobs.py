@@ -1,0 +1,174 @@
+"""The jobs ops layer against a small fake cluster (in the spirit of invoke's MockContext): the
+logic that otherwise only root sandbox tests reach - preflight verdicts, port choice, conflicts,
+status and stop analysis - with canned node replies."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from meshkit import protocol as p
+from meshkit.errors import LaunchError, RemoteError
+from meshkit.hostfile import Host
+from meshkit.job import Job
+from meshkit.ops import jobs as ops
+from meshkit.remote.group import Outcome
+
+HOSTS = [Host("10.0.0.1", lineno=1), Host("10.0.0.2", lineno=2), Host("10.0.0.3", lineno=3)]
+
+
+def env_ok(rank: int, port: int = 25000, master: str = "10.0.0.1") -> p.EnvReply:
+    data = {"NODE_RANK": str(rank), "NNODES": "3", "MASTER_ADDR": master}
+    data |= {"MASTER_PORT": str(port), "matched": f"10.0.0.{rank + 1} on eth0"}
+    return p.EnvReply(0, json.dumps(data), "")
+
+
+class FakePool:
+    """Each node answers from ``replies[op][host]`` (a Reply, or an exception to raise)."""
+
+    def __init__(self, replies: dict[str, dict[Host, object]], failures=None) -> None:
+        self.replies, self.failures = replies, dict(failures or {})
+        self.calls: list[tuple[str, Host, p.Request]] = []
+        self.files: dict[tuple[Host, str], str] = {}
+
+    def call_all(
+        self,
+        phase: str,
+        request_for: Callable[[Host], p.Request | None],
+        expect: type,
+        hosts: Sequence[Host] | None = None,
+        timeout: float | None = None,
+    ) -> dict[Host, Outcome]:
+        out = {}
+        for h in hosts if hosts is not None else HOSTS:
+            if h in self.failures:
+                continue
+            request = request_for(h)
+            if request is None:
+                continue
+            op = p.op_of(request)
+            self.calls.append((op, h, request))
+            answer = self.replies.get(op, {}).get(h)
+            if isinstance(answer, Exception):
+                out[h] = Outcome(exc=answer, error=str(answer))
+            else:
+                assert isinstance(answer, expect), (op, h, answer)
+                out[h] = Outcome(answer)
+        return out
+
+    def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
+        self.files[(host, path)] = text
+
+
+def job() -> Job:
+    return Job("train", "/w", "s", "/shared/hostfile", "/venv/bin/python", 25000)
+
+
+def healthy(**override: dict[Host, object]) -> dict[str, dict[Host, object]]:
+    base: dict[str, dict[Host, object]] = {
+        "env": {h: env_ok(i) for i, h in enumerate(HOSTS)},
+        "jobs": {h: p.JobsReply([]) for h in HOSTS},
+        "ports": {HOSTS[0]: p.PortsReply([p.PortState(25000, True)], False)},
+        "start": {h: p.StartReply(True, "running", [], []) for h in HOSTS},
+        "status": {h: p.StatusReply("running", None, 1.7e9, "step 3") for h in HOSTS},
+        "stop": {h: p.StopReply(True, 4, []) for h in HOSTS},
+    }
+    return base | override
+
+
+def test_launch_saves_the_job_and_its_index_through_the_master_then_starts_everywhere():
+    pool = FakePool(healthy())
+    launch = ops.launch(pool, job(), HOSTS)
+    assert launch.ok and [r.state for r in launch.rows] == ["running"] * 3
+    assert set(pool.files) == {
+        (HOSTS[0], "/w/.meshkit/s/job.json"),
+        (HOSTS[0], "/shared/.meshkit/jobs/hostfile--s.json"),
+    }
+    assert [op for op, _, _ in pool.calls].count("start") == 3
+
+
+def test_preflight_problems_start_nothing_anywhere():
+    bad = healthy(
+        env={
+            HOSTS[0]: env_ok(0),
+            HOSTS[1]: env_ok(2),  # discovers the wrong rank
+            HOSTS[2]: p.EnvReply(127, "", "bash: /venv/bin/python: No such file or directory"),
+        }
+    )
+    pool = FakePool(bad, failures={})
+    with pytest.raises(LaunchError) as info:
+        ops.launch(pool, job(), HOSTS)
+    text = str(info.value)
+    assert "10.0.0.2: is line 2" in text and "NODE_RANK=2" in text
+    assert "interpreter /venv/bin/python not found" in text and "nothing was started" in text
+    assert not any(op == "start" for op, _, _ in pool.calls) and not pool.files
+
+
+def test_nodes_that_disagree_or_cannot_connect_are_named():
+    envs = {h: env_ok(i, port=25001 if i == 2 else 25000) for i, h in enumerate(HOSTS)}
+    problems = ops.env_verdicts(job(), HOSTS, {h: Outcome(v) for h, v in envs.items()}, {})
+    assert len(problems) == 1 and "disagree" in problems[0] and "10.0.0.3" in problems[0]
+    down = ops.env_verdicts(job(), HOSTS, {}, {HOSTS[1]: "connection refused on port 22"})
+    assert down == ["10.0.0.2: cannot connect: connection refused on port 22"]
+
+
+def test_another_job_blocks_the_launch_unless_replace():
+    other = p.RunningJob("f" * 16, "'s' in /elsewhere")
+    replies = healthy(jobs={h: p.JobsReply([other] if h == HOSTS[1] else []) for h in HOSTS})
+    with pytest.raises(
+        LaunchError, match=r"10.0.0.2: another meshkit job is running there: 's' in /elsewhere"
+    ):
+        ops.launch(FakePool(replies), job(), HOSTS)
+    pool = FakePool(replies)
+    assert ops.launch(pool, job(), HOSTS, replace=True).ok
+    assert all(req.replace for op, _, req in pool.calls if op == "start")  # type: ignore[union-attr]
+
+
+def test_port_choice():
+    j = job()
+    busy = p.PortsReply(
+        [p.PortState(25000, False), p.PortState(25001, False), p.PortState(25002, True)], False
+    )
+    assert ops.pick_port(busy, j, HOSTS[0])[0] == 25002
+    ours = p.PortsReply([p.PortState(25000, False)], True)
+    assert ops.pick_port(ours, j, HOSTS[0]) == (25000, None)  # our own old run: replaced
+    full = p.PortsReply([p.PortState(25000, False), p.PortState(25001, False)], False)
+    with pytest.raises(LaunchError, match="all busy"):
+        ops.pick_port(full, j, HOSTS[0])
+
+
+def test_a_node_that_did_not_start_fails_the_launch():
+    replies = healthy(
+        start={
+            h: p.StartReply(
+                h != HOSTS[2],
+                "running" if h != HOSTS[2] else "absent",
+                [],
+                [],
+                None if h != HOSTS[2] else "tmux failed",
+            )
+            for h in HOSTS
+        }
+    )
+    launch = ops.launch(FakePool(replies), job(), HOSTS)
+    assert not launch.ok and launch.rows[2].error == "tmux failed"
+
+
+def test_status_and_stop_rows_never_claim_what_was_not_seen():
+    replies = healthy(
+        status={
+            HOSTS[0]: p.StatusReply("exited", 0, 1.7e9, "done"),
+            HOSTS[1]: RemoteError("agent gone"),
+        },
+        stop={HOSTS[0]: p.StopReply(True, 3, []), HOSTS[1]: p.StopReply(True, 3, [4242])},
+    )
+    pool = FakePool(replies, failures={HOSTS[2]: "no answer within 10s on port 22"})
+    rows = ops.status(pool, job(), HOSTS)
+    assert [r.state for r in rows] == ["exited", "absent", "absent"]
+    assert rows[1].error == "agent gone" and "no answer" in (rows[2].error or "")
+    assert rows[0].as_json()["started"].startswith("2023-11-14T22:13:20")
+    stops = ops.stop(pool, job(), HOSTS)
+    assert [s.ok for s in stops] == [True, False, False]
+    assert stops[1].left == [4242] and "no answer" in (stops[2].error or "")
