@@ -169,7 +169,7 @@ def run_doctor(lay: sandbox.Layout, workdir: Path, *extra: str) -> tuple[int, di
     """``meshkit doctor --json`` from inside node1 (a worker), as a user logged in there."""
     argv = [sys.executable, "-m", "meshkit", "doctor", "--hostfile", str(lay.hostfile), "--json"]
     line = f"cd {shlex.quote(str(workdir))} && {shlex.join([*argv, *extra])}"
-    out = sandbox.node_exec(lay.nodes[1], ["bash", "-c", line], timeout=180)
+    out = sandbox.node_exec(lay.nodes[1], ["bash", "-c", line], timeout=400)
     assert "Traceback" not in out.stderr, out.stderr
     return out.returncode, json.loads(out.stdout)
 

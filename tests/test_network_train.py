@@ -45,7 +45,7 @@ def meshed() -> Iterator[tuple[sandbox.Layout, Path]]:
         sandbox.down(path, NAME)
 
 
-def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: float = 120):
+def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: float = 300):
     line = f"cd {shlex.quote(str(workdir))} && {env} {shlex.join([sys.executable, '-m', 'meshkit', *args])}"
     return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
 
@@ -98,7 +98,7 @@ def status(lay, workdir: Path, session: str) -> list[dict[str, object]]:
     return rows
 
 
-def finished(lay, workdir: Path, session: str, timeout: float = 150) -> list[dict[str, object]]:
+def finished(lay, workdir: Path, session: str, timeout: float = 480) -> list[dict[str, object]]:
     """Every node's row once all have exited (polled, bounded)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
