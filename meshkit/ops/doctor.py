@@ -321,13 +321,24 @@ def describe_versions(v: dict[str, str]) -> str:
     return ", ".join(f"{k} {val}" for k, val in v.items() if val != "-")
 
 
-def port_check(master: Host, port: int, outcome: Outcome[ListenReply] | None) -> Check:
+def port_check(
+    master: Host, port: int, outcome: Outcome[ListenReply] | None, may_move: bool = False
+) -> Check:
+    """``may_move``: the caller (train) moves to a free port itself, so busy is only a note."""
     if outcome is None or outcome.value is None:
         why = outcome.error if outcome else "unreachable"
         return Check(
             "master port", master.label, None, False, f"cannot probe: {why}", "fix the node"
         )
     reply = outcome.value
+    if reply.error and may_move and "busy" in reply.error:
+        return Check(
+            "master port",
+            master.label,
+            None,
+            True,
+            f"{reply.error} on the master {master.label}; train moves to a free port",
+        )
     if reply.error:
         return Check(
             "master port",
@@ -419,6 +430,7 @@ def run(
     verify: Verify | None = None,
     collective: bool = True,
     probe_seconds: float = PROBE_SECONDS,
+    port_may_move: bool = False,
 ) -> Report:
     """Every check, in the order a training job would hit them. ``verify`` (the SSH N x N check)
     and ``collective`` are the slow parts; ``quick`` (train --doctor) leaves both out."""
@@ -451,7 +463,7 @@ def run(
     checks += fact_checks(hosts, facts, pool.failures, timing, hosts[0].slots)
 
     try:
-        checks += network_checks(pool, job, hosts, views)
+        checks += network_checks(pool, job, hosts, views, port_may_move)
     finally:
         pool.call_all("", lambda h: DoneRequest(marker if h == hosts[0] else None), DoneReply)
 
@@ -489,8 +501,19 @@ def run(
     return report
 
 
+def quick(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Report:
+    """The quick parts, for ``train --doctor``: everything but the N x N SSH check (the train
+    connections just proved the controller's side) and the collective probe; a busy master port
+    is only a note, since train then moves to a free one."""
+    return run(pool, job, hosts, verify=None, collective=False, port_may_move=True)
+
+
 def network_checks(
-    pool: NodePool, job: Job, hosts: Sequence[Host], views: dict[Host, NodeView]
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    views: dict[Host, NodeView],
+    port_may_move: bool = False,
 ) -> list[Check]:
     """The master port free on the master and reachable from every node; every node reaching
     every other on the interface its backends will use."""
@@ -499,7 +522,7 @@ def network_checks(
     held = pool.call_all(
         "port", lambda h: ListenRequest(None, port, LISTEN_SECONDS), ListenReply, [master]
     )
-    checks.append(port_check(master, port, held.get(master)))
+    checks.append(port_check(master, port, held.get(master), port_may_move))
     answer = held.get(master)
     port_open = answer is not None and answer.value is not None and answer.value.error is None
     ok_hosts = [h for h in hosts if views[h].error is None]
