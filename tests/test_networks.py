@@ -105,7 +105,7 @@ def test_every_node_has_its_networks_and_the_state_keeps_them(lay):
 
 
 def test_cut_takes_one_link_down_both_ways_and_mend_restores_it(lay):
-    out = meshkit("sandbox.cut", "-a", "0", "-b", "2", "--dir", sandbox_dir(NAME))
+    out = meshkit("sandbox.cut", "--node", "0", "--peer", "2", "--dir", sandbox_dir(NAME))
     assert out.returncode == 0, out.stderr
     try:
         assert networks.cuts(lay) == [(0, 2)]
@@ -114,11 +114,11 @@ def test_cut_takes_one_link_down_both_ways_and_mend_restores_it(lay):
         assert not ping(lay, 2, networks.second_address(lay, lay.nodes[0]))
         assert ping(lay, 0, lay.nodes[1].address) and ping(lay, 1, lay.nodes[2].address)
     finally:
-        out = meshkit("sandbox.mend", "-a", "0", "-b", "2", "--dir", sandbox_dir(NAME))
+        out = meshkit("sandbox.mend", "--node", "0", "--peer", "2", "--dir", sandbox_dir(NAME))
     assert out.returncode == 0, out.stderr
     assert networks.cuts(lay) == []
     assert ping(lay, 0, lay.nodes[2].address) and ping(lay, 2, lay.nodes[0].address)
-    bad = meshkit("sandbox.cut", "-a", "0", "-b", "7", "--dir", sandbox_dir(NAME))
+    bad = meshkit("sandbox.cut", "--node", "0", "--peer", "7", "--dir", sandbox_dir(NAME))
     assert bad.returncode == 1 and "node 7: the sandbox has nodes 0..2" in bad.stderr
     assert "Traceback" not in bad.stderr
 

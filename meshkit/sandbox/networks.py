@@ -254,7 +254,7 @@ def _pair(lay: Layout, a: int, b: int) -> tuple[Node, Node]:
         if not 0 <= index < lay.count:
             raise SandboxError(f"node {index}: the sandbox has nodes 0..{lay.count - 1}")
     if a == b:
-        raise SandboxError(f"--a {a} --b {b}: name two different nodes")
+        raise SandboxError(f"nodes {a} and {b}: name two different nodes")
     return lay.nodes[a], lay.nodes[b]
 
 
