@@ -261,3 +261,23 @@ def test_a_busy_master_port_is_named_with_its_holder(meshed):
     # with the port free again, the same run passes
     code, report = run_doctor(lay, workdir, "--quick", "--master-port", port)
     assert (code, failed(report)) == (0, [])
+
+
+def test_train_doctor_runs_the_quick_checks_in_preflight(meshed):
+    lay, workdir = meshed
+    a, b = lay.nodes[1].address, lay.nodes[2].address
+    train = [sys.executable, "-m", "meshkit", "train", "--hostfile", str(lay.hostfile)]
+    train += ["--session", "doc", "--doctor", "--cmd", "echo started $NODE_RANK"]
+    line = f"cd {shlex.quote(str(workdir))} && {shlex.join(train)}"
+    sandbox.cut(lay, 1, 2)
+    try:
+        out = sandbox.node_exec(lay.nodes[0], ["bash", "-c", line], timeout=400)
+    finally:
+        sandbox.mend(lay, 1, 2)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"{a} -> {b}: reach:" in out.stderr and f"{b} -> {a}: reach:" in out.stderr
+    assert "train --doctor: checks failed; nothing was started" in out.stderr
+    assert not (workdir / ".meshkit" / "doc").exists()  # not even the saved job
+    out = sandbox.node_exec(lay.nodes[0], ["bash", "-c", line], timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "quick checks passed" in out.stdout

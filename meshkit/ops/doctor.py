@@ -447,19 +447,22 @@ def run(
     # facts: the master writes the shared-workdir marker, then the others look for it
     token = secrets.token_hex(8)
     marker = f"{job.workdir.rstrip('/')}/.meshkit/doctor-{token}"
+    # Each node's clock is compared with the middle of [request sent, phase over]: the allowance
+    # grows with that window, so a slow phase never makes a false skew.
     timing: dict[Host, tuple[float, float]] = {}
+    facts: dict[Host, Outcome[FactsReply]] = {}
+    for write, chosen in ((True, hosts[:1]), (False, hosts[1:])):
+        sent: dict[Host, float] = {}
 
-    def facts_for(write: bool) -> Callable[[Host], FactsRequest]:
-        def request(host: Host) -> FactsRequest:
-            timing[host] = (time.time(), 0.0)
+        def request(
+            host: Host, write: bool = write, sent: dict[Host, float] = sent
+        ) -> FactsRequest:
+            sent[host] = time.time()
             return FactsRequest(job.workdir, marker, token, write)
 
-        return request
-
-    facts = pool.call_all("facts", facts_for(True), FactsReply, hosts[:1])
-    facts.update(pool.call_all("facts", facts_for(False), FactsReply, hosts[1:]))
-    back = time.time()  # replies are stamped as the phase ends: the skew allowance covers it
-    timing = {h: (sent, back) for h, (sent, _) in timing.items()}
+        facts.update(pool.call_all("facts", request, FactsReply, chosen))
+        back = time.time()
+        timing.update({h: (t, back) for h, t in sent.items()})
     checks += fact_checks(hosts, facts, pool.failures, timing, hosts[0].slots)
 
     try:
