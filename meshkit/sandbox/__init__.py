@@ -400,12 +400,12 @@ def up(
     subnet: str,
     count: int,
     name: str = DEFAULT,
-    slurm: bool = False,
     networks: Options | None = None,
+    slurm: bool = False,
 ) -> Layout:
     """Create (or re-create) the sandbox ``name`` of ``count`` nodes and wait until every sshd
-    answers; with ``slurm``, also a private SLURM cluster on the nodes (see ``sandbox.slurm``);
-    ``networks`` adds real-world network features (see ``sandbox.networks``)."""
+    answers. ``networks`` adds real-world network features (see networks.Options); ``slurm``
+    also a private SLURM cluster on the nodes (see ``sandbox.slurm``)."""
     from . import slurm as slurm_cluster
 
     preflight()
@@ -427,8 +427,8 @@ def up(
                 "nodes": count,
                 "subnet": str(lay.subnet),
                 "created_root_ssh": created_root_ssh,
-                "networks": lay.networks.as_state(),
                 "slurm": slurm,
+                "networks": lay.networks.as_state(),
             }
         ),
     )

@@ -36,11 +36,11 @@ NAME_HELP = "sandbox name, so that several run side by side (default: 'default')
         "name": NAME_HELP,
         "subnet": "private IPv4 subnet for the nodes (default: meshkit.sandbox.subnet, 10.77.0.0/24,"
         " for the default sandbox; one picked from the name for the others)",
+        "slurm": "also run a private SLURM cluster on the nodes (slurmctld, one slurmd per node,"
+        " munge; Debian slurm-wlm and munge)",
         "networks": "real-world networks, comma list of: second (a second network per node),"
         " ifnames (interface names differ between nodes), docker0 (the same docker0 address in every"
         " node), debian-hosts (the '127.0.1.1 <hostname>' line); or 'all'",
-        "slurm": "also run a private SLURM cluster on the nodes (slurmctld, one slurmd per node,"
-        " munge; Debian slurm-wlm and munge)",
     }
 )
 def up(
@@ -49,8 +49,8 @@ def up(
     dir: str | None = None,
     subnet: str | None = None,
     name: str | None = None,
-    networks: str | None = None,
     slurm: bool = False,
+    networks: str | None = None,
 ) -> None:
     """Create a local cluster of N real sshd nodes (root only); replaces a stale one."""
     with reported():
@@ -59,12 +59,7 @@ def up(
         net = subnet or sandbox.default_subnet(str(_conf(c).subnet), label)
         options = sandbox.Options.parse(networks or "")
         lay = sandbox.up(
-            _dir(c, dir, label),
-            net,
-            int(nodes or _conf(c).nodes),
-            label,
-            slurm,
-            networks=options,
+            _dir(c, dir, label), net, int(nodes or _conf(c).nodes), label, options, slurm
         )
         took = time.monotonic() - started
     print(table(["node", "address", "netns"], [(n.name, n.address, n.netns) for n in lay.nodes]))
