@@ -137,6 +137,8 @@ TRAIN_HELP = helps(
     wait="seconds to wait for unreachable (rebooting) nodes before giving up",
     replace="end any other meshkit job running on the nodes (never done without this flag)",
     dry_run="run the preflight and show what would start; start nothing",
+    doctor="also run the doctor's quick checks (interfaces, master port, node-to-node TCP, "
+    "versions, workdir, clocks) in preflight; any failure starts nothing",
 )
 
 
@@ -152,6 +154,7 @@ def train(
     wait: float = 0.0,
     replace: bool = False,
     dry_run: bool = False,
+    doctor: bool = False,
     include: str | None = None,
     exclude: str | None = None,
 ) -> None:
@@ -174,6 +177,10 @@ def train(
                 cmd, workdir, session, hostfile, nproc_per_node, master_port, include, exclude
             )
         with _pool(job, hosts, float(wait)) as pool:
+            if doctor:
+                from .doctor import train_preflight
+
+                train_preflight(pool, job, hosts)
             launch = ops.launch(pool, job, hosts, replace=replace, dry_run=dry_run)
         if launch.note:
             print(launch.note)
