@@ -281,3 +281,11 @@ def test_train_doctor_runs_the_quick_checks_in_preflight(meshed):
     out = sandbox.node_exec(lay.nodes[0], ["bash", "-c", line], timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "quick checks passed" in out.stdout
+    # the saved job's master port is the one the doctor checks (not the derived one)
+    saved = json.loads((workdir / ".meshkit" / "doc" / "job.json").read_text())
+    argv = [sys.executable, "-m", "meshkit", "doctor", "--hostfile", str(lay.hostfile)]
+    line = f"cd {shlex.quote(str(workdir))} && {shlex.join([*argv, '--session', 'doc', '--quick'])}"
+    out = sandbox.node_exec(lay.nodes[2], ["bash", "-c", line], timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[0].endswith(f"master port {saved['master_port']}")
+    assert "saved job 'doc' in " in out.stdout.splitlines()[0]

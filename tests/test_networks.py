@@ -123,6 +123,16 @@ def test_cut_takes_one_link_down_both_ways_and_mend_restores_it(lay):
     assert "Traceback" not in bad.stderr
 
 
+def test_a_rebooted_node_keeps_its_networks(lay):
+    again = sandbox.load(sandbox_dir(NAME))  # options come back from state.json
+    assert again.networks == networks.Options.all()
+    sandbox.reboot(again, 1)
+    found = addresses(again, again.nodes[1])
+    assert found["ens3"] == [again.nodes[1].address] and found["docker0"] == ["172.17.0.1"]
+    hosts = sandbox.node_exec(again.nodes[1], ["getent", "hosts", "node1"]).stdout.split()
+    assert hosts[0] == "127.0.1.1"
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="mesh records every address of a node in known_hosts, docker0's 172.17.0.1 included, "
