@@ -206,13 +206,22 @@ class Row:
     logins: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def sample(
-        self, op: str, tool: str, fn: Callable[[], object], verify: Callable[[], str] | None = None
+        self,
+        op: str,
+        tool: str,
+        fn: Callable[[], object],
+        verify: Callable[[], str] | None = None,
+        after: Callable[[], object] | None = None,
     ) -> None:
+        """Time fn; then (untimed) after, then verify: the end state. A sample whose step failed
+        or whose end state was not reached has no time, only a failure line."""
         k = stats.key(op, tool)
         start = time.perf_counter()
         try:
             fn()
             seconds: float | None = round(time.perf_counter() - start, 4)
+            if after is not None:
+                after()
             if verify is not None:
                 self.end_state.setdefault(k, []).append(verify())
         except StepFailed as exc:
@@ -294,13 +303,14 @@ def mesh_variants(row: Row, opt: Options) -> None:
         lay = up(n)
         row.sample("round", "floor", lambda: floor(lay))  # noqa: B023
         reset_logs(lay)
+        # Controller logins are counted before the end-state check adds its own.
+        count = lambda: row.logins.setdefault(f"mesh/{tool}", []).append(logins(lay))  # noqa: B023, E731
         if tool == "seed":
             # The seed exchanges no host keys: its end state is recorded, not required.
-            row.sample("mesh", tool, lambda: fn(lay))  # noqa: B023
+            row.sample("mesh", tool, lambda: fn(lay), after=count)  # noqa: B023
             row.end_state.setdefault("mesh/seed", []).append(seed_end_state(lay, opt.n2_max))
         else:
-            row.sample("mesh", tool, lambda: fn(lay), lambda: check_pairs(lay, opt.n2_max))  # noqa: B023
-        row.logins.setdefault(f"mesh/{tool}", []).append(logins(lay))
+            row.sample("mesh", tool, lambda: fn(lay), lambda: check_pairs(lay, opt.n2_max), count)  # noqa: B023
 
 
 def seed_end_state(lay: sandbox.Layout, n2_max: int) -> str:
@@ -427,6 +437,7 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
         check_launch(text, n)
         return f"{n * PER_NODE} ranks, right sum"
 
+    logs_out: list[str] = []
     row.sample("train_running", "meshkit", train)
     if row.raw["train_running/meshkit"][-1] is not None:
         try:
@@ -442,7 +453,10 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
             row.failures.setdefault("train_done/meshkit", []).append(str(exc))
 
     row.sample(
-        "round", "meshkit_logs", lambda: must([*MESHKIT, "logs", *job, "--lines", "5"], bound(n))
+        "round",
+        "meshkit_logs",
+        lambda: logs_out.append(must([*MESHKIT, "logs", *job, "--lines", "5"], bound(n))),
+        lambda: logs_from_every_rank(logs_out[0], n),
     )
     long_job = ["--hostfile", hostfile, "--session", f"bsl{repeat}", "--workdir", str(workdir)]
     must([*MESHKIT, "train", *long_job, "--cmd", "sleep 600"], bound(n, base=120))
@@ -508,11 +522,25 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
                 raise StepFailed(f"torchrunx exited {res.returncode}: {res.stderr.strip()[-400:]}")
             trx.append(res.stdout)
 
+        known = lay.node_dir(lay.nodes[0]) / "ssh" / "known_hosts"
+        known_before = known.read_bytes() if known.exists() else b""
+
         def trx_verify() -> str:
             check_launch(trx[0], n)
-            return f"{n * PER_NODE} ranks, right sum"
+            # fabric (under torchrunx) trusts unknown host keys (AutoAddPolicy): prove it had none
+            # to trust, i.e. it only logged in to hosts meshkit mesh had made known.
+            if (known.read_bytes() if known.exists() else b"") != known_before:
+                raise StepFailed("torchrunx (fabric AutoAddPolicy) added a host key on node0")
+            return f"{n * PER_NODE} ranks, right sum; no host key auto-added"
 
         row.sample("train_done", "torchrunx", trx_launch, trx_verify)
+
+
+def logs_from_every_rank(text: str, n: int) -> str:
+    ranks = stats.log_ranks(text)
+    if ranks != list(range(n)):
+        raise StepFailed(f"logs printed lines of ranks {ranks}, want 0..{n - 1}")
+    return f"lines of all {n} ranks"
 
 
 def status_running(job: list[str], n: int) -> None:

@@ -157,3 +157,11 @@ def pair_failures(check_json: Mapping[str, object]) -> list[str]:
     if not isinstance(failures, list):
         return ["no failures list in check's JSON"]
     return [f"{f['from']} -> {f['to']}: {f['error']}" for f in failures]
+
+
+_LOG_PREFIX = re.compile(r"^\[(\d+)\] ", re.M)
+
+
+def log_ranks(text: str) -> list[int]:
+    """The ranks whose lines ``meshkit logs`` printed (each line starts ``[rank] ``)."""
+    return sorted({int(m) for m in _LOG_PREFIX.findall(text)})
