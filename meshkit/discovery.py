@@ -3,12 +3,13 @@ them to the pure core. What ``meshkit env`` and ``meshkit run`` call; never impo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
 from . import hostfile, localnet, sources, topology
-from .distenv import NodeEnv, combine
+from .distenv import NodeEnv, combine, master_problem
 from .errors import HostfileError, SourceError
 from .hostfile import Host
 
@@ -62,16 +63,28 @@ def discover(
     if hostfile_path is not None and (placement is None or Path(hostfile_path).exists()):
         hosts = read_hosts(hostfile_path, include, exclude)
     match = None
-    if placement is None and hosts is not None:
+    local = None
+    # OpenMPI cannot tell which node this is: a hostfile, when there is one, decides.
+    hostfile_decides = placement is not None and placement.hostfile_decides and hosts is not None
+    if hosts is not None and (placement is None or hostfile_decides):
         resolved = localnet.resolve_all(h.host for h in hosts)
+        local = localnet.local_addresses()
         match = topology.match_rank(
             hosts,
             [resolved[h.host] for h in hosts],
-            localnet.local_addresses(),
+            local,
             env["MESHKIT_HOSTNAME"],
             str(hostfile_path),
         )
-    return combine(
+    if placement is not None and placement.verify_master and not hostfile_decides:
+        problem = master_problem(
+            placement,
+            localnet.resolve(placement.master_addr) if placement.master_addr else (),
+            [a.address for a in localnet.local_addresses()],
+        )
+        if problem:
+            raise SourceError(problem)
+    node = combine(
         placement,
         hosts,
         match,
@@ -80,6 +93,31 @@ def discover(
         nproc_per_node=nproc_per_node,
         gpu_count=localnet.gpu_count,
     )
+    return with_interface(node, match, env, local)
+
+
+def with_interface(
+    node: NodeEnv,
+    match: topology.Match | None,
+    environ: Mapping[str, str],
+    local: list[topology.LocalAddress] | None = None,
+) -> NodeEnv:
+    """Add GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME: the interface of the hostfile address that placed
+    this node, else (a launcher placed it, or the hostfile matched by hostname) the interface of
+    the route to MASTER_ADDR. The user's own settings win; with both set nothing is looked up."""
+    if all(environ.get(v) for v in topology.SOCKET_IFNAME_VARIABLES):
+        chosen = None
+    else:
+        chosen = topology.interface_of_match(match) if match is not None else None
+        if chosen is None:
+            chosen = topology.interface_by_route(
+                node.master_addr,
+                localnet.route_sources(node.master_addr, node.master_port),
+                local if local is not None else localnet.local_addresses(),
+                node.nnodes,
+            )
+    ifnames, why = topology.socket_ifnames(chosen, environ)
+    return dataclasses.replace(node, socket_ifnames=tuple(ifnames.items()), interface_source=why)
 
 
 def _read_nodefile(path: str | None) -> str | None:

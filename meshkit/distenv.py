@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import DistEnvError
 from .hostfile import Host
@@ -24,6 +24,8 @@ VARIABLES = (
     "PET_MASTER_ADDR",
     "PET_MASTER_PORT",
     "PET_NPROC_PER_NODE",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
 )
 
 
@@ -38,6 +40,9 @@ class NodeEnv:
     nproc_per_node: int
     source: str
     matched: str
+    # GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME -> interface: differs per node (eno1 here, eth0 there)
+    socket_ifnames: tuple[tuple[str, str], ...] = ()
+    interface_source: str = ""  # why that interface (or why none)
 
     def __post_init__(self) -> None:
         if not 0 <= self.node_rank < self.nnodes:
@@ -68,7 +73,7 @@ def variables(env: NodeEnv) -> dict[str, str]:
         f"PET_{k}": plain[k]
         for k in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE")
     }
-    return {k: str(v) for k, v in {**plain, **torchrun}.items()}
+    return {k: str(v) for k, v in {**plain, **torchrun, **dict(env.socket_ifnames)}.items()}
 
 
 def export_lines(env: NodeEnv) -> str:
@@ -80,6 +85,7 @@ def as_json(env: NodeEnv) -> dict[str, object]:
     out: dict[str, object] = dict(variables(env))
     out["source"] = env.source
     out["matched"] = env.matched
+    out["interface_source"] = env.interface_source
     return out
 
 
@@ -103,19 +109,44 @@ class ProcessPlace:
     local_rank: int
 
 
+# The per-process variables of launchers that start every process themselves: the process's index
+# on its node, and the launcher's total process count.
+PER_NODE_VARIABLES = {"openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE"}
+LOCAL_RANK_VARIABLES = {
+    "slurm": ("SLURM_LOCALID", "SLURM_NTASKS"),
+    "openmpi": ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE"),
+}
+
+
+def _index(environ: Mapping[str, str], name: str) -> int:
+    value = environ[name].strip()
+    if not value.isdigit():
+        raise DistEnvError(f"{name}={environ[name]!r} is not a whole number >= 0")
+    return int(value)
+
+
 def process_place(env: NodeEnv, environ: Mapping[str, str]) -> ProcessPlace:
-    """This process's global rank: from torchrun/SLURM/OpenMPI per-process variables when present,
-    else the node's first process (``LOCAL_RANK`` picks another)."""
-    for rank_key, size_key, local_key in (
-        ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-        ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ):
-        if rank_key in environ and size_key in environ:
-            return ProcessPlace(
-                int(environ[rank_key]), int(environ[size_key]), int(environ.get(local_key, "0"))
-            )
-    local = int(environ.get("LOCAL_RANK", "0"))
+    """This process's global rank. Under torchrun its ``RANK``. Under SLURM and OpenMPI the node's
+    block: ``node_rank * nproc_per_node + local rank``, so that rank 0 runs on the master node
+    whatever order the launcher numbered its processes in (``mpirun -H`` order, ``--distribution
+    cyclic``), and every process agrees with ``meshkit env``. Else the node's first process
+    (``LOCAL_RANK`` picks another)."""
+    if "RANK" in environ and "WORLD_SIZE" in environ and "LOCAL_RANK" in environ:
+        return ProcessPlace(
+            _index(environ, "RANK"), _index(environ, "WORLD_SIZE"), _index(environ, "LOCAL_RANK")
+        )
+    local_key, size_key = LOCAL_RANK_VARIABLES.get(env.source, ("LOCAL_RANK", ""))
+    local = _index(environ, local_key) if local_key in environ else 0
+    if local >= env.nproc_per_node:
+        raise DistEnvError(
+            f"{local_key}={local} but this node runs {env.nproc_per_node} processes "
+            f"(NPROC_PER_NODE from {env.matched}); start {env.nproc_per_node} per node"
+        )
+    if size_key in environ and _index(environ, size_key) != env.world_size:
+        raise DistEnvError(
+            f"{size_key}={environ[size_key]} but {env.nnodes} nodes x {env.nproc_per_node} "
+            f"processes make {env.world_size}; start the same number of processes on every node"
+        )
     return ProcessPlace(env.node_rank * env.nproc_per_node + local, env.world_size, local)
 
 
@@ -130,13 +161,21 @@ def combine(
     gpu_count: Callable[[], int],
 ) -> NodeEnv:
     """Fill a launcher's placement (or a hostfile match) into a complete ``NodeEnv``. Precedence for
-    each value: flag/config, then the launcher, then the hostfile, then this machine."""
+    each value: flag/config, then the launcher, then the hostfile, then this machine. A launcher
+    that only says how many processes run here (OpenMPI) leaves node rank, node count and master to
+    the hostfile when there is one (``match`` is then this node's hostfile line)."""
     if placement is None:
         if hosts is None or match is None:
             raise DistEnvError(
                 "no launcher variables and no hostfile: pass --hostfile or set MESHKIT_NODE_RANK"
             )
         placement = Placement("hostfile", match.rank, matched=match.describe())
+    elif placement.hostfile_decides and hosts is not None:
+        if match is None:
+            raise DistEnvError(f"{placement.source}: the hostfile decides, but no line matched")
+        placement = _hostfile_decides(placement, hosts, match)
+    if placement.node_rank is None:
+        raise DistEnvError(placement.problem or f"{placement.source} gives no node rank")
     nnodes = placement.nnodes or (len(hosts) if hosts else None)
     addr = placement.master_addr or (master_addr(hosts) if hosts else None)
     if nnodes is None or addr is None:
@@ -159,3 +198,59 @@ def combine(
         source=placement.source,
         matched=placement.matched or placement.source,
     )
+
+
+def _hostfile_decides(placement: Placement, hosts: Sequence[Host], match: Match) -> Placement:
+    """The hostfile's node rank, node count and master, with the launcher's processes per node;
+    refused when the launcher runs a different number of processes than the hostfile describes
+    (the process group would wait forever for the missing ranks)."""
+    per_node = placement.nproc_per_node or 1
+    if placement.world_size is not None and placement.world_size != len(hosts) * per_node:
+        raise DistEnvError(
+            f"{placement.source} runs {placement.world_size} processes, {per_node} on this node, "
+            f"but the hostfile lists {len(hosts)} nodes ({len(hosts) * per_node} processes at "
+            f"{per_node} per node); run {per_node} per node on every hostfile node "
+            "(mpirun -npernode N -H <all hostfile nodes>) or fix the hostfile"
+        )
+    return replace(
+        placement,
+        node_rank=match.rank,
+        nnodes=len(hosts),
+        master_addr=None,  # the hostfile's first line
+        matched=f"{match.describe()} (hostfile node {match.rank}); NPROC_PER_NODE from "
+        + PER_NODE_VARIABLES.get(placement.source, placement.source),
+        verify_master=False,
+    )
+
+
+def master_problem(
+    placement: Placement, master_addresses: Sequence[str], local_addresses: Sequence[str]
+) -> str | None:
+    """Why ``placement``'s master address cannot be right for this node, or ``None``: NODE_RANK 0
+    must be the node MASTER_ADDR names (the node that hosts the rendezvous), so the master must be
+    one of this node's addresses exactly when this is node 0. ``None`` too when the name does not
+    resolve here (nothing to compare; the connection will say more)."""
+    if placement.node_rank is None or placement.master_addr is None or not master_addresses:
+        return None
+    local = set(local_addresses)
+    is_here = any(a in local for a in master_addresses)
+    loopback = all(a.startswith("127.") or a == "::1" for a in master_addresses)
+    name = f"MASTER_ADDR={placement.master_addr}"
+    if loopback and (placement.nnodes or 1) > 1:
+        return (
+            f"{name} is a loopback address but {placement.source} runs {placement.nnodes} nodes; "
+            "set it to node 0's address"
+        )
+    if is_here and placement.node_rank != 0:
+        return (
+            f"{name} is this machine, but {placement.source} makes it node {placement.node_rank} "
+            f"({placement.matched}); node 0 must be the master: set MASTER_ADDR to the node "
+            "that runs rank 0"
+        )
+    if not is_here and placement.node_rank == 0:
+        return (
+            f"{name} is not this machine, but {placement.source} makes this node 0 "
+            f"({placement.matched}); node 0 must be the master: set MASTER_ADDR to this node's "
+            "address"
+        )
+    return None

@@ -35,6 +35,7 @@ USER_KEY_TYPES = (
 )
 AUTHORIZED_TAG = "meshkit:"  # comment prefix of authorized_keys lines mesh adds: "meshkit:<node>"
 KNOWN_TAG = "meshkit"  # comment of known_hosts lines mesh adds
+MESH_FIELD = "mesh="  # after the tag: the meshes (ids derived from hostfiles) that rely on the line
 GENERATED_COMMENT = "meshkit-generated@"  # comment of user keys mesh creates
 MAX_BLOB_CHARS = 16384
 _LABEL = re.compile(r"^[A-Za-z0-9_.:\[\]@-]{1,300}$")
@@ -109,21 +110,88 @@ def _join(existing: str, lines: Sequence[str]) -> str:
     return existing + sep + "".join(line + "\n" for line in lines)
 
 
-def merge_authorized(existing: str, keys: Iterable[tuple[str, PublicKey]]) -> tuple[str, list[str]]:
+def _mesh_ids(comment: str, authorized: bool) -> list[str] | None:
+    """The meshes a meshkit-tagged line belongs to ([] for a line from before mesh ids: anyone's),
+    or None when the line is not meshkit's."""
+    parts = comment.split()
+    if not parts:
+        return None
+    head = parts[0]
+    ours = head.startswith(AUTHORIZED_TAG) if authorized else head == KNOWN_TAG
+    if not ours:
+        return None
+    for part in parts[1:]:
+        if part.startswith(MESH_FIELD):
+            return [i for i in part[len(MESH_FIELD) :].split(",") if i]
+    return []
+
+
+def _tag(head: str, ids: Sequence[str]) -> str:
+    return f"{head} {MESH_FIELD}{','.join(sorted(set(ids)))}" if ids else head
+
+
+def _retag(fields: list[str], at: int, ids: Sequence[str]) -> str:
+    """One of meshkit's own lines (written without options or quotes) with a new set of meshes."""
+    return " ".join(fields[: at + 2]) + " " + _tag(fields[at + 2], ids) + "\n"
+
+
+def check_mesh_id(mesh_id: str) -> str:
+    if not re.fullmatch(r"[a-z0-9]{1,32}", mesh_id):
+        raise KeyFormatError(f"mesh id {mesh_id[:40]!r}: expected 1-32 lowercase letters or digits")
+    return mesh_id
+
+
+@dataclass(frozen=True)
+class Merge:
+    """A merged file: its new text, the lines added, and how many of meshkit's existing lines now
+    also list this mesh (another mesh added them first)."""
+
+    text: str
+    added: list[str]
+    claimed: int = 0
+    conflicts: tuple[Conflict, ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.claimed)
+
+
+def merge_authorized(
+    existing: str, keys: Iterable[tuple[str, PublicKey]], mesh_id: str = ""
+) -> Merge:
     """Add each ``(node label, key)`` whose key is not already authorized (under any options or
-    comment). Existing lines are kept byte for byte. Returns the new text and the lines added."""
-    present = set()
-    for line in existing.splitlines():
-        found = _key_fields(line)
-        if found:
-            fields, at = found
-            present.add(fields[at + 1])
-    added = []
+    comment); a key that another mesh's line already carries gets this mesh added to that line's
+    tag, so that unmeshing either leaves it to the other. Every other line is kept byte for byte."""
+    wanted: dict[str, tuple[str, PublicKey]] = {}
     for label, key in keys:
-        if key.blob not in present:
-            present.add(key.blob)
-            added.append(f"{key.kind} {key.blob} {AUTHORIZED_TAG}{check_label(label)}")
-    return _join(existing, added), added
+        wanted.setdefault(key.blob, (label, key))
+    present: dict[str, int] = {}  # blob -> line index
+    lines = existing.splitlines(keepends=True)
+    claimed = 0
+    for i, line in enumerate(lines):
+        found = _key_fields(line)
+        if not found:
+            continue
+        fields, at = found
+        blob = fields[at + 1]
+        ids = _mesh_ids(_comment(fields, at), authorized=True)
+        if (
+            blob in wanted
+            and mesh_id
+            and ids is not None
+            and mesh_id not in ids
+            and blob not in present
+        ):
+            lines[i] = _retag(fields, at, [*ids, mesh_id])
+            claimed += 1
+        present.setdefault(blob, i)
+    added = []
+    for blob, (label, key) in wanted.items():
+        if blob not in present:
+            present[blob] = -1
+            head = f"{AUTHORIZED_TAG}{check_label(label)}"
+            added.append(f"{key.kind} {key.blob} {_tag(head, [mesh_id] if mesh_id else [])}")
+    return Merge(_join("".join(lines), added), added, claimed)
 
 
 def _hashed_match(pattern: str, name: str) -> bool:
@@ -159,70 +227,93 @@ class Conflict:
 
 
 def merge_known_hosts(
-    existing: str, entries: Iterable[tuple[Sequence[str], PublicKey]]
-) -> tuple[str, list[str], list[Conflict]]:
+    existing: str, entries: Iterable[tuple[Sequence[str], PublicKey]], mesh_id: str = ""
+) -> Merge:
     """Add a line for each host key under every name not already covered (plain or hashed).
-    A name already listed with a *different* key of the same type is a conflict, never overwritten."""
-    known = []
-    for lineno, line in enumerate(existing.splitlines(), 1):
+    A name already listed with a *different* key of the same type is a conflict, never overwritten.
+    A name covered only by another mesh's line gets this mesh added to that line's tag."""
+    lines = existing.splitlines(keepends=True)
+    known: list[tuple[str, str, str, int]] = []  # patterns, kind, blob, line index (-1: new)
+    for i, line in enumerate(lines):
         found = _key_fields(line)
         if found and not found[0][0].startswith("@") and found[1] == 1:
             fields = found[0]
-            known.append((fields[0], fields[1], fields[2], lineno))
-    added, conflicts = [], []
+            known.append((fields[0], fields[1], fields[2], i))
+    added: list[str] = []
+    conflicts: list[Conflict] = []
+    claimed: set[int] = set()
     for names, key in entries:
         missing = []
         for name in names:
             same = [k for k in known if k[1] == key.kind and _names_match(k[0], name)]
-            if any(k[2] == key.blob for k in same):
+            covering = [k for k in same if k[2] == key.blob]
+            if covering:
+                if mesh_id and not _listed(lines, [k[3] for k in covering], mesh_id):
+                    index = next((k[3] for k in covering if _ours(lines, k[3])), None)
+                    if index is not None:
+                        claimed.add(index)
+                        fields, at = _key_fields(lines[index]) or ([], 0)
+                        ids = _mesh_ids(_comment(fields, at), authorized=False) or []
+                        lines[index] = _retag(fields, at, [*ids, mesh_id])
                 continue
             if same:
-                conflicts.append(Conflict(name, key.kind, same[0][3]))
+                conflicts.append(Conflict(name, key.kind, same[0][3] + 1))
                 continue
             missing.append(check_label(name))
         if missing:
-            line = f"{','.join(missing)} {key.kind} {key.blob} {KNOWN_TAG}"
+            line = f"{','.join(missing)} {key.kind} {key.blob} {_tag(KNOWN_TAG, [mesh_id] if mesh_id else [])}"
             added.append(line)
-            known.append((",".join(missing), key.kind, key.blob, 0))
-    return _join(existing, added), added, conflicts
+            known.append((",".join(missing), key.kind, key.blob, -1))
+    return Merge(_join("".join(lines), added), added, len(claimed), tuple(conflicts))
 
 
-def remove_tagged(existing: str, known_hosts: bool) -> tuple[str, int]:
-    """Drop exactly the lines mesh added (by their tag); every other line is kept byte for byte."""
-    kept, removed = [], 0
+def _ours(lines: list[str], index: int) -> bool:
+    found = _key_fields(lines[index]) if index >= 0 else None
+    return found is not None and _mesh_ids(_comment(*found), authorized=False) is not None
+
+
+def _listed(lines: list[str], indexes: Sequence[int], mesh_id: str) -> bool:
+    """Whether one of these lines already carries ``mesh_id``, or is someone else's (not meshkit's:
+    then nothing of this mesh's is needed for it), or is new in this merge."""
+    for index in indexes:
+        if index < 0:
+            return True
+        found = _key_fields(lines[index])
+        if found is None:
+            continue
+        ids = _mesh_ids(_comment(*found), authorized=False)
+        if ids is None or mesh_id in ids:
+            return True
+    return False
+
+
+def remove_tagged(existing: str, known_hosts: bool, mesh_id: str = "") -> tuple[str, int]:
+    """Take this mesh off meshkit's lines: a line that no other mesh lists any more is dropped
+    (lines from before mesh ids belong to whoever unmeshes). Other lines are kept byte for byte.
+    Returns the new text and how many lines were dropped or untagged. Without ``mesh_id``, every
+    line of meshkit's is dropped."""
+    kept, changed = [], 0
     for line in existing.splitlines(keepends=True):
         found = _key_fields(line)
         if found:
-            comment = _comment(*found)
-            ours = comment == KNOWN_TAG if known_hosts else comment.startswith(AUTHORIZED_TAG)
-            if ours:
-                removed += 1
+            ids = _mesh_ids(_comment(*found), authorized=not known_hosts)
+            if ids is not None and (not mesh_id or not ids or mesh_id in ids):
+                changed += 1
+                rest = [i for i in ids if i != mesh_id] if mesh_id else []
+                if rest:
+                    kept.append(_retag(*found, rest))
                 continue
         kept.append(line)
-    return "".join(kept), removed
+    return "".join(kept), changed
 
 
-@dataclass(frozen=True)
-class Inspection:
-    """What a node told us about itself (see mesh.INSPECT)."""
-
-    user_key: PublicKey | None
-    host_keys: tuple[PublicKey, ...]
-    generated: bool  # the user key is one that mesh created
-
-
-def parse_inspection(text: str, node: str) -> Inspection:
-    """Lines ``userkey <pub line>`` (first one wins, in preference order) and ``hostkey <pub line>``."""
-    user_key, host_keys = None, []
-    for raw in text.splitlines():
-        tag, _, rest = raw.partition(" ")
-        if tag == "userkey" and user_key is None:
-            user_key = parse_public_key(rest, f"{node}: ~/.ssh user key")
-        elif tag == "hostkey":
-            host_keys.append(parse_public_key(rest, f"{node}: /etc/ssh host key"))
-    if not host_keys:
-        raise KeyFormatError(
-            f"{node}: no readable /etc/ssh/ssh_host_*_key.pub; is this an OpenSSH server?"
-        )
-    generated = user_key is not None and user_key.comment.startswith(GENERATED_COMMENT)
-    return Inspection(user_key, tuple(host_keys), generated)
+def listed_by_others(text: str, key: PublicKey, mesh_id: str) -> bool:
+    """Whether another mesh's authorized_keys line still carries ``key`` (then a generated key
+    stays: that mesh still uses it)."""
+    for line in text.splitlines():
+        found = _key_fields(line)
+        if found and found[0][found[1] + 1] == key.blob:
+            ids = _mesh_ids(_comment(*found), authorized=True)
+            if ids and any(i != mesh_id for i in ids):
+                return True
+    return False

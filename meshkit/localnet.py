@@ -41,6 +41,21 @@ def resolve_all(hosts: Iterable[str]) -> dict[str, tuple[str, ...]]:
     return {h: resolve(h) for h in dict.fromkeys(hosts)}
 
 
+def route_sources(host: str, port: int) -> list[tuple[str, str | None]]:
+    """For each address ``host`` resolves to: the local address the kernel would send from (None
+    when there is no route). A UDP connect() only looks the route up; it sends nothing."""
+    found: list[tuple[str, str | None]] = []
+    for address in resolve(host):
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((address, port))
+                found.append((address, normalize(str(probe.getsockname()[0]))))
+        except OSError:
+            found.append((address, None))
+    return found
+
+
 def hostname() -> str:
     return socket.gethostname()
 

@@ -151,6 +151,100 @@ class LogsReply:
     missing: bool = False
 
 
+# ---- doctor: node-side checks (meshkit/node/doctor.py) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class FactsRequest:
+    """Versions, GPUs, clock and the workdir: the master writes ``marker`` (holding ``token``)
+    first, the other nodes then look for it (the workdir is shared if they all see it)."""
+
+    workdir: str
+    marker: str
+    token: str
+    write_marker: bool
+
+
+@dataclass(frozen=True)
+class FactsReply:
+    hostname: str
+    python: str
+    meshkit: str
+    torch: str | None
+    cuda: str | None
+    nccl: str | None
+    gpus: int
+    clock: float  # time.time() on the node when it answered
+    writable: str | None  # None: the workdir is writable; else why not
+    marker: str  # "written" | "seen" | why not
+
+
+@dataclass(frozen=True)
+class ListenRequest:
+    """A short-lived TCP listener: on ``ifname``'s IPv4 address (None: every address) and
+    ``port`` (0: any free one); it closes by itself after ``seconds``."""
+
+    ifname: str | None
+    port: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ListenReply:
+    address: str
+    port: int
+    error: str | None  # why it could not listen (a busy port names its holder when known)
+
+
+@dataclass(frozen=True)
+class ProbeTarget:
+    label: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class ConnectRequest:
+    """TCP connect to every target at once, retried until ``seconds`` have passed."""
+
+    targets: list[ProbeTarget]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ConnectResult:
+    label: str
+    port: int
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class ConnectReply:
+    results: list[ConnectResult]
+
+
+@dataclass(frozen=True)
+class DoneRequest:
+    """Close this agent's doctor listeners; remove ``marker`` when given."""
+
+    marker: str | None = None
+
+
+@dataclass(frozen=True)
+class DoneReply:
+    closed: int
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """Run ``argv`` (``meshkit run --cmd <collective probe>``) in ``cwd``, bounded by ``seconds``."""
+
+    cwd: str
+    argv: list[str]
+    seconds: float
+
+
 Request = Union[
     EnvRequest,
     PortsRequest,
@@ -159,6 +253,11 @@ Request = Union[
     StatusRequest,
     StopRequest,
     LogsRequest,
+    FactsRequest,
+    ListenRequest,
+    ConnectRequest,
+    DoneRequest,
+    ProbeRequest,
     "UnsuperviseRequest",
     "ManifestRequest",
     "PutRequest",
@@ -171,6 +270,10 @@ Reply = Union[
     StatusReply,
     StopReply,
     LogsReply,
+    FactsReply,
+    ListenReply,
+    ConnectReply,
+    DoneReply,
     "UnsuperviseReply",
     "ManifestReply",
     "PutReply",
@@ -184,6 +287,11 @@ OPS: dict[str, tuple[type[Any], type[Any]]] = {
     "status": (StatusRequest, StatusReply),
     "stop": (StopRequest, StopReply),
     "logs": (LogsRequest, LogsReply),
+    "doctor_facts": (FactsRequest, FactsReply),
+    "doctor_listen": (ListenRequest, ListenReply),
+    "doctor_connect": (ConnectRequest, ConnectReply),
+    "doctor_done": (DoneRequest, DoneReply),
+    "doctor_probe": (ProbeRequest, EnvReply),
 }
 
 

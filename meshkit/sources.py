@@ -14,15 +14,28 @@ from .errors import SourceError
 
 @dataclass(frozen=True)
 class Placement:
-    """What a launcher says about this node; ``None`` fields are filled from the hostfile/config."""
+    """What a launcher says about this node; ``None`` fields are filled from the hostfile/config.
+
+    ``node_rank`` is ``None`` when the launcher cannot say which node this is by itself (OpenMPI
+    with uneven or interleaved placements): then only a hostfile can, and ``problem`` says why the
+    launcher alone is not enough. ``hostfile_decides``: a hostfile, when there is one, decides the
+    node rank and master, and the launcher only says how many processes run here (OpenMPI).
+    ``world_size`` is the launcher's process count, checked against nodes x processes per node.
+    ``verify_master``: the master address came from outside the launcher's own node list (the
+    user's ``MASTER_ADDR``), so discovery checks that it names this node exactly when this is node
+    0."""
 
     source: str
-    node_rank: int
+    node_rank: int | None
     nnodes: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
     nproc_per_node: int | None = None
     matched: str | None = None
+    hostfile_decides: bool = False
+    problem: str | None = None
+    world_size: int | None = None
+    verify_master: bool = False
 
 
 def _int(env: Mapping[str, str], name: str, low: int = 0) -> int | None:
@@ -56,13 +69,21 @@ def torchrun(env: Mapping[str, str], _nodefile: str | None = None) -> Placement 
     )
 
 
-def _tasks_per_node(text: str) -> int | None:
-    """SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE look like ``4`` or ``4(x3),2``; take the first."""
-    found = re.match(r"^(\d+)", text.strip())
-    return int(found.group(1)) if found else None
+def _tasks_per_node(name: str, text: str) -> int | None:
+    """SLURM's tasks per node look like ``4`` or ``4(x3),2``: every node must run the same count
+    (NPROC_PER_NODE is one number), so ``4(x3),2`` is refused."""
+    counts = set(re.findall(r"(\d+)(?:\(x\d+\))?", text.strip()))
+    if len(counts) > 1:
+        raise SourceError(
+            f"{name}={text!r}: nodes run different numbers of tasks; run the same number on "
+            "every node (srun --ntasks-per-node=N)"
+        )
+    return int(counts.pop()) if counts else None
 
 
 def slurm(env: Mapping[str, str], _nodefile: str | None = None) -> Placement | None:
+    """SLURM numbers nodes in ``SLURM_JOB_NODELIST`` order, so its first node is node 0 and the
+    master unless the user set ``MASTER_ADDR`` (then checked against this node)."""
     rank = _int(env, "SLURM_NODEID")
     if rank is None:
         return None
@@ -76,39 +97,115 @@ def slurm(env: Mapping[str, str], _nodefile: str | None = None) -> Placement | N
     nnodes = (
         _int(env, "SLURM_NNODES", 1) or _int(env, "SLURM_JOB_NUM_NODES", 1) or (len(nodes) or None)
     )
-    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    # The step's own tasks first: inside an sbatch allocation, srun may start fewer per node.
+    per_node_var = next(
+        (
+            k
+            for k in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+            if env.get(k)
+        ),
+        "",
+    )
+    per_node = env.get(per_node_var, "")
     return Placement(
         "slurm",
         rank,
         nnodes=nnodes,
         master_addr=env.get("MASTER_ADDR") or (nodes[0] if nodes else None),
         master_port=_int(env, "MASTER_PORT", 1),
-        nproc_per_node=_tasks_per_node(per_node) or _int(env, "SLURM_GPUS_ON_NODE", 1),
+        nproc_per_node=_tasks_per_node(per_node_var, per_node)
+        or _int(env, "SLURM_GPUS_ON_NODE", 1),
         matched="SLURM_NODEID",
+        verify_master=bool(env.get("MASTER_ADDR")),
     )
 
 
+OPENMPI_NO_HOSTFILE = (
+    "without a hostfile the node index is OMPI_COMM_WORLD_RANK // OMPI_COMM_WORLD_LOCAL_SIZE, "
+    "which needs the same number of processes on every node, placed in blocks "
+    "(mpirun -npernode N or --map-by slot) and MASTER_ADDR set to the node of rank 0; "
+    "or pass --hostfile (the hostfile then decides node ranks and master)"
+)
+
+
+def _interleaving_policy(env: Mapping[str, str]) -> str | None:
+    """The mpirun option that numbers ranks across nodes rather than in per-node blocks, if any
+    (mpirun passes its mapping and ranking options to every process as MCA variables)."""
+    mapping = env.get("OMPI_MCA_rmaps_base_mapping_policy", "").split(":", 1)[0].lower()
+    ranking = env.get("OMPI_MCA_rmaps_base_ranking_policy", "").split(":", 1)[0].lower()
+    if mapping in ("node", "seq", "dist"):
+        return f"--map-by {mapping}"
+    if ranking == "node":
+        return "--rank-by node"
+    if env.get("OMPI_MCA_rmaps_rank_file_path"):
+        return "a rankfile"
+    return None
+
+
 def openmpi(env: Mapping[str, str], _nodefile: str | None = None) -> Placement | None:
+    """OpenMPI says how many processes run on this node (``OMPI_COMM_WORLD_LOCAL_SIZE``), never
+    which node this is: ``OMPI_COMM_WORLD_NODE_RANK`` is the process's index *on* its node. So a
+    hostfile, when there is one, decides the node rank and master (``hostfile_decides``); without
+    one the node index is derived from the global rank, and only for placements where that is
+    sound: the same local size everywhere and each node's ranks in one block."""
     rank = _int(env, "OMPI_COMM_WORLD_RANK")
     if rank is None:
         return None
-    size = _int(env, "OMPI_COMM_WORLD_SIZE", 1) or 1
-    local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1) or 1
-    node_rank = _int(env, "OMPI_COMM_WORLD_NODE_RANK")
+    size = _int(env, "OMPI_COMM_WORLD_SIZE", 1)
+    local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
+    local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
+    num_nodes = _int(env, "OMPI_MCA_orte_num_nodes", 1)
+    if size is None or local_size is None or local_rank is None:
+        missing = [
+            k
+            for k in (
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+            )
+            if k not in env
+        ]
+        raise SourceError(
+            f"OMPI_COMM_WORLD_RANK is set but {', '.join(missing)} is not; "
+            "run under mpirun (Open MPI) or unset OMPI_COMM_WORLD_RANK"
+        )
+    here = (
+        f"OMPI_COMM_WORLD_RANK={rank} OMPI_COMM_WORLD_SIZE={size} "
+        f"OMPI_COMM_WORLD_LOCAL_SIZE={local_size} OMPI_COMM_WORLD_LOCAL_RANK={local_rank}"
+    )
+    problem = None
+    if size % local_size != 0 or (num_nodes is not None and num_nodes * local_size != size):
+        nodes = f" on {num_nodes} nodes" if num_nodes is not None else ""
+        problem = f"uneven placement: {size} processes{nodes}, {local_size} on this node"
+    elif (policy := _interleaving_policy(env)) is not None:
+        problem = f"this node's ranks are not one block ({policy} interleaves them across nodes)"
+    elif rank % local_size != local_rank:
+        problem = (
+            f"this node's ranks are not one block (rank {rank} is local rank {local_rank} of "
+            f"{local_size}; mpirun --map-by node interleaves them)"
+        )
+    master = env.get("MASTER_ADDR") or None
+    if problem is None and master is None:
+        problem = "MASTER_ADDR is not set"
     return Placement(
         "openmpi",
-        rank // local_size if node_rank is None else node_rank,
-        nnodes=max(1, size // local_size),
-        master_addr=env.get("MASTER_ADDR"),
+        None if problem else rank // local_size,
+        nnodes=size // local_size,
+        master_addr=master,
         master_port=_int(env, "MASTER_PORT", 1),
         nproc_per_node=local_size,
-        matched="OMPI_COMM_WORLD_RANK",
+        matched=(f"OMPI_COMM_WORLD_RANK // OMPI_COMM_WORLD_LOCAL_SIZE = {rank} // {local_size}"),
+        hostfile_decides=True,
+        problem=f"Open MPI: {problem} ({here}); {OPENMPI_NO_HOSTFILE}" if problem else None,
+        world_size=size,
+        verify_master=True,
     )
 
 
 def pbs(env: Mapping[str, str], nodefile: str | None = None) -> Placement | None:
-    """PBS lists one line per slot; nodes are the distinct lines in order. Needs ``hostname`` in env
-    as ``MESHKIT_HOSTNAME`` (the caller supplies it) to find our place."""
+    """PBS lists one line per slot; nodes are the distinct lines in order, the first is node 0 and
+    the master (unless the user set ``MASTER_ADDR``, then checked against this node). Needs
+    ``hostname`` in env as ``MESHKIT_HOSTNAME`` (the caller supplies it) to find our place."""
     if "PBS_NODEFILE" not in env or nodefile is None:
         return None
     lines = [line.strip() for line in nodefile.splitlines() if line.strip()]
@@ -118,10 +215,22 @@ def pbs(env: Mapping[str, str], nodefile: str | None = None) -> Placement | None
     if me in nodes:
         rank = nodes.index(me)
     elif me.split(".", 1)[0] in short:
+        if short.count(me.split(".", 1)[0]) > 1:
+            raise SourceError(
+                f"PBS_NODEFILE={env['PBS_NODEFILE']} lists several hosts named "
+                f"{me.split('.', 1)[0]} in different domains; this host is {me}"
+            )
         rank = short.index(me.split(".", 1)[0])
     else:
         raise SourceError(
             f"PBS_NODEFILE={env['PBS_NODEFILE']} does not list this host ({me}); it lists {', '.join(nodes)}"
+        )
+    counts = {n: lines.count(n) for n in nodes}
+    if len(set(counts.values())) > 1:
+        uneven = ", ".join(f"{n}: {c}" for n, c in counts.items())
+        raise SourceError(
+            f"PBS_NODEFILE={env['PBS_NODEFILE']}: uneven slots per node ({uneven}); every node "
+            "needs the same number of processes (request select=N:ncpus=K:mpiprocs=K)"
         )
     return Placement(
         "pbs",
@@ -129,8 +238,9 @@ def pbs(env: Mapping[str, str], nodefile: str | None = None) -> Placement | None
         nnodes=len(nodes),
         master_addr=env.get("MASTER_ADDR") or nodes[0],
         master_port=_int(env, "MASTER_PORT", 1),
-        nproc_per_node=lines.count(nodes[rank]),
+        nproc_per_node=counts[nodes[rank]],
         matched=f"PBS_NODEFILE:{nodes[rank]}",
+        verify_master=bool(env.get("MASTER_ADDR")),
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import TopologyError
@@ -157,3 +157,87 @@ def derive_master_port(hosts: Sequence[Host], session: str) -> int:
 def master_addr(hosts: Sequence[Host]) -> str:
     """The first node, as written (a name stays a name)."""
     return hosts[0].host
+
+
+# -- the interface the backends should use (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) ---------------
+
+SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+@dataclass(frozen=True)
+class Interface:
+    """The interface this node's backends should bind, and why (``name`` None: none found)."""
+
+    name: str | None
+    address: str | None
+    reason: str
+
+
+def interface_of_match(match: Match) -> Interface | None:
+    """The interface holding the address that placed this node in the hostfile: the network the
+    user chose. None when the hostfile matched by hostname (no address, so no interface)."""
+    if match.interface == "hostname":
+        return None
+    return Interface(
+        match.interface,
+        match.address,
+        f"hostfile: {match.address} on {match.interface} placed this node",
+    )
+
+
+def interface_by_route(
+    master: str,
+    routes: Sequence[tuple[str, str | None]],
+    local: Sequence[LocalAddress],
+    nnodes: int,
+) -> Interface:
+    """The interface that reaches MASTER_ADDR. ``routes`` pairs each address ``master`` resolves to
+    with the local source address the kernel would send from (None: no route). In a multi-node job
+    a loopback answer (``127.0.1.1 <hostname>`` in /etc/hosts) says nothing about the network, so it
+    never decides."""
+    by_address = {normalize(a.address): a.interface for a in local}
+    skipped = []
+    for target, source in routes:
+        target = normalize(target)
+        if source is None:
+            skipped.append(f"{target}: no route")
+            continue
+        source = normalize(source)
+        name = by_address.get(source)
+        if nnodes > 1 and (_is_local_only(target) or _is_local_only(source)):
+            skipped.append(f"{target}: loopback")
+            continue
+        if name is None:
+            skipped.append(f"{target}: source {source} is on no local interface")
+            continue
+        return Interface(
+            name,
+            source,
+            f"route: MASTER_ADDR {master} ({target}) is reached from {source} on {name}",
+        )
+    why = "; ".join(skipped) or "it does not resolve"
+    return Interface(
+        None,
+        None,
+        f"none: no usable route to MASTER_ADDR {master} ({why}); "
+        "set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME or list addresses in the hostfile",
+    )
+
+
+def socket_ifnames(
+    chosen: Interface | None, environ: Mapping[str, str]
+) -> tuple[dict[str, str], str]:
+    """The socket-interface variables to export and the reason: the user's own settings are kept
+    (exported unchanged), the chosen interface fills the others."""
+    out: dict[str, str] = {}
+    kept = []
+    for var in SOCKET_IFNAME_VARIABLES:
+        if environ.get(var):
+            out[var] = environ[var]
+            kept.append(var)
+        elif chosen is not None and chosen.name is not None:
+            out[var] = chosen.name
+    reasons = [f"{', '.join(kept)} already set: kept"] if kept else []
+    if len(kept) < len(SOCKET_IFNAME_VARIABLES):
+        reasons.append(chosen.reason if chosen is not None else "none: no interface found")
+    return out, "; ".join(reasons)

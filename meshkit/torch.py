@@ -4,37 +4,63 @@ the hostfile), like Colossal-AI's ``launch_from_*``. The only meshkit module tha
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from .discovery import discover
-from .distenv import ProcessPlace, process_place
+from .distenv import NodeEnv, ProcessPlace, process_place
+
+
+def hosts_store(node: NodeEnv, place: ProcessPlace) -> bool:
+    """Whether this process hosts the rendezvous store: the first process of node 0, which is the
+    node MASTER_ADDR names (discovery guarantees it). Not "global rank 0 wherever the launcher put
+    it": under ``mpirun -H`` in another order that process may be on a node where MASTER_ADDR is
+    not, and then nobody would listen there."""
+    return node.node_rank == 0 and place.local_rank == 0
 
 
 def init_distributed(
-    backend: str | None = None, hostfile: str = "hostfile", **discover_args: Any
+    backend: str | None = None,
+    hostfile: str = "hostfile",
+    timeout: float = 300.0,
+    **discover_args: Any,
 ) -> ProcessPlace:
     """Initialise the default process group and return this process's place in it.
 
-    ``backend`` defaults to nccl when CUDA GPUs are present, else gloo.
+    ``backend`` defaults to nccl when CUDA GPUs are present, else gloo. ``timeout`` (seconds)
+    bounds the rendezvous and every collective.
     """
     import torch
     import torch.distributed as dist
+    from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
 
     node = discover(hostfile if Path(hostfile).exists() else None, **discover_args)
     place = process_place(node, os.environ)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(place.local_rank % torch.cuda.device_count())
-    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-        init_method = "env://"  # torchrun already hosts the store on MASTER_ADDR:MASTER_PORT
-    else:
-        host = f"[{node.master_addr}]" if ":" in node.master_addr else node.master_addr
-        init_method = f"tcp://{host}:{node.master_port}"
+    chosen = backend or ("nccl" if cuda else "gloo")
+    limit = timedelta(seconds=timeout)
+    if node.source == "torchrun" or "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun already hosts the store on MASTER_ADDR:MASTER_PORT
+        dist.init_process_group(
+            chosen,
+            init_method="env://",
+            rank=place.rank,
+            world_size=place.world_size,
+            timeout=limit,
+        )
+        return place
+    store = TCPStore(
+        node.master_addr,
+        node.master_port,
+        place.world_size,
+        is_master=hosts_store(node, place),
+        timeout=limit,
+        wait_for_workers=False,
+    )
     dist.init_process_group(
-        backend or ("nccl" if cuda else "gloo"),
-        init_method=init_method,
-        rank=place.rank,
-        world_size=place.world_size,
+        chosen, store=store, rank=place.rank, world_size=place.world_size, timeout=limit
     )
     return place

@@ -1,5 +1,7 @@
+import dataclasses
 import shlex
 import subprocess
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +12,7 @@ from meshkit.distenv import (
     as_json,
     combine,
     export_lines,
+    master_problem,
     process_place,
     variables,
 )
@@ -93,8 +96,11 @@ def test_exports_are_eval_safe_and_complete():
         text=True,
     )
     assert out.stdout == "host'; touch /tmp/pwned; '"
+    e = dataclasses.replace(
+        e, socket_ifnames=(("GLOO_SOCKET_IFNAME", "ens3"), ("NCCL_SOCKET_IFNAME", "ens3"))
+    )
     assert list(variables(e)) == list(VARIABLES)
-    assert set(as_json(e)) == {*VARIABLES, "source", "matched"}
+    assert set(as_json(e)) == {*VARIABLES, "source", "matched", "interface_source"}
     assert shlex.split(export_lines(env_for(1)).splitlines()[0]) == ["export", "NODE_RANK=1"]
     v = variables(env_for(2))
     assert (v["PET_NODE_RANK"], v["PET_NNODES"], v["PET_NPROC_PER_NODE"], v["WORLD_SIZE"]) == (
@@ -109,7 +115,119 @@ def test_exports_are_eval_safe_and_complete():
 def test_process_place_from_each_launcher():
     e = env_for(1)
     assert process_place(e, {"RANK": "3", "WORLD_SIZE": "6", "LOCAL_RANK": "1"}).rank == 3
-    assert (
-        process_place(e, {"SLURM_PROCID": "4", "SLURM_NTASKS": "6", "SLURM_LOCALID": "0"}).rank == 4
-    )
     assert process_place(e, {}).rank == 2 and process_place(e, {"LOCAL_RANK": "1"}).rank == 3
+
+
+def openmpi_env(node_rank: int) -> NodeEnv:
+    """What node ``node_rank`` of HOSTS computes under mpirun -npernode 2 with the hostfile."""
+    placement = Placement(
+        "openmpi",
+        None,
+        nproc_per_node=2,
+        matched="OMPI_COMM_WORLD_RANK // OMPI_COMM_WORLD_LOCAL_SIZE",
+        hostfile_decides=True,
+        world_size=6,
+        verify_master=True,
+    )
+    return combine(
+        placement,
+        HOSTS,
+        Match(node_rank, f"10.0.0.{node_rank + 1}", "eth0"),
+        session="s",
+        master_port=None,
+        nproc_per_node=None,
+        gpu_count=lambda: 0,
+    )
+
+
+def test_openmpi_with_a_hostfile_the_hostfile_decides_node_rank_and_master():
+    envs = [openmpi_env(r) for r in range(3)]
+    assert [e.node_rank for e in envs] == [0, 1, 2]
+    assert {(e.nnodes, e.master_addr, e.nproc_per_node, e.source) for e in envs} == {
+        (3, "10.0.0.1", 2, "openmpi")
+    }
+    assert envs[2].matched == (
+        "10.0.0.3 on eth0 (hostfile node 2); NPROC_PER_NODE from OMPI_COMM_WORLD_LOCAL_SIZE"
+    )
+
+
+def test_openmpi_process_count_must_fit_the_hostfile():
+    placement = Placement("openmpi", None, nproc_per_node=1, hostfile_decides=True, world_size=2)
+    with pytest.raises(
+        DistEnvError, match="runs 2 processes, 1 on this node, but the hostfile lists 3"
+    ):
+        combine(
+            placement,
+            HOSTS,
+            Match(0, "10.0.0.1", "eth0"),
+            session="s",
+            master_port=None,
+            nproc_per_node=None,
+            gpu_count=lambda: 0,
+        )
+
+
+def test_openmpi_without_hostfile_reports_what_is_needed():
+    placement = Placement(
+        "openmpi",
+        None,
+        nproc_per_node=2,
+        hostfile_decides=True,
+        problem="Open MPI: MASTER_ADDR is not set",
+    )
+    with pytest.raises(DistEnvError, match="MASTER_ADDR is not set"):
+        combine(
+            placement,
+            None,
+            None,
+            session="s",
+            master_port=None,
+            nproc_per_node=None,
+            gpu_count=lambda: 0,
+        )
+
+
+def test_launcher_processes_get_the_node_block_whatever_the_launch_order():
+    # mpirun -H in reverse hostfile order: OMPI rank 0 runs on node 2. The torch rank follows the
+    # node rank, so rank 0 is on the master node, and every rank appears once.
+    ranks = []
+    for node in range(3):
+        e = openmpi_env(node)
+        for local in range(2):
+            omp = 6 - 2 * (node + 1) + local
+            place = process_place(
+                e,
+                {
+                    "OMPI_COMM_WORLD_RANK": str(omp),
+                    "OMPI_COMM_WORLD_SIZE": "6",
+                    "OMPI_COMM_WORLD_LOCAL_RANK": str(local),
+                },
+            )
+            assert place.world_size == 6 and place.local_rank == local
+            ranks.append(place.rank)
+    assert ranks == [0, 1, 2, 3, 4, 5]
+    slurm = replace(env_for(1), source="slurm")
+    assert (
+        process_place(slurm, {"SLURM_PROCID": "1", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1"}).rank
+        == 3
+    )
+    with pytest.raises(DistEnvError, match="SLURM_NTASKS=4 but 3 nodes x 2 processes make 6"):
+        process_place(slurm, {"SLURM_NTASKS": "4", "SLURM_LOCALID": "0"})
+    with pytest.raises(DistEnvError, match="SLURM_LOCALID=2 but this node runs 2 processes"):
+        process_place(slurm, {"SLURM_NTASKS": "6", "SLURM_LOCALID": "2"})
+
+
+def test_master_must_be_this_node_exactly_when_this_is_node_0():
+    def place(rank: int) -> Placement:
+        return Placement("openmpi", rank, nnodes=2, master_addr="m", matched="OMPI")
+
+    assert master_problem(place(0), ["10.0.0.1"], ["10.0.0.1", "127.0.0.1"]) is None
+    assert master_problem(place(1), ["10.0.0.1"], ["10.0.0.2"]) is None
+    assert "is this machine, but openmpi makes it node 1" in str(
+        master_problem(place(1), ["10.0.0.1"], ["10.0.0.1"])
+    )
+    assert "is not this machine, but openmpi makes this node 0" in str(
+        master_problem(place(0), ["10.0.0.1"], ["10.0.0.2"])
+    )
+    assert "loopback" in str(master_problem(place(0), ["127.0.0.1"], ["127.0.0.1"]))
+    assert master_problem(place(0), [], ["10.0.0.2"]) is None  # unresolvable: nothing to compare

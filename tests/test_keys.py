@@ -6,7 +6,6 @@ import struct
 import pytest
 
 from meshkit import keys
-from meshkit.hostfile import Host
 from meshkit.keys import (
     KeyFormatError,
     PublicKey,
@@ -15,7 +14,6 @@ from meshkit.keys import (
     parse_public_key,
     remove_tagged,
 )
-from meshkit.mesh import NodeFacts, parse_verify, placeholder_key, plan, verify_script
 
 
 def make_key(kind: str = "ssh-ed25519", seed: str = "a", comment: str = "c") -> PublicKey:
@@ -49,12 +47,13 @@ def test_parse_validates_type_and_blob():
 def test_merge_authorized_keeps_lines_dedups_and_is_idempotent():
     a, b = make_key(seed="a"), make_key(seed="b")
     existing = f'# admin\nno-pty,command="echo hi there" {line(a)}\n'
-    text, added = merge_authorized(existing, [("n0", a), ("n1", b), ("n2", b)])
-    assert text.startswith(existing) and added == [f"{b.kind} {b.blob} meshkit:n1"]
-    assert merge_authorized(text, [("n0", a), ("n1", b)]) == (text, [])
-    assert "$(" not in merge_authorized("", [("n0", make_key(comment="$(x)"))])[0]
-    text, _ = merge_authorized("no newline at end", [("n1", b)])
-    assert text == f"no newline at end\n{b.kind} {b.blob} meshkit:n1\n"
+    m = merge_authorized(existing, [("n0", a), ("n1", b), ("n2", b)])
+    assert m.text.startswith(existing) and m.added == [f"{b.kind} {b.blob} meshkit:n1"]
+    again = merge_authorized(m.text, [("n0", a), ("n1", b)])
+    assert (again.text, again.added, again.changed) == (m.text, [], False)
+    assert "$(" not in merge_authorized("", [("n0", make_key(comment="$(x)"))]).text
+    m = merge_authorized("no newline at end", [("n1", b)])
+    assert m.text == f"no newline at end\n{b.kind} {b.blob} meshkit:n1\n"
 
 
 def test_merge_known_hosts_names_hashed_and_conflicts():
@@ -62,65 +61,43 @@ def test_merge_known_hosts_names_hashed_and_conflicts():
     salt = b"0123456789abcdef0123"
     digest = hmac.new(salt, b"10.0.0.1", hashlib.sha1).digest()
     hashed = f"|1|{base64.b64encode(salt).decode()}|{base64.b64encode(digest).decode()} {k.kind} {k.blob}\n"
-    text, added, conflicts = merge_known_hosts(hashed, [(["10.0.0.1", "node1"], k)])
-    assert (
-        added == [f"node1 {k.kind} {k.blob} meshkit"] and not conflicts and text.startswith(hashed)
-    )
-    assert merge_known_hosts(text, [(["10.0.0.1", "node1"], k)])[1] == []
-    _, added, conflicts = merge_known_hosts(f"node1 {other.kind} {other.blob}\n", [(["node1"], k)])
-    assert added == [] and conflicts[0].name == "node1" and conflicts[0].lineno == 1
+    m = merge_known_hosts(hashed, [(["10.0.0.1", "node1"], k)])
+    assert m.added == [f"node1 {k.kind} {k.blob} meshkit"] and not m.conflicts
+    assert m.text.startswith(hashed)
+    assert merge_known_hosts(m.text, [(["10.0.0.1", "node1"], k)]).added == []
+    m = merge_known_hosts(f"node1 {other.kind} {other.blob}\n", [(["node1"], k)])
+    conflicts = m.conflicts
+    assert m.added == [] and conflicts[0].name == "node1" and conflicts[0].lineno == 1
     assert "ssh-keygen -R 'node1'" in conflicts[0].describe("n0")
 
 
 def test_remove_tagged_removes_exactly_ours():
     a, b = make_key(seed="a"), make_key(seed="b")
     original = f"# keep\n{line(a)}\n\n"
-    text, _ = merge_authorized(original, [("n1", b)])
+    text = merge_authorized(original, [("n1", b)]).text
     assert remove_tagged(text, known_hosts=False) == (original, 1)
-    known, _, _ = merge_known_hosts(original, [(["h"], b)])
+    known = merge_known_hosts(original, [(["h"], b)]).text
     assert remove_tagged(known, known_hosts=True) == (original, 1)
     assert remove_tagged(f"{line(a)} meshkit\n", known_hosts=False)[1] == 0
 
 
-def test_parse_inspection_prefers_first_user_key_and_needs_host_keys():
-    u1, u2, h = (
-        make_key(seed="u1", comment="meshkit-generated@n1"),
-        make_key(seed="u2"),
-        make_key(seed="h"),
-    )
-    got = keys.parse_inspection(
-        f"userkey {line(u1)}\nuserkey {line(u2)}\nhostkey {line(h)}\n", "n1"
-    )
-    assert got.user_key == u1 and got.host_keys == (h,) and got.generated
-    with pytest.raises(KeyFormatError, match="no readable /etc/ssh"):
-        keys.parse_inspection(f"userkey {line(u1)}\n", "n1")
-
-
-def test_plan_every_node_gets_every_key_under_every_name():
-    hosts = [Host("node0"), Host("10.0.0.2", port=2222)]
-    facts = [
-        NodeFacts(
-            hosts[0], keys.Inspection(make_key(seed="u0"), (make_key(seed="h0"),), False), "", None
-        ),
-        NodeFacts(hosts[1], keys.Inspection(None, (make_key(seed="h1"),), False), None, None),
-    ]
-    plans = plan(facts, {"node0": ["10.0.0.1"], "10.0.0.2": ["10.0.0.2"]})
-    assert plans[hosts[1]].generate_key and not plans[hosts[0]].generate_key
-    assert len(plans[hosts[1]].authorized_added) == 1
-    known = plans[hosts[0]].known_added
-    assert known[0].startswith("node0,10.0.0.1 ") and known[1].startswith("[10.0.0.2]:2222 ")
-    assert placeholder_key(hosts[0]) != placeholder_key(hosts[1])
-    parse_public_key(line(placeholder_key(hosts[0])))  # well-formed
-
-
-def test_verify_script_quotes_hosts_and_parses_results():
-    hosts = [Host("a"), Host("b", user="u", port=2200), Host("c")]
-    script = verify_script(hosts, 5, start=1)
-    assert "-p 2200 -l u -- b true" in script
-    assert script.index("-- b true") < script.index("-- c true") < script.index("-- a true")
-    out = "ok 0\nfail 1 Permission denied (publickey).\n"
-    failures = parse_verify(hosts[0], hosts, out)
-    assert [(f.target.host, f.error) for f in failures] == [
-        ("b", "Permission denied (publickey)."),
-        ("c", "no result"),
-    ]
+def test_two_meshes_share_a_line_and_unmesh_takes_only_its_own_tag():
+    a, b, h = make_key(seed="a"), make_key(seed="b"), make_key(seed="h")
+    admin = f"{line(a)}\n"
+    one = merge_authorized(admin, [("n1", b)], "mesha")
+    assert one.added == [f"{b.kind} {b.blob} meshkit:n1 mesh=mesha"]
+    two = merge_authorized(one.text, [("n1", b), ("n0", a)], "meshb")
+    assert two.added == [] and two.claimed == 1  # the admin's line for a is not claimed
+    assert "meshkit:n1 mesh=mesha,meshb" in two.text and two.text.startswith(admin)
+    assert keys.listed_by_others(two.text, b, "mesha")
+    text, n = remove_tagged(two.text, known_hosts=False, mesh_id="mesha")
+    assert n == 1 and "meshkit:n1 mesh=meshb" in text
+    assert not keys.listed_by_others(text, b, "meshb")
+    assert remove_tagged(text, known_hosts=False, mesh_id="meshb") == (admin, 1)
+    kh = merge_known_hosts("", [(["n1", "10.0.0.1"], h)], "mesha")
+    kh2 = merge_known_hosts(kh.text, [(["n1"], h)], "meshb")
+    assert kh2.added == [] and kh2.claimed == 1 and "meshkit mesh=mesha,meshb" in kh2.text
+    assert merge_known_hosts(kh2.text, [(["n1"], h)], "meshb").changed is False
+    assert remove_tagged(kh2.text, known_hosts=True, mesh_id="meshb")[0] == kh.text
+    # lines from before mesh ids belong to whoever unmeshes
+    assert remove_tagged(f"n1 {h.kind} {h.blob} meshkit\n", True, "mesha") == ("", 1)

@@ -1,7 +1,17 @@
 import pytest
 
 from meshkit.hostfile import parse
-from meshkit.topology import LocalAddress, TopologyError, derive_master_port, match_rank, usable
+from meshkit.topology import (
+    Interface,
+    LocalAddress,
+    TopologyError,
+    derive_master_port,
+    interface_by_route,
+    interface_of_match,
+    match_rank,
+    socket_ifnames,
+    usable,
+)
 
 HOSTS = parse("10.0.0.1\n10.0.0.2\nnode3\n[fd00::4]:22\n")
 RESOLVED = [["10.0.0.1"], ["10.0.0.2"], ["10.0.0.3"], ["fd00::4"]]
@@ -83,3 +93,61 @@ def test_master_port_is_the_same_everywhere_and_varies_with_session_and_nodes():
     assert derive_master_port(parse("# x\n10.0.0.1   \n10.0.0.2\n"), "train") == port
     assert derive_master_port(parse("10.0.0.1\n10.0.0.2\n"), "other") != port
     assert derive_master_port(parse("10.0.0.1\n10.0.0.3\n"), "train") != port
+
+
+# -- GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME -----------------------------------------------------
+
+
+def test_interface_is_the_one_whose_address_placed_this_node():
+    m = match_rank(HOSTS, RESOLVED, node(LocalAddress("ens3", "10.0.0.2")), "n2")
+    chosen = interface_of_match(m)
+    assert chosen is not None and (chosen.name, chosen.address) == ("ens3", "10.0.0.2")
+    assert chosen.reason == "hostfile: 10.0.0.2 on ens3 placed this node"
+    # a hostname match names no address, so no interface: the route decides instead
+    by_name = match_rank(parse("alpha\nbeta\n"), [[], []], node(), "beta")
+    assert interface_of_match(by_name) is None
+
+
+def test_debian_127_0_1_1_line_never_decides_a_rank_or_an_interface():
+    # node0 resolves to 127.0.1.1 first on node0 itself (Debian's /etc/hosts), then its address
+    hosts = parse("node0\nnode1\n")
+    local = node(LocalAddress("eno1", "10.0.0.1"))
+    m = match_rank(hosts, [["127.0.1.1", "10.0.0.1"], ["10.0.0.2"]], local, "node0")
+    assert (m.rank, m.interface, m.address) == (0, "eno1", "10.0.0.1")
+    # only 127.0.1.1: the hostname places the node, but no interface comes from loopback
+    m = match_rank(hosts, [["127.0.1.1"], ["10.0.0.2"]], local, "node0")
+    assert (m.rank, m.interface) == (0, "hostname")
+    chosen = interface_by_route("node0", [("127.0.1.1", "127.0.0.1")], local, nnodes=2)
+    assert chosen.name is None and "127.0.1.1: loopback" in chosen.reason
+    assert "GLOO_SOCKET_IFNAME" in chosen.reason
+    # a name resolving to loopback, listed twice, is not two matches of this machine
+    with pytest.raises(TopologyError, match="matches no line"):
+        match_rank(hosts, [["127.0.1.1"], ["127.0.1.1"]], local, "other")
+
+
+def test_scheduler_sources_take_the_interface_that_reaches_master_addr():
+    local = node(LocalAddress("eth0", "10.0.0.2"), LocalAddress("ib0", "192.168.5.2"))
+    chosen = interface_by_route(
+        "gpu01", [("127.0.1.1", "127.0.0.1"), ("192.168.5.1", "192.168.5.2")], local, nnodes=4
+    )
+    assert (chosen.name, chosen.address) == ("ib0", "192.168.5.2")
+    assert (
+        chosen.reason == "route: MASTER_ADDR gpu01 (192.168.5.1) is reached from 192.168.5.2 on ib0"
+    )
+    none = interface_by_route("gpu01", [("10.9.9.9", None)], local, nnodes=4)
+    assert none.name is None and "10.9.9.9: no route" in none.reason
+    assert interface_by_route("x", [], local, 2).reason.startswith("none:")
+    # a one-node job on loopback is fine
+    assert interface_by_route("localhost", [("127.0.0.1", "127.0.0.1")], local, 1).name == "lo"
+
+
+def test_user_settings_are_kept_and_fill_only_what_is_missing():
+    chosen = Interface("eno1", "10.0.0.1", "hostfile: 10.0.0.1 on eno1 placed this node")
+    out, why = socket_ifnames(chosen, {})
+    assert out == {"GLOO_SOCKET_IFNAME": "eno1", "NCCL_SOCKET_IFNAME": "eno1"}
+    assert why == chosen.reason
+    out, why = socket_ifnames(chosen, {"NCCL_SOCKET_IFNAME": "^docker0,lo"})
+    assert out == {"GLOO_SOCKET_IFNAME": "eno1", "NCCL_SOCKET_IFNAME": "^docker0,lo"}
+    assert why == f"NCCL_SOCKET_IFNAME already set: kept; {chosen.reason}"
+    out, why = socket_ifnames(Interface(None, None, "none: no route"), {})
+    assert out == {} and why == "none: no route"

@@ -22,7 +22,7 @@ from ..protocol import (
     decode_request,
     encode_reply,
 )
-from . import jobs
+from . import doctor, jobs
 
 ENV_TIMEOUT = 60.0
 
@@ -60,6 +60,11 @@ HANDLERS: dict[str, Callable[[Any], Reply]] = {
     "status": jobs.status,
     "stop": jobs.stop,
     "logs": jobs.logs,
+    "doctor_facts": doctor.facts,
+    "doctor_listen": doctor.listen,
+    "doctor_connect": doctor.connect,
+    "doctor_done": doctor.done,
+    "doctor_probe": doctor.probe,
 }
 
 

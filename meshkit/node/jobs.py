@@ -103,7 +103,8 @@ def running_jobs() -> list[RunningJob]:
         ids = sorted(p.name for p in root.iterdir() if JOB_ID.match(p.name))
     except OSError:
         return []
-    return [RunningJob(i, _label(i)) for i in ids if keeper_pid(i) is not None]
+    # Running means its command has not exited; stragglers an exited job left are not a conflict.
+    return [RunningJob(i, _label(i)) for i in ids if _state(i)[0] == "running"]
 
 
 def jobs() -> JobsReply:

@@ -26,18 +26,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SandboxError
+from . import networks as netopts
 from .layout import DEFAULT, Layout, Node, check_name, default_dir, default_subnet, layout
+from .networks import Options, cut, mend
 
 __all__ = [
     "DEFAULT",
     "Layout",
     "Node",
+    "Options",
     "check_name",
+    "cut",
     "default_dir",
     "default_subnet",
     "down",
     "layout",
     "load",
+    "mend",
     "node_exec",
     "reboot",
     "status",
@@ -204,7 +209,7 @@ def _prepare_files(lay: Layout) -> None:
         _write(
             d / "etc_ssh" / "sshd_config", SSHD_CONFIG.format(name=node.name, address=node.address)
         )
-        _write(d / "hosts", hosts)
+        _write(d / "hosts", netopts.hosts_text(lay, node) if lay.networks.any else hosts)
         for kind in ("ed25519", "ecdsa"):
             keygens.append(
                 _keygen(d / "etc_ssh" / f"ssh_host_{kind}_key", kind, f"root@{node.name}")
@@ -246,17 +251,21 @@ def _network(lay: Layout) -> None:
     ]
     for node in lay.nodes:
         _run(["ip", "netns", "add", node.netns])
+        eth = netopts.primary_ifname(lay.networks, node.index)
         batch += [
-            f"link add {node.veth} type veth peer name eth0 netns {node.netns}",
+            f"link add {node.veth} type veth peer name {eth} netns {node.netns}",
             f"link set {node.veth} master {lay.bridge}",
             f"link set {node.veth} up",
         ]
+    batch += netopts.host_batch(lay)
     _run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
     for node in lay.nodes:
+        eth = netopts.primary_ifname(lay.networks, node.index)
         inside = [
             "link set lo up",
-            f"addr add {node.address}/{prefix} dev eth0",
-            "link set eth0 up",
+            f"addr add {node.address}/{prefix} dev {eth}",
+            f"link set {eth} up",
+            *netopts.node_batch(lay, node),
         ]
         _run(["ip", "-n", node.netns, "-batch", "-"], input="\n".join(inside) + "\n")
 
@@ -342,7 +351,8 @@ def _existing_netns(lay: Layout) -> list[str]:
 
 def down(root: str | os.PathLike[str], name: str = DEFAULT) -> list[str]:
     """Remove every namespace, link and file of the sandbox ``name``; safe to repeat and after a
-    crash. Other sandboxes are left alone."""
+    crash. Other sandboxes are left alone. SLURM's daemons (``up(slurm=True)``) run inside the
+    nodes, so killing every process of every node ends them too."""
     path = Path(root)
     state = _read_state(path)
     name = str(state.get("name", name)) if state else check_name(name)
@@ -354,10 +364,14 @@ def down(root: str | os.PathLike[str], name: str = DEFAULT) -> list[str]:
         removed.append(netns)
     # The kernel frees a deleted namespace's veths lazily; delete our ends now so that an
     # immediate up does not find them still there.
-    for link in json.loads(_run(["ip", "-j", "link", "show"], check=False).stdout or "[]"):
-        ifname = str(link.get("ifname", ""))
+    links = [
+        str(link.get("ifname", ""))
+        for link in json.loads(_run(["ip", "-j", "link", "show"], check=False).stdout or "[]")
+    ]
+    for ifname in links:
         if lay.owns_veth(ifname):
             _run(["ip", "link", "del", ifname], check=False)
+    removed += netopts.teardown(lay, links)
     if _run(["ip", "link", "show", lay.bridge], check=False).returncode == 0:
         _run(["ip", "link", "del", lay.bridge])
         removed.append(lay.bridge)
@@ -381,13 +395,26 @@ def _read_state(root: Path) -> dict[str, object] | None:
     return data if isinstance(data, dict) else None
 
 
-def up(root: str | os.PathLike[str], subnet: str, count: int, name: str = DEFAULT) -> Layout:
+def up(
+    root: str | os.PathLike[str],
+    subnet: str,
+    count: int,
+    name: str = DEFAULT,
+    networks: Options | None = None,
+    slurm: bool = False,
+) -> Layout:
     """Create (or re-create) the sandbox ``name`` of ``count`` nodes and wait until every sshd
-    answers."""
+    answers. ``networks`` adds real-world network features (see networks.Options); ``slurm``
+    also a private SLURM cluster on the nodes (see ``sandbox.slurm``)."""
+    from . import slurm as slurm_cluster
+
     preflight()
-    lay = layout(root, subnet, count, name)
+    if slurm:
+        slurm_cluster.preflight()
+    lay = layout(root, subnet, count, name, networks)
     down(lay.root, name)
     check_subnet(lay)
+    netopts.check_second_subnet(lay)
     created_root_ssh = not Path("/root/.ssh").exists()
     # The bind-mount point for each node's own ~/.ssh; another sandbox may create it meanwhile.
     Path("/root/.ssh").mkdir(mode=0o700, exist_ok=True)
@@ -400,6 +427,8 @@ def up(root: str | os.PathLike[str], subnet: str, count: int, name: str = DEFAUL
                 "nodes": count,
                 "subnet": str(lay.subnet),
                 "created_root_ssh": created_root_ssh,
+                "slurm": slurm,
+                "networks": lay.networks.as_state(),
             }
         ),
     )
@@ -409,6 +438,8 @@ def up(root: str | os.PathLike[str], subnet: str, count: int, name: str = DEFAUL
         for node in lay.nodes:
             start_node(lay, node)
         wait_ready(lay, lay.nodes)
+        if slurm:
+            slurm_cluster.start(lay)
     except BaseException:
         down(lay.root, name)
         raise
@@ -421,7 +452,11 @@ def load(root: str | os.PathLike[str]) -> Layout:
     if state is None:
         raise SandboxError(f"no sandbox at {root}; create one with: meshkit sandbox.up --nodes 3")
     return layout(
-        root, str(state["subnet"]), int(str(state["nodes"])), str(state.get("name", DEFAULT))
+        root,
+        str(state["subnet"]),
+        int(str(state["nodes"])),
+        str(state.get("name", DEFAULT)),
+        Options.from_state(state.get("networks")),
     )
 
 
@@ -440,6 +475,11 @@ def reboot(lay: Layout, index: int) -> Node:
             entry.unlink()
     start_node(lay, node)
     wait_ready(lay, [node])
+    if (_read_state(lay.root) or {}).get("slurm"):
+        from . import slurm
+
+        slurm.start_daemons(lay, node)
+        slurm.wait_idle(lay, [node])
     return node
 
 

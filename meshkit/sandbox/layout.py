@@ -11,10 +11,11 @@ import hashlib
 import ipaddress
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SandboxError
+from .networks import Options
 
 DEFAULT = "default"
 MAX_NODES = 64
@@ -61,6 +62,7 @@ class Layout:
     subnet: ipaddress.IPv4Network
     count: int
     name: str = DEFAULT
+    networks: Options = field(default_factory=Options)  # real-world network options (networks.py)
 
     @property
     def bridge(self) -> str:
@@ -127,7 +129,13 @@ class Layout:
         return self.root / "logs" / f"{node.name}.sshd.log"
 
 
-def layout(root: str | os.PathLike[str], subnet: str, count: int, name: str = DEFAULT) -> Layout:
+def layout(
+    root: str | os.PathLike[str],
+    subnet: str,
+    count: int,
+    name: str = DEFAULT,
+    networks: Options | None = None,
+) -> Layout:
     check_name(name)
     try:
         net = ipaddress.IPv4Network(subnet, strict=True)
@@ -139,4 +147,4 @@ def layout(root: str | os.PathLike[str], subnet: str, count: int, name: str = DE
         raise SandboxError(f"--nodes {count}: expected 1..{MAX_NODES}")
     if net.num_addresses < FIRST_HOST + count + 1:
         raise SandboxError(f"subnet {net} is too small for {count} nodes; use a /24")
-    return Layout(Path(root).resolve(), net, count, name)
+    return Layout(Path(root).resolve(), net, count, name, networks or Options())

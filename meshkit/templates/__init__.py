@@ -7,7 +7,13 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-NAMES = ("example_train.py", "run.sh", "hostfile.example", "meshkit.yaml")
+NAMES = (
+    "example_train.py",
+    "collective_probe.py",
+    "run.sh",
+    "hostfile.example",
+    "meshkit.yaml",
+)
 
 
 def text(name: str) -> str:

@@ -12,6 +12,7 @@ from invoke.collection import Collection
 from invoke.context import Context
 
 from ..common import conf, helps, reported, task
+from . import doctor as tasks_doctor
 from . import jobs as tasks_train
 from . import mesh as tasks_mesh
 from . import sandbox as tasks_sandbox
@@ -98,5 +99,6 @@ ns = Collection(
     tasks_train.stop,
     tasks_train.supervise,
     tasks_train.demo,
+    tasks_doctor.doctor,
 )
 ns.add_collection(tasks_sandbox.ns)

@@ -158,6 +158,8 @@ TRAIN_HELP = helps(
     sync="copy the workdir to every node (default: when some node does not see it)",
     replace="end any other meshkit job running on the nodes (never done without this flag)",
     dry_run="run the preflight and show what would start; start nothing",
+    doctor="also run the doctor's quick checks (interfaces, master port, node-to-node TCP, "
+    "versions, workdir, clocks) in preflight; any failure starts nothing",
 )
 
 
@@ -173,6 +175,7 @@ def train(
     wait: float = 0.0,
     replace: bool = False,
     dry_run: bool = False,
+    doctor: bool = False,
     include: str | None = None,
     exclude: str | None = None,
     restarts: int | None = None,
@@ -217,6 +220,10 @@ def train(
                 left = sup.end_supervisor(pool, job, hosts)
                 if left:
                     raise LaunchError([*left, "train: the old supervisor did not end"])
+            if doctor:
+                from .doctor import train_preflight
+
+                train_preflight(pool, job, hosts)
             launch = ops.launch(pool, job, hosts, replace=replace, dry_run=dry_run)
             if launch.ok and not launch.dry_run and launch.job.restarts:
                 _start_supervisor(pool, launch.job, hosts)

@@ -1,17 +1,16 @@
-"""``mesh``, ``check`` and ``unmesh`` tasks: flags in, phases of meshkit.mesh, tables out."""
+"""``mesh``, ``check`` and ``unmesh`` tasks: flags in, meshkit.ops.mesh, tables out."""
 
 from __future__ import annotations
 
 import getpass
 import json as jsonlib
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from invoke.context import Context
 from invoke.exceptions import Exit
 
-from ...errors import MeshAbort, MeshkitError
+from ...errors import MeshkitError
 from ...hostfile import Host
 from ..common import conf, helps, option, progress, reported, table, task
 
@@ -61,20 +60,21 @@ def ssh_settings(
     )
 
 
-def _abort(failures: dict[Host, str], what: str) -> MeshAbort:
-    lines = [f"{what}: {len(failures)} node(s) failed, so no node was changed:"]
-    lines += [f"  {h.label}: {err}" for h, err in failures.items()]
-    lines.append("  fix them, or rerun with --skip-unreachable to leave them out")
-    return MeshAbort(lines)
+def _mesh_id(c: Context, hostfile: str | None) -> str:
+    """The mesh's id, from every node of the hostfile (--include/--exclude do not change it)."""
+    from ...meshplan import mesh_id
+
+    hosts, _ = _hosts(c, hostfile, None, None)
+    return mesh_id(hosts)
 
 
-def _verify_report(cluster: Any, hosts: Sequence[Host]) -> int:
-    from ...mesh import matrix, verify
+def _verify_report(result: Any) -> int:
+    from ...meshplan import matrix
 
-    failures = verify(cluster, hosts)
+    hosts, failures = result.hosts, result.failures
     pairs = len(hosts) ** 2
     print(
-        f"verify: {pairs - len({(f.source, f.target) for f in failures})}/{pairs} pairs log in "
+        f"verify: {result.ok_pairs}/{pairs} pairs log in by hostfile name and by hostname "
         "(BatchMode, StrictHostKeyChecking=yes)"
     )
     if failures:
@@ -91,7 +91,7 @@ def _verify_report(cluster: Any, hosts: Sequence[Host]) -> int:
         "exclude",
         **SSH_HELP,
         skip_unreachable="mesh the reachable nodes and list the others, instead of changing nothing",
-        dry_run="connect and show what would change on each node; change nothing",
+        dry_run="connect and show what would change on each node; change nothing anywhere",
         verify="check every pair afterwards from the nodes themselves (default on; --no-verify)",
     )
 )
@@ -109,103 +109,72 @@ def mesh(
 ) -> None:
     """Passwordless SSH among all hostfile nodes, with strict host keys, in one login per node.
 
-    Collects each node's user key (creating ed25519 if none) and host keys, installs every key in
-    every authorized_keys and every host key in every known_hosts (tagged, merged, atomic), then
-    checks all N x N pairs. Rerunning changes nothing; `meshkit unmesh` undoes it.
+    Collects each node's user key (creating ed25519 if none) and the host keys its sshd proves it
+    serves, installs every key in every authorized_keys and every host key in every known_hosts
+    under every name the node answers to (tagged with this mesh, merged under a lock, atomic),
+    then checks all N x N pairs. Rerunning changes nothing; `meshkit unmesh` undoes it.
     """
-    from ... import mesh as m
-    from ...localnet import resolve_all
-    from ...remote import Cluster, failed, succeeded
+    from ...ops import mesh as ops
 
     with reported():
         hosts, path = _hosts(c, hostfile, include, exclude)
-        addresses = resolve_all(h.host for h in hosts)
         st = ssh_settings(c, path, identity, password, accept_new_host_keys)
         print(f"mesh: {len(hosts)} nodes from {path}{' (dry run)' if dry_run else ''}")
-        with Cluster(hosts, st, progress=progress) as cluster:
-            inspected = cluster.each("inspect", m.inspect)
-            failures = {**cluster.failures, **failed(inspected)}
-            if failures and not skip_unreachable:
-                raise _abort(failures, "mesh")
-            live = [h for h in hosts if h not in failures]
-            if not live:
-                raise MeshAbort("mesh: no node is reachable")
-            facts = list(succeeded(inspected).values())
-            if dry_run:
-                plans = m.plan(_with_placeholders(facts), addresses)
-                for f in facts:
-                    plans[f.host].generate_key = f.inspection.user_key is None
-                _show_plan(live, plans, failures)
-                return
-            made = cluster.each(
-                "keys", m.generate_key, [f.host for f in facts if f.inspection.user_key is None]
+        report = ops.mesh(
+            hosts,
+            st,
+            _mesh_id(c, hostfile),
+            skip_unreachable=skip_unreachable,
+            dry_run=dry_run,
+            check=verify,
+            progress=progress,
+        )
+        _show(report)
+        if report.failed:
+            raise MeshkitError(
+                [f"  {n.host.label}: {n.error}" for n in report.failed]
+                + ["mesh: some nodes were not changed (above); rerun mesh once they are fixed"]
             )
-            bad = failed(made)
-            if bad:
-                raise MeshkitError(
-                    [f"  {h.label}: {e}" for h, e in bad.items()]
-                    + [
-                        "mesh: creating user keys failed; authorized_keys and known_hosts were not changed"
-                    ]
-                )
-            for f in facts:
-                f.inspection = succeeded(made).get(f.host, f.inspection)
-            plans = m.plan(facts, addresses)
-            for h in made:
-                plans[h].generate_key = True
-            conflicts = [line for p in plans.values() for line in p.conflicts]
-            if conflicts:
-                raise MeshkitError([*conflicts, "mesh: known_hosts conflicts; nothing was written"])
-            written = cluster.each("install", lambda r: m.install(r, plans[r.host]), live)
-            bad = failed(written)
-            _show_plan(live, plans, failures, done=True)
-            if bad:
-                raise MeshkitError([f"  {h.label}: install failed: {e}" for h, e in bad.items()])
-            if verify and _verify_report(cluster, live):
-                raise Exit("meshkit: mesh installed, but some pairs cannot log in (see above)", 1)
-        if failures:
+        if report.verify and _verify_report(report.verify):
+            raise Exit("meshkit: mesh installed, but some pairs cannot log in (see above)", 1)
+        if report.left_out:
+            live = len(report.nodes)
             raise Exit(
-                f"meshkit: meshed {len(live)} nodes; left out: {', '.join(h.label for h in failures)}",
+                f"meshkit: meshed {live} nodes; left out: "
+                + ", ".join(h.label for h in report.left_out),
                 1,
             )
 
 
-def _with_placeholders(facts: list[Any]) -> list[Any]:
-    from dataclasses import replace
-
-    from ...mesh import placeholder_key
-
-    return [
-        f
-        if f.inspection.user_key
-        else replace(f, inspection=replace(f.inspection, user_key=placeholder_key(f.host)))
-        for f in facts
-    ]
-
-
-def _show_plan(
-    hosts: Sequence[Host], plans: dict[Host, Any], failures: dict[Host, str], done: bool = False
-) -> None:
-    verb = "" if done else "would "
-    rows = []
-    for i, h in enumerate(hosts):
-        p = plans[h]
-        rows.append(
-            (
-                i,
-                h.label,
-                "created" if p.generate_key and done else "create" if p.generate_key else "kept",
-                f"+{len(p.authorized_added)}",
-                f"+{len(p.known_added)}",
-                "changed" if p.changes else "unchanged",
-            )
+def _show(report: Any) -> None:
+    done = not report.dry_run
+    rows = [
+        (
+            report.hosts.index(n.host),
+            n.host.label,
+            n.user_key,
+            f"+{len(n.authorized_added)}"
+            + (f" ~{n.authorized_claimed}" if n.authorized_claimed else ""),
+            f"+{len(n.known_added)}" + (f" ~{n.known_claimed}" if n.known_claimed else ""),
+            n.result,
         )
+        for n in report.nodes
+    ]
     print(table(["#", "node", "user key", "authorized_keys", "known_hosts", "result"], rows))
-    if not done:
-        for h in hosts:
-            for line in plans[h].authorized_added + plans[h].known_added:
-                print(f"  {h.label}: {verb}add: {line[:110]}")
-    for h, err in failures.items():
+    print(
+        f"  mesh id {report.mesh_id} (tagged on every line it adds; ~N: lines shared with another mesh)"
+    )
+    for h, names in report.names.items():
+        print(f"  {h.label} answers to: " + ", ".join(f"{n} ({why})" for n, why in names))
+    for n in report.nodes:
+        for note in n.notes:
+            print(f"  {n.host.label}: note: {note}")
+        if n.cleaned:
+            print(f"  {n.host.label}: removed {n.cleaned} stale meshkit temp file(s)")
+        if not done:
+            for line in n.authorized_added + n.known_added:
+                print(f"  {n.host.label}: would add: {line[:110]}")
+    for h, err in report.left_out.items():
         print(f"  {h.label}: left out: {err}")
 
 
@@ -218,32 +187,30 @@ def check(
     include: str | None = None,
     exclude: str | None = None,
 ) -> None:
-    """Check all N x N pairs: from every node, ssh to every node with BatchMode and strict host keys."""
-    from ...mesh import verify
-    from ...remote import Cluster
+    """Check all N x N pairs: from every node, ssh to every node (by the hostfile spelling and by
+    its hostname) with BatchMode and strict host keys."""
+    from ...ops import mesh as ops
 
     with reported():
         hosts, path = _hosts(c, hostfile, include, exclude)
-        with Cluster(hosts, ssh_settings(c, path, identity), progress=progress) as cluster:
-            if not json:
-                failed = _verify_report(cluster, hosts)
-                if failed:
-                    raise Exit("meshkit: check failed; run `meshkit mesh` to fix", 1)
-                return
-            failures = verify(cluster, hosts)
+        result = ops.check(hosts, ssh_settings(c, path, identity), progress=progress)
+        if not json:
+            if _verify_report(result):
+                raise Exit("meshkit: check failed; run `meshkit mesh` to fix", 1)
+            return
     print(
         jsonlib.dumps(
             {
                 "nodes": [h.label for h in hosts],
-                "ok": not failures,
+                "ok": not result.failures,
                 "failures": [
                     {"from": f.source.label, "to": f.target.label, "error": f.error}
-                    for f in failures
+                    for f in result.failures
                 ],
             }
         )
     )
-    if failures:
+    if result.failures:
         raise Exit(code=1)
 
 
@@ -253,7 +220,7 @@ def check(
         "include",
         "exclude",
         identity=SSH_HELP["identity"],
-        keep_keys="keep user keys that mesh created (default: remove them too)",
+        keep_keys="keep user keys that mesh created (default: remove them, unless another mesh uses them)",
         dry_run="show what would be removed; change nothing",
     )
 )
@@ -266,27 +233,31 @@ def unmesh(
     include: str | None = None,
     exclude: str | None = None,
 ) -> None:
-    """Remove exactly what mesh added: its tagged authorized_keys and known_hosts lines and the user
-    keys it created. Every other line stays byte for byte."""
-    from ... import mesh as m
-    from ...remote import Cluster, failed, succeeded
+    """Remove exactly what this hostfile's mesh added: its tagged authorized_keys and known_hosts
+    lines (lines another mesh also relies on stay) and the user keys it created that no other mesh
+    lists. Every other line stays byte for byte."""
+    from ...ops import mesh as ops
 
     with reported():
         hosts, path = _hosts(c, hostfile, include, exclude)
-        with Cluster(hosts, ssh_settings(c, path, identity), progress=progress) as cluster:
-            inspected = cluster.each("inspect", m.inspect)
-            failures = {**cluster.failures, **failed(inspected)}
-            if failures:
-                raise _abort(failures, "unmesh")
-            changes = {h: m.plan_unmesh(f, keep_keys) for h, f in succeeded(inspected).items()}
-            rows = [
-                (h.label, f"-{ch.authorized_removed}", f"-{ch.known_removed}", ch.remove_key or "-")
-                for h, ch in changes.items()
-            ]
-            if not dry_run:
-                bad = failed(cluster.each("remove", lambda r: m.apply_unmesh(r, changes[r.host])))
-                if bad:
-                    raise MeshkitError([f"  {h.label}: {e}" for h, e in bad.items()])
+        report = ops.unmesh(
+            hosts,
+            ssh_settings(c, path, identity),
+            _mesh_id(c, hostfile),
+            keep_keys=keep_keys,
+            dry_run=dry_run,
+            progress=progress,
+        )
+        rows = [
+            (
+                n.host.label,
+                f"-{n.plan.authorized_removed}",
+                f"-{n.plan.known_removed}",
+                n.plan.remove_key or "-",
+                n.result,
+            )
+            for n in report.nodes
+        ]
         print(
             table(
                 [
@@ -294,7 +265,13 @@ def unmesh(
                     "authorized_keys",
                     "known_hosts",
                     "key removed" if not dry_run else "would remove key",
+                    "result",
                 ],
                 rows,
             )
         )
+        for n in report.nodes:
+            if n.plan.kept_key:
+                print(f"  {n.host.label}: {n.plan.kept_key}")
+        if report.failed:
+            raise MeshkitError([f"  {n.host.label}: {n.error}" for n in report.failed])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json as jsonlib
+import sys
 import time
 from typing import Any
 
@@ -10,6 +11,8 @@ from invoke.collection import Collection
 from invoke.context import Context
 
 from ... import sandbox
+from ...errors import UsageError
+from ...sandbox.slurm import conf_path as slurm_conf_path
 from ..common import conf, reported, table, task
 
 DIR_HELP = "sandbox state directory (default: config meshkit.sandbox.dir, /var/tmp/meshkit-sandbox)"
@@ -33,6 +36,11 @@ NAME_HELP = "sandbox name, so that several run side by side (default: 'default')
         "name": NAME_HELP,
         "subnet": "private IPv4 subnet for the nodes (default: meshkit.sandbox.subnet, 10.77.0.0/24,"
         " for the default sandbox; one picked from the name for the others)",
+        "slurm": "also run a private SLURM cluster on the nodes (slurmctld, one slurmd per node,"
+        " munge; Debian slurm-wlm and munge)",
+        "networks": "real-world networks, comma list of: second (a second network per node),"
+        " ifnames (interface names differ between nodes), docker0 (the same docker0 address in every"
+        " node), debian-hosts (the '127.0.1.1 <hostname>' line); or 'all'",
     }
 )
 def up(
@@ -41,13 +49,18 @@ def up(
     dir: str | None = None,
     subnet: str | None = None,
     name: str | None = None,
+    slurm: bool = False,
+    networks: str | None = None,
 ) -> None:
     """Create a local cluster of N real sshd nodes (root only); replaces a stale one."""
     with reported():
         started = time.monotonic()
         label = sandbox.check_name(name or sandbox.DEFAULT)
         net = subnet or sandbox.default_subnet(str(_conf(c).subnet), label)
-        lay = sandbox.up(_dir(c, dir, label), net, int(nodes or _conf(c).nodes), label)
+        options = sandbox.Options.parse(networks or "")
+        lay = sandbox.up(
+            _dir(c, dir, label), net, int(nodes or _conf(c).nodes), label, options, slurm
+        )
         took = time.monotonic() - started
     print(table(["node", "address", "netns"], [(n.name, n.address, n.netns) for n in lay.nodes]))
     print(
@@ -56,7 +69,17 @@ def up(
     print(f"hostfile:    {lay.hostfile}")
     print(f"ssh config:  {lay.ssh_config}   (ssh -F {lay.ssh_config} node0)")
     print(f"shared dir:  {lay.shared}   (every node sees it: put job workdirs here)")
+    if lay.networks.any:
+        print(f"networks:    {lay.networks.describe()}")
     print(f"next:        meshkit mesh --hostfile {lay.hostfile}")
+    if slurm:
+        slurm_conf = slurm_conf_path(lay)
+        print(
+            f"slurm:       export SLURM_CONF={slurm_conf}   (in a node: nsenter or ssh, then srun/sbatch)"
+        )
+        print(
+            f"             e.g. SLURM_CONF={slurm_conf} srun -N{lay.count} {sys.executable} -m meshkit env"
+        )
 
 
 @task(help={"dir": DIR_HELP, "name": NAME_HELP})
@@ -109,4 +132,47 @@ def status(c: Context, dir: str | None = None, name: str | None = None, json: bo
     )
 
 
-ns = Collection("sandbox", up, down, reboot, status)
+PAIR_HELP = {
+    "node": "index of one node (0 = node0)",
+    "peer": "index of the other node",
+    "dir": DIR_HELP,
+    "name": NAME_HELP,
+}
+
+
+def _pair(node: object, peer: object) -> tuple[int, int]:
+    if node is None or peer is None or not str(node).isdigit() or not str(peer).isdigit():
+        raise UsageError("give both nodes by index: --node I --peer J (e.g. --node 0 --peer 2)")
+    return int(str(node)), int(str(peer))
+
+
+@task(help=PAIR_HELP)
+def cut(
+    c: Context,
+    node: int | None = None,
+    peer: int | None = None,
+    dir: str | None = None,
+    name: str | None = None,
+) -> None:
+    """Cut the link between two nodes, both ways, on every network (undo with sandbox.mend)."""
+    with reported():
+        pair = _pair(node, peer)
+        sandbox.preflight()
+        sandbox.cut(sandbox.load(_dir(c, dir, name)), *pair)
+    print(
+        f"cut: node{node} <-> node{peer} (no route between them; "
+        f"undo: meshkit sandbox.mend --node {node} --peer {peer})"
+    )
+
+
+@task(help=PAIR_HELP)
+def mend(c: Context, node: int, peer: int, dir: str | None = None, name: str | None = None) -> None:
+    """Restore the link between two nodes that sandbox.cut took down."""
+    with reported():
+        pair = _pair(node, peer)
+        sandbox.preflight()
+        sandbox.mend(sandbox.load(_dir(c, dir, name)), *pair)
+    print(f"mended: node{node} <-> node{peer}")
+
+
+ns = Collection("sandbox", up, down, reboot, status, cut, mend)

@@ -1,0 +1,328 @@
+"""The node side of ``meshkit doctor``: facts about this node, short-lived TCP listeners, TCP
+connect probes to the other nodes, and the collective probe. Standard library only, and every
+call is bounded in time: the agent answers one request at a time, so listeners run in background
+threads of the agent and close by themselves.
+
+Versions come from package metadata and files, never from importing torch (seconds, and a GPU
+context, on every node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ..protocol import (
+    ConnectReply,
+    ConnectRequest,
+    ConnectResult,
+    DoneReply,
+    DoneRequest,
+    EnvReply,
+    FactsReply,
+    FactsRequest,
+    ListenReply,
+    ListenRequest,
+    ProbeRequest,
+    ProbeTarget,
+)
+
+GPU_PROBE_TIMEOUT = 5.0
+MAX_SECONDS = 120.0  # no doctor call holds a listener or retries longer than this
+SIOCGIFADDR = 0x8915
+
+
+# ---- facts ------------------------------------------------------------------------------------
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def meshkit_version() -> str:
+    from .. import __version__
+
+    return _version("meshkit") or __version__
+
+
+def torch_cuda() -> str | None:
+    """The CUDA version torch was built with, from torch/version.py (torch is not imported)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        try:
+            text = (Path(location) / "version.py").read_text()
+        except OSError:
+            continue
+        found = re.search(r"^cuda\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+        return found.group(1) if found else None
+    return None
+
+
+def nccl_version() -> str | None:
+    for package in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
+        found = _version(package)
+        if found:
+            return found
+    return None
+
+
+def gpu_count() -> int:
+    """GPUs on this node: CUDA_VISIBLE_DEVICES, else the driver's /proc entries, else nvidia-smi."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    with contextlib.suppress(OSError):
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run(
+            [smi, "-L"], capture_output=True, text=True, timeout=GPU_PROBE_TIMEOUT, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def _writable(workdir: str) -> str | None:
+    try:
+        with tempfile.NamedTemporaryFile(dir=workdir, prefix=".meshkit-doctor-") as handle:
+            handle.write(b"x")
+            handle.flush()
+    except OSError as exc:
+        return f"{workdir}: {exc.strerror or exc}"
+    return None
+
+
+def _marker(request: FactsRequest) -> str:
+    path = Path(request.marker)
+    try:
+        if request.write_marker:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(request.token)
+            return "written"
+        text = path.read_text()
+    except FileNotFoundError:
+        return f"{path} is not there"
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    return "seen" if text == request.token else f"{path} holds another run's token"
+
+
+def facts(request: FactsRequest) -> FactsReply:
+    workdir_ok = Path(request.workdir).is_dir()
+    return FactsReply(
+        hostname=socket.gethostname(),
+        python=platform.python_version(),
+        meshkit=meshkit_version(),
+        torch=_version("torch"),
+        cuda=torch_cuda(),
+        nccl=nccl_version(),
+        gpus=gpu_count(),
+        writable=_writable(request.workdir) if workdir_ok else f"{request.workdir}: missing",
+        marker=_marker(request) if workdir_ok else f"{request.workdir}: missing",
+        clock=time.time(),
+    )
+
+
+# ---- listeners --------------------------------------------------------------------------------
+
+_listeners: dict[int, tuple[socket.socket, threading.Event]] = {}
+
+
+def interface_address(ifname: str) -> str | None:
+    """The IPv4 address of an interface (what gloo binds for GLOO_SOCKET_IFNAME)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(
+                sock.fileno(), SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15])
+            )
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def port_holder(port: int) -> str | None:
+    """Which process listens on TCP ``port`` here (from /proc; None when it cannot be told)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if (
+                    len(fields) > 9
+                    and fields[3] == "0A"
+                    and int(fields[1].rsplit(":", 1)[1], 16) == port
+                ):
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                        return f"pid {pid} ({comm})"
+    return None
+
+
+def _serve(sock: socket.socket, stop: threading.Event, deadline: float) -> None:
+    sock.settimeout(0.2)
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            conn, _ = sock.accept()
+        except (TimeoutError, socket.timeout):
+            continue
+        except OSError:
+            break
+        conn.close()
+    sock.close()
+    stop.set()
+
+
+def listen(request: ListenRequest) -> ListenReply:
+    address = ""
+    if request.ifname:
+        found = interface_address(request.ifname)
+        if found is None:
+            return ListenReply(
+                "", request.port, f"interface {request.ifname} has no IPv4 address here"
+            )
+        address = found
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # as torchrun's store does: a port in TIME_WAIT is free, one with a listener is not
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address, request.port))
+        sock.listen(64)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            holder = port_holder(request.port)
+            held = f" (held by {holder})" if holder else ""
+            return ListenReply(address, request.port, f"port {request.port} is busy{held}")
+        return ListenReply(
+            address,
+            request.port,
+            f"cannot listen on {address or '*'}:{request.port}: {exc.strerror or exc}",
+        )
+    port = int(sock.getsockname()[1])
+    stop = threading.Event()
+    deadline = time.monotonic() + min(max(request.seconds, 0.1), MAX_SECONDS)
+    threading.Thread(target=_serve, args=(sock, stop, deadline), daemon=True).start()
+    _listeners[port] = (sock, stop)
+    return ListenReply(address or "*", port, None)
+
+
+def done(request: DoneRequest) -> DoneReply:
+    closed = 0
+    for port, (sock, stop) in list(_listeners.items()):
+        stop.set()
+        sock.close()  # now, not at the thread's next tick: a job may bind this port next
+        del _listeners[port]
+        closed += 1
+    if request.marker:
+        with contextlib.suppress(OSError):
+            Path(request.marker).unlink()
+    return DoneReply(closed)
+
+
+# ---- connect probes ---------------------------------------------------------------------------
+
+
+def _connect(target: ProbeTarget, deadline: float) -> ConnectResult:
+    """Retry until the deadline: the peer's listener may open a moment after we start."""
+    started = time.monotonic()
+    last = "no attempt"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return ConnectResult(
+                target.label, target.port, False, f"{target.host}:{target.port}: {last}"
+            )
+        try:
+            socket.create_connection((target.host, target.port), timeout=min(left, 2.0)).close()
+            took = (time.monotonic() - started) * 1000
+            return ConnectResult(
+                target.label, target.port, True, f"{target.host}:{target.port} in {took:.0f} ms"
+            )
+        except (TimeoutError, socket.timeout):
+            last = "no answer (timeout)"
+        except OSError as exc:
+            last = exc.strerror or str(exc)
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+def connect(request: ConnectRequest) -> ConnectReply:
+    deadline = time.monotonic() + min(max(request.seconds, 0.1), MAX_SECONDS)
+    results: list[ConnectResult | None] = [None] * len(request.targets)
+
+    def one(i: int, target: ProbeTarget) -> None:
+        results[i] = _connect(target, deadline)
+
+    threads = [
+        threading.Thread(target=one, args=(i, t), daemon=True)
+        for i, t in enumerate(request.targets[:1024])
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()) + 3.0)
+    return ConnectReply(
+        [
+            r or ConnectResult(t.label, t.port, False, "probe did not finish")
+            for r, t in zip(results, request.targets)
+        ]
+    )
+
+
+# ---- the collective probe ---------------------------------------------------------------------
+
+
+def probe(request: ProbeRequest) -> EnvReply:
+    if not Path(request.cwd).is_dir():
+        return EnvReply(1, "", f"cd: {request.cwd}: No such file or directory")
+    seconds = min(max(request.seconds, 1.0), MAX_SECONDS * 2)
+    try:
+        # its own process group: on timeout, the probe and everything it started end together
+        child = subprocess.Popen(
+            request.argv,
+            cwd=request.cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    except FileNotFoundError:
+        return EnvReply(127, "", f"{request.argv[0]}: No such file or directory")
+    try:
+        out, err = child.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        out, err = child.communicate()
+        return EnvReply(124, out[-65536:], f"the collective probe took longer than {seconds:.0f}s")
+    return EnvReply(child.returncode, out[-65536:], err[-65536:])

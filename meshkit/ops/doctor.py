@@ -1,0 +1,586 @@
+"""``meshkit doctor``: prove, per node and per pair, that the cluster can train before it does.
+
+Every check goes through the node agents (``NodePool``) and is bounded in time; the N x N SSH
+check is the mesh's own verify, passed in by the caller. Functions return a ``Report`` and print
+nothing; the verdicts are pure functions of the replies (unit-tested with plain data).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..hostfile import Host
+from ..job import Job
+from ..protocol import (
+    ConnectReply,
+    ConnectRequest,
+    ConnectResult,
+    DoneReply,
+    DoneRequest,
+    EnvReply,
+    EnvRequest,
+    FactsReply,
+    FactsRequest,
+    ListenReply,
+    ListenRequest,
+    ProbeRequest,
+    ProbeTarget,
+)
+from ..remote.group import Outcome
+from .jobs import NodePool, explain_env_failure
+
+# the order of the table: what a training job hits first comes first (a stable sort keeps nodes
+# in rank order within each check)
+ORDER = (
+    "ssh",
+    "rank",
+    "interface",
+    "facts",
+    "versions",
+    "gpus",
+    "workdir",
+    "clock",
+    "master port",
+    "reach",
+    "collective",
+)
+LISTEN_SECONDS = 30.0  # a listener's life: long enough for every node's connect round
+CONNECT_SECONDS = 5.0  # each node retries its connects this long
+CLOCK_SKEW = 2.0  # seconds of clock difference tolerated (on top of the round trip)
+PROBE_SECONDS = 30.0  # the collective probe's init + all_reduce timeout
+
+
+@dataclass(frozen=True)
+class Check:
+    check: str
+    node: str
+    peer: str | None
+    ok: bool
+    detail: str
+    fix: str = ""
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "check": self.check,
+            "node": self.node,
+            "peer": self.peer,
+            "ok": self.ok,
+            "detail": self.detail,
+            "fix": self.fix,
+        }
+
+
+@dataclass(frozen=True)
+class Report:
+    nodes: list[str]
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "nodes": self.nodes,
+            "checks": [c.as_json() for c in self.checks],
+        }
+
+
+class PairFailureLike(Protocol):
+    """What the mesh's verify reports for one pair (``mesh.PairFailure``)."""
+
+    @property
+    def source(self) -> Host: ...
+
+    @property
+    def target(self) -> Host: ...
+
+    @property
+    def error(self) -> str: ...
+
+
+Verify = Callable[[], Sequence[PairFailureLike]]
+
+
+# ---- pure verdicts ------------------------------------------------------------------------
+
+
+def ssh_checks(hosts: Sequence[Host], failures: Sequence[PairFailureLike]) -> list[Check]:
+    """One row per node that logs in everywhere; one row per broken pair."""
+    checks = []
+    for source in hosts:
+        broken: dict[Host, list[str]] = {}
+        for f in failures:
+            if f.source == source:
+                broken.setdefault(f.target, []).append(f.error)
+        if not broken:
+            checks.append(
+                Check("ssh", source.label, None, True, f"logs in to all {len(hosts)} nodes")
+            )
+        for target, errors in broken.items():
+            # verify tries each pair by the hostfile spelling and by hostname: one row per pair
+            detail = "; ".join(dict.fromkeys(errors))[:300]
+            checks.append(Check("ssh", source.label, target.label, False, detail, ssh_fix(detail)))
+    return checks
+
+
+NETWORK_ERRORS = ("No route to host", "timed out", "Connection refused", "Network is unreachable")
+
+
+def ssh_fix(error: str) -> str:
+    if any(e in error for e in NETWORK_ERRORS):
+        return "the network between these two nodes is down (route, firewall, sshd not running)"
+    return "run `meshkit mesh` (keys, known_hosts), then `meshkit check`"
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What ``meshkit env --json`` said on one node."""
+
+    rank: int | None
+    master_addr: str | None
+    ifname: str | None
+    interface_source: str
+    error: str | None
+
+
+def read_env(job: Job, outcome: Outcome[EnvReply] | None, failure: str | None) -> NodeView:
+    if outcome is None or outcome.value is None:
+        why = outcome.error if outcome else f"unreachable: {failure or 'unknown'}"
+        return NodeView(None, None, None, "", why)
+    reply = outcome.value
+    if reply.code != 0:
+        return NodeView(None, None, None, "", explain_env_failure(reply.code, reply.err, job))
+    try:
+        data = json.loads(reply.out)
+        rank = int(data["NODE_RANK"])
+        master = str(data["MASTER_ADDR"])
+    except (ValueError, KeyError, TypeError):
+        return NodeView(
+            None, None, None, "", f"meshkit env printed no usable JSON: {reply.out[:200]!r}"
+        )
+    ifname = data.get("GLOO_SOCKET_IFNAME")
+    return NodeView(
+        rank, master, str(ifname) if ifname else None, str(data.get("interface_source", "")), None
+    )
+
+
+def env_checks(hosts: Sequence[Host], views: dict[Host, NodeView]) -> list[Check]:
+    checks = []
+    for rank, host in enumerate(hosts):
+        view = views[host]
+        if view.error is not None:
+            checks.append(
+                Check(
+                    "rank",
+                    host.label,
+                    None,
+                    False,
+                    view.error,
+                    "fix the node (see detail) and rerun",
+                )
+            )
+            continue
+        checks.append(
+            Check(
+                "rank",
+                host.label,
+                None,
+                view.rank == rank,
+                f"NODE_RANK={view.rank} (hostfile line {host.lineno} is rank {rank})",
+                ""
+                if view.rank == rank
+                else "list this node in the hostfile as it sees itself "
+                "(an address of one of its interfaces)",
+            )
+        )
+        if view.ifname is None and len(hosts) > 1:
+            checks.append(
+                Check(
+                    "interface",
+                    host.label,
+                    None,
+                    False,
+                    view.interface_source or "no interface found",
+                    "list addresses (not names) in the hostfile, or set GLOO_SOCKET_IFNAME and "
+                    "NCCL_SOCKET_IFNAME (config meshkit.env)",
+                )
+            )
+        else:
+            checks.append(
+                Check(
+                    "interface", host.label, None, True, f"{view.ifname} ({view.interface_source})"
+                )
+            )
+    return checks
+
+
+def fact_checks(
+    hosts: Sequence[Host],
+    facts: dict[Host, Outcome[FactsReply]],
+    failures: dict[Host, str],
+    timing: dict[Host, tuple[float, float]],
+    slots: int | None,
+) -> list[Check]:
+    """Versions equal to the master's; GPUs against slots; the workdir shared and writable;
+    clocks within CLOCK_SKEW of the controller's (``timing``: when each request left and its reply
+    came back, controller time)."""
+    checks: list[Check] = []
+    master = facts.get(hosts[0])
+    reference = master.value if master is not None else None
+    for host in hosts:
+        outcome = facts.get(host)
+        if outcome is None or outcome.value is None:
+            why = outcome.error if outcome else f"unreachable: {failures.get(host, 'unknown')}"
+            checks.append(
+                Check("facts", host.label, None, False, str(why), "fix the node and rerun")
+            )
+            continue
+        f = outcome.value
+        mine = versions(f)
+        if reference is None or host == hosts[0]:
+            checks.append(Check("versions", host.label, None, True, describe_versions(mine)))
+        else:
+            theirs = versions(reference)
+            differ = [f"{k} {mine[k]} (master: {theirs[k]})" for k in mine if mine[k] != theirs[k]]
+            checks.append(
+                Check(
+                    "versions",
+                    host.label,
+                    None,
+                    not differ,
+                    "; ".join(differ) if differ else describe_versions(mine),
+                    "install the same versions on every node (same venv path)" if differ else "",
+                )
+            )
+        over = f.gpus > 0 and slots is not None and slots > f.gpus
+        checks.append(
+            Check(
+                "gpus",
+                host.label,
+                None,
+                not over,
+                f"{f.gpus} GPUs" + (f", slots={slots}" if slots is not None else ""),
+                f"set slots={f.gpus} (or fewer) in the hostfile" if over else "",
+            )
+        )
+        problems = [p for p in (f.writable,) if p] + (
+            [] if f.marker in ("written", "seen") else [f"marker: {f.marker}"]
+        )
+        checks.append(
+            Check(
+                "workdir",
+                host.label,
+                None,
+                not problems,
+                "; ".join(problems)
+                or ("shared and writable" if f.marker == "seen" else "writable"),
+                "put the workdir on storage every node mounts at the same path (or use train --sync)"
+                if problems
+                else "",
+            )
+        )
+        sent, back = timing.get(host, (f.clock, f.clock))
+        skew = f.clock - (sent + back) / 2
+        late = abs(skew) > CLOCK_SKEW + (back - sent) / 2
+        checks.append(
+            Check(
+                "clock",
+                host.label,
+                None,
+                not late,
+                f"{skew:+.2f}s from the controller",
+                "synchronise clocks (chrony/NTP)" if late else "",
+            )
+        )
+    return checks
+
+
+def versions(f: FactsReply) -> dict[str, str]:
+    return {
+        "python": f.python,
+        "torch": f.torch or "-",
+        "meshkit": f.meshkit,
+        "CUDA": f.cuda or "-",
+        "NCCL": f.nccl or "-",
+    }
+
+
+def describe_versions(v: dict[str, str]) -> str:
+    return ", ".join(f"{k} {val}" for k, val in v.items() if val != "-")
+
+
+def port_check(
+    master: Host, port: int, outcome: Outcome[ListenReply] | None, may_move: bool = False
+) -> Check:
+    """``may_move``: the caller (train) moves to a free port itself, so busy is only a note."""
+    if outcome is None or outcome.value is None:
+        why = outcome.error if outcome else "unreachable"
+        return Check(
+            "master port", master.label, None, False, f"cannot probe: {why}", "fix the node"
+        )
+    reply = outcome.value
+    if reply.error and may_move and "busy" in reply.error:
+        return Check(
+            "master port",
+            master.label,
+            None,
+            True,
+            f"{reply.error} on the master {master.label}; train moves to a free port",
+        )
+    if reply.error:
+        return Check(
+            "master port",
+            master.label,
+            None,
+            False,
+            f"{reply.error} on the master {master.label}",
+            f"stop what holds port {port} there, or pass --master-port (any free port)",
+        )
+    return Check("master port", master.label, None, True, f"port {port} free on the master")
+
+
+def reach_checks(
+    hosts: Sequence[Host],
+    port: int,
+    replies: dict[Host, Outcome[ConnectReply]],
+    failures: dict[Host, str],
+    what: str,
+) -> list[Check]:
+    """``what`` = "master port" (each node -> the master's port) or "reach" (each -> each)."""
+    checks = []
+    for host in hosts:
+        outcome = replies.get(host)
+        if outcome is None:
+            continue
+        if outcome.value is None:
+            checks.append(Check(what, host.label, None, False, str(outcome.error), "fix the node"))
+            continue
+        results = outcome.value.results
+        broken = [r for r in results if not r.ok]
+        if not broken:
+            detail = (
+                f"connects to port {port} on the master"
+                if what == "master port"
+                else f"reaches all {len(results)} peers on their interfaces"
+            )
+            checks.append(Check(what, host.label, None, True, detail))
+        for r in broken:
+            fix = (
+                f"open TCP port {port} on the master to the other nodes (firewall), or pass "
+                "--master-port"
+                if what == "master port"
+                else "check the link and firewalls between these two nodes on this interface; "
+                "gloo/NCCL connect every pair"
+            )
+            checks.append(Check(what, host.label, r.label, False, r.detail, fix))
+    return checks
+
+
+def collective_checks(
+    hosts: Sequence[Host], replies: dict[Host, Outcome[EnvReply]], failures: dict[Host, str]
+) -> list[Check]:
+    checks = []
+    for host in hosts:
+        outcome = replies.get(host)
+        if outcome is None or outcome.value is None:
+            why = outcome.error if outcome else f"unreachable: {failures.get(host, 'unknown')}"
+            checks.append(Check("collective", host.label, None, False, str(why), "fix the node"))
+            continue
+        reply = outcome.value
+        line = next((x for x in reply.out.splitlines() if x.startswith("meshkit-probe ")), None)
+        ok = reply.code == 0 and line is not None and line.endswith("ok=True")
+        detail = line or (reply.err.strip().splitlines() or [f"exit {reply.code}"])[-1]
+        detail = detail.removeprefix("meshkit-probe ")
+        checks.append(
+            Check(
+                "collective",
+                host.label,
+                None,
+                ok,
+                detail[:300],
+                ""
+                if ok
+                else "see the failing checks above; set GLOO_SOCKET_IFNAME/"
+                "NCCL_SOCKET_IFNAME if gloo/NCCL picked the wrong interface",
+            )
+        )
+    return checks
+
+
+# ---- orchestration ------------------------------------------------------------------------
+
+
+def run(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    *,
+    verify: Verify | None = None,
+    collective: bool = True,
+    probe_seconds: float = PROBE_SECONDS,
+    port_may_move: bool = False,
+) -> Report:
+    """Every check, in the order a training job would hit them. ``verify`` (the SSH N x N check)
+    and ``collective`` are the slow parts; ``quick`` (train --doctor) leaves both out."""
+    report = Report([h.label for h in hosts])
+    checks = report.checks
+    if verify is not None:
+        checks += ssh_checks(hosts, verify())
+
+    argv = job.meshkit_argv("env", "--json")
+    envs = pool.call_all("env", lambda h: EnvRequest(job.workdir, argv), EnvReply)
+    views = {h: read_env(job, envs.get(h), pool.failures.get(h)) for h in hosts}
+    checks += env_checks(hosts, views)
+
+    # facts: the master writes the shared-workdir marker, then the others look for it
+    token = secrets.token_hex(8)
+    marker = f"{job.workdir.rstrip('/')}/.meshkit/doctor-{token}"
+    # Each node's clock is compared with the middle of [request sent, phase over]: the allowance
+    # grows with that window, so a slow phase never makes a false skew.
+    timing: dict[Host, tuple[float, float]] = {}
+    facts: dict[Host, Outcome[FactsReply]] = {}
+    for write, chosen in ((True, hosts[:1]), (False, hosts[1:])):
+        sent: dict[Host, float] = {}
+
+        def request(
+            host: Host, write: bool = write, sent: dict[Host, float] = sent
+        ) -> FactsRequest:
+            sent[host] = time.time()
+            return FactsRequest(job.workdir, marker, token, write)
+
+        facts.update(pool.call_all("facts", request, FactsReply, chosen))
+        back = time.time()
+        timing.update({h: (t, back) for h, t in sent.items()})
+    checks += fact_checks(hosts, facts, pool.failures, timing, hosts[0].slots)
+
+    try:
+        checks += network_checks(pool, job, hosts, views, port_may_move)
+    finally:
+        pool.call_all("", lambda h: DoneRequest(marker if h == hosts[0] else None), DoneReply)
+
+    if collective:
+        if any(not c.ok for c in checks if c.check in ("master port", "reach", "rank")):
+            checks.append(
+                Check(
+                    "collective",
+                    hosts[0].label,
+                    None,
+                    False,
+                    "not run: the network checks above failed",
+                    "fix the failures above first",
+                )
+            )
+        else:
+            probe = shlex.join(
+                [
+                    job.python,
+                    "-m",
+                    "meshkit.templates.collective_probe",
+                    "--timeout",
+                    f"{probe_seconds:g}",
+                ]
+            )
+            run_argv = job.meshkit_argv("run", "--cmd", probe)
+            replies = pool.call_all(
+                "collective",
+                lambda h: ProbeRequest(job.workdir, run_argv, probe_seconds + 30),
+                EnvReply,
+                timeout=probe_seconds + 60,
+            )
+            checks += collective_checks(hosts, replies, pool.failures)
+    checks.sort(key=lambda c: ORDER.index(c.check) if c.check in ORDER else len(ORDER))
+    return report
+
+
+def quick(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Report:
+    """The quick parts, for ``train --doctor``: everything but the N x N SSH check (the train
+    connections just proved the controller's side) and the collective probe; a busy master port
+    is only a note, since train then moves to a free one."""
+    return run(pool, job, hosts, verify=None, collective=False, port_may_move=True)
+
+
+def network_checks(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    views: dict[Host, NodeView],
+    port_may_move: bool = False,
+) -> list[Check]:
+    """The master port free on the master and reachable from every node; every node reaching
+    every other on the interface its backends will use."""
+    checks: list[Check] = []
+    master, port = hosts[0], job.master_port
+    held = pool.call_all(
+        "port", lambda h: ListenRequest(None, port, LISTEN_SECONDS), ListenReply, [master]
+    )
+    checks.append(port_check(master, port, held.get(master), port_may_move))
+    answer = held.get(master)
+    port_open = answer is not None and answer.value is not None and answer.value.error is None
+    ok_hosts = [h for h in hosts if views[h].error is None]
+    listens = pool.call_all(
+        "listen",
+        lambda h: ListenRequest(views[h].ifname, 0, LISTEN_SECONDS),
+        ListenReply,
+        ok_hosts,
+    )
+    targets: dict[Host, ProbeTarget] = {}
+    for h in ok_hosts:
+        outcome = listens.get(h)
+        if outcome is None or outcome.value is None or outcome.value.error:
+            why = (outcome.value.error if outcome and outcome.value else None) or (
+                outcome.error if outcome else "unreachable"
+            )
+            checks.append(
+                Check(
+                    "reach",
+                    h.label,
+                    None,
+                    False,
+                    f"cannot listen: {why}",
+                    "fix the node's interface",
+                )
+            )
+            continue
+        address = outcome.value.address
+        targets[h] = ProbeTarget(h.label, h.host if address == "*" else address, outcome.value.port)
+
+    def connects(h: Host) -> ConnectRequest:
+        peers = [t for p, t in targets.items() if p != h]
+        if port_open and h != master:
+            # to MASTER_ADDR as this node's env spells it, as torchrun's store client will
+            peers.append(ProbeTarget(master.label, views[h].master_addr or master.host, port))
+        return ConnectRequest(peers, CONNECT_SECONDS)
+
+    replies = pool.call_all("reach", connects, ConnectReply, ok_hosts, timeout=CONNECT_SECONDS + 30)
+    peer_replies = {
+        h: _only(o, lambda r: r.port != port or r.label != master.label) for h, o in replies.items()
+    }
+    master_replies = {
+        h: _only(o, lambda r: r.port == port and r.label == master.label)
+        for h, o in replies.items()
+        if h != master
+    }
+    if port_open:
+        checks += reach_checks(hosts, port, master_replies, pool.failures, "master port")
+    checks += reach_checks(hosts, port, peer_replies, pool.failures, "reach")
+    return checks
+
+
+def _only(
+    outcome: Outcome[ConnectReply], keep: Callable[[ConnectResult], bool]
+) -> Outcome[ConnectReply]:
+    if outcome.value is None:
+        return outcome
+    return Outcome(ConnectReply([r for r in outcome.value.results if keep(r)]))

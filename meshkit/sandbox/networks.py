@@ -1,0 +1,296 @@
+"""Real-world networks for the sandbox: what breaks multi-node training on real clusters.
+
+Options (all off by default, so a plain sandbox is what it always was):
+
+- ``second``: a second network per node (its own bridge and subnet), as a storage or management
+  network next to the one the hostfile names;
+- ``ifnames``: interface names that differ between nodes (``eth0`` on node0, ``ens3`` on node1,
+  ``eno1`` on node2, ...), so one ``GLOO_SOCKET_IFNAME`` cannot serve every node;
+- ``docker``: a ``docker0`` bridge with the same address (172.17.0.1/16) inside every node;
+- ``debian_hosts``: the Debian ``127.0.1.1 <hostname>`` line in every node's /etc/hosts, so a node's
+  own name resolves to loopback there.
+
+``cut``/``mend`` take one link between two nodes down and up again: an ``unreachable`` route for the
+other node's addresses inside each node's network namespace (iproute2 alone, no firewall tools).
+Every option is stored in the sandbox's state.json, so ``load`` gives them back.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
+
+from ..errors import SandboxError
+
+if TYPE_CHECKING:
+    from .layout import Layout, Node
+
+DOCKER_BRIDGE = "docker0"
+DOCKER_ADDRESS = "172.17.0.1/16"
+PRIMARY_NAMES = ("eth0", "ens3", "eno1")
+SECOND_NAMES = ("eth1", "ens4", "eno2")
+COMMAND_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class Options:
+    second: bool = False
+    ifnames: bool = False
+    docker: bool = False
+    debian_hosts: bool = False
+
+    @classmethod
+    def all(cls) -> Options:
+        return cls(second=True, ifnames=True, docker=True, debian_hosts=True)
+
+    @classmethod
+    def parse(cls, text: str) -> Options:
+        """``--networks`` text: a comma list of option names (``-`` or ``_``), or ``all``."""
+        words = [w.strip().replace("-", "_") for w in text.split(",") if w.strip()]
+        if words == ["all"]:
+            return cls.all()
+        known = {f.name: f.name for f in fields(cls)} | {"docker0": "docker"}
+        unknown = [w for w in words if w not in known]
+        if unknown:
+            raise SandboxError(
+                f"--networks {text!r}: unknown {', '.join(unknown)}; expected a comma list of "
+                "second, ifnames, docker0, debian-hosts, or all"
+            )
+        return cls(**{known[w]: True for w in words})
+
+    @classmethod
+    def from_state(cls, data: object) -> Options:
+        if not isinstance(data, Mapping):
+            return cls()
+        return cls(**{f.name: bool(data.get(f.name, False)) for f in fields(cls)})
+
+    def as_state(self) -> dict[str, bool]:
+        return asdict(self)
+
+    @property
+    def any(self) -> bool:
+        return any(asdict(self).values())
+
+    def describe(self) -> str:
+        on = [f.name for f in fields(self) if getattr(self, f.name)]
+        return ", ".join(on) or "plain"
+
+
+# -- naming (pure) -------------------------------------------------------------------------------
+
+
+def primary_ifname(opts: Options, index: int) -> str:
+    """The name of node ``index``'s interface on the hostfile's network."""
+    return PRIMARY_NAMES[index % len(PRIMARY_NAMES)] if opts.ifnames else "eth0"
+
+
+def second_ifname(opts: Options, index: int) -> str:
+    return SECOND_NAMES[index % len(SECOND_NAMES)] if opts.ifnames else "eth1"
+
+
+def second_bridge(lay: Layout) -> str:
+    return "mkbr1" if lay.name == "default" else f"mkc-{lay.name}"
+
+
+def second_veth_prefix(lay: Layout) -> str:
+    # Distinct from the first network's prefix ("mkv"/"mk<name>-") so ownership tests stay exact.
+    return "mkw" if lay.name == "default" else f"mn{lay.name}-"
+
+
+def second_veth(lay: Layout, node: Node) -> str:
+    return f"{second_veth_prefix(lay)}{node.index}"
+
+
+def owns_second_veth(lay: Layout, link: str) -> bool:
+    prefix = second_veth_prefix(lay)
+    return link.startswith(prefix) and link[len(prefix) :].isdigit()
+
+
+def second_subnet(lay: Layout) -> ipaddress.IPv4Network:
+    """The first subnet moved up by one in its second octet (10.77.5.0/24 -> 10.78.5.0/24)."""
+    base = int(lay.subnet.network_address) + (1 << 16)
+    return ipaddress.IPv4Network((base & 0xFFFFFFFF, lay.subnet.prefixlen))
+
+
+def second_address(lay: Layout, node: Node) -> str:
+    offset = int(ipaddress.IPv4Address(node.address)) - int(lay.subnet.network_address)
+    return str(second_subnet(lay).network_address + offset)
+
+
+def addresses(lay: Layout, node: Node) -> list[str]:
+    """Every address of a node that other nodes can reach."""
+    found = [node.address]
+    if lay.networks.second:
+        found.append(second_address(lay, node))
+    return found
+
+
+def hosts_text(lay: Layout, node: Node) -> str:
+    """The node's /etc/hosts: the Debian installer's ``127.0.1.1`` line first when asked, as on a
+    freshly installed Debian/Ubuntu machine."""
+    lines = ["127.0.0.1 localhost"]
+    if lay.networks.debian_hosts:
+        lines.append(f"127.0.1.1 {node.name}")
+    lines.append("::1 localhost ip6-localhost ip6-loopback")
+    lines += [f"{n.address} {n.name}" for n in lay.nodes]
+    return "\n".join(lines) + "\n"
+
+
+# -- effects -------------------------------------------------------------------------------------
+
+
+def _run(argv: Sequence[str], *, check: bool = True, input: str | None = None) -> str:
+    try:
+        done = subprocess.run(
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT,
+            input=input,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise SandboxError(f"{' '.join(argv)}: no answer in {COMMAND_TIMEOUT:.0f}s") from None
+    if check and done.returncode != 0:
+        raise SandboxError(f"{' '.join(argv)} failed: {done.stderr.strip() or done.stdout.strip()}")
+    return done.stdout
+
+
+def check_second_subnet(lay: Layout) -> None:
+    """Refuse a second subnet that overlaps a route of this machine (other than our bridge)."""
+    if not lay.networks.second:
+        return
+    net = second_subnet(lay)
+    for route in json.loads(_run(["ip", "-j", "route", "show", "table", "all"]) or "[]"):
+        dst, dev = str(route.get("dst", "")), str(route.get("dev", ""))
+        if (
+            dev == second_bridge(lay)
+            or dst in ("", "default")
+            or route.get("type") in ("local", "broadcast", "multicast")
+        ):
+            continue
+        try:
+            other = ipaddress.ip_network(dst, strict=False)
+        except ValueError:
+            continue
+        if other.version == 4 and other.overlaps(net):
+            raise SandboxError(
+                f"the sandbox's second network {net} overlaps route {dst} on {dev}; "
+                "choose another --subnet (the second network is the subnet + 0.1.0.0)"
+            )
+
+
+def host_batch(lay: Layout) -> list[str]:
+    """``ip -batch`` lines on the host: the second bridge and each node's veth onto it."""
+    if not lay.networks.second:
+        return []
+    net, bridge = second_subnet(lay), second_bridge(lay)
+    batch = [
+        f"link add {bridge} type bridge",
+        f"addr add {net.network_address + 1}/{net.prefixlen} dev {bridge}",
+        f"link set {bridge} up",
+    ]
+    for node in lay.nodes:
+        veth = second_veth(lay, node)
+        batch += [
+            f"link add {veth} type veth peer name {second_ifname(lay.networks, node.index)} "
+            f"netns {node.netns}",
+            f"link set {veth} master {bridge}",
+            f"link set {veth} up",
+        ]
+    return batch
+
+
+def node_batch(lay: Layout, node: Node) -> list[str]:
+    """``ip -n NETNS -batch`` lines inside a node, after its first network is up."""
+    batch = []
+    if lay.networks.second:
+        name, net = second_ifname(lay.networks, node.index), second_subnet(lay)
+        batch += [
+            f"addr add {second_address(lay, node)}/{net.prefixlen} dev {name}",
+            f"link set {name} up",
+        ]
+    if lay.networks.docker:
+        batch += docker_batch()
+    return batch
+
+
+def docker_batch() -> list[str]:
+    return [
+        f"link add {DOCKER_BRIDGE} type bridge",
+        f"addr add {DOCKER_ADDRESS} dev {DOCKER_BRIDGE}",
+        f"link set {DOCKER_BRIDGE} up",
+    ]
+
+
+def add_docker(lay: Layout) -> None:
+    """docker0 on every node of a running sandbox, as when Docker is installed after the cluster
+    was set up (safe to repeat)."""
+    for node in lay.nodes:
+        present = _run(["ip", "-n", node.netns, "link", "show", DOCKER_BRIDGE], check=False)
+        if not present:
+            _run(["ip", "-n", node.netns, "-batch", "-"], input="\n".join(docker_batch()) + "\n")
+
+
+def teardown(lay: Layout, links: Sequence[str]) -> list[str]:
+    """Remove the second network's host-side links (``links``: every link name on the host)."""
+    removed = []
+    for link in links:
+        if owns_second_veth(lay, link):
+            _run(["ip", "link", "del", link], check=False)
+    bridge = second_bridge(lay)
+    if bridge in links:
+        _run(["ip", "link", "del", bridge], check=False)
+        removed.append(bridge)
+    return removed
+
+
+def _pair(lay: Layout, a: int, b: int) -> tuple[Node, Node]:
+    for index in (a, b):
+        if not 0 <= index < lay.count:
+            raise SandboxError(f"node {index}: the sandbox has nodes 0..{lay.count - 1}")
+    if a == b:
+        raise SandboxError(f"nodes {a} and {b}: name two different nodes")
+    return lay.nodes[a], lay.nodes[b]
+
+
+def _routes(lay: Layout, a: int, b: int, verb: str) -> list[tuple[str, str]]:
+    """(netns, ip-batch line) pairs that add or delete the cut between ``a`` and ``b``."""
+    one, two = _pair(lay, a, b)
+    return [
+        (here.netns, f"route {verb} unreachable {addr}/32")
+        for here, there in ((one, two), (two, one))
+        for addr in addresses(lay, there)
+    ]
+
+
+def cut(lay: Layout, a: int, b: int) -> None:
+    """Take the link between nodes ``a`` and ``b`` down, both ways, on every network: each drops
+    what it would send to the other (connections fail with "No route to host")."""
+    for netns, line in _routes(lay, a, b, "replace"):
+        _run(["ip", "-n", netns, *line.split()])
+
+
+def mend(lay: Layout, a: int, b: int) -> None:
+    """Undo ``cut`` (safe when there is no cut)."""
+    for netns, line in _routes(lay, a, b, "del"):
+        _run(["ip", "-n", netns, *line.split()], check=False)
+
+
+def cuts(lay: Layout) -> list[tuple[int, int]]:
+    """The node pairs currently cut (read from the namespaces' routes)."""
+    by_address = {addr: n.index for n in lay.nodes for addr in addresses(lay, n)}
+    found: set[tuple[int, int]] = set()
+    for node in lay.nodes:
+        routes = _run(
+            ["ip", "-n", node.netns, "-j", "route", "show", "type", "unreachable"], check=False
+        )
+        for route in json.loads(routes or "[]"):
+            other = by_address.get(str(route.get("dst", "")))
+            if other is not None:
+                found.add((min(node.index, other), max(node.index, other)))
+    return sorted(found)

@@ -1,0 +1,263 @@
+"""A real SLURM cluster on the sandbox nodes (Debian ``slurm-wlm`` and ``munge``): ``slurmctld`` and
+``munged`` in node0, one ``slurmd`` per node, each inside its node's namespaces, so that a node's
+death or ``sandbox.down`` ends them with the node's other processes.
+
+Everything is private to the sandbox directory: ``slurm.conf``/``cgroup.conf`` there (clients find
+them through ``SLURM_CONF``), munge with its own key and socket (``AuthInfo=socket=``), state and logs
+there, spools in each node's own ``/tmp``. Nothing of the host's ``/etc/slurm``, ``/etc/munge`` or
+``/run`` is read or written.
+
+Two facts of running slurmd in a network namespace: ``ip netns exec`` mounts a fresh ``/sys``
+without ``/sys/fs/cgroup``, and slurmd 22.05 refuses to start without its cgroup plugin. A private
+tmpfs on ``/sys/fs/cgroup`` (in the node's own mount namespace) plus ``CgroupPlugin=cgroup/v1``,
+with process tracking by ``/proc`` (``proctrack/linuxproc``) and no task/accounting plugins, starts
+it without touching the host's cgroups.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from ..errors import SandboxError
+from .layout import Layout, Node
+
+PROGRAMS = {
+    "slurmctld": "slurmctld",
+    "slurmd": "slurmd",
+    "srun": "slurm-client",
+    "sinfo": "slurm-client",
+    "munged": "munge",
+}
+READY_TIMEOUT = 60.0  # slurmd registration on a loaded machine
+CPUS_PER_NODE = 4  # declared, not detected (SlurmdParameters=config_overrides): same on any host
+
+
+def slurm_dir(lay: Layout) -> Path:
+    return lay.root / "slurm"
+
+
+def conf_path(lay: Layout) -> Path:
+    """What ``SLURM_CONF`` must name for srun/sbatch/sinfo to use this sandbox's cluster."""
+    return slurm_dir(lay) / "slurm.conf"
+
+
+def munge_socket(lay: Layout) -> Path:
+    return slurm_dir(lay) / "munge" / "munge.socket"
+
+
+def client_env(lay: Layout) -> dict[str, str]:
+    """The environment a SLURM client (srun, sbatch, sinfo) needs, on top of the usual one."""
+    return {"SLURM_CONF": str(conf_path(lay))}
+
+
+def _which(program: str) -> str | None:
+    for base in ("/usr/sbin", "/usr/bin", "/sbin", "/bin"):
+        if Path(base, program).exists():
+            return str(Path(base, program))
+    return shutil.which(program)
+
+
+def preflight() -> None:
+    missing = {pkg for prog, pkg in PROGRAMS.items() if _which(prog) is None}
+    if missing:
+        raise SandboxError(
+            f"--slurm needs SLURM and munge; install them: apt-get install {' '.join(sorted(missing))}"
+        )
+
+
+def slurm_conf(lay: Layout) -> str:
+    d = slurm_dir(lay)
+    master = lay.nodes[0]
+    nodes = "".join(
+        f"NodeName={n.name} NodeAddr={n.address} NodeHostname={n.name} CPUs={CPUS_PER_NODE} "
+        "State=UNKNOWN\n"
+        for n in lay.nodes
+    )
+    return f"""\
+# meshkit sandbox {lay.name}: a private SLURM cluster (SLURM_CONF={d / "slurm.conf"})
+ClusterName=meshkit{lay.name}
+SlurmctldHost={master.name}({master.address})
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket(lay)}
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={d / "state"}
+SlurmdSpoolDir=/tmp/meshkit-slurmd
+SlurmctldPidFile=/tmp/meshkit-slurmctld.pid
+SlurmdPidFile=/tmp/meshkit-slurmd.pid
+SlurmctldLogFile={d / "logs" / "slurmctld.log"}
+SlurmdLogFile={d / "logs" / "slurmd.%n.log"}
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+SwitchType=switch/none
+MpiDefault=none
+LaunchParameters=use_interactive_step
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+MinJobAge=300
+KillWait=5
+Waittime=0
+{nodes}PartitionName=sandbox Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+"""
+
+
+CGROUP_CONF = """\
+# meshkit sandbox: slurmd needs a cgroup plugin to start; nothing here uses cgroups
+CgroupPlugin=cgroup/v1
+CgroupAutomount=no
+ConstrainCores=no
+ConstrainRAMSpace=no
+ConstrainDevices=no
+"""
+
+
+def _write(path: Path, text: str | bytes, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    path.chmod(mode)
+
+
+def prepare(lay: Layout) -> None:
+    """slurm.conf, cgroup.conf, a fresh munge key and the state/log directories."""
+    d = slurm_dir(lay)
+    shutil.rmtree(d, ignore_errors=True)
+    for sub, mode in (("", 0o755), ("state", 0o700), ("logs", 0o755), ("munge", 0o700)):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+        (d / sub).chmod(mode)
+    _write(d / "munge" / "munge.key", secrets.token_bytes(1024), 0o400)
+    _write(d / "slurm.conf", slurm_conf(lay), 0o644)
+    _write(d / "cgroup.conf", CGROUP_CONF, 0o644)
+
+
+def _sshd_pid(node: Node) -> int:
+    from . import SSHD, _exe, netns_pids
+
+    pids = [p for p in netns_pids(node.netns) if _exe(p) == os.path.realpath(SSHD)]
+    if not pids:
+        raise SandboxError(f"{node.name} has no sshd; is it up?")
+    return min(pids)
+
+
+def _spawn(lay: Layout, node: Node, script: str, log: str) -> None:
+    """Run ``script`` (sh) detached inside ``node``'s namespaces; it dies with the node."""
+    argv = [
+        "nsenter",
+        "-t",
+        str(_sshd_pid(node)),
+        "--net",
+        "--mount",
+        "--uts",
+        "--pid",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]
+    with open(slurm_dir(lay) / "logs" / log, "w") as out:
+        subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SLURM_CONF": str(conf_path(lay))},
+        )
+
+
+def _wait(what: str, ready: object, lay: Layout) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not ready():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise SandboxError(
+                f"{what} not ready in {READY_TIMEOUT:.0f}s; see {slurm_dir(lay) / 'logs'}"
+            )
+        time.sleep(0.2)
+
+
+def _sinfo(lay: Layout) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N %T"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+        env={**os.environ, **client_env(lay)},
+    )
+
+
+def idle_nodes(lay: Layout) -> list[str]:
+    """The nodes slurmctld reports ready for jobs."""
+    try:
+        done = _sinfo(lay)
+    except subprocess.TimeoutExpired:
+        return []
+    return [
+        line.split()[0]
+        for line in done.stdout.splitlines()
+        if len(line.split()) == 2 and line.split()[1] in ("idle", "mixed", "allocated")
+    ]
+
+
+def start_daemons(lay: Layout, node: Node) -> None:
+    """This node's SLURM daemons (node0 also hosts munged and slurmctld); they die with the node."""
+    d = slurm_dir(lay)
+    if node == lay.nodes[0]:
+        m = d / "munge"
+        munge_socket(lay).unlink(missing_ok=True)
+        munged = shlex.join(
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={munge_socket(lay)}",
+                f"--key-file={m / 'munge.key'}",
+                f"--pid-file={m / 'munged.pid'}",
+                f"--log-file={d / 'logs' / 'munged.log'}",
+                f"--seed-file={m / 'munged.seed'}",
+            ]
+        )
+        _spawn(lay, node, f"exec {munged}", "munged.out")
+        _wait("munged", munge_socket(lay).exists, lay)
+        _spawn(lay, node, "exec slurmctld -D -i", "slurmctld.out")
+    # slurmd wants /sys/fs/cgroup: a private tmpfs, in this node's mount namespace only.
+    script = (
+        "mountpoint -q /sys/fs/cgroup || mount -t tmpfs -o size=64k meshkit-cgroup "
+        f"/sys/fs/cgroup; exec slurmd -D -N {shlex.quote(node.name)}"
+    )
+    _spawn(lay, node, script, f"slurmd.{node.name}.out")
+
+
+def wait_idle(lay: Layout, nodes: list[Node]) -> None:
+    names = {n.name for n in nodes}
+    _wait(f"SLURM nodes {', '.join(sorted(names))}", lambda: names <= set(idle_nodes(lay)), lay)
+
+
+def start(lay: Layout) -> None:
+    """munged and slurmctld in node0, slurmd in every node; returns when every node is idle.
+    ``sandbox.down`` ends them with every other process of the nodes."""
+    preflight()
+    prepare(lay)
+    for node in lay.nodes:
+        start_daemons(lay, node)
+    wait_idle(lay, lay.nodes)

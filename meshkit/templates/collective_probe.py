@@ -1,0 +1,74 @@
+"""meshkit's collective probe: one all_reduce over every process of every node, bounded in time.
+
+Run it under torchrun (``torchrun collective_probe.py``; RANK/WORLD_SIZE come from torchrun) or
+once per node under ``meshkit run`` (NODE_RANK/NNODES). Each process prints one line that
+``meshkit doctor`` and the tests read, and exits 0 only if the sum is right:
+
+    meshkit-probe rank=R world_size=W backend=B ifname=I host=H sum=S expected=E ok=True
+    meshkit-probe rank=R error=...        (exit 3: wrong sum, 4: could not connect/reduce in time)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from datetime import timedelta
+
+
+def say(text: str) -> None:
+    # One write per line: the node's processes share one pipe, and a single small write is atomic.
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds for init and reduce")
+    parser.add_argument("--backend", default="auto", help="gloo, nccl or auto (nccl with GPUs)")
+    args = parser.parse_args()
+    env = os.environ
+    under_torchrun = "RANK" in env and "LOCAL_RANK" in env
+    rank = int(env["RANK"] if under_torchrun else env.get("NODE_RANK", "0"))
+    world = int(env["WORLD_SIZE"] if under_torchrun else env.get("NNODES", "1"))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        backend = args.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        device = "cpu"
+        if backend == "nccl":
+            local = int(env.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            device = f"cuda:{local}"
+        ifname = env.get("NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME", "-")
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+            if not under_torchrun
+            else "env://",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=args.timeout),
+        )
+        value = torch.tensor([float(rank + 1)], device=device)
+        dist.all_reduce(value)
+        total = int(value.item())
+        dist.destroy_process_group()
+    except Exception as exc:  # any failure is the probe's answer, on one line
+        detail = " ".join(str(exc).split())[:300]
+        say(f"meshkit-probe rank={rank} error={type(exc).__name__}: {detail}")
+        return 4
+    expected = world * (world + 1) // 2
+    say(
+        f"meshkit-probe rank={rank} world_size={world} backend={backend} ifname={ifname} "
+        f"host={socket.gethostname()} sum={total} expected={expected} ok={total == expected}"
+    )
+    return 0 if total == expected else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
