@@ -81,7 +81,8 @@ def test_exhausted_restarts_give_up_with_the_reason_and_last_exit_codes(meshed):
     for rank in range(n):
         parts = attempts(workdir, "gives", rank)
         assert len(parts) == 2 and parts[1].startswith("attempt 2 of 2")
-        assert all("trying" in p for p in parts)
+        # attempt 1 may have been stopped on a slower node before it printed anything
+        assert "trying" in parts[1]
     text = on_node(lay, 2, workdir, "status", "--session", "gives").stdout
     assert "supervisor: gave up, attempt 2 of 2, restarts left 0" in text
     # a code outside --restart-on gives up at once, without a restart
