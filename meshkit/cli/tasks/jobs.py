@@ -178,7 +178,7 @@ def train(
     doctor: bool = False,
     include: str | None = None,
     exclude: str | None = None,
-    restarts: int | None = None,
+    restarts: str | None = None,
     restart_on: str | None = None,
     sync: bool = False,
 ) -> None:
@@ -192,6 +192,9 @@ def train(
     with reported():
         if not 0 <= float(wait) <= 86400:
             raise UsageError(f"--wait {wait}: expected seconds between 0 and 86400")
+        from ...job import parse_restart_on
+
+        policy = (_restarts(restarts), parse_restart_on(restart_on))  # usage errors first
         if cmd is None:
             job = _find(hostfile, session, workdir)
             hosts = _hosts_of(job)
@@ -201,7 +204,9 @@ def train(
                 cmd, workdir, session, hostfile, nproc_per_node, master_port, include, exclude
             )
             job = dataclasses.replace(job, sync_exclude=tuple(conf().sync_exclude))
-        job = _supervision(job, restarts, restart_on, fresh=cmd is not None)
+        job = _supervision(
+            job, policy, restarts is not None, restart_on is not None, cmd is not None
+        )
         with _pool(job, hosts, float(wait)) as pool:
             if cmd is not None and not job.sync and not dry_run:
                 from ...ops.sync import unshared
@@ -248,20 +253,31 @@ def train(
         print(f"\nstatus: meshkit status {where}   logs: meshkit logs {where}")
 
 
-def _supervision(job: Job, restarts: int | None, restart_on: str | None, fresh: bool) -> Job:
-    """``--restarts``/``--restart-on`` over the saved job's (a bare relaunch keeps the saved
-    policy unless told otherwise)."""
-    from ...job import parse_restart_on
+def _restarts(flag: str | None) -> int | None:
+    if flag is None:
+        return None
+    text = str(flag).strip()
+    if not text.isdigit() or not 0 <= int(text) <= 1000:
+        raise UsageError(f"--restarts {str(flag)[:40]!r}: expected a whole number 0..1000")
+    return int(text)
 
-    if restarts is not None and not 0 <= int(restarts) <= 1000:
-        raise UsageError(f"--restarts {restarts}: expected 0..1000")
-    codes = parse_restart_on(restart_on)
-    if restarts is None and restart_on is None:
-        return job if not fresh else dataclasses.replace(job, restarts=0, restart_on=())
+
+def _supervision(
+    job: Job,
+    policy: tuple[int | None, tuple[int, ...]],
+    restarts_given: bool,
+    codes_given: bool,
+    fresh: bool,
+) -> Job:
+    """``--restarts``/``--restart-on`` over the saved job's (a bare relaunch keeps the saved
+    policy unless told otherwise; a new job is unsupervised unless told)."""
+    restarts, codes = policy
+    if fresh:
+        return dataclasses.replace(job, restarts=restarts or 0, restart_on=codes)
     return dataclasses.replace(
         job,
-        restarts=int(restarts) if restarts is not None else job.restarts,
-        restart_on=codes if restart_on is not None else job.restart_on,
+        restarts=restarts if restarts_given and restarts is not None else job.restarts,
+        restart_on=codes if codes_given else job.restart_on,
     )
 
 
