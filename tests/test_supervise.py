@@ -111,3 +111,88 @@ def test_sync_plan_sends_only_what_differs():
         FileState("old.py", 1, 1.0, 0o644),
     ]
     assert [f.path for f in plan(local, remote)] == ["b.py", "c.py"]
+
+
+# ---- the loop, against scripted node answers (no cluster) -----------------------------------
+
+from contextlib import nullcontext  # noqa: E402
+
+from test_ops_jobs import HOSTS, FakePool, healthy  # noqa: E402
+
+from meshkit import protocol as p  # noqa: E402
+from meshkit.ops.supervise import supervise  # noqa: E402
+
+
+class ScriptedPool(FakePool):
+    """``status`` answers come from a script, one poll at a time (the last one repeats)."""
+
+    def __init__(self, polls: list[list[p.StatusReply]]) -> None:
+        super().__init__(healthy())
+        self.polls = polls
+
+    def call_all(self, phase, request_for, expect, hosts=None, timeout=None):
+        if expect is p.StatusReply:
+            poll = self.polls.pop(0) if len(self.polls) > 1 else self.polls[0]
+            self.replies["status"] = dict(zip(HOSTS, poll))
+        return super().call_all(phase, request_for, expect, hosts, timeout)
+
+
+def run(job: Job, polls: list[list[p.StatusReply]]):
+    pool = ScriptedPool(polls)
+    launched: list[int] = []
+    saved: list[Record] = []
+
+    def relaunch(pool_, job_, attempt):
+        launched.append(attempt)
+        return ops.Launch(
+            job_,
+            [ops.StartRow(i, h.label, "running", None, []) for i, h in enumerate(HOSTS)],
+            None,
+            False,
+        )
+
+    final = supervise(
+        lambda wait: nullcontext(pool),
+        job,
+        HOSTS,
+        save=lambda _p, r: saved.append(r),
+        say=lambda _m: None,
+        host="node0",
+        interval=0,
+        base_backoff=0,
+        relaunch=relaunch,
+    )
+    return final, launched, saved, pool
+
+
+def st(state: str, code: int | None = None, started: float = 1.0) -> p.StatusReply:
+    return p.StatusReply(state, code, started, None)
+
+
+def test_loop_restarts_a_failed_attempt_then_ends_done():
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    running = [st("running")] * 3
+    failed = [st("running"), st("exited", 1), st("running")]
+    ok = [st("exited", 0, 2.0)] * 3
+    final, launched, saved, pool = run(job, [running, failed, running, ok])
+    assert launched == [2]
+    assert (final.supervisor, final.attempt, final.restarts_left) == (DONE, 2, 1)
+    assert final.last_restart_reason == "node 1 (10.0.0.2) exited with code 1"
+    assert [h for op, h, _ in pool.calls if op == "stop"] == HOSTS  # the whole job, once
+    assert saved[-1] == final
+
+
+def test_loop_gives_up_when_restarts_run_out_keeping_exit_codes():
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=1)
+    failed = [st("exited", 3)] * 3
+    final, launched, _, pool = run(job, [failed])
+    assert launched == [2] and (final.supervisor, final.attempt, final.restarts_left) == (
+        GAVE_UP,
+        2,
+        0,
+    )
+    assert final.exit_codes == [3, 3, 3] and final.last_restart_reason.startswith(
+        "no restarts left"
+    )
+    stops = [r for op, _, r in pool.calls if op == "stop"]
+    assert len(stops) == 3 and not any(r.keep_exit for r in stops)  # only the restart's stop
