@@ -56,7 +56,7 @@ class StepFailed(Exception):
     """A variant did not finish or did not reach its end state; the message says why."""
 
 
-def bound(n: int, base: float = 60.0, per_node: float = 2.0, per_pair: float = 0.0) -> float:
+def bound(n: int, base: float = 180.0, per_node: float = 2.0, per_pair: float = 0.0) -> float:
     """Time limit of one step at N nodes: generous, but every step ends."""
     return base + per_node * n + per_pair * n * n
 
@@ -117,10 +117,10 @@ def floor(lay: sandbox.Layout) -> None:
 def seed(lay: sandbox.Layout) -> None:
     """The pssh-style script: collect each key with one login per node, then one login per key per
     node, all sequential (as the seed does), appending blindly."""
-    pubs = [must(ssh(lay, n, SEED_COLLECT), 60).strip() for n in lay.nodes]
+    pubs = [must(ssh(lay, n, SEED_COLLECT), 180).strip() for n in lay.nodes]
     for node in lay.nodes:
         for pub in pubs:
-            must(ssh(lay, node, f"echo {shlex.quote(pub)} >> ~/.ssh/authorized_keys"), 60)
+            must(ssh(lay, node, f"echo {shlex.quote(pub)} >> ~/.ssh/authorized_keys"), 180)
 
 
 def logins(lay: sandbox.Layout) -> list[int]:
@@ -426,7 +426,7 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
                 "--cmd",
                 "torchrun example_train.py",
             ],
-            bound(n, base=120),
+            bound(n, base=240),
         )
 
     def done() -> None:
@@ -459,14 +459,14 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
         lambda: logs_from_every_rank(logs_out[0], n),
     )
     long_job = ["--hostfile", hostfile, "--session", f"bsl{repeat}", "--workdir", str(workdir)]
-    must([*MESHKIT, "train", *long_job, "--cmd", "sleep 600"], bound(n, base=120))
+    must([*MESHKIT, "train", *long_job, "--cmd", "sleep 600"], bound(n, base=240))
     row.sample("round", "meshkit_status", lambda: status_running(long_job, n))
     row.sample("round", "meshkit_stop", lambda: stop(long_job, n))
 
     row.sample(
         "doctor",
         "meshkit_quick",
-        lambda: must([*MESHKIT, "doctor", *job, "--quick"], bound(n, base=120), cwd=workdir),
+        lambda: must([*MESHKIT, "doctor", *job, "--quick"], bound(n, base=240), cwd=workdir),
     )
     if n <= opt.n2_max:
         row.sample(
@@ -551,7 +551,7 @@ def status_running(job: list[str], n: int) -> None:
 
 
 def stop(job: list[str], n: int) -> None:
-    out = must([*MESHKIT, "stop", *job], bound(n, base=120))
+    out = must([*MESHKIT, "stop", *job], bound(n, base=240))
     if out.count("nothing left") != n:
         raise StepFailed(f"stop confirmed {out.count('nothing left')} of {n} nodes: {out[-300:]}")
 
@@ -623,6 +623,16 @@ def install_peers() -> tuple[dict[str, Path], dict[str, str], dict[str, str]]:
     return bins, unavailable, versions
 
 
+def login_shell_note() -> str:
+    """Every remote command runs the user's bash, which reads ~/.bashrc: what it costs is part of
+    every login of every tool here, so the results name it."""
+    rc = Path.home() / ".bashrc"
+    text = rc.read_text(errors="replace") if rc.exists() else ""
+    if "pyenv init" in text:
+        return f"{rc} runs `pyenv init` (a rehash under a lock shared by every node) on every login"
+    return f"{rc}: no pyenv init"
+
+
 def machine() -> dict[str, object]:
     mem = next(
         (
@@ -651,6 +661,7 @@ def machine() -> dict[str, object]:
         "openssh": ssh_v,
         "kernel": platform.release(),
         "machine": platform.machine(),
+        "login_shell": login_shell_note(),
         "quiet_machine": "UNSET: the person running the sweep states here whether nothing else ran",
     }
 
