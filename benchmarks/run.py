@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshkit import sandbox
+from meshkit.errors import SandboxError
 from meshkit.sandbox.layout import default_dir, default_subnet
 
 from . import peers, render, stats
@@ -459,7 +460,7 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
         lambda: logs_from_every_rank(logs_out[0], n),
     )
     long_job = ["--hostfile", hostfile, "--session", f"bsl{repeat}", "--workdir", str(workdir)]
-    must([*MESHKIT, "train", *long_job, "--cmd", "sleep 600"], bound(n, base=240))
+    must([*MESHKIT, "train", *long_job, "--replace", "--cmd", "sleep 600"], bound(n, base=240))
     row.sample("round", "meshkit_status", lambda: status_running(long_job, n))
     row.sample("round", "meshkit_stop", lambda: stop(long_job, n))
 
@@ -560,8 +561,16 @@ def measure_n(n: int, repeats: int, opt: Options) -> dict[str, object]:
     row = Row(n)
     for r in range(repeats):
         print(f"N={n} repeat {r + 1}/{repeats}", file=sys.stderr)
-        mesh_variants(row, opt)
-        meshkit_ops(row, opt, r)
+        for part in ("mesh", "ops"):
+            try:
+                if part == "mesh":
+                    mesh_variants(row, opt)
+                else:
+                    meshkit_ops(row, opt, r)
+            except (StepFailed, SandboxError) as exc:
+                # A broken setup step loses this repeat's remaining samples, not the sweep.
+                row.failures.setdefault("setup", []).append(f"repeat {r + 1}: {exc}"[:400])
+                print(f"  N={n} setup FAILED: {exc}", file=sys.stderr)
     sandbox.down(DIR, NAME)
     return row.as_json()
 
