@@ -61,6 +61,18 @@ class RemoteError(MeshkitError):
     """A node cannot be reached or used; the message names the node and what to do."""
 
 
+class PhaseTimeout(RemoteError):
+    """A phase did not finish within the timeout it names; its connection was closed so that
+    nothing after it waits on the dead link again."""
+
+    def __init__(self, phase: str, seconds: float, setting: str = "command_timeout") -> None:
+        self.phase, self.seconds = phase, seconds
+        super().__init__(
+            f"{phase}: no answer within {seconds:.0f}s ({setting}); the link or the node is down, "
+            "nothing more was done there"
+        )
+
+
 class AgentGone(RemoteError):
     """The node agent exited (e.g. its interpreter is missing): its exit code and stderr."""
 

@@ -23,7 +23,7 @@ from fabric import Config as FabricConfig
 from fabric import Connection
 from invoke.exceptions import CommandTimedOut
 
-from ..errors import MeshkitError
+from ..errors import MeshkitError, PhaseTimeout
 from ..hostfile import Host
 
 
@@ -87,16 +87,12 @@ def ssh_config(paths: Sequence[str]) -> paramiko.SSHConfig:
     return config
 
 
-class PhaseTimeout(MeshkitError):
-    """A phase did not finish within the timeout it names; the connection was closed so that
-    nothing after it waits again."""
+class GatewayError(paramiko.SSHException):
+    """A ProxyJump hop failed (its host key, its login): which hop, and why."""
 
-    def __init__(self, phase: str, seconds: float, setting: str = "command_timeout") -> None:
-        self.phase, self.seconds = phase, seconds
-        super().__init__(
-            f"{phase}: no answer within {seconds:.0f}s ({setting}); the link or the node is down, "
-            "nothing more was done there"
-        )
+    def __init__(self, hop: str, cause: BaseException) -> None:
+        self.hop, self.cause = hop, cause
+        super().__init__(f"gateway {hop}: {cause}")
 
 
 class RevokedHostKey(paramiko.SSHException):
@@ -126,7 +122,7 @@ def load_known_hosts(keys: paramiko.HostKeys, path: str) -> set[tuple[str, str]]
             continue
         try:
             entry = paramiko.hostkeys.HostKeyEntry.from_line(line)
-        except (paramiko.SSHException, ValueError, TypeError, IndexError):
+        except Exception:  # InvalidHostKey, bad base64, a key type paramiko lacks: skip the line
             continue
         if entry is not None and entry.key is not None:
             for name in entry.hostnames:
@@ -176,16 +172,19 @@ class Remote:
 
     def _harden(self, conn: Connection) -> None:
         settings = self.settings
-        if conn is not self.conn:
-            conn.connect_timeout = int(settings.connect_timeout)
-            for k, v in _connect_kwargs(settings).items():
-                if k != "key_filename":
-                    conn.connect_kwargs.setdefault(k, v)
-        # An IdentityFile that does not exist here (e.g. a controller's key named in a shared
-        # ssh_config, seen from a node) is skipped, as OpenSSH does.
         listed = conn.connect_kwargs.get("key_filename") or []
         if isinstance(listed, str):
             listed = [listed]
+        if conn is not self.conn:
+            # A gateway gets the same timeouts and --identity as the nodes behind it.
+            conn.connect_timeout = int(settings.connect_timeout)
+            for k, v in _connect_kwargs(settings).items():
+                if k == "key_filename":
+                    listed = [*v, *listed]
+                else:
+                    conn.connect_kwargs.setdefault(k, v)
+        # An IdentityFile that does not exist here (e.g. a controller's key named in a shared
+        # ssh_config, seen from a node) is skipped, as OpenSSH does.
         conn.connect_kwargs["key_filename"] = [k for k in listed if Path(k).expanduser().is_file()]
         client = conn.client
         client.set_missing_host_key_policy(
@@ -207,6 +206,14 @@ class Remote:
         ]
 
     def open(self) -> Remote:
+        gateway = self.conn.gateway
+        if isinstance(gateway, Connection):
+            try:
+                gateway.open()
+            except GatewayError:
+                raise
+            except Exception as exc:
+                raise GatewayError(str(gateway.host), exc) from exc
         self.conn.open()
         hop: Any = self.conn
         while isinstance(hop, Connection):

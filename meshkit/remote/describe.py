@@ -9,7 +9,7 @@ from invoke.exceptions import CommandTimedOut
 
 from ..errors import MeshkitError
 from ..hostfile import Host
-from .connection import Settings, UnknownHostKey, fingerprint
+from .connection import GatewayError, RevokedHostKey, Settings, UnknownHostKey, fingerprint
 
 
 def describe(exc: BaseException, host: Host, settings: Settings) -> str:
@@ -19,6 +19,13 @@ def describe(exc: BaseException, host: Host, settings: Settings) -> str:
         return (
             f"unknown host key {exc.kind} {exc.fingerprint}; verify it (ssh-keygen -lf on the node), "
             "then rerun with --accept-new-host-keys"
+        )
+    if isinstance(exc, GatewayError):
+        return f"ProxyJump gateway {exc.hop}: " + describe(exc.cause, Host(exc.hop), settings)
+    if isinstance(exc, RevokedHostKey):
+        return (
+            f"host key of {exc.hostname} is REVOKED (@revoked in known_hosts): {exc.kind} "
+            f"{exc.fingerprint}; refused"
         )
     if isinstance(exc, paramiko.BadHostKeyException):
         return (

@@ -20,7 +20,7 @@ from .connection import Remote
 # What paramiko offers for each public key type (RSA keys sign with the SHA-2 algorithms).
 ALGORITHMS = {
     "ssh-ed25519": ("ssh-ed25519",),
-    "ssh-rsa": ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa"),
+    "ssh-rsa": ("rsa-sha2-512", "rsa-sha2-256"),
     "ecdsa-sha2-nistp256": ("ecdsa-sha2-nistp256",),
     "ecdsa-sha2-nistp384": ("ecdsa-sha2-nistp384",),
     "ecdsa-sha2-nistp521": ("ecdsa-sha2-nistp521",),
@@ -33,17 +33,23 @@ def served_key(remote: Remote, kind: str) -> PublicKey | None:
     algorithms = ALGORITHMS.get(kind)
     if algorithms is None:
         return None
-    sock = remote.key_probe_socket()
+    try:
+        sock = remote.key_probe_socket()
+    except (OSError, paramiko.SSHException):
+        return None  # no second route to sshd: the key stays unproven (and untrusted)
     if sock is None:
         return None
     transport = paramiko.Transport(sock)
     try:
         transport.banner_timeout = remote.settings.connect_timeout
         options = transport.get_security_options()
-        options.key_types = algorithms
+        try:
+            options.key_types = algorithms
+        except ValueError:
+            return None  # an algorithm this paramiko lacks: the key stays unproven
         try:
             transport.start_client(timeout=remote.settings.connect_timeout)
-        except paramiko.SSHException:
+        except (paramiko.SSHException, EOFError, OSError):
             return None  # no common host key algorithm: sshd serves no key of this type
         key = transport.get_remote_server_key()
         return PublicKey(key.get_name(), key.get_base64())
