@@ -708,7 +708,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out_dir = Path(args.results)
     if args.render_only:
-        print(render.render(json.loads((out_dir / "results.json").read_text()), out_dir))
+        path = out_dir / "results.json"
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"--render-only: cannot read {path}: {exc}") from exc
+        if not isinstance(stored, dict) or not isinstance(stored.get("sizes"), list):
+            raise SystemExit(f"--render-only: {path} is not this benchmark's results (no 'sizes')")
+        print(render.render(stored, out_dir))
         return
     if os.geteuid() != 0:
         raise SystemExit("benchmarks build sandbox clusters: run as root")
