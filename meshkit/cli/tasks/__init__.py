@@ -6,10 +6,13 @@ the top: SSH (fabric/paramiko) is imported inside the tasks that need it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from invoke.collection import Collection
 from invoke.context import Context
+
+if TYPE_CHECKING:
+    from ...distenv import NodeEnv
 
 from ..common import conf, helps, reported, task
 from . import doctor as tasks_doctor
@@ -28,7 +31,7 @@ DISCOVERY = (
 )
 
 
-def _node(c: Context, flags: dict[str, Any]) -> Any:
+def _node(c: Context, flags: dict[str, Any]) -> NodeEnv:
     """Discovery with this task's flags (those named in DISCOVERY) over the configuration."""
     from ..envcmd import node_env
 
