@@ -1,9 +1,18 @@
-"""Side-by-side timings on sandbox clusters of N nodes, in one run (ratios, not absolute claims).
+"""meshkit against the tools users would pick instead, on sandbox clusters of N nodes, in one run.
 
-For each N: the floor (one parallel round of plain OpenSSH logins), meshkit mesh with and without
-verify, the seed's sequential N + N^2 logins, meshkit train against a sequential ssh-per-node tmux
-launch, and (once) meshkit env against a bare interpreter importing netifaces. Controller logins per
-node are counted from each node's sshd log. Writes results/results.json and results/mesh_scaling.png.
+For each N and each repeat:
+- mesh, each variant on a fresh cluster: meshkit mesh with and without its NxN verify, Ansible
+  (ansible-core, builtin modules), a parallel bash with ControlMaster, the seed's sequential script;
+  every variant's end state is then checked with ``meshkit check`` (strict all-pairs logins; a
+  sample of 4 nodes' pairs above --n2-max);
+- on one more fresh cluster (meshed first, untimed): the floor (one parallel round of plain
+  ``ssh node true``), ``meshkit check``, one round with pdsh and clush, ``meshkit train`` of the
+  example gloo all_reduce (2 processes per node) until every session runs and until every rank is
+  done, logs, status (of a running job), stop, doctor --quick and doctor; the launch peers
+  pdsh+torchrun (``%n`` ranks) and torchrunx until every rank is done, each result line checked.
+Peers run only up to --peers-max nodes; N² operations only up to --n2-max. Every step is bounded in
+time. Writes results/results.json (raw samples, medians, ratios to the floor, machine) and the
+plots; ``--render-only`` redraws plots and table from an existing results.json.
 """
 
 from __future__ import annotations
@@ -12,57 +21,106 @@ import argparse
 import json
 import os
 import platform
+import random
 import re
 import shlex
-import statistics
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshkit import sandbox
+from meshkit.sandbox.layout import default_dir, default_subnet
 
-DIR = "/var/tmp/meshkit-bench-sandbox"
-SUBNET = "10.77.0.0/24"
+from . import peers, render, stats
+
+NAME = "bench"
+DIR = default_dir("/var/tmp/meshkit-bench-sandbox", NAME)
+SUBNET = default_subnet("10.77.0.0/24", NAME)
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
 MESHKIT = [sys.executable, "-m", "meshkit"]
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+PER_NODE = 2
 SEED_COLLECT = (
     "test -f ~/.ssh/id_ed25519 || ssh-keygen -q -t ed25519 -N '' -f ~/.ssh/id_ed25519; "
     "cat ~/.ssh/id_ed25519.pub"
 )
 
 
-def ssh(lay: sandbox.Layout, node: sandbox.Node, command: str) -> list[str]:
-    return ["ssh", "-F", str(lay.ssh_config), "-o", "BatchMode=yes", node.address, command]
+class StepFailed(Exception):
+    """A variant did not finish or did not reach its end state; the message says why."""
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def bound(n: int, base: float = 60.0, per_node: float = 2.0, per_pair: float = 0.0) -> float:
+    """Time limit of one step at N nodes: generous, but every step ends."""
+    return base + per_node * n + per_pair * n * n
 
 
-def check(argv: list[str], **kw: object) -> str:
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False, **kw)  # type: ignore[call-overload]
+def run(
+    argv: Sequence[str],
+    timeout: float,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise StepFailed(f"{shlex.join(argv)[:200]}: no end within {timeout:.0f}s") from exc
+
+
+def must(argv: Sequence[str], timeout: float, **kw: object) -> str:
+    out = run(argv, timeout, **kw)  # type: ignore[arg-type]
     if out.returncode != 0:
-        raise SystemExit(f"benchmark step failed: {shlex.join(argv)}\n{out.stdout}\n{out.stderr}")
-    return str(out.stdout)
+        tail = (out.stdout + out.stderr).strip().splitlines()[-3:]
+        raise StepFailed(f"{shlex.join(argv)[:200]} exited {out.returncode}: {' | '.join(tail)}")
+    return out.stdout
+
+
+def ssh(lay: sandbox.Layout, node: sandbox.Node, command: str) -> list[str]:
+    return ["ssh", "-F", str(lay.ssh_config), "-o", "BatchMode=yes", node.name, command]
+
+
+def names(lay: sandbox.Layout) -> list[str]:
+    return [n.name for n in lay.nodes]
+
+
+# --- the floor and the seed (the project's original baselines) ------------------------------------
 
 
 def floor(lay: sandbox.Layout) -> None:
     procs = [subprocess.Popen(ssh(lay, n, "true"), stdout=subprocess.DEVNULL) for n in lay.nodes]
-    if any(p.wait(60) != 0 for p in procs):
-        raise SystemExit("floor: a plain ssh login failed")
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(bound(lay.count)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(-1)
+    if any(codes):
+        raise StepFailed("floor: a plain ssh login failed")
 
 
 def seed(lay: sandbox.Layout) -> None:
     """The pssh-style script: collect each key with one login per node, then one login per key per
     node, all sequential (as the seed does), appending blindly."""
-    pubs = [check(ssh(lay, n, SEED_COLLECT)).strip() for n in lay.nodes]
+    pubs = [must(ssh(lay, n, SEED_COLLECT), 60).strip() for n in lay.nodes]
     for node in lay.nodes:
         for pub in pubs:
-            check(ssh(lay, node, f"echo {shlex.quote(pub)} >> ~/.ssh/authorized_keys"))
+            must(ssh(lay, node, f"echo {shlex.quote(pub)} >> ~/.ssh/authorized_keys"), 60)
 
 
 def logins(lay: sandbox.Layout) -> list[int]:
@@ -75,210 +133,588 @@ def reset_logs(lay: sandbox.Layout) -> None:
         lay.sshd_log(n).write_text("")
 
 
-def launch_meshkit(lay: sandbox.Layout, workdir: Path) -> None:
-    check(
-        [
-            *MESHKIT,
-            "train",
-            "--hostfile",
-            str(lay.hostfile),
-            "--session",
-            "bench",
-            "--workdir",
-            str(workdir),
-            "--cmd",
-            "sleep 60",
-        ]
-    )
+# --- end-state checkers ---------------------------------------------------------------------------
 
 
-def launch_sequential(lay: sandbox.Layout, workdir: Path) -> None:
-    for rank, node in enumerate(lay.nodes):
-        command = shlex.join(
-            [
-                "tmux",
-                "new-session",
-                "-d",
-                "-s",
-                "seq",
-                "-c",
-                str(workdir),
-                f"NODE_RANK={rank} sleep 60",
-            ]
-        )
-        check(ssh(lay, node, command))
+def check_pairs(lay: sandbox.Layout, n2_max: int) -> str:
+    """Strict all-pairs logins, by meshkit check (by address and by name); above n2_max nodes only
+    among 4 nodes spread over the cluster. Returns what was checked; raises if a pair fails."""
+    argv = [*MESHKIT, "check", "--hostfile", str(lay.hostfile), "--json"]
+    scope = f"all {lay.count}x{lay.count} pairs"
+    if lay.count > n2_max:
+        pick = sorted({0, lay.count // 3, 2 * lay.count // 3, lay.count - 1})
+        argv += ["--include", ",".join(lay.nodes[i].address for i in pick)]
+        scope = f"{len(pick)}x{len(pick)} pairs among nodes {pick}"
+    out = run(argv, bound(lay.count, per_pair=1.0))
+    try:
+        doc = json.loads(out.stdout)
+    except json.JSONDecodeError as exc:
+        raise StepFailed(
+            f"check gave no JSON (exit {out.returncode}): {out.stderr[-300:]}"
+        ) from exc
+    failures = stats.pair_failures(doc)
+    if failures or out.returncode != 0:
+        raise StepFailed(f"{len(failures)} failed pairs of {scope}, e.g. {failures[:2]}")
+    return scope
 
 
-def stop_all(lay: sandbox.Layout, workdir: Path) -> None:
-    subprocess.run(
-        [*MESHKIT, "stop", "--session", "bench", "--workdir", str(workdir)],
-        capture_output=True,
-        timeout=120,
-        check=False,
-    )
+def job_dirs(lay: sandbox.Layout) -> dict[str, set[Path]]:
+    """Each node's meshkit job state directories (node-private /tmp, read from the controller)."""
+    found = {}
     for node in lay.nodes:
-        subprocess.run(
-            ssh(lay, node, "tmux kill-server"), capture_output=True, timeout=30, check=False
+        root = lay.node_dir(node) / "tmp" / f"meshkit-{os.getuid()}" / "jobs"
+        found[node.name] = set(root.iterdir()) if root.is_dir() else set()
+    return found
+
+
+def wait_exits(lay: sandbox.Layout, before: dict[str, set[Path]], timeout: float) -> dict[str, str]:
+    """Until every node's new job wrote its exit file (polling files, no logins); node -> code."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = job_dirs(lay)
+        codes = {}
+        for name, dirs in now.items():
+            for d in dirs - before[name]:
+                exit_file = d / "exit"
+                if exit_file.exists():
+                    codes[name] = exit_file.read_text().strip()
+        if len(codes) == lay.count:
+            return codes
+        if time.monotonic() > deadline:
+            raise StepFailed(f"ranks done on {sorted(codes)} only after {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def check_launch(text: str, n: int) -> None:
+    problems = stats.launch_problems(stats.rank_lines(text), n, PER_NODE)
+    if problems:
+        raise StepFailed("; ".join(problems)[:400])
+
+
+# --- one measurement -------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """Everything measured at one N."""
+
+    nodes: int
+    raw: dict[str, list[float | None]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    failures: dict[str, list[str]] = field(default_factory=dict)
+    end_state: dict[str, list[str]] = field(default_factory=dict)
+    logins: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    def sample(
+        self,
+        op: str,
+        tool: str,
+        fn: Callable[[], object],
+        verify: Callable[[], str] | None = None,
+        after: Callable[[], object] | None = None,
+    ) -> None:
+        """Time fn; then (untimed) after, then verify: the end state. A sample whose step failed
+        or whose end state was not reached has no time, only a failure line."""
+        k = stats.key(op, tool)
+        start = time.perf_counter()
+        try:
+            fn()
+            seconds: float | None = round(time.perf_counter() - start, 4)
+            if after is not None:
+                after()
+            if verify is not None:
+                self.end_state.setdefault(k, []).append(verify())
+        except StepFailed as exc:
+            seconds = None
+            self.failures.setdefault(k, []).append(str(exc))
+            print(f"  N={self.nodes} {k}: FAILED {exc}", file=sys.stderr)
+        self.raw.setdefault(k, []).append(seconds)
+        if seconds is not None:
+            print(f"  N={self.nodes} {k}: {seconds:.2f}s", file=sys.stderr)
+
+    def skip(self, op: str, tool: str, why: str) -> None:
+        self.skipped[stats.key(op, tool)] = why
+
+    def as_json(self) -> dict[str, object]:
+        medians, ratios = stats.summarize(self.raw)
+        return {
+            "nodes": self.nodes,
+            "median_s": medians,
+            "ratio_to_floor": ratios,
+            "raw_s": self.raw,
+            "skipped": self.skipped,
+            "failures": self.failures,
+            "end_state": self.end_state,
+            "controller_logins_per_node": self.logins,
+        }
+
+
+@dataclass
+class Options:
+    peers_max: int
+    n2_max: int
+    bins: dict[str, Path]  # installed peers: name -> venv bin dir
+    unavailable: dict[str, str]  # peer -> why it is not measured
+
+
+def up(n: int) -> sandbox.Layout:
+    return sandbox.up(DIR, SUBNET, n, NAME)
+
+
+def mesh_variants(row: Row, opt: Options) -> None:
+    n = row.nodes
+    small = n <= opt.peers_max
+    variants: list[tuple[str, Callable[[sandbox.Layout], object], str | None]] = [
+        (
+            "meshkit_no_verify",
+            lambda lay: must(
+                [*MESHKIT, "mesh", "--hostfile", str(lay.hostfile), "--no-verify"], bound(n)
+            ),
+            None,
+        ),
+        (
+            "meshkit",
+            lambda lay: must(
+                [*MESHKIT, "mesh", "--hostfile", str(lay.hostfile)], bound(n, per_pair=1.0)
+            ),
+            None if n <= opt.n2_max else f"N² verify above --n2-max {opt.n2_max}",
+        ),
+        (
+            "bash_controlmaster",
+            mesh_bash,
+            None if small else f"peers only up to --peers-max {opt.peers_max}",
+        ),
+        (
+            "ansible",
+            lambda lay: mesh_ansible(lay, opt),
+            opt.unavailable.get("ansible-core")
+            or (None if small else f"peers only up to --peers-max {opt.peers_max}"),
+        ),
+        (
+            "seed",
+            seed,
+            None if small else f"N + N² sequential logins; only up to --peers-max {opt.peers_max}",
+        ),
+    ]
+    for tool, fn, why in variants:
+        if why:
+            row.skip("mesh", tool, why)
+            continue
+        lay = up(n)
+        row.sample("round", "floor", lambda: floor(lay))  # noqa: B023
+        reset_logs(lay)
+        # Controller logins are counted before the end-state check adds its own.
+        count = lambda: row.logins.setdefault(f"mesh/{tool}", []).append(logins(lay))  # noqa: B023, E731
+        if tool == "seed":
+            # The seed exchanges no host keys: its end state is recorded, not required.
+            row.sample("mesh", tool, lambda: fn(lay), after=count)  # noqa: B023
+            row.end_state.setdefault("mesh/seed", []).append(seed_end_state(lay, opt.n2_max))
+        else:
+            row.sample("mesh", tool, lambda: fn(lay), lambda: check_pairs(lay, opt.n2_max), count)  # noqa: B023
+
+
+def seed_end_state(lay: sandbox.Layout, n2_max: int) -> str:
+    try:
+        return "ok: " + check_pairs(lay, n2_max)
+    except StepFailed as exc:
+        return f"not reached: {exc}"[:300]
+
+
+def mesh_bash(lay: sandbox.Layout) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-bash-") as work:
+        must(
+            [
+                str(peers.HERE / "mesh_bash.sh"),
+                str(lay.ssh_config),
+                work,
+                *(f"{x.name}={x.address}" for x in lay.nodes),
+            ],
+            bound(lay.count, base=240),
         )
 
 
-def one_round(n: int) -> tuple[dict[str, float], dict[str, list[int]]]:
-    """Every variant once, each on a fresh sandbox state (unmesh between meshes is not timed)."""
-    lay = sandbox.up(DIR, SUBNET, n)
+def mesh_ansible(lay: sandbox.Layout, opt: Options) -> None:
+    bin_dir = opt.bins["ansible-core"]
+    with tempfile.TemporaryDirectory(prefix="bench-ansible-") as tmp:
+        work = Path(tmp)
+        playbook = peers.ansible_files(work, names(lay), [x.address for x in lay.nodes])
+        must(
+            [str(bin_dir / "ansible-playbook"), "-i", str(work / "inventory.ini"), str(playbook)],
+            bound(lay.count, base=300, per_node=10),
+            env=peers.ansible_env(work, lay.ssh_config, lay.count),
+        )
+
+
+def round_peer(
+    row: Row, lay: sandbox.Layout, tool: str, argv: list[str], env: dict[str, str] | None
+) -> None:
+    checked: list[Callable[[], str]] = []
+    row.sample(
+        "round",
+        tool,
+        lambda: checked.append(one_round_peer(lay, argv, env)),
+        lambda: checked[0](),
+    )
+
+
+def one_round_peer(
+    lay: sandbox.Layout, argv: list[str], env: dict[str, str] | None = None
+) -> Callable[[], str]:
+    """Run the round; the checker of its end state (every node answered) comes back."""
+    out = run(argv, bound(lay.count), env=env)
+    answered = stats.answered(out.stdout, names(lay))
+    missing = sorted(set(names(lay)) - set(answered))
+    if out.returncode != 0 or missing:
+        raise StepFailed(
+            f"exit {out.returncode}; no answer from {missing}: {out.stderr.strip()[-200:]}"
+        )
+    return lambda: f"all {lay.count} nodes answered"
+
+
+def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
+    n = row.nodes
+    small = n <= opt.peers_max
+    lay = up(n)
     hostfile = str(lay.hostfile)
     workdir = lay.shared / "bench"
     workdir.mkdir(exist_ok=True)
-    times: dict[str, float] = {"floor": timed(lambda: floor(lay))}
-    reset_logs(lay)
-    times["mesh_no_verify"] = timed(
-        lambda: check([*MESHKIT, "mesh", "--hostfile", hostfile, "--no-verify"])
+    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir / "example_train.py")
+    try:
+        must([*MESHKIT, "mesh", "--hostfile", hostfile, "--no-verify"], bound(n))
+    except StepFailed as exc:
+        row.failures.setdefault("setup", []).append(f"mesh for the ops cluster: {exc}")
+        return
+    row.sample("round", "floor", lambda: floor(lay))
+    if n <= opt.n2_max:
+        row.sample("check", "meshkit", lambda: check_pairs(lay, opt.n2_max))
+    else:
+        row.skip("check", "meshkit", f"N² pairs above --n2-max {opt.n2_max}")
+
+    for tool, argv, env in (
+        ("pdsh", peers.pdsh_argv(names(lay), "hostname"), peers.pdsh_env(lay.ssh_config)),
+        (
+            "clush",
+            peers.clush_argv(
+                opt.bins.get("clustershell", Path("/nonexistent")),
+                lay.ssh_config,
+                names(lay),
+                "hostname",
+            ),
+            None,
+        ),
+    ):
+        why = opt.unavailable.get("clustershell" if tool == "clush" else "pdsh")
+        if why or not small:
+            row.skip("round", tool, why or f"peers only up to --peers-max {opt.peers_max}")
+            continue
+        round_peer(row, lay, tool, argv, env)
+
+    session = f"bex{repeat}"
+    job = ["--hostfile", hostfile, "--session", session, "--workdir", str(workdir)]
+    before = job_dirs(lay)
+    start = time.perf_counter()
+    codes: dict[str, str] = {}
+
+    def train() -> None:
+        must(
+            [
+                *MESHKIT,
+                "train",
+                *job,
+                "--nproc-per-node",
+                str(PER_NODE),
+                "--cmd",
+                "torchrun example_train.py",
+            ],
+            bound(n, base=120),
+        )
+
+    def done() -> None:
+        codes.update(wait_exits(lay, before, bound(n, base=300, per_node=10)))
+
+    def train_verify() -> str:
+        text = "".join(p.read_text() for p in (workdir / ".meshkit" / session).glob("node*.log"))
+        check_launch(text, n)
+        return f"{n * PER_NODE} ranks, right sum"
+
+    logs_out: list[str] = []
+    row.sample("train_running", "meshkit", train)
+    if row.raw["train_running/meshkit"][-1] is not None:
+        try:
+            done()
+            if any(c != "0" for c in codes.values()):
+                raise StepFailed(f"exit codes {codes}")
+            row.raw.setdefault("train_done/meshkit", []).append(
+                round(time.perf_counter() - start, 4)
+            )
+            row.end_state.setdefault("train_done/meshkit", []).append(train_verify())
+        except StepFailed as exc:
+            row.raw.setdefault("train_done/meshkit", []).append(None)
+            row.failures.setdefault("train_done/meshkit", []).append(str(exc))
+
+    row.sample(
+        "round",
+        "meshkit_logs",
+        lambda: logs_out.append(must([*MESHKIT, "logs", *job, "--lines", "5"], bound(n))),
+        lambda: logs_from_every_rank(logs_out[0], n),
     )
-    counted = {"mesh": logins(lay)}
-    check([*MESHKIT, "unmesh", "--hostfile", hostfile])
-    times["mesh"] = timed(lambda: check([*MESHKIT, "mesh", "--hostfile", hostfile]))
-    check([*MESHKIT, "unmesh", "--hostfile", hostfile])
-    reset_logs(lay)
-    times["seed"] = timed(lambda: seed(lay))
-    counted["seed"] = logins(lay)
-    times["launch"] = timed(lambda: launch_meshkit(lay, workdir))
-    times["launch_sequential"] = timed(lambda: launch_sequential(lay, workdir))
-    stop_all(lay, workdir)
-    return times, counted
+    long_job = ["--hostfile", hostfile, "--session", f"bsl{repeat}", "--workdir", str(workdir)]
+    must([*MESHKIT, "train", *long_job, "--cmd", "sleep 600"], bound(n, base=120))
+    row.sample("round", "meshkit_status", lambda: status_running(long_job, n))
+    row.sample("round", "meshkit_stop", lambda: stop(long_job, n))
+
+    row.sample(
+        "doctor",
+        "meshkit_quick",
+        lambda: must([*MESHKIT, "doctor", *job, "--quick"], bound(n, base=120), cwd=workdir),
+    )
+    if n <= opt.n2_max:
+        row.sample(
+            "doctor",
+            "meshkit",
+            lambda: must([*MESHKIT, "doctor", *job], bound(n, base=180, per_pair=1.0), cwd=workdir),
+        )
+    else:
+        row.skip("doctor", "meshkit", f"its N² SSH check above --n2-max {opt.n2_max}")
+
+    if "pdsh" in opt.unavailable or not small:
+        row.skip(
+            "train_done",
+            "pdsh_torchrun",
+            opt.unavailable.get("pdsh") or f"peers only up to --peers-max {opt.peers_max}",
+        )
+    else:
+        port = random.randint(20000, 40000)
+        command = peers.pdsh_torchrun_command(workdir, TORCHRUN, n, PER_NODE, "node0", port)
+        argv = peers.pdsh_argv(names(lay), command)
+        out: list[str] = []
+
+        def pdsh_launch() -> None:
+            out.append(
+                must(argv, bound(n, base=300, per_node=10), env=peers.pdsh_env(lay.ssh_config))
+            )
+
+        def pdsh_verify() -> str:
+            check_launch(out[0], n)
+            return f"{n * PER_NODE} ranks, right sum"
+
+        row.sample("train_done", "pdsh_torchrun", pdsh_launch, pdsh_verify)
+
+    why = opt.unavailable.get("torchrunx") or (
+        None if small else f"peers only up to --peers-max {opt.peers_max}"
+    )
+    if why:
+        row.skip("train_done", "torchrunx", why)
+    else:
+        trx: list[str] = []
+        python = opt.bins["torchrunx"] / "python"
+
+        def trx_launch() -> None:
+            launch = [str(python), str(peers.TRX_SCRIPT), str(n), str(PER_NODE)]
+            line = f"cd {shlex.quote(str(workdir))} && {shlex.join(launch)}"
+            try:
+                res = sandbox.node_exec(
+                    lay.nodes[0], ["bash", "-lc", line], timeout=bound(n, base=300, per_node=10)
+                )
+            except subprocess.TimeoutExpired as exc:
+                raise StepFailed("torchrunx: no end in time") from exc
+            if res.returncode != 0:
+                raise StepFailed(f"torchrunx exited {res.returncode}: {res.stderr.strip()[-400:]}")
+            trx.append(res.stdout)
+
+        known = lay.node_dir(lay.nodes[0]) / "ssh" / "known_hosts"
+        known_before = known.read_bytes() if known.exists() else b""
+
+        def trx_verify() -> str:
+            check_launch(trx[0], n)
+            # fabric (under torchrunx) trusts unknown host keys (AutoAddPolicy): prove it had none
+            # to trust, i.e. it only logged in to hosts meshkit mesh had made known.
+            if (known.read_bytes() if known.exists() else b"") != known_before:
+                raise StepFailed("torchrunx (fabric AutoAddPolicy) added a host key on node0")
+            return f"{n * PER_NODE} ranks, right sum; no host key auto-added"
+
+        row.sample("train_done", "torchrunx", trx_launch, trx_verify)
 
 
-def measure_n(n: int, repeats: int) -> dict[str, object]:
-    rounds = [one_round(n) for _ in range(repeats)]
-    sandbox.down(DIR)
-    med = {k: statistics.median(r[0][k] for r in rounds) for k in rounds[0][0]}
-    counted = {k: sorted({c for r in rounds for c in r[1][k]}) for k in rounds[0][1]}
-    print(f"N={n}: " + ", ".join(f"{k} {v:.2f}s" for k, v in med.items()), file=sys.stderr)
-    return {
-        "nodes": n,
-        "median_s": {k: round(v, 3) for k, v in med.items()},
-        "ratios": {
-            "mesh/floor": round(med["mesh"] / med["floor"], 2),
-            "mesh_no_verify/floor": round(med["mesh_no_verify"] / med["floor"], 2),
-            "seed/mesh": round(med["seed"] / med["mesh"], 2),
-            "seed/mesh_no_verify": round(med["seed"] / med["mesh_no_verify"], 2),
-            "launch/floor": round(med["launch"] / med["floor"], 2),
-            "launch_sequential/launch": round(med["launch_sequential"] / med["launch"], 2),
-        },
-        "controller_logins_per_node": counted,
-    }
+def logs_from_every_rank(text: str, n: int) -> str:
+    ranks = stats.log_ranks(text)
+    if ranks != list(range(n)):
+        raise StepFailed(f"logs printed lines of ranks {ranks}, want 0..{n - 1}")
+    return f"lines of all {n} ranks"
+
+
+def status_running(job: list[str], n: int) -> None:
+    rows = json.loads(must([*MESHKIT, "status", *job, "--json"], bound(n)))
+    states = [r["state"] for r in rows]
+    if states != ["running"] * n:
+        raise StepFailed(f"status states {states}")
+
+
+def stop(job: list[str], n: int) -> None:
+    out = must([*MESHKIT, "stop", *job], bound(n, base=120))
+    if out.count("nothing left") != n:
+        raise StepFailed(f"stop confirmed {out.count('nothing left')} of {n} nodes: {out[-300:]}")
+
+
+def measure_n(n: int, repeats: int, opt: Options) -> dict[str, object]:
+    row = Row(n)
+    for r in range(repeats):
+        print(f"N={n} repeat {r + 1}/{repeats}", file=sys.stderr)
+        mesh_variants(row, opt)
+        meshkit_ops(row, opt, r)
+    sandbox.down(DIR, NAME)
+    return row.as_json()
 
 
 def measure_env(repeats: int) -> dict[str, object]:
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "hostfile").write_text("10.255.0.1\n10.255.0.2\n")
-        bare = [
-            timed(lambda: check([sys.executable, "-c", "import netifaces"])) for _ in range(repeats)
-        ]
-        env = [
-            timed(lambda: check([*MESHKIT, "env", "--node-rank", "1"], cwd=tmp))
-            for _ in range(repeats)
-        ]
-    b, e = statistics.median(bare), statistics.median(env)
+
+        def timed(argv: list[str]) -> float:
+            start = time.perf_counter()
+            must(argv, 60, cwd=Path(tmp))
+            return time.perf_counter() - start
+
+        bare = [timed([sys.executable, "-c", "import netifaces"]) for _ in range(repeats)]
+        env = [timed([*MESHKIT, "env", "--node-rank", "1"]) for _ in range(repeats)]
+    b, e = stats.median(bare), stats.median(env)
+    assert b is not None and e is not None
     return {
         "bare_import_netifaces_s": round(b, 4),
         "meshkit_env_s": round(e, 4),
         "env/bare": round(e / b, 2),
+        "raw_s": {"bare": bare, "meshkit_env": env},
     }
 
 
-def plot(rows: list[dict[str, object]], path: Path) -> None:
-    import matplotlib
+TRX_VERSION = (
+    "import importlib.metadata as m, torch; "
+    "print('torchrunx', m.version('torchrunx'), 'torch', torch.__version__)"
+)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    ns = [r["nodes"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label in (
-        ("floor", "floor: one parallel round of ssh logins"),
-        ("mesh_no_verify", "meshkit mesh --no-verify"),
-        ("mesh", "meshkit mesh (with N×N verify)"),
-        ("seed", "seed: sequential N + N² logins"),
+def install_peers() -> tuple[dict[str, Path], dict[str, str], dict[str, str]]:
+    """Install (or reuse) every peer; what works, why the rest does not, and versions."""
+    bins: dict[str, Path] = {}
+    unavailable: dict[str, str] = {}
+    versions: dict[str, str] = {}
+    for peer, probe in (
+        ("ansible-core", ["ansible-playbook", "--version"]),
+        ("clustershell", ["clush", "--version"]),
+        (
+            "torchrunx",
+            [
+                "python",
+                "-c",
+                TRX_VERSION,
+            ],
+        ),
     ):
-        ax.plot(ns, [r["median_s"][key] for r in rows], marker="o", label=label)  # type: ignore[index]
-    ax.set_xlabel("nodes (N)")
-    ax.set_ylabel("wall time, median (s)")
-    ax.set_yscale("log")
-    ax.set_xticks(ns)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    ax.set_title("meshkit mesh vs the seed's algorithm, sandbox nodes on one machine")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        try:
+            bins[peer] = peers.install(peer)
+            versions[peer] = peers.version([str(bins[peer] / probe[0]), *probe[1:]])
+        except peers.PeerUnavailable as exc:
+            unavailable[peer] = str(exc)
+            bins.pop(peer, None)
+    try:
+        versions["pdsh"] = peers.version(["pdsh", "-V"])
+    except peers.PeerUnavailable as exc:
+        unavailable["pdsh"] = f"Debian pdsh not installed (apt-get install pdsh): {exc}"
+    return bins, unavailable, versions
 
 
-def table(rows: list[dict[str, object]]) -> str:
-    head = (
-        "N",
-        "floor",
-        "mesh",
-        "mesh -no-verify",
-        "seed",
-        "launch",
-        "launch seq",
-        "mesh/floor",
-        "mesh-nv/floor",
-        "seed/mesh",
-        "launch/floor",
-        "logins/node mesh",
-        "logins/node seed",
+def machine() -> dict[str, object]:
+    mem = next(
+        (
+            line.split()[1]
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemTotal")
+        ),
+        "0",
     )
-    lines = [" | ".join(head), " | ".join("---" for _ in head)]
-    for r in rows:
-        m, q, c = r["median_s"], r["ratios"], r["controller_logins_per_node"]  # type: ignore[index]
-        lines.append(
-            " | ".join(
-                str(x)
-                for x in (
-                    r["nodes"],
-                    m["floor"],
-                    m["mesh"],
-                    m["mesh_no_verify"],
-                    m["seed"],
-                    m["launch"],
-                    m["launch_sequential"],
-                    q["mesh/floor"],
-                    q["mesh_no_verify/floor"],
-                    q["seed/mesh"],
-                    q["launch/floor"],
-                    "/".join(map(str, c["mesh"])),
-                    "/".join(map(str, c["seed"])),
-                )
-            )
-        )
-    return "\n".join(lines)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("--nodes", default="2,4,8,16", help="comma list of cluster sizes")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    if os.geteuid() != 0:
-        raise SystemExit("benchmarks build sandbox clusters: run as root")
-    rows = [measure_n(int(n), args.repeats) for n in args.nodes.split(",")]
-    env = measure_env(max(5, args.repeats * 3))
-    machine = {
+    ssh_v = subprocess.run(
+        ["ssh", "-V"], capture_output=True, text=True, check=False
+    ).stderr.strip()
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
         "cpus": os.cpu_count(),
+        "cpu_model": cpu,
+        "memory_gib": round(int(mem) / 1024 / 1024, 1),
         "python": platform.python_version(),
+        "openssh": ssh_v,
         "kernel": platform.release(),
         "machine": platform.machine(),
+        "quiet_machine": "UNSET: the person running the sweep states here whether nothing else ran",
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "results.json").write_text(
-        json.dumps({"machine": machine, "mesh": rows, "env": env}, indent=2) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plot(rows, RESULTS / "mesh_scaling.png")
-    print(table(rows))
-    print(f"\nenv: {env}")
-    print(f"machine: {machine}")
-    print(f"wrote {RESULTS / 'results.json'} and {RESULTS / 'mesh_scaling.png'}")
+    parser.add_argument(
+        "--nodes", default="2,4,8,16", help="comma list of cluster sizes (at most 64)"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--peers-max", type=int, default=16, help="largest N the peers (and the seed) run at"
+    )
+    parser.add_argument(
+        "--n2-max",
+        type=int,
+        default=16,
+        help="largest N for N² operations (mesh verify, check, doctor)",
+    )
+    parser.add_argument(
+        "--quiet-machine", default=None, help="note stored in results.json: was the machine quiet?"
+    )
+    parser.add_argument(
+        "--results", default=str(RESULTS), help="directory for results.json and the plots"
+    )
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="redraw plots and table from an existing results.json",
+    )
+    args = parser.parse_args(argv)
+    out_dir = Path(args.results)
+    if args.render_only:
+        print(render.render(json.loads((out_dir / "results.json").read_text()), out_dir))
+        return
+    if os.geteuid() != 0:
+        raise SystemExit("benchmarks build sandbox clusters: run as root")
+    sizes = [int(x) for x in args.nodes.split(",")]
+    bins, unavailable, versions = install_peers()
+    opt = Options(args.peers_max, args.n2_max, bins, unavailable)
+    for peer, why in unavailable.items():
+        print(f"peer {peer} not measured: {why}", file=sys.stderr)
+    doc: dict[str, object] = {
+        "machine": machine(),
+        "settings": {
+            "nodes": sizes,
+            "repeats": args.repeats,
+            "peers_max": args.peers_max,
+            "n2_max": args.n2_max,
+            "processes_per_node": PER_NODE,
+        },
+        "peers": {"versions": versions, "unavailable": unavailable},
+    }
+    if args.quiet_machine is not None:
+        doc["machine"] = {**machine(), "quiet_machine": args.quiet_machine}
+    doc["sizes"] = [measure_n(n, args.repeats, opt) for n in sizes]
+    doc["env"] = measure_env(max(5, args.repeats * 3))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(render.render(doc, out_dir))
 
 
 if __name__ == "__main__":

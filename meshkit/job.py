@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
@@ -68,6 +69,10 @@ class Job:
     exclude: str | None = None
     setup: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0  # train --restarts: relaunches a supervisor may make (0: unsupervised)
+    restart_on: tuple[int, ...] = ()  # exit codes that restart; empty: any non-zero
+    sync: bool = False  # the workdir is copied to every node (no shared storage)
+    sync_exclude: tuple[str, ...] = ()  # names never copied (besides .git and __pycache__)
 
     @property
     def id(self) -> str:
@@ -105,7 +110,7 @@ class Job:
 
     def meshkit_argv(self, task: str, *extra: str) -> list[str]:
         """``python -m meshkit TASK`` with the job's discovery flags: the same on every node."""
-        argv = [self.python, "-m", "meshkit", task, "--hostfile", self.hostfile]
+        argv = [self.python, "-m", "meshkit", task, "--hostfile", self.node_hostfile]
         argv += ["--session", self.session, "--master-port", str(self.master_port)]
         if self.nproc_per_node:
             argv += ["--nproc-per-node", str(self.nproc_per_node)]
@@ -115,17 +120,38 @@ class Job:
             argv += ["--exclude", self.exclude]
         return [*argv, *extra]
 
-    def node_job(self) -> NodeJob:
-        """What every node is sent to start its part."""
+    @property
+    def node_hostfile(self) -> str:
+        """The hostfile the nodes read: a synced job carries its own copy beside the job file
+        (the hostfile's own path may exist only on the launching machine)."""
+        return str(self.home / "hostfile") if self.sync else self.hostfile
+
+    @property
+    def supervisor_file(self) -> PurePosixPath:
+        """The supervisor's record (attempt, restarts left, last reason, state), beside the job
+        file (on every node when the workdir is synced)."""
+        return self.home / "supervisor.json"
+
+    @property
+    def supervisor_tmux(self) -> str:
+        return f"{self.tmux_session}-sup"
+
+    def node_job(self, attempt: int = 1) -> NodeJob:
+        """What every node is sent to start its part. Attempts after the first begin with a
+        marker line in each log (logs append, so every attempt's output is kept)."""
         from .protocol import NodeJob
 
+        cmd = self.cmd
+        if attempt > 1:
+            marker = f"===== meshkit: attempt {attempt} of {self.restarts + 1} ====="
+            cmd = f"echo {shlex.quote(marker)}\n{cmd}"
         return NodeJob(
             job_id=self.id,
             session=self.session,
             label=self.label,
             workdir=self.workdir,
             tmux_session=self.tmux_session,
-            argv=self.meshkit_argv("run", "--log", self.log_pattern, "--cmd", self.cmd),
+            argv=self.meshkit_argv("run", "--log", self.log_pattern, "--cmd", cmd),
             env=dict(self.env),
             setup=list(self.setup),
         )
@@ -133,6 +159,8 @@ class Job:
     def to_json(self) -> str:
         data = asdict(self)
         data["setup"] = list(self.setup)
+        data["restart_on"] = list(self.restart_on)
+        data["sync_exclude"] = list(self.sync_exclude)
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     def index_json(self) -> str:
@@ -156,6 +184,8 @@ def from_json(text: str, where: str) -> Job:
     try:
         data = json.loads(text)
         data["setup"] = tuple(data.get("setup") or ())
+        data["restart_on"] = tuple(int(c) for c in data.get("restart_on") or ())
+        data["sync_exclude"] = tuple(str(x) for x in data.get("sync_exclude") or ())
         job = Job(**data)
         if not all(isinstance(getattr(job, k), str) for k in ("cmd", "workdir", "session")):
             raise TypeError("cmd, workdir and session must be strings")
@@ -177,3 +207,19 @@ def workdir_from_index(text: str, where: str) -> str:
     except (ValueError, TypeError, KeyError) as exc:
         raise JobError(f"{where}: not a meshkit job index ({exc}); relaunch with --cmd") from None
     return workdir
+
+
+def parse_restart_on(text: str | None) -> tuple[int, ...]:
+    """``--restart-on 1,137``: exit codes 1..255; empty or None means any non-zero."""
+    if text is None or not str(text).strip():
+        return ()
+    codes = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part.isdigit() or not 1 <= int(part) <= 255:
+            raise UsageError(
+                f"--restart-on {str(text)[:60]!r}: {part[:20]!r} is not an exit code 1..255 "
+                "(give a comma list, e.g. 1,137)"
+            )
+        codes.append(int(part))
+    return tuple(sorted(set(codes)))

@@ -125,6 +125,7 @@ class StatusReply:
 @dataclass(frozen=True)
 class StopRequest:
     job_id: str
+    keep_exit: bool = False  # leave the exit record (a supervisor giving up keeps exit codes)
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,9 @@ Request = Union[
     ConnectRequest,
     DoneRequest,
     ProbeRequest,
+    "UnsuperviseRequest",
+    "ManifestRequest",
+    "PutRequest",
 ]
 Reply = Union[
     EnvReply,
@@ -270,6 +274,9 @@ Reply = Union[
     ListenReply,
     ConnectReply,
     DoneReply,
+    "UnsuperviseReply",
+    "ManifestReply",
+    "PutReply",
 ]
 
 OPS: dict[str, tuple[type[Any], type[Any]]] = {
@@ -286,6 +293,72 @@ OPS: dict[str, tuple[type[Any], type[Any]]] = {
     "doctor_done": (DoneRequest, DoneReply),
     "doctor_probe": (ProbeRequest, EnvReply),
 }
+
+
+# ---- supervision and sync (issue 13) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnsuperviseRequest:
+    """End the supervisor of ``job_id`` if it runs on this node."""
+
+    job_id: str
+    tmux_session: str
+
+
+@dataclass(frozen=True)
+class UnsuperviseReply:
+    found: bool
+    left: list[int]
+
+
+@dataclass(frozen=True)
+class ManifestRequest:
+    """Size and mtime of every file under ``root`` (relative paths), ``exclude`` names skipped."""
+
+    root: str
+    exclude: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FileState:
+    path: str
+    size: int
+    mtime: float
+    mode: int
+
+
+@dataclass(frozen=True)
+class ManifestReply:
+    exists: bool
+    files: list[FileState]
+    truncated: bool = False
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    """A chunk of a file (base64 ``data`` at ``offset``); ``last`` moves it into place with
+    ``mode`` and ``mtime`` (until then it is a hidden temporary beside it)."""
+
+    path: str
+    data: str
+    offset: int
+    last: bool
+    mode: int = 0o644
+    mtime: float = 0.0
+
+
+@dataclass(frozen=True)
+class PutReply:
+    written: int
+
+
+SUPERVISE_OPS: dict[str, tuple[type[Any], type[Any]]] = {
+    "unsupervise": (UnsuperviseRequest, UnsuperviseReply),
+    "manifest": (ManifestRequest, ManifestReply),
+    "put": (PutRequest, PutReply),
+}
+OPS.update(SUPERVISE_OPS)
 _OP_OF = {req: op for op, (req, _) in OPS.items()}
 
 

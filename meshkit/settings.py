@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
     "master_port": None,  # default: derived from the hostfile and session
     "setup": [],  # shell lines run before the job on every node (e.g. activate a venv)
     "env": {},  # extra environment variables for the job
+    "sync_exclude": [],  # names `train --sync` never copies (besides .git and __pycache__)
     "sandbox": {
         "dir": "/var/tmp/meshkit-sandbox",  # state of the local test cluster (shared "storage")
         "subnet": "10.77.0.0/24",  # its private network; checked against the host's routes
@@ -74,6 +75,7 @@ class Config:
     master_port: int | None = None
     setup: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    sync_exclude: tuple[str, ...] = ()
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def get(self, name: str) -> Any:
@@ -213,6 +215,22 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
                 str(value.get("subnet") or SandboxConfig.subnet),
                 _check("sandbox.nodes", "int", value.get("nodes", 3), where),
             )
+        elif key == "sync_exclude":
+            values[key] = _check_names(value, where)
         else:
             values[key] = _check(key, hints[key], value, where)
     return Config(**values)
+
+
+def _check_names(value: Any, where: str) -> tuple[str, ...]:
+    """``sync_exclude``: file or directory names (no '/'), matched at any depth."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise ConfigError(f"{where}: sync_exclude: expected a list of file or directory names")
+    for item in items:
+        if not item or "/" in item or item in (".", "..") or "\0" in item:
+            raise ConfigError(
+                f"{where}: sync_exclude: {item[:60]!r} is not a file or directory name (names "
+                "match at any depth; no '/')"
+            )
+    return tuple(items)

@@ -20,12 +20,12 @@ from meshkit import sandbox
 
 NODES = 4
 NAME = "cmpirun"
-MPI_TIMEOUT = 120.0
+MPI_TIMEOUT = 300.0  # bounds, not speed checks: torch imports crawl on a loaded machine
 # Where a process runs and what it says, as one file per process in a shared directory (mpirun
 # interleaves the processes' output).
 WHERE = (
     "import os, pathlib, socket, subprocess, sys\n"
-    "out = subprocess.run(sys.argv[2:], capture_output=True, text=True, timeout=60)\n"
+    "out = subprocess.run(sys.argv[2:], capture_output=True, text=True, timeout=120)\n"
     "text = (out.stdout.strip() or out.stderr.strip()).replace('\\n', ' | ')\n"
     "name = f\"{socket.gethostname()}.{os.environ['OMPI_COMM_WORLD_RANK']}\"\n"
     "pathlib.Path(sys.argv[1], name).write_text(f'{socket.gethostname()} {out.returncode} {text}')\n"
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from meshkit.torch import init_distributed
 
-place = init_distributed(hostfile={hostfile!r}, timeout=90)
+place = init_distributed(hostfile={hostfile!r}, timeout=240)
 value = torch.tensor([float(place.rank + 1)])
 dist.all_reduce(value)
 line = f"RESULT {{socket.gethostname()}} {{place.rank}} {{place.world_size}} {{value.item()}}"
@@ -52,7 +52,11 @@ dist.destroy_process_group()
 def lay() -> Iterator[sandbox.Layout]:
     with fresh_sandbox(NAME, NODES) as layout:
         done = meshkit(
-            "mesh", "--hostfile", str(layout.hostfile), env={"MESHKIT_CONNECT_TIMEOUT": "5"}
+            "mesh",
+            "--hostfile",
+            str(layout.hostfile),
+            env={"MESHKIT_CONNECT_TIMEOUT": "5"},
+            timeout=400,  # a bound, not a speed check: CI machines run other sandboxes too
         )
         assert done.returncode == 0, done.stdout + done.stderr
         yield layout

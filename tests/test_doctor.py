@@ -19,6 +19,7 @@ from meshkit.hostfile import Host, parse
 from meshkit.ops import doctor
 from meshkit.protocol import ConnectReply, ConnectResult, EnvReply, FactsReply, ListenReply
 from meshkit.remote.group import Outcome
+from meshkit.sandbox import networks
 
 HOSTS = parse("10.0.0.1 slots=2\n10.0.0.2 slots=2\n10.0.0.3 slots=2\n")
 
@@ -150,10 +151,13 @@ NAME = "tndoctor"
 def meshed() -> Iterator[tuple[sandbox.Layout, Path]]:
     need_root()
     path = sandbox_dir(NAME)
-    lay = sandbox.up(path, sandbox.default_subnet("", NAME), 3, NAME, sandbox.Options.all())
+    opts = sandbox.Options(second=True, ifnames=True, debian_hosts=True)
+    lay = sandbox.up(path, sandbox.default_subnet("", NAME), 3, NAME, networks=opts)
     try:
         out = meshkit("mesh", "--hostfile", str(lay.hostfile), "--no-verify")
         assert out.returncode == 0, out.stdout + out.stderr
+        # docker0 after the mesh: mesh refuses the address every node shares (see test_networks)
+        networks.add_docker(lay)
         workdir = lay.shared / "work"
         workdir.mkdir()
         yield lay, workdir
@@ -165,7 +169,7 @@ def run_doctor(lay: sandbox.Layout, workdir: Path, *extra: str) -> tuple[int, di
     """``meshkit doctor --json`` from inside node1 (a worker), as a user logged in there."""
     argv = [sys.executable, "-m", "meshkit", "doctor", "--hostfile", str(lay.hostfile), "--json"]
     line = f"cd {shlex.quote(str(workdir))} && {shlex.join([*argv, *extra])}"
-    out = sandbox.node_exec(lay.nodes[1], ["bash", "-c", line], timeout=180)
+    out = sandbox.node_exec(lay.nodes[1], ["bash", "-c", line], timeout=400)
     assert "Traceback" not in out.stderr, out.stderr
     return out.returncode, json.loads(out.stdout)
 
@@ -257,3 +261,31 @@ def test_a_busy_master_port_is_named_with_its_holder(meshed):
     # with the port free again, the same run passes
     code, report = run_doctor(lay, workdir, "--quick", "--master-port", port)
     assert (code, failed(report)) == (0, [])
+
+
+def test_train_doctor_runs_the_quick_checks_in_preflight(meshed):
+    lay, workdir = meshed
+    a, b = lay.nodes[1].address, lay.nodes[2].address
+    train = [sys.executable, "-m", "meshkit", "train", "--hostfile", str(lay.hostfile)]
+    train += ["--session", "doc", "--doctor", "--cmd", "echo started $NODE_RANK"]
+    line = f"cd {shlex.quote(str(workdir))} && {shlex.join(train)}"
+    sandbox.cut(lay, 1, 2)
+    try:
+        out = sandbox.node_exec(lay.nodes[0], ["bash", "-c", line], timeout=400)
+    finally:
+        sandbox.mend(lay, 1, 2)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"{a} -> {b}: reach:" in out.stderr and f"{b} -> {a}: reach:" in out.stderr
+    assert "train --doctor: checks failed; nothing was started" in out.stderr
+    assert not (workdir / ".meshkit" / "doc").exists()  # not even the saved job
+    out = sandbox.node_exec(lay.nodes[0], ["bash", "-c", line], timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "quick checks passed" in out.stdout
+    # the saved job's master port is the one the doctor checks (not the derived one)
+    saved = json.loads((workdir / ".meshkit" / "doc" / "job.json").read_text())
+    argv = [sys.executable, "-m", "meshkit", "doctor", "--hostfile", str(lay.hostfile)]
+    line = f"cd {shlex.quote(str(workdir))} && {shlex.join([*argv, '--session', 'doc', '--quick'])}"
+    out = sandbox.node_exec(lay.nodes[2], ["bash", "-c", line], timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[0].endswith(f"master port {saved['master_port']}")
+    assert "saved job 'doc' in " in out.stdout.splitlines()[0]

@@ -29,10 +29,13 @@ PROBE = re.compile(r"meshkit-probe rank=(\d+) (.*)")
 def meshed() -> Iterator[tuple[sandbox.Layout, Path]]:
     need_root()
     path = sandbox_dir(NAME)
-    lay = sandbox.up(path, sandbox.default_subnet("", NAME), 3, NAME, networks.Options.all())
+    opts = networks.Options(second=True, ifnames=True, debian_hosts=True)
+    lay = sandbox.up(path, sandbox.default_subnet("", NAME), 3, NAME, networks=opts)
     try:
         out = meshkit("mesh", "--hostfile", str(lay.hostfile), "--no-verify")
         assert out.returncode == 0, out.stdout + out.stderr
+        # docker0 after the mesh: mesh refuses the address every node shares (see test_networks)
+        networks.add_docker(lay)
         workdir = lay.shared / "work"
         workdir.mkdir()
         templates.copy_to("collective_probe.py", workdir)
@@ -42,7 +45,7 @@ def meshed() -> Iterator[tuple[sandbox.Layout, Path]]:
         sandbox.down(path, NAME)
 
 
-def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: float = 120):
+def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: float = 300):
     line = f"cd {shlex.quote(str(workdir))} && {env} {shlex.join([sys.executable, '-m', 'meshkit', *args])}"
     return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
 
@@ -95,7 +98,7 @@ def status(lay, workdir: Path, session: str) -> list[dict[str, object]]:
     return rows
 
 
-def finished(lay, workdir: Path, session: str, timeout: float = 150) -> list[dict[str, object]]:
+def finished(lay, workdir: Path, session: str, timeout: float = 480) -> list[dict[str, object]]:
     """Every node's row once all have exited (polled, bounded)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -105,7 +105,7 @@ def test_every_node_has_its_networks_and_the_state_keeps_them(lay):
 
 
 def test_cut_takes_one_link_down_both_ways_and_mend_restores_it(lay):
-    out = meshkit("sandbox.cut", "-a", "0", "-b", "2", "--dir", sandbox_dir(NAME))
+    out = meshkit("sandbox.cut", "--node", "0", "--peer", "2", "--dir", sandbox_dir(NAME))
     assert out.returncode == 0, out.stderr
     try:
         assert networks.cuts(lay) == [(0, 2)]
@@ -114,13 +114,34 @@ def test_cut_takes_one_link_down_both_ways_and_mend_restores_it(lay):
         assert not ping(lay, 2, networks.second_address(lay, lay.nodes[0]))
         assert ping(lay, 0, lay.nodes[1].address) and ping(lay, 1, lay.nodes[2].address)
     finally:
-        out = meshkit("sandbox.mend", "-a", "0", "-b", "2", "--dir", sandbox_dir(NAME))
+        out = meshkit("sandbox.mend", "--node", "0", "--peer", "2", "--dir", sandbox_dir(NAME))
     assert out.returncode == 0, out.stderr
     assert networks.cuts(lay) == []
     assert ping(lay, 0, lay.nodes[2].address) and ping(lay, 2, lay.nodes[0].address)
-    bad = meshkit("sandbox.cut", "-a", "0", "-b", "7", "--dir", sandbox_dir(NAME))
+    bad = meshkit("sandbox.cut", "--node", "0", "--peer", "7", "--dir", sandbox_dir(NAME))
     assert bad.returncode == 1 and "node 7: the sandbox has nodes 0..2" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_rebooted_node_keeps_its_networks(lay):
+    again = sandbox.load(sandbox_dir(NAME))  # options come back from state.json
+    assert again.networks == networks.Options.all()
+    sandbox.reboot(again, 1)
+    found = addresses(again, again.nodes[1])
+    assert found["ens3"] == [again.nodes[1].address] and found["docker0"] == ["172.17.0.1"]
+    hosts = sandbox.node_exec(again.nodes[1], ["getent", "hosts", "node1"]).stdout.split()
+    assert hosts[0] == "127.0.1.1"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="mesh records every address of a node in known_hosts, docker0's 172.17.0.1 included, "
+    "and refuses it as claimed by every node (meshplan reads /proc/net/fib_trie, which names no "
+    "interface); reported to the lead / mesh owner",
+)
+def test_mesh_accepts_the_same_docker0_address_on_every_node(lay):
+    out = meshkit("mesh", "--hostfile", str(lay.hostfile), "--no-verify")
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_down_removes_the_second_network(lay):

@@ -68,6 +68,19 @@ HANDLERS: dict[str, Callable[[Any], Reply]] = {
 }
 
 
+# ---- supervision and sync (issue 13) ----------------------------------------------------------
+from . import supervise as _supervise  # noqa: E402
+from . import sync as _sync  # noqa: E402
+
+HANDLERS.update(
+    {
+        "unsupervise": _supervise.unsupervise,
+        "manifest": _sync.manifest,
+        "put": _sync.put,
+    }
+)
+
+
 def serve(requests: IO[str], replies: IO[str]) -> None:
     while True:
         line = requests.readline(MAX_LINE + 2)

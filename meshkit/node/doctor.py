@@ -238,8 +238,9 @@ def listen(request: ListenRequest) -> ListenReply:
 
 def done(request: DoneRequest) -> DoneReply:
     closed = 0
-    for port, (_sock, stop) in list(_listeners.items()):
+    for port, (sock, stop) in list(_listeners.items()):
         stop.set()
+        sock.close()  # now, not at the thread's next tick: a job may bind this port next
         del _listeners[port]
         closed += 1
     if request.marker:

@@ -127,7 +127,7 @@ def _tmux(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _stop(job_id: str) -> tuple[bool, int, list[int]]:
+def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
     """End a job's whole tree: its descendants first (while the keeper still holds them), then
     the keeper, then whatever still carries the tag; then look again."""
     keeper = keeper_pid(job_id)
@@ -148,14 +148,16 @@ def _stop(job_id: str) -> tuple[bool, int, list[int]]:
     left = [p for p in procs.tagged(job_id) + ([keeper] if keeper else []) if procs.alive(p)]
     found = keeper is not None or signalled > 0
     if not left:
-        for name in ("exit", "started", "keeper.pid"):
+        # keep_exit: the job stays "exited" with the code its command ended with (143 when the
+        # TERM above ended it), so status still shows the last attempt's codes.
+        for name in ("keeper.pid",) if keep_exit else ("exit", "started", "keeper.pid"):
             with contextlib.suppress(OSError):
                 (d / name).unlink()
     return found, signalled, left
 
 
 def stop(request: StopRequest) -> StopReply:
-    found, signalled, left = _stop(request.job_id)
+    found, signalled, left = _stop(request.job_id, request.keep_exit)
     return StopReply(found, signalled, left)
 
 

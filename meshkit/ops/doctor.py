@@ -120,22 +120,18 @@ def ssh_checks(hosts: Sequence[Host], failures: Sequence[PairFailureLike]) -> li
     """One row per node that logs in everywhere; one row per broken pair."""
     checks = []
     for source in hosts:
-        broken = [f for f in failures if f.source == source]
+        broken: dict[Host, list[str]] = {}
+        for f in failures:
+            if f.source == source:
+                broken.setdefault(f.target, []).append(f.error)
         if not broken:
             checks.append(
                 Check("ssh", source.label, None, True, f"logs in to all {len(hosts)} nodes")
             )
-        checks += [
-            Check(
-                "ssh",
-                source.label,
-                f.target.label,
-                False,
-                f.error[:300],
-                ssh_fix(f.error),
-            )
-            for f in broken
-        ]
+        for target, errors in broken.items():
+            # verify tries each pair by the hostfile spelling and by hostname: one row per pair
+            detail = "; ".join(dict.fromkeys(errors))[:300]
+            checks.append(Check("ssh", source.label, target.label, False, detail, ssh_fix(detail)))
     return checks
 
 
@@ -325,13 +321,24 @@ def describe_versions(v: dict[str, str]) -> str:
     return ", ".join(f"{k} {val}" for k, val in v.items() if val != "-")
 
 
-def port_check(master: Host, port: int, outcome: Outcome[ListenReply] | None) -> Check:
+def port_check(
+    master: Host, port: int, outcome: Outcome[ListenReply] | None, may_move: bool = False
+) -> Check:
+    """``may_move``: the caller (train) moves to a free port itself, so busy is only a note."""
     if outcome is None or outcome.value is None:
         why = outcome.error if outcome else "unreachable"
         return Check(
             "master port", master.label, None, False, f"cannot probe: {why}", "fix the node"
         )
     reply = outcome.value
+    if reply.error and may_move and "busy" in reply.error:
+        return Check(
+            "master port",
+            master.label,
+            None,
+            True,
+            f"{reply.error} on the master {master.label}; train moves to a free port",
+        )
     if reply.error:
         return Check(
             "master port",
@@ -423,6 +430,7 @@ def run(
     verify: Verify | None = None,
     collective: bool = True,
     probe_seconds: float = PROBE_SECONDS,
+    port_may_move: bool = False,
 ) -> Report:
     """Every check, in the order a training job would hit them. ``verify`` (the SSH N x N check)
     and ``collective`` are the slow parts; ``quick`` (train --doctor) leaves both out."""
@@ -439,23 +447,26 @@ def run(
     # facts: the master writes the shared-workdir marker, then the others look for it
     token = secrets.token_hex(8)
     marker = f"{job.workdir.rstrip('/')}/.meshkit/doctor-{token}"
+    # Each node's clock is compared with the middle of [request sent, phase over]: the allowance
+    # grows with that window, so a slow phase never makes a false skew.
     timing: dict[Host, tuple[float, float]] = {}
+    facts: dict[Host, Outcome[FactsReply]] = {}
+    for write, chosen in ((True, hosts[:1]), (False, hosts[1:])):
+        sent: dict[Host, float] = {}
 
-    def facts_for(write: bool) -> Callable[[Host], FactsRequest]:
-        def request(host: Host) -> FactsRequest:
-            timing[host] = (time.time(), 0.0)
+        def request(
+            host: Host, write: bool = write, sent: dict[Host, float] = sent
+        ) -> FactsRequest:
+            sent[host] = time.time()
             return FactsRequest(job.workdir, marker, token, write)
 
-        return request
-
-    facts = pool.call_all("facts", facts_for(True), FactsReply, hosts[:1])
-    facts.update(pool.call_all("facts", facts_for(False), FactsReply, hosts[1:]))
-    back = time.time()  # replies are stamped as the phase ends: the skew allowance covers it
-    timing = {h: (sent, back) for h, (sent, _) in timing.items()}
+        facts.update(pool.call_all("facts", request, FactsReply, chosen))
+        back = time.time()
+        timing.update({h: (t, back) for h, t in sent.items()})
     checks += fact_checks(hosts, facts, pool.failures, timing, hosts[0].slots)
 
     try:
-        checks += network_checks(pool, job, hosts, views)
+        checks += network_checks(pool, job, hosts, views, port_may_move)
     finally:
         pool.call_all("", lambda h: DoneRequest(marker if h == hosts[0] else None), DoneReply)
 
@@ -493,8 +504,19 @@ def run(
     return report
 
 
+def quick(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Report:
+    """The quick parts, for ``train --doctor``: everything but the N x N SSH check (the train
+    connections just proved the controller's side) and the collective probe; a busy master port
+    is only a note, since train then moves to a free one."""
+    return run(pool, job, hosts, verify=None, collective=False, port_may_move=True)
+
+
 def network_checks(
-    pool: NodePool, job: Job, hosts: Sequence[Host], views: dict[Host, NodeView]
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    views: dict[Host, NodeView],
+    port_may_move: bool = False,
 ) -> list[Check]:
     """The master port free on the master and reachable from every node; every node reaching
     every other on the interface its backends will use."""
@@ -503,7 +525,7 @@ def network_checks(
     held = pool.call_all(
         "port", lambda h: ListenRequest(None, port, LISTEN_SECONDS), ListenReply, [master]
     )
-    checks.append(port_check(master, port, held.get(master)))
+    checks.append(port_check(master, port, held.get(master), port_may_move))
     answer = held.get(master)
     port_open = answer is not None and answer.value is not None and answer.value.error is None
     ok_hosts = [h for h in hosts if views[h].error is None]

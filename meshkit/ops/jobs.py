@@ -259,6 +259,7 @@ class Launch:
     rows: list[StartRow]
     note: str | None
     dry_run: bool
+    synced: dict[str, int] | None = None  # host -> files copied (a synced job's nodes)
 
     @property
     def ok(self) -> bool:
@@ -272,21 +273,34 @@ def launch(
     *,
     replace: bool = False,
     dry_run: bool = False,
+    attempt: int = 1,
 ) -> Launch:
     """Preflight everywhere (read-only; any problem starts nothing anywhere), save the job and
-    its index through the master, then start it on every node."""
+    its index through the master (every node when the workdir is synced), then start it on every
+    node. A synced job's workdir is copied first (only what changed)."""
+    synced = None
+    if job.sync and not dry_run:
+        from .sync import sync_workdir
+
+        synced = sync_workdir(pool, job, hosts).nodes
     checked = preflight(pool, job, hosts, replace)
     if checked.problems:
         raise LaunchError([*checked.problems, "train: preflight failed; nothing was started"])
     job = replace_port(job, checked.port)
     if dry_run:
         return Launch(job, [], checked.note, True)
-    master = hosts[0]
-    pool.write_file(master, str(job.file), job.to_json())
-    pool.write_file(master, str(job.index), job.index_json())
-    spec = job.node_job()
+    for where in hosts if job.sync else hosts[:1]:
+        pool.write_file(where, str(job.file), job.to_json())
+        pool.write_file(where, str(job.index), job.index_json())
+    spec = job.node_job(attempt)
     started = pool.call_all("start", lambda h: StartRequest(spec, replace), StartReply)
-    return Launch(job, start_rows(hosts, started, pool.failures), checked.note, False)
+    return Launch(job, start_rows(hosts, started, pool.failures), checked.note, False, synced)
+
+
+def hostfile_text(job: Job) -> str:
+    """The hostfile as saved with a synced job (a node without the hostfile's path still has
+    this copy beside the job file)."""
+    return read_local(job.hostfile) or ""
 
 
 def replace_port(job: Job, port: int) -> Job:
@@ -323,9 +337,14 @@ class StatusRow:
     started: str | None  # ISO 8601, UTC
     last_line: str | None
     error: str | None = None
+    supervised: bool = False  # train --restarts: the four fields below are shown
+    attempt: int | None = None
+    restarts_left: int | None = None
+    last_restart_reason: str | None = None
+    supervisor: str | None = None  # running | gave up | done | None (no record)
 
     def as_json(self) -> dict[str, object]:
-        return {
+        data: dict[str, object] = {
             "node_rank": self.node_rank,
             "host": self.host,
             "state": self.state,
@@ -333,6 +352,14 @@ class StatusRow:
             "started": self.started,
             "last_line": self.last_line,
         }
+        if self.supervised:
+            data |= {
+                "attempt": self.attempt,
+                "restarts_left": self.restarts_left,
+                "last_restart_reason": self.last_restart_reason,
+                "supervisor": self.supervisor,
+            }
+        return data
 
 
 def status_rows(
@@ -365,6 +392,29 @@ def status(
     return status_rows(hosts, replies, pool.failures)
 
 
+def with_supervision(job: Job, rows: list[StatusRow], record_text: str | None) -> list[StatusRow]:
+    """Pure: a supervised job's rows carry its supervisor's record (all null when there is none,
+    e.g. after ``stop``)."""
+    if not job.restarts:
+        return rows
+    from .supervise import record_from_json
+
+    record = record_from_json(record_text)
+    if record is None:
+        return [replace(r, supervised=True) for r in rows]
+    return [
+        replace(
+            r,
+            supervised=True,
+            attempt=record.attempt,
+            restarts_left=record.restarts_left,
+            last_restart_reason=record.last_restart_reason,
+            supervisor=record.supervisor,
+        )
+        for r in rows
+    ]
+
+
 def wait_done(
     pool: NodePool, job: Job, hosts: Sequence[Host], timeout: float, interval: float = 1.0
 ) -> list[StatusRow]:
@@ -395,12 +445,23 @@ class StopRow:
         return self.error is None and not self.left
 
 
-def stop(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[StopRow]:
-    """End the job's whole process tree on every node, then check (on the node) that nothing of it
-    is left. A node that cannot be asked is a failure, never "nothing left"."""
-    replies = pool.call_all("stop", lambda h: StopRequest(job.id), StopReply)
+def stop(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    *,
+    keep_exit: bool = False,
+    only: Sequence[Host] | None = None,
+) -> list[StopRow]:
+    """End the job's whole process tree on every node (or ``only`` those), then check (on the
+    node) that nothing of it is left. A node that cannot be asked is a failure, never "nothing
+    left". ``keep_exit`` leaves the exit codes for status (a supervisor that gave up)."""
+    chosen = list(hosts if only is None else only)
+    replies = pool.call_all("stop", lambda h: StopRequest(job.id, keep_exit), StopReply, chosen)
     rows = []
     for rank, h in enumerate(hosts):
+        if h not in chosen:
+            continue
         outcome = replies.get(h)
         if outcome is None or outcome.value is None:
             error = outcome.error if outcome else f"unreachable: {pool.failures.get(h, 'unknown')}"

@@ -215,12 +215,25 @@ def node_batch(lay: Layout, node: Node) -> list[str]:
             f"link set {name} up",
         ]
     if lay.networks.docker:
-        batch += [
-            f"link add {DOCKER_BRIDGE} type bridge",
-            f"addr add {DOCKER_ADDRESS} dev {DOCKER_BRIDGE}",
-            f"link set {DOCKER_BRIDGE} up",
-        ]
+        batch += docker_batch()
     return batch
+
+
+def docker_batch() -> list[str]:
+    return [
+        f"link add {DOCKER_BRIDGE} type bridge",
+        f"addr add {DOCKER_ADDRESS} dev {DOCKER_BRIDGE}",
+        f"link set {DOCKER_BRIDGE} up",
+    ]
+
+
+def add_docker(lay: Layout) -> None:
+    """docker0 on every node of a running sandbox, as when Docker is installed after the cluster
+    was set up (safe to repeat)."""
+    for node in lay.nodes:
+        present = _run(["ip", "-n", node.netns, "link", "show", DOCKER_BRIDGE], check=False)
+        if not present:
+            _run(["ip", "-n", node.netns, "-batch", "-"], input="\n".join(docker_batch()) + "\n")
 
 
 def teardown(lay: Layout, links: Sequence[str]) -> list[str]:
@@ -241,7 +254,7 @@ def _pair(lay: Layout, a: int, b: int) -> tuple[Node, Node]:
         if not 0 <= index < lay.count:
             raise SandboxError(f"node {index}: the sandbox has nodes 0..{lay.count - 1}")
     if a == b:
-        raise SandboxError(f"--a {a} --b {b}: name two different nodes")
+        raise SandboxError(f"nodes {a} and {b}: name two different nodes")
     return lay.nodes[a], lay.nodes[b]
 
 

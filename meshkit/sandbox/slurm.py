@@ -34,7 +34,7 @@ PROGRAMS = {
     "sinfo": "slurm-client",
     "munged": "munge",
 }
-READY_TIMEOUT = 30.0
+READY_TIMEOUT = 60.0  # slurmd registration on a loaded machine
 CPUS_PER_NODE = 4  # declared, not detected (SlurmdParameters=config_overrides): same on any host
 
 

@@ -97,6 +97,7 @@ ns = Collection(
     tasks_train.status,
     tasks_train.logs,
     tasks_train.stop,
+    tasks_train.supervise,
     tasks_train.demo,
     tasks_doctor.doctor,
 )

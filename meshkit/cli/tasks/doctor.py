@@ -5,6 +5,7 @@ from __future__ import annotations
 import json as jsonlib
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from invoke.context import Context
 from invoke.exceptions import Exit
@@ -14,6 +15,10 @@ from ...hostfile import Host
 from ...job import Job, check_session
 from ..common import conf, helps, int_option, option, progress, reported, table, task
 from .mesh import ssh_settings
+
+if TYPE_CHECKING:
+    from ...ops.doctor import Report
+    from ...ops.jobs import NodePool
 
 DOCTOR_HELP = helps(
     "hostfile",
@@ -73,6 +78,35 @@ def _target(
     return job, hosts, source
 
 
+def render(report: Report) -> str:
+    return table(
+        ["check", "node", "peer", "ok", "detail", "fix"],
+        [
+            (c.check, c.node, c.peer or "", "ok" if c.ok else "FAIL", c.detail[:90], c.fix[:80])
+            for c in report.checks
+        ],
+    )
+
+
+def train_preflight(pool: NodePool, job: Job, hosts: list[Host]) -> None:
+    """``train --doctor``: the doctor's quick checks before anything starts; any failure starts
+    nothing (LaunchError lists each failed check with its fix)."""
+    from ...errors import LaunchError
+    from ...ops import doctor as ops
+
+    report = ops.quick(pool, job, hosts)
+    if not report.ok:
+        print(render(report))
+        raise LaunchError(
+            [
+                f"{c.node}{' -> ' + c.peer if c.peer else ''}: {c.check}: {c.detail}; fix: {c.fix}"
+                for c in report.failures
+            ]
+            + ["train --doctor: checks failed; nothing was started"]
+        )
+    print(f"doctor: {len(report.checks)} quick checks passed")
+
+
 @task(help=DOCTOR_HELP)
 def doctor(
     c: Context,
@@ -119,22 +153,7 @@ def doctor(
         print(jsonlib.dumps(report.as_json()))
     else:
         print(f"doctor: {len(hosts)} nodes, {source}, master port {job.master_port}")
-        print(
-            table(
-                ["check", "node", "peer", "ok", "detail", "fix"],
-                [
-                    (
-                        c.check,
-                        c.node,
-                        c.peer or "",
-                        "ok" if c.ok else "FAIL",
-                        c.detail[:90],
-                        c.fix[:80],
-                    )
-                    for c in report.checks
-                ],
-            )
-        )
+        print(render(report))
         bad = report.failures
         print(f"\n{len(report.checks) - len(bad)}/{len(report.checks)} checks passed")
     if not report.ok:

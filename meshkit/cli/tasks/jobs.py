@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json as jsonlib
 import os
 import sys
@@ -11,7 +13,7 @@ from contextlib import contextmanager
 from invoke.context import Context
 from invoke.exceptions import Exit
 
-from ...errors import LaunchError, UsageError
+from ...errors import LaunchError, MeshkitError, UsageError
 from ...hostfile import Host
 from ...job import Job, check_env, check_session
 from ...ops import jobs as ops
@@ -22,9 +24,13 @@ JOB_FLAGS = ("hostfile", "session", "workdir")
 
 
 def _hosts_of(job: Job) -> list[Host]:
+    """The job's nodes, from its hostfile; a synced job's copy when this machine lacks the path."""
     from ...discovery import read_hosts
 
-    return read_hosts(job.hostfile, job.include, job.exclude)
+    path = job.hostfile
+    if job.sync and not os.path.exists(path) and os.path.exists(job.node_hostfile):
+        path = job.node_hostfile
+    return read_hosts(path, job.include, job.exclude)
 
 
 def _session(flag: str | None) -> str:
@@ -105,6 +111,16 @@ def _print_start(launch: ops.Launch) -> None:
 
 def _print_status(rows: Sequence[ops.StatusRow], job: Job) -> None:
     print(f"job {job.label} (tmux session {job.tmux_session})")
+    if rows and rows[0].supervised:
+        r = rows[0]
+        if r.supervisor is None:
+            print(f"supervisor: none (restarts {job.restarts})")
+        else:
+            print(
+                f"supervisor: {r.supervisor}, attempt {r.attempt} of {job.restarts + 1}, "
+                f"restarts left {r.restarts_left}"
+                + (f", last restart: {r.last_restart_reason}" if r.last_restart_reason else "")
+            )
     print(
         table(
             ["rank", "host", "state", "exit", "started", "last line"],
@@ -135,8 +151,15 @@ TRAIN_HELP = helps(
     workdir="directory on shared storage to run in (default: config, else the current "
     "directory); logs go to WORKDIR/.meshkit/SESSION/",
     wait="seconds to wait for unreachable (rebooting) nodes before giving up",
+    restarts="supervise: relaunch the whole job (same ranks) up to N times when a node fails, "
+    "stops answering or reboots (a supervisor runs in tmux on this machine)",
+    restart_on="only these exit codes restart (comma list; default any non-zero; torchrun "
+    "exits 1 for any worker failure)",
+    sync="copy the workdir to every node (default: when some node does not see it)",
     replace="end any other meshkit job running on the nodes (never done without this flag)",
     dry_run="run the preflight and show what would start; start nothing",
+    doctor="also run the doctor's quick checks (interfaces, master port, node-to-node TCP, "
+    "versions, workdir, clocks) in preflight; any failure starts nothing",
 )
 
 
@@ -152,8 +175,12 @@ def train(
     wait: float = 0.0,
     replace: bool = False,
     dry_run: bool = False,
+    doctor: bool = False,
     include: str | None = None,
     exclude: str | None = None,
+    restarts: int | None = None,
+    restart_on: str | None = None,
+    sync: bool = False,
 ) -> None:
     """Start CMD detached in tmux on every node, each with its rank variables; or relaunch the
     saved job.
@@ -173,8 +200,36 @@ def train(
             job, hosts = _new_job(
                 cmd, workdir, session, hostfile, nproc_per_node, master_port, include, exclude
             )
+            job = dataclasses.replace(job, sync_exclude=tuple(conf().sync_exclude))
+        job = _supervision(job, restarts, restart_on, fresh=cmd is not None)
         with _pool(job, hosts, float(wait)) as pool:
+            if cmd is not None and not job.sync and not dry_run:
+                from ...ops.sync import unshared
+
+                lacking = unshared(pool, job.workdir, hosts)
+                if sync or lacking:
+                    if lacking:
+                        names = ", ".join(h.label for h in lacking)
+                        print(f"workdir {job.workdir} is not shared with {names}: syncing it")
+                    job = dataclasses.replace(job, sync=True)
+            elif sync:
+                job = dataclasses.replace(job, sync=True)
+            if not dry_run:
+                from ...ops import supervise as sup
+
+                left = sup.end_supervisor(pool, job, hosts)
+                if left:
+                    raise LaunchError([*left, "train: the old supervisor did not end"])
+            if doctor:
+                from .doctor import train_preflight
+
+                train_preflight(pool, job, hosts)
             launch = ops.launch(pool, job, hosts, replace=replace, dry_run=dry_run)
+            if launch.ok and not launch.dry_run and launch.job.restarts:
+                _start_supervisor(pool, launch.job, hosts)
+        if launch.synced:
+            for host, count in launch.synced.items():
+                print(f"synced {count} changed files to {host}")
         if launch.note:
             print(launch.note)
         if launch.dry_run:
@@ -193,6 +248,90 @@ def train(
         print(f"\nstatus: meshkit status {where}   logs: meshkit logs {where}")
 
 
+def _supervision(job: Job, restarts: int | None, restart_on: str | None, fresh: bool) -> Job:
+    """``--restarts``/``--restart-on`` over the saved job's (a bare relaunch keeps the saved
+    policy unless told otherwise)."""
+    from ...job import parse_restart_on
+
+    if restarts is not None and not 0 <= int(restarts) <= 1000:
+        raise UsageError(f"--restarts {restarts}: expected 0..1000")
+    codes = parse_restart_on(restart_on)
+    if restarts is None and restart_on is None:
+        return job if not fresh else dataclasses.replace(job, restarts=0, restart_on=())
+    return dataclasses.replace(
+        job,
+        restarts=int(restarts) if restarts is not None else job.restarts,
+        restart_on=codes if restart_on is not None else job.restart_on,
+    )
+
+
+def _start_supervisor(pool: ops.NodePool, job: Job, hosts: Sequence[Host]) -> None:
+    import socket
+
+    from ...ops import supervise as sup
+
+    record = sup.Record(sup.RUNNING, 1, job.restarts, None, socket.gethostname())
+    for h in sup.record_hosts(job, hosts):
+        pool.write_file(h, str(job.supervisor_file), record.to_json())
+    log = str(job.home / "supervisor.log")
+    error = sup.start_local(job, log)
+    if error:
+        raise LaunchError(
+            f"the job started but its supervisor did not: {error}; `meshkit stop` ends the job"
+        )
+    print(f"supervisor: tmux session {job.supervisor_tmux} on {record.host}, log {log}")
+
+
+@task(help=helps(*JOB_FLAGS, log="append output to this file"))
+def supervise(
+    c: Context,
+    hostfile: str | None = None,
+    session: str | None = None,
+    workdir: str | None = None,
+    log: str | None = None,
+) -> None:
+    """(Started by `train --restarts`, in tmux.) Watch the saved job on every node and relaunch
+    it on failure, as `train --restarts` describes."""
+    import datetime
+    import socket
+
+    from ...node.supervise import register
+    from ...ops import supervise as sup
+
+    if log:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    with reported():
+        job = _find(hostfile, session, workdir)
+        hosts = _hosts_of(job)
+        register(job.id)
+
+        def say(message: str) -> None:
+            now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            print(f"{now} {message}", flush=True)
+
+        def save(pool: ops.NodePool, record: sup.Record) -> None:
+            for h in sup.record_hosts(job, hosts):
+                try:
+                    pool.write_file(h, str(job.supervisor_file), record.to_json())
+                except Exception as exc:  # one node's record: say so, keep supervising
+                    say(f"{h.label}: cannot write the supervisor record: {exc}")
+
+        say(f"supervising {job.label} on {len(hosts)} nodes, restarts {job.restarts}")
+        record = sup.supervise(
+            lambda wait: _pool(job, hosts, wait),
+            job,
+            hosts,
+            save=save,
+            say=say,
+            host=socket.gethostname(),
+        )
+    if record.supervisor != sup.DONE:
+        raise Exit(code=1)
+
+
 @task(help=helps(*JOB_FLAGS, "json"))
 def status(
     c: Context,
@@ -208,6 +347,7 @@ def status(
         hosts = _hosts_of(job)
         with _pool(job, hosts) as pool:
             rows = ops.status(pool, job, hosts)
+        rows = ops.with_supervision(job, rows, ops.read_local(str(job.supervisor_file)))
     if json:
         print(jsonlib.dumps([r.as_json() for r in rows]))
     else:
@@ -272,7 +412,18 @@ def stop(
         job = _find(hostfile, session, workdir)
         hosts = _hosts_of(job)
         with _pool(job, hosts) as pool:
+            left = []
+            if job.restarts:
+                from ...ops import supervise as sup
+
+                left = sup.end_supervisor(pool, job, hosts)
             rows = ops.stop(pool, job, hosts)
+            if job.restarts and not left:
+                for h in sup.record_hosts(job, hosts):
+                    with contextlib.suppress(MeshkitError):
+                        pool.write_file(h, str(job.supervisor_file), "{}\n")
+    for problem in left:
+        print(f"meshkit: {problem}", file=sys.stderr)
     print(
         table(
             ["rank", "host", "job", "signalled", "verified"],
@@ -293,6 +444,8 @@ def stop(
         )
     )
     bad = [r.host for r in rows if not r.ok]
+    if left:
+        raise Exit("meshkit: the job's supervisor could not be ended (see above)", 1)
     if bad:
         raise Exit(f"meshkit: could not verify the job ended on: {', '.join(bad)}", 1)
 

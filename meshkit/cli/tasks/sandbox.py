@@ -11,6 +11,7 @@ from invoke.collection import Collection
 from invoke.context import Context
 
 from ... import sandbox
+from ...errors import UsageError
 from ...sandbox.slurm import conf_path as slurm_conf_path
 from ..common import conf, reported, table, task
 
@@ -132,33 +133,46 @@ def status(c: Context, dir: str | None = None, name: str | None = None, json: bo
 
 
 PAIR_HELP = {
-    "a": "index of one node",
-    "b": "index of the other node",
+    "node": "index of one node (0 = node0)",
+    "peer": "index of the other node",
     "dir": DIR_HELP,
     "name": NAME_HELP,
 }
 
 
+def _pair(node: object, peer: object) -> tuple[int, int]:
+    if node is None or peer is None or not str(node).isdigit() or not str(peer).isdigit():
+        raise UsageError("give both nodes by index: --node I --peer J (e.g. --node 0 --peer 2)")
+    return int(str(node)), int(str(peer))
+
+
 @task(help=PAIR_HELP)
-def cut(c: Context, a: int, b: int, dir: str | None = None, name: str | None = None) -> None:
-    """Cut the link between two nodes, both ways (undo with sandbox.mend)."""
+def cut(
+    c: Context,
+    node: int | None = None,
+    peer: int | None = None,
+    dir: str | None = None,
+    name: str | None = None,
+) -> None:
+    """Cut the link between two nodes, both ways, on every network (undo with sandbox.mend)."""
     with reported():
+        pair = _pair(node, peer)
         sandbox.preflight()
-        lay = sandbox.load(_dir(c, dir, name))
-        sandbox.cut(lay, int(a), int(b))
+        sandbox.cut(sandbox.load(_dir(c, dir, name)), *pair)
     print(
-        f"cut: node{a} <-> node{b} (no route between them; undo: meshkit sandbox.mend -a {a} -b {b})"
+        f"cut: node{node} <-> node{peer} (no route between them; "
+        f"undo: meshkit sandbox.mend --node {node} --peer {peer})"
     )
 
 
 @task(help=PAIR_HELP)
-def mend(c: Context, a: int, b: int, dir: str | None = None, name: str | None = None) -> None:
+def mend(c: Context, node: int, peer: int, dir: str | None = None, name: str | None = None) -> None:
     """Restore the link between two nodes that sandbox.cut took down."""
     with reported():
+        pair = _pair(node, peer)
         sandbox.preflight()
-        lay = sandbox.load(_dir(c, dir, name))
-        sandbox.mend(lay, int(a), int(b))
-    print(f"mended: node{a} <-> node{b}")
+        sandbox.mend(sandbox.load(_dir(c, dir, name)), *pair)
+    print(f"mended: node{node} <-> node{peer}")
 
 
 ns = Collection("sandbox", up, down, reboot, status, cut, mend)

@@ -1,0 +1,61 @@
+"""A node's side of ``train --sync``: what files a workdir holds here (size, mtime) and writing
+the ones the launcher sends, chunk by chunk, each moved into place only when complete. Standard
+library only."""
+
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+
+from ..protocol import FileState, ManifestReply, ManifestRequest, PutReply, PutRequest
+
+MAX_FILES = 100000  # a workdir larger than this is not a job's code: the launcher says so
+
+
+def manifest(request: ManifestRequest) -> ManifestReply:
+    root = Path(request.root)
+    if not root.is_dir():
+        return ManifestReply(False, [])
+    skip = set(request.exclude)
+    files: list[FileState] = []
+    for top, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in skip)
+        for name in sorted(names):
+            if name in skip:
+                continue
+            path = Path(top) / name
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if not path.is_file() or path.is_symlink():
+                continue
+            files.append(
+                FileState(str(path.relative_to(root)), st.st_size, st.st_mtime, st.st_mode & 0o777)
+            )
+            if len(files) >= MAX_FILES:
+                return ManifestReply(True, files, truncated=True)
+    return ManifestReply(True, files)
+
+
+def _partial(path: Path) -> Path:
+    return path.with_name(f".{path.name}.meshkit-sync")
+
+
+def put(request: PutRequest) -> PutReply:
+    path = Path(request.path)
+    if not path.is_absolute() or ".." in path.parts:
+        raise ValueError(f"put: {request.path[:200]!r} is not an absolute path without '..'")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _partial(path)
+    data = base64.b64decode(request.data.encode(), validate=True)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if request.offset == 0 else 0)
+    with os.fdopen(os.open(tmp, flags, 0o600), "wb") as out:
+        out.seek(request.offset)
+        out.write(data)
+    if request.last:
+        os.chmod(tmp, request.mode & 0o7777)
+        os.utime(tmp, (request.mtime, request.mtime))
+        os.replace(tmp, path)
+    return PutReply(len(data))

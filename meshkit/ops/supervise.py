@@ -1,0 +1,354 @@
+"""Supervised jobs (``train --restarts N``): watch every node, and on a failure stop the job
+everywhere, wait for every node to answer again, and relaunch it with the same ranks, at most N
+times. ``decide`` is the whole policy, pure; ``supervise`` is the loop around it (prints nothing:
+it reports through ``say`` and records its state through ``save``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field, replace
+
+from ..errors import LaunchError, RemoteError
+from ..hostfile import Host
+from ..job import Job
+from . import jobs as ops
+
+POLL_INTERVAL = 2.0  # seconds between status polls of every node
+MISSES = 2  # consecutive unanswered polls before a node counts as gone (one blip is no failure)
+COME_BACK = 300.0  # seconds to wait for every node to answer again before a relaunch
+BACKOFF = 2.0  # seconds before the first relaunch, doubled for each later one
+MAX_BACKOFF = 60.0
+GIVE_UP_GRACE = 30.0  # seconds the nodes still running get to end by themselves after a give-up
+
+RUNNING, GAVE_UP, DONE = "running", "gave up", "done"
+
+
+# ---- the policy (pure) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node as the supervisor sees it in one poll."""
+
+    rank: int
+    host: str
+    state: str  # running | exited | absent | unreachable
+    exit_code: int | None = None
+    started: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # wait | done | restart | give up
+    reason: str | None = None
+
+
+def restartable(code: int, restart_on: Sequence[int]) -> bool:
+    """Whether ``code`` restarts the job: any non-zero by default, else only the listed codes."""
+    return code != 0 and (not restart_on or code in restart_on)
+
+
+def decide(
+    nodes: Sequence[NodeView],
+    started: dict[int, float],
+    restart_on: Sequence[int],
+    restarts_left: int,
+) -> Decision:
+    """What to do after one poll. ``started`` is when each node's part of this attempt started
+    (as first seen): a different start time means the node ran something else since (a reboot
+    and someone's relaunch, say)."""
+    if nodes and all(n.state == "exited" and n.exit_code == 0 for n in nodes):
+        return Decision(DONE, "every node exited 0")
+    problems: list[str] = []
+    fatal: list[str] = []
+    for n in nodes:
+        who = f"node {n.rank} ({n.host})"
+        if n.state == "unreachable":
+            problems.append(f"{who} is not answering")
+        elif n.state == "absent":
+            problems.append(f"{who}: the job is gone there (rebooted, or ended outside meshkit)")
+        elif n.rank in started and n.started is not None and n.started != started[n.rank]:
+            problems.append(f"{who}: the job was restarted outside the supervisor")
+        elif n.state == "exited" and n.exit_code not in (0, None):
+            if restartable(n.exit_code, restart_on):
+                problems.append(f"{who} exited with code {n.exit_code}")
+            else:
+                fatal.append(f"{who} exited with code {n.exit_code} (not in --restart-on)")
+    if fatal:
+        return Decision(GAVE_UP, "; ".join(fatal + problems))
+    if not problems:
+        return Decision("wait")
+    reason = "; ".join(problems)
+    if restarts_left <= 0:
+        return Decision(GAVE_UP, f"no restarts left; last failure: {reason}")
+    return Decision("restart", reason)
+
+
+def backoff(restart_number: int, base: float = BACKOFF, cap: float = MAX_BACKOFF) -> float:
+    """Seconds to wait before relaunch number ``restart_number`` (1, 2, ...)."""
+    return float(min(cap, base * 2 ** max(0, restart_number - 1)))
+
+
+def views(rows: Sequence[ops.StatusRow], misses: dict[int, int]) -> list[NodeView]:
+    """Status rows as the policy sees them: a node that did not answer ``MISSES`` polls in a row
+    is ``unreachable``; before that it is taken to be as it was (``running``)."""
+    out = []
+    for r in rows:
+        if r.error:
+            misses[r.node_rank] = misses.get(r.node_rank, 0) + 1
+            state = "unreachable" if misses[r.node_rank] >= MISSES else RUNNING
+            out.append(NodeView(r.node_rank, r.host, state))
+            continue
+        misses.pop(r.node_rank, None)
+        stamp = None
+        if r.started:
+            import datetime
+
+            stamp = datetime.datetime.fromisoformat(r.started).timestamp()
+        out.append(NodeView(r.node_rank, r.host, r.state, r.exit_code, stamp))
+    return out
+
+
+# ---- the record every node can read ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    """What ``status`` shows about supervision (``supervisor.json`` beside the job file)."""
+
+    supervisor: str  # running | gave up | done
+    attempt: int
+    restarts_left: int
+    last_restart_reason: str | None = None
+    host: str | None = None  # where the supervisor runs (its tmux session is there)
+    exit_codes: list[int | None] = field(default_factory=list)  # the last attempt's, per rank
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+
+def record_from_json(text: str | None) -> Record | None:
+    """The record, or None when there is none or it is unreadable (status then shows null)."""
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+        record = Record(
+            supervisor=str(data["supervisor"]),
+            attempt=int(data["attempt"]),
+            restarts_left=int(data["restarts_left"]),
+            last_restart_reason=(
+                None
+                if data.get("last_restart_reason") is None
+                else str(data["last_restart_reason"])
+            ),
+            host=None if data.get("host") is None else str(data["host"]),
+            exit_codes=[None if c is None else int(c) for c in data.get("exit_codes") or []],
+        )
+    except (ValueError, TypeError, KeyError):
+        return None
+    return record if record.supervisor in (RUNNING, GAVE_UP, DONE) else None
+
+
+# ---- the loop -------------------------------------------------------------------------------
+
+
+Connect = Callable[[float], AbstractContextManager[ops.NodePool]]
+
+
+def supervise(
+    connect: Connect,
+    job: Job,
+    hosts: Sequence[Host],
+    *,
+    save: Callable[[ops.NodePool, Record], None],
+    say: Callable[[str], None],
+    host: str,
+    interval: float = POLL_INTERVAL,
+    come_back: float = COME_BACK,
+    base_backoff: float = BACKOFF,
+    relaunch: Callable[[ops.NodePool, Job, int], ops.Launch] | None = None,
+) -> Record:
+    """Watch attempt 1 (already started) and relaunch on failure; returns the final record.
+
+    ``connect(wait)`` opens one agent per node (waiting up to ``wait`` seconds for nodes that do
+    not answer yet); the same pool is reused for every poll until a node stops answering."""
+    relaunch = relaunch or (lambda pool, j, attempt: ops.launch(pool, j, hosts, attempt=attempt))
+    record = Record(RUNNING, 1, job.restarts, None, host)
+    while True:
+        with connect(0.0) as pool:
+            save(pool, record)
+            record = _watch(pool, job, hosts, record, save, say, interval)
+        if record.supervisor != RUNNING:
+            return record
+        # A restart: the job was stopped everywhere that answered; now every node must answer.
+        attempt = record.attempt + 1
+        pause = backoff(attempt - 1, base_backoff)
+        say(f"attempt {record.attempt} failed: {record.last_restart_reason}")
+        say(f"relaunching in {pause:.0f}s (attempt {attempt} of {job.restarts + 1})")
+        time.sleep(pause)
+        with connect(come_back) as pool:
+            missing = [h.label for h in hosts if h in pool.failures]
+            if missing:
+                record = replace(
+                    record,
+                    supervisor=GAVE_UP,
+                    last_restart_reason=(
+                        f"{record.last_restart_reason}; then {', '.join(missing)} did not answer "
+                        f"within {come_back:.0f}s"
+                    ),
+                )
+                save(pool, record)
+                say(f"gave up: {record.last_restart_reason}")
+                return record
+            record = replace(record, attempt=attempt, restarts_left=record.restarts_left - 1)
+            try:
+                launched = relaunch(pool, job, attempt)
+                ok = launched.ok
+                why = "; ".join(f"node {r.node_rank}: {r.error}" for r in launched.rows if r.error)
+            except (LaunchError, RemoteError) as exc:
+                ok, why = False, str(exc).replace("\n", "; ")
+            if not ok:
+                say(f"attempt {attempt} did not start: {why}")
+                # Counted as a failed attempt: the next poll sees the nodes absent and decides.
+            save(pool, record)
+            say(f"attempt {attempt} started")
+
+
+def _watch(
+    pool: ops.NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    record: Record,
+    save: Callable[[ops.NodePool, Record], None],
+    say: Callable[[str], None],
+    interval: float,
+) -> Record:
+    """Poll until the attempt ends: done, gave up, or a restart (the job then stopped)."""
+    started: dict[int, float] = {}
+    misses: dict[int, int] = {}
+    while True:
+        rows = ops.status(pool, job, hosts, phase="")
+        seen = views(rows, misses)
+        for n in seen:
+            if n.started is not None:
+                started.setdefault(n.rank, n.started)
+        decision = decide(seen, started, job.restart_on, record.restarts_left)
+        codes = [n.exit_code for n in seen]
+        if decision.action == "wait":
+            time.sleep(interval)
+            continue
+        if decision.action == DONE:
+            record = replace(record, supervisor=DONE, exit_codes=codes)
+            save(pool, record)
+            say("done: every node exited 0")
+            return record
+        # A failure: end the job everywhere (keeping exit codes when giving up).
+        give_up = decision.action == GAVE_UP
+        still = [hosts[n.rank] for n in seen if n.state == RUNNING]
+        if give_up:
+            # The other nodes usually fail on their own within seconds (torchrun notices a lost
+            # peer): give them a while, so status shows the codes they really ended with.
+            deadline = time.monotonic() + GIVE_UP_GRACE
+            while still and time.monotonic() < deadline:
+                time.sleep(interval)
+                rows = ops.status(pool, job, hosts, phase="")
+                still = [hosts[r.node_rank] for r in rows if r.state == RUNNING and not r.error]
+            if still:
+                ops.stop(pool, job, hosts, keep_exit=True, only=still)
+            rows = ops.status(pool, job, hosts, phase="")
+            codes = [r.exit_code for r in rows]
+            record = replace(
+                record,
+                supervisor=GAVE_UP,
+                last_restart_reason=decision.reason,
+                exit_codes=codes,
+            )
+            save(pool, record)
+            say(f"gave up: {decision.reason}")
+            return record
+        ops.stop(pool, job, hosts)
+        return replace(record, last_restart_reason=decision.reason, exit_codes=codes)
+
+
+# ---- starting and ending the supervisor -----------------------------------------------------
+
+
+def supervisor_argv(job: Job, log: str) -> list[str]:
+    return [
+        job.python,
+        "-m",
+        "meshkit",
+        "supervise",
+        "--hostfile",
+        job.hostfile,
+        "--session",
+        job.session,
+        "--workdir",
+        job.workdir,
+        "--log",
+        log,
+    ]
+
+
+def start_local(job: Job, log: str) -> str | None:
+    """Start the supervisor detached in its own tmux session on this machine (it outlives the
+    user's login), its output appended to ``log``. Returns an error, or None."""
+    import os
+    import subprocess
+
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    subprocess.run(
+        ["tmux", "kill-session", "-t", f"={job.supervisor_tmux}"],
+        capture_output=True,
+        timeout=10,
+        check=False,
+    )
+    try:
+        done = subprocess.run(
+            # No shell in between: the supervisor opens its log itself (--log).
+            [
+                "tmux",
+                "new-session",
+                "-d",
+                "-s",
+                job.supervisor_tmux,
+                "--",
+                *supervisor_argv(job, log),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot start tmux here: {exc}"
+    return None if done.returncode == 0 else (done.stderr.strip()[-300:] or "tmux failed")
+
+
+def end_supervisor(pool: ops.NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
+    """End the job's supervisor wherever it runs (this machine or any node), before the job
+    itself is touched (it would otherwise take a stop for a failure and relaunch). Returns the
+    nodes where it could not be verified gone."""
+    from ..node.supervise import unsupervise
+    from ..protocol import UnsuperviseReply, UnsuperviseRequest
+
+    request = UnsuperviseRequest(job.id, job.supervisor_tmux)
+    problems = []
+    local = unsupervise(request)
+    if local.left:
+        problems.append(f"this machine: supervisor pid {local.left} survived TERM and KILL")
+    replies = pool.call_all("supervisor", lambda h: request, UnsuperviseReply, hosts)
+    for h, outcome in replies.items():
+        if outcome.value is not None and outcome.value.left:
+            problems.append(f"{h.label}: supervisor pid {outcome.value.left} survived")
+    return problems
+
+
+def record_hosts(job: Job, hosts: Sequence[Host]) -> list[Host]:
+    """Where the supervisor's record is written: the master (shared storage), or every node."""
+    return list(hosts) if job.sync else list(hosts[:1])

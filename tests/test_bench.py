@@ -1,0 +1,148 @@
+"""The benchmark's pure parts: medians, ratios, the README table, and the parsers that decide whether
+a tool reached its end state. Runs no benchmark and builds no cluster."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's benchmarks/ package
+
+from benchmarks import peers, render, stats
+
+
+def line(rank: int, world: int, host: str, total: int | None = None) -> str:
+    want = world * (world + 1) // 2
+    got = want if total is None else total
+    return (
+        f"meshkit-example rank={rank} world_size={world} node_rank=0 meshkit_node_rank=None "
+        f"local_rank={rank % 2} host={host} sum={got} expected={want} ok={got == want}"
+    )
+
+
+def test_median_ignores_failed_samples_and_ratio_needs_both():
+    assert stats.median([3.0, None, 1.0, 2.0]) == 2.0
+    assert stats.median([None, None]) is None
+    assert stats.ratio(2.5, 1.25) == 2.0
+    assert stats.ratio(None, 1.0) is None and stats.ratio(1.0, None) is None
+    assert stats.ratio(1.0, 0.0) is None
+
+
+def test_summarize_gives_medians_and_ratios_to_the_floor_of_the_same_n():
+    medians, ratios = stats.summarize(
+        {"round/floor": [1.0, 1.2, 0.8], "mesh/ansible": [7.0, 8.0, 6.0], "mesh/seed": [None]}
+    )
+    assert medians == {"round/floor": 1.0, "mesh/ansible": 7.0, "mesh/seed": None}
+    assert ratios == {"round/floor": 1.0, "mesh/ansible": 7.0, "mesh/seed": None}
+
+
+def doc() -> dict[str, object]:
+    rows = []
+    for n, floor in ((2, 0.5), (4, 0.8)):
+        medians, ratios = stats.summarize(
+            {
+                "round/floor": [floor],
+                "mesh/meshkit_no_verify": [floor * 1.5],
+                "mesh/ansible": [None],
+            }
+        )
+        rows.append(
+            {
+                "nodes": n,
+                "median_s": medians,
+                "ratio_to_floor": ratios,
+                "skipped": {"mesh/seed": "peers only up to --peers-max 2"} if n == 4 else {},
+                "failures": {"mesh/ansible": ["exit 2: unreachable"]},
+            }
+        )
+        if n == 2:
+            rows[-1]["median_s"]["mesh/seed"] = 3.0  # type: ignore[index]
+            rows[-1]["ratio_to_floor"]["mesh/seed"] = 6.0  # type: ignore[index]
+    return {
+        "sizes": rows,
+        "machine": {"cpus": 2},
+        "env": {"meshkit_env_s": 0.07, "bare_import_netifaces_s": 0.03, "env/bare": 2.33},
+    }
+
+
+def test_table_has_one_row_per_n_and_only_measured_columns():
+    text = stats.table(doc())
+    lines = text.splitlines()
+    assert lines[0] == "| N | floor (ssh true ×N) | mesh --no-verify | Ansible mesh | seed script |"
+    assert lines[1] == "|---|---|---|---|---|"
+    assert lines[2] == "| 2 | 0.50 | 0.75 (1.50×) | failed | 3.00 (6.00×) |"
+    assert lines[3] == "| 4 | 0.80 | 1.20 (1.50×) | failed | – |"
+
+
+def test_render_only_draws_both_plots_from_a_document(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps(doc()))
+    text = render.render(json.loads((tmp_path / "results.json").read_text()), tmp_path)
+    assert (tmp_path / "time_vs_n.png").stat().st_size > 0
+    assert (tmp_path / "ratio_to_floor.png").stat().st_size > 0
+    assert "N=2 mesh/ansible FAILED: exit 2: unreachable" in text
+    assert "2.33×" in text
+
+
+def test_series_skips_missing_values():
+    assert render.series(doc(), "median_s")["mesh/seed"] == [(2, 3.0)]
+
+
+def test_launch_reached_when_every_rank_printed_the_right_sum_two_per_host():
+    world = 4
+    text = "\n".join(f"node{r // 2}: " + line(r, world, f"node{r // 2}") for r in range(world))
+    found = stats.rank_lines(text)
+    assert [x.rank for x in found] == [0, 1, 2, 3]
+    assert stats.launch_problems(found, nodes=2, per_node=2) == []
+
+
+def test_launch_problems_name_missing_ranks_wrong_sums_and_crowded_hosts():
+    found = stats.rank_lines(
+        "\n".join([line(0, 4, "node0"), line(1, 4, "node0", total=3), line(2, 4, "node0")])
+    )
+    problems = stats.launch_problems(found, nodes=2, per_node=2)
+    assert problems[0] == "ranks seen [0, 1, 2], want 0..3"
+    assert "rank 1: world_size=4 sum=3, want 4 and 10" in problems
+    assert problems[-1] == "ranks per host {'node0': 3}, want 2 on each of 2"
+
+
+def test_answered_reads_pdsh_and_gathered_clush_output():
+    names = ["node0", "node1", "node2"]
+    assert stats.answered("node1: node1\nnode0: node0\n", names) == ["node0", "node1"]
+    clush = "---------------\nnode0\n---------------\nnode0\n---------------\nnode2\n---------------\nnode2\n"
+    assert stats.answered(clush, names) == ["node0", "node2"]
+    assert stats.answered("node1: ssh: connect to host node1: Connection refused", names) == []
+
+
+def test_pair_failures_from_check_json():
+    ok = {"nodes": ["a", "b"], "ok": True, "failures": []}
+    assert stats.pair_failures(ok) == []
+    bad = {
+        "ok": False,
+        "failures": [{"from": "a", "to": "b", "error": "Host key verification failed."}],
+    }
+    assert stats.pair_failures(bad) == ["a -> b: Host key verification failed."]
+    assert stats.pair_failures({"ok": True}) == ["no failures list in check's JSON"]
+
+
+def test_log_ranks_from_meshkit_logs_prefixes():
+    assert stats.log_ranks("[0] a\n[1] b\n[0] c\nno prefix [5] here\n") == [0, 1]
+
+
+def test_pdsh_launch_takes_its_rank_from_pdsh():
+    command = peers.pdsh_torchrun_command(Path("/w d"), Path("/v/torchrun"), 4, 2, "node0", 29500)
+    assert command == (
+        "cd '/w d' && /v/torchrun --nnodes=4 --node-rank=%n --nproc-per-node=2 "
+        "--master-addr=node0 --master-port=29500 example_train.py"
+    )
+    assert peers.pdsh_argv(["node0", "node1"], "true") == [
+        "pdsh",
+        "-R",
+        "ssh",
+        "-S",
+        "-f",
+        "2",
+        "-w",
+        "node0,node1",
+        "true",
+    ]

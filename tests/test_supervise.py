@@ -1,0 +1,113 @@
+"""The supervisor's policy (pure: per-node views, restart policy -> action), its record, and sync
+planning; no mocks, no cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshkit.errors import UsageError
+from meshkit.job import Job, from_json, parse_restart_on
+from meshkit.ops import jobs as ops
+from meshkit.ops.supervise import (
+    DONE,
+    GAVE_UP,
+    NodeView,
+    Record,
+    backoff,
+    decide,
+    record_from_json,
+    restartable,
+    views,
+)
+from meshkit.ops.sync import LocalFile, plan
+from meshkit.protocol import FileState
+
+
+def nodes(*states: tuple[str, int | None]) -> list[NodeView]:
+    return [NodeView(i, f"10.0.0.{i + 1}", s, c, 100.0 + i) for i, (s, c) in enumerate(states)]
+
+
+STARTED = {0: 100.0, 1: 101.0, 2: 102.0}
+
+
+def test_all_running_or_some_finished_ok_waits():
+    assert decide(nodes(("running", None)) * 1, STARTED, (), 2).action == "wait"
+    assert decide(nodes(("exited", 0), ("running", None)), STARTED, (), 2).action == "wait"
+
+
+def test_every_node_exited_zero_is_done():
+    assert decide(nodes(("exited", 0), ("exited", 0), ("exited", 0)), STARTED, (), 0).action == DONE
+
+
+def test_a_failed_node_restarts_the_whole_job_while_restarts_are_left():
+    d = decide(nodes(("running", None), ("exited", 1), ("running", None)), STARTED, (), 1)
+    assert d.action == "restart" and d.reason == "node 1 (10.0.0.2) exited with code 1"
+    d = decide(nodes(("running", None), ("exited", 1), ("running", None)), STARTED, (), 0)
+    assert d.action == GAVE_UP and "no restarts left" in d.reason and "code 1" in d.reason
+
+
+def test_restart_on_limits_which_codes_restart():
+    assert restartable(1, ()) and restartable(137, ()) and not restartable(0, ())
+    assert restartable(1, (1, 137)) and not restartable(2, (1, 137))
+    d = decide(nodes(("exited", 2), ("running", None)), STARTED, (1,), 5)
+    assert d.action == GAVE_UP and "not in --restart-on" in d.reason
+
+
+def test_unreachable_absent_and_restarted_nodes_restart():
+    assert "not answering" in decide(nodes(("unreachable", None)), STARTED, (), 1).reason
+    assert "gone there" in decide(nodes(("running", None), ("absent", None)), STARTED, (), 1).reason
+    moved = [NodeView(0, "a", "running", None, 999.0)]
+    d = decide(moved, STARTED, (), 1)
+    assert d.action == "restart" and "outside the supervisor" in d.reason
+
+
+def test_one_missed_poll_is_not_a_failure():
+    row = ops.StatusRow(0, "a", "absent", None, None, None, "timeout")
+    misses: dict[int, int] = {}
+    assert views([row], misses)[0].state == "running"
+    assert views([row], misses)[0].state == "unreachable"
+    ok = ops.StatusRow(0, "a", "running", None, "2026-01-01T00:00:00+00:00", None)
+    assert views([ok], misses)[0].started == 1767225600.0 and misses == {}
+
+
+def test_backoff_doubles_and_is_capped():
+    assert [backoff(k, 2.0, 10.0) for k in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
+
+
+def test_record_round_trip_and_status_fields():
+    rec = Record(GAVE_UP, 3, 0, "node 1 exited with code 1", "node1", [1, 143, 143])
+    assert record_from_json(rec.to_json()) == rec
+    assert record_from_json("{}") is None and record_from_json(None) is None
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    rows = [ops.StatusRow(0, "a", "exited", 1, None, None)]
+    out = ops.with_supervision(job, rows, rec.to_json())[0].as_json()
+    assert (out["supervisor"], out["attempt"], out["restarts_left"]) == (GAVE_UP, 3, 0)
+    assert out["exit_code"] == 1 and out["last_restart_reason"] == "node 1 exited with code 1"
+    plain = Job("x", "/w", "s", "/h", "/p", 1)
+    assert "supervisor" not in ops.with_supervision(plain, rows, None)[0].as_json()
+    assert ops.with_supervision(job, rows, "{}")[0].as_json()["supervisor"] is None
+
+
+def test_job_keeps_its_policy_and_marks_later_attempts():
+    job = Job("torchrun t.py", "/w", "s", "/h", "/p", 1, restarts=2, restart_on=(1,), sync=True)
+    again = from_json(job.to_json(), "job.json")
+    assert again == job and again.node_hostfile == "/w/.meshkit/s/hostfile"
+    assert job.node_job(1).argv[-1] == "torchrun t.py"
+    assert job.node_job(2).argv[-1] == "echo '===== meshkit: attempt 2 of 3 ====='\ntorchrun t.py"
+    assert parse_restart_on("137, 1") == (1, 137) and parse_restart_on(None) == ()
+    with pytest.raises(UsageError, match="not an exit code"):
+        parse_restart_on("1,x")
+
+
+def test_sync_plan_sends_only_what_differs():
+    local = [
+        LocalFile("a.py", 3, 10.0, 0o644),
+        LocalFile("b.py", 4, 10.0, 0o644),
+        LocalFile("c.py", 5, 10.0, 0o644),
+    ]
+    remote = [
+        FileState("a.py", 3, 10.0, 0o644),
+        FileState("b.py", 4, 11.0, 0o644),
+        FileState("old.py", 1, 1.0, 0o644),
+    ]
+    assert [f.path for f in plan(local, remote)] == ["b.py", "c.py"]

@@ -1,0 +1,120 @@
+"""No shared storage: every sandbox node has its own /tmp, so a workdir and a hostfile there are
+private to one node. train detects it, copies the workdir (only what changed, excludes honoured)
+and stores the job on every node; status, logs, stop and a re-syncing relaunch then work from any
+node."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import meshkit
+from test_train import NPROC, RESULT, check_results, job_processes, on_node, wait_for
+
+SANDBOX_NODES = 3
+REPO = Path(__file__).resolve().parent.parent
+WORK = Path("/tmp/mkwork")  # under every node's own /tmp: private to each node
+HOSTFILE = Path("/tmp/mkhosts/hostfile")
+
+
+def private(lay, index: int, path: Path) -> Path:
+    """``path`` (under /tmp) as node ``index`` sees it, from the controller."""
+    return lay.node_dir(lay.nodes[index]) / "tmp" / path.relative_to("/tmp")
+
+
+@pytest.fixture(scope="module")
+def meshed(cluster):
+    out = meshkit("mesh", "--hostfile", str(cluster.hostfile), "--no-verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+    work = private(cluster, 0, WORK)
+    (work / ".git").mkdir(parents=True)
+    (work / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (work / "skipme").mkdir()
+    (work / "skipme" / "data.bin").write_bytes(b"\0" * 1000)
+    (work / "sub").mkdir()
+    (work / "sub" / "big.bin").write_bytes(os.urandom(1_300_000))  # several put chunks
+    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", work / "example_train.py")
+    hostfile = private(cluster, 0, HOSTFILE)
+    hostfile.parent.mkdir(parents=True)
+    hostfile.write_text(cluster.hostfile.read_text())
+    return cluster
+
+
+def results(lay, session: str) -> list:
+    found = []
+    for rank in range(len(lay.nodes)):
+        log = private(lay, rank, WORK / ".meshkit" / session / f"node{rank}.log")
+        if log.exists():
+            found += [(rank, m) for m in RESULT.finditer(log.read_text())]
+    return found
+
+
+def run_in(lay, index: int, *args: str, env: str = ""):
+    out = on_node(lay, index, Path("/"), *args, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def test_private_workdirs_are_synced_and_the_job_works_from_any_node(meshed):
+    lay = meshed
+    n = len(lay.nodes)
+    cmd = "torchrun example_train.py --sleep 600"
+    base = ["--workdir", str(WORK), "--session", "sy"]
+    out = run_in(
+        lay,
+        0,
+        "train",
+        "--hostfile",
+        str(HOSTFILE),
+        *base,
+        "--nproc-per-node",
+        str(NPROC),
+        "--restarts",
+        "1",
+        "--cmd",
+        cmd,
+        env="MESHKIT_SYNC_EXCLUDE='[\"skipme\"]'",
+    )
+    assert "is not shared with" in out.stdout and "syncing it" in out.stdout
+    assert f"synced 2 changed files to {lay.nodes[1].address}" in out.stdout, out.stdout
+    for i in (1, 2):
+        copy = private(lay, i, WORK)
+        assert (copy / "sub" / "big.bin").read_bytes() == (
+            private(lay, 0, WORK) / "sub" / "big.bin"
+        ).read_bytes()
+        assert not (copy / ".git").exists() and not (copy / "skipme").exists()
+        assert (copy / ".meshkit" / "sy" / "job.json").exists()  # the job is stored everywhere
+        assert (copy / ".meshkit" / "sy" / "hostfile").exists()
+        assert not private(lay, i, HOSTFILE).exists()  # only node0 has the hostfile's path
+    check_results(wait_for(lambda: len(r := results(lay, "sy")) == n * NPROC and r), n)
+
+    # status from a node without the hostfile: through --workdir, and through the index
+    rows = json.loads(run_in(lay, 2, "status", *base, "--json").stdout)
+    assert [r["state"] for r in rows] == ["running"] * n and rows[0]["supervisor"] == "running"
+    rows = json.loads(
+        run_in(lay, 1, "status", "--hostfile", str(HOSTFILE), "--session", "sy", "--json").stdout
+    )
+    assert [r["node_rank"] for r in rows] == list(range(n))
+    logs = run_in(lay, 1, "logs", *base, "--node", "2", "--lines", "5").stdout
+    assert "[2] meshkit-example" in logs
+
+    # a changed file (and a new one) is re-synced on a bare relaunch; unchanged ones are not
+    with open(private(lay, 0, WORK) / "example_train.py", "a") as f:
+        f.write("# v2\n")
+    (private(lay, 0, WORK) / "new.txt").write_text("new\n")
+    out = run_in(lay, 0, "train", *base)
+    assert "relaunching saved job" in out.stdout
+    assert f"synced 2 changed files to {lay.nodes[2].address}" in out.stdout, out.stdout
+    for i in (1, 2):
+        assert (private(lay, i, WORK) / "example_train.py").read_text().endswith("# v2\n")
+        assert (private(lay, i, WORK) / "new.txt").read_text() == "new\n"
+    wait_for(lambda: len(results(lay, "sy")) == 2 * n * NPROC)
+
+    out = run_in(lay, 2, "stop", *base)
+    assert out.stdout.count("nothing left") == n
+    assert job_processes(lay) == []
+    rows = json.loads(run_in(lay, 1, "status", *base, "--json").stdout)
+    assert [r["state"] for r in rows] == ["absent"] * n and rows[0]["supervisor"] is None

@@ -1,0 +1,83 @@
+"""The node side of sync (manifest, chunked put) and of ending a supervisor, on this machine."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+
+import pytest
+
+from meshkit.node import supervise as nsup
+from meshkit.node.agent import HANDLERS
+from meshkit.node.sync import manifest, put
+from meshkit.protocol import (
+    ManifestRequest,
+    PutRequest,
+    UnsuperviseRequest,
+    decode_request,
+    encode_request,
+)
+
+
+def test_manifest_lists_files_and_skips_excluded_names(tmp_path):
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("x")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "b.py").write_text("print(1)\n")
+    (tmp_path / "a" / "__pycache__").mkdir()
+    (tmp_path / "a" / "__pycache__" / "b.pyc").write_bytes(b"x")
+    (tmp_path / "link").symlink_to(tmp_path / "a" / "b.py")
+    reply = manifest(ManifestRequest(str(tmp_path), [".git", "__pycache__"]))
+    assert reply.exists and [(f.path, f.size) for f in reply.files] == [("a/b.py", 9)]
+    assert not manifest(ManifestRequest(str(tmp_path / "nope"))).exists
+
+
+def test_put_writes_chunks_then_moves_the_file_into_place_with_mode_and_mtime(tmp_path):
+    target = tmp_path / "d" / "f.bin"
+    data = os.urandom(3000)
+
+    def chunk(i: int, last: bool) -> PutRequest:
+        part = data[i * 1000 : (i + 1) * 1000]
+        return PutRequest(
+            str(target), base64.b64encode(part).decode(), i * 1000, last, 0o750, 1234.5
+        )
+
+    for i in range(3):
+        assert put(chunk(i, i == 2)).written == 1000
+        assert target.exists() == (i == 2)  # never a half-written file under its name
+    assert target.read_bytes() == data
+    assert target.stat().st_mtime == 1234.5 and target.stat().st_mode & 0o777 == 0o750
+    with pytest.raises(ValueError, match="absolute path"):
+        put(PutRequest("rel/x", "", 0, True))
+    with pytest.raises(ValueError, match="absolute path"):
+        put(PutRequest(str(tmp_path / ".." / "x"), "", 0, True))
+
+
+def test_new_ops_round_trip_and_have_handlers():
+    for request in (
+        UnsuperviseRequest("ab" * 8, "s-abababab-sup"),
+        ManifestRequest("/w", [".git"]),
+        PutRequest("/w/x", "AA==", 0, True, 0o600, 1.0),
+    ):
+        op, back = decode_request(encode_request(request))
+        assert back == request and op in HANDLERS
+
+
+def test_unsupervise_ends_only_the_registered_supervisor(tmp_path, monkeypatch):
+    monkeypatch.setattr(nsup, "supervisors_root", lambda: tmp_path)
+    job_id = "cd" * 8
+    # a stand-in supervisor: its command line says "supervise", as the real one's does
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "supervise"])
+    try:
+        nsup.pid_file(job_id).write_text(f"{proc.pid}\n")
+        assert nsup.supervisor_pid(job_id) == proc.pid
+        reply = nsup.unsupervise(UnsuperviseRequest(job_id, ""))
+        assert reply.found and reply.left == []
+        assert proc.wait(10) is not None and not nsup.pid_file(job_id).exists()
+        again = nsup.unsupervise(UnsuperviseRequest(job_id, ""))
+        assert not again.found
+    finally:
+        proc.kill()
+        proc.wait()
