@@ -13,16 +13,25 @@ from meshkit.cli.tasks import ns as meshkit_tasks
 
 @task(
     help={
-        "nodes": "comma list of cluster sizes (default 2,4,8,16)",
+        "nodes": "comma list of cluster sizes (default 2,4,8,16,32,64)",
         "repeats": "runs per size (default 3)",
+        "peers_max": "largest N the peers run at (default 16)",
+        "n2_max": "largest N for N x N operations (default 16)",
+        "render_only": "redraw the table and plots from results.json; measure nothing",
     }
 )
-def bench(c: Context, nodes: str = "2,4,8,16", repeats: int = 3) -> None:
-    """Benchmarks on sandbox clusters (root): mesh vs the seed's algorithm and the floor, launch, env."""
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--nodes", nodes, "--repeats", str(repeats)],
-        check=True,
-    )
+def bench(
+    c: Context,
+    nodes: str = "2,4,8,16,32,64",
+    repeats: int = 3,
+    peers_max: int = 16,
+    n2_max: int = 16,
+    render_only: bool = False,
+) -> None:
+    """Benchmarks on sandbox clusters (root): meshkit against the floor and its peers."""
+    argv = [sys.executable, "-m", "benchmarks", "--nodes", nodes, "--repeats", str(repeats)]
+    argv += ["--peers-max", str(peers_max), "--n2-max", str(n2_max)]
+    subprocess.run([*argv, "--render-only"] if render_only else argv, check=True)
 
 
 ns = Collection.from_module(sys.modules[__name__], name="meshkit")

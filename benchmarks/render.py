@@ -29,6 +29,18 @@ def series(doc: Mapping[str, object], field: str) -> dict[str, list[tuple[int, f
     return out
 
 
+def style(k: str, index: int) -> dict[str, object]:
+    """meshkit solid, the peers and baselines dashed; tab20 colors so 18 series stay apart."""
+    import matplotlib
+
+    tool = k.split("/", 1)[1]
+    return {
+        "color": matplotlib.colormaps["tab20"](index % 20),
+        "linestyle": "-" if tool.startswith("meshkit") else "--",
+        "marker": "o",
+    }
+
+
 def plot(doc: Mapping[str, object], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -38,20 +50,22 @@ def plot(doc: Mapping[str, object], out_dir: Path) -> list[Path]:
     labels = {stats.key(op, tool): label for op, tool, label in stats.COLUMNS}
     medians = series(doc, "median_s")
     floor = medians.get(stats.key("round", "floor"), [])
+    sizes = sorted({n for points in medians.values() for n, _ in points})
     ops = [op for op in OPERATIONS if any(k.startswith(op + "/") for k in medians)]
     written = []
     if ops:
         fig, axes = plt.subplots(len(ops), 1, figsize=(7, 3.6 * len(ops)), squeeze=False)
         for ax, op in zip(axes[:, 0], ops):
-            for k, points in sorted(medians.items()):
+            for i, (k, points) in enumerate(sorted(medians.items())):
                 if k.startswith(op + "/"):
-                    ax.plot(*zip(*points), marker="o", label=labels.get(k, k))
+                    ax.plot(*zip(*points), label=labels.get(k, k), **style(k, i))
             if op != "round" and floor:
                 ax.plot(*zip(*floor), linestyle=":", color="gray", label="floor")
             ax.set_title(OPERATIONS[op])
             ax.set_xlabel("nodes (N)")
             ax.set_ylabel("median wall time (s)")
             ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [str(n) for n in sizes])
             ax.set_yscale("log")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
@@ -62,12 +76,13 @@ def plot(doc: Mapping[str, object], out_dir: Path) -> list[Path]:
         written.append(path)
     ratios = series(doc, "ratio_to_floor")
     fig, ax = plt.subplots(figsize=(8, 5))
-    for k, points in sorted(ratios.items()):
+    for i, (k, points) in enumerate(sorted(ratios.items())):
         if k != stats.key("round", "floor"):
-            ax.plot(*zip(*points), marker="o", label=labels.get(k, k))
+            ax.plot(*zip(*points), label=labels.get(k, k), **style(k, i))  # type: ignore[arg-type]
     ax.axhline(1.0, color="gray", linestyle=":")
     ax.axhline(1.3, color="red", linestyle="--", linewidth=0.8, label="target 1.3× (N=64)")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(n) for n in sizes])
     ax.set_yscale("log")
     ax.set_xlabel("nodes (N)")
     ax.set_ylabel("median time / floor")

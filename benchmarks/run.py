@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshkit import sandbox
+from meshkit.errors import SandboxError
 from meshkit.sandbox.layout import default_dir, default_subnet
 
 from . import peers, render, stats
@@ -56,7 +57,7 @@ class StepFailed(Exception):
     """A variant did not finish or did not reach its end state; the message says why."""
 
 
-def bound(n: int, base: float = 60.0, per_node: float = 2.0, per_pair: float = 0.0) -> float:
+def bound(n: int, base: float = 180.0, per_node: float = 2.0, per_pair: float = 0.0) -> float:
     """Time limit of one step at N nodes: generous, but every step ends."""
     return base + per_node * n + per_pair * n * n
 
@@ -117,10 +118,10 @@ def floor(lay: sandbox.Layout) -> None:
 def seed(lay: sandbox.Layout) -> None:
     """The pssh-style script: collect each key with one login per node, then one login per key per
     node, all sequential (as the seed does), appending blindly."""
-    pubs = [must(ssh(lay, n, SEED_COLLECT), 60).strip() for n in lay.nodes]
+    pubs = [must(ssh(lay, n, SEED_COLLECT), 180).strip() for n in lay.nodes]
     for node in lay.nodes:
         for pub in pubs:
-            must(ssh(lay, node, f"echo {shlex.quote(pub)} >> ~/.ssh/authorized_keys"), 60)
+            must(ssh(lay, node, f"echo {shlex.quote(pub)} >> ~/.ssh/authorized_keys"), 180)
 
 
 def logins(lay: sandbox.Layout) -> list[int]:
@@ -426,7 +427,7 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
                 "--cmd",
                 "torchrun example_train.py",
             ],
-            bound(n, base=120),
+            bound(n, base=240),
         )
 
     def done() -> None:
@@ -459,14 +460,14 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
         lambda: logs_from_every_rank(logs_out[0], n),
     )
     long_job = ["--hostfile", hostfile, "--session", f"bsl{repeat}", "--workdir", str(workdir)]
-    must([*MESHKIT, "train", *long_job, "--cmd", "sleep 600"], bound(n, base=120))
+    must([*MESHKIT, "train", *long_job, "--replace", "--cmd", "sleep 600"], bound(n, base=240))
     row.sample("round", "meshkit_status", lambda: status_running(long_job, n))
     row.sample("round", "meshkit_stop", lambda: stop(long_job, n))
 
     row.sample(
         "doctor",
         "meshkit_quick",
-        lambda: must([*MESHKIT, "doctor", *job, "--quick"], bound(n, base=120), cwd=workdir),
+        lambda: must([*MESHKIT, "doctor", *job, "--quick"], bound(n, base=240), cwd=workdir),
     )
     if n <= opt.n2_max:
         row.sample(
@@ -551,7 +552,7 @@ def status_running(job: list[str], n: int) -> None:
 
 
 def stop(job: list[str], n: int) -> None:
-    out = must([*MESHKIT, "stop", *job], bound(n, base=120))
+    out = must([*MESHKIT, "stop", *job], bound(n, base=240))
     if out.count("nothing left") != n:
         raise StepFailed(f"stop confirmed {out.count('nothing left')} of {n} nodes: {out[-300:]}")
 
@@ -560,8 +561,16 @@ def measure_n(n: int, repeats: int, opt: Options) -> dict[str, object]:
     row = Row(n)
     for r in range(repeats):
         print(f"N={n} repeat {r + 1}/{repeats}", file=sys.stderr)
-        mesh_variants(row, opt)
-        meshkit_ops(row, opt, r)
+        for part in ("mesh", "ops"):
+            try:
+                if part == "mesh":
+                    mesh_variants(row, opt)
+                else:
+                    meshkit_ops(row, opt, r)
+            except (StepFailed, SandboxError) as exc:
+                # A broken setup step loses this repeat's remaining samples, not the sweep.
+                row.failures.setdefault("setup", []).append(f"repeat {r + 1}: {exc}"[:400])
+                print(f"  N={n} setup FAILED: {exc}", file=sys.stderr)
     sandbox.down(DIR, NAME)
     return row.as_json()
 
@@ -623,6 +632,16 @@ def install_peers() -> tuple[dict[str, Path], dict[str, str], dict[str, str]]:
     return bins, unavailable, versions
 
 
+def login_shell_note() -> str:
+    """Every remote command runs the user's bash, which reads ~/.bashrc: what it costs is part of
+    every login of every tool here, so the results name it."""
+    rc = Path.home() / ".bashrc"
+    text = rc.read_text(errors="replace") if rc.exists() else ""
+    if "pyenv init" in text:
+        return f"{rc} runs `pyenv init` (a rehash under a lock shared by every node) on every login"
+    return f"{rc}: no pyenv init"
+
+
 def machine() -> dict[str, object]:
     mem = next(
         (
@@ -651,6 +670,7 @@ def machine() -> dict[str, object]:
         "openssh": ssh_v,
         "kernel": platform.release(),
         "machine": platform.machine(),
+        "login_shell": login_shell_note(),
         "quiet_machine": "UNSET: the person running the sweep states here whether nothing else ran",
     }
 
@@ -688,7 +708,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out_dir = Path(args.results)
     if args.render_only:
-        print(render.render(json.loads((out_dir / "results.json").read_text()), out_dir))
+        path = out_dir / "results.json"
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"--render-only: cannot read {path}: {exc}") from exc
+        if not isinstance(stored, dict) or not isinstance(stored.get("sizes"), list):
+            raise SystemExit(f"--render-only: {path} is not this benchmark's results (no 'sizes')")
+        print(render.render(stored, out_dir))
         return
     if os.geteuid() != 0:
         raise SystemExit("benchmarks build sandbox clusters: run as root")

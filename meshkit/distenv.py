@@ -89,19 +89,6 @@ def as_json(env: NodeEnv) -> dict[str, object]:
     return out
 
 
-def torchrun_argv(env: NodeEnv, script: list[str]) -> list[str]:
-    """The explicit torchrun command the seed-style ``run.sh`` builds."""
-    return [
-        "torchrun",
-        f"--nproc-per-node={env.nproc_per_node}",
-        f"--nnodes={env.nnodes}",
-        f"--node-rank={env.node_rank}",
-        f"--master-addr={env.master_addr}",
-        f"--master-port={env.master_port}",
-        *script,
-    ]
-
-
 @dataclass(frozen=True)
 class ProcessPlace:
     rank: int

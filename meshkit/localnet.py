@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
-import subprocess
 from collections.abc import Iterable
 
 import netifaces
 
+from .node.gpus import gpu_count as gpu_count  # the GPU count lives with the node side
 from .topology import LocalAddress, normalize
-
-GPU_PROBE_TIMEOUT = 5.0
 
 
 def local_addresses() -> list[LocalAddress]:
@@ -58,25 +54,3 @@ def route_sources(host: str, port: int) -> list[tuple[str, str | None]]:
 
 def hostname() -> str:
     return socket.gethostname()
-
-
-def gpu_count() -> int:
-    """GPUs visible to this process, without importing torch: CUDA_VISIBLE_DEVICES when set, else
-    the NVIDIA driver's /proc entries, else ``nvidia-smi -L``; 0 when there are none."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        pass
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
-    try:
-        out = subprocess.run(
-            [smi, "-L"], capture_output=True, text=True, timeout=GPU_PROBE_TIMEOUT, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))

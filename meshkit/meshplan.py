@@ -292,6 +292,34 @@ def node_names(
     return list(seen.values())
 
 
+def drop_shared_addresses(
+    named: Mapping[Host, Sequence[tuple[str, str]]],
+) -> tuple[dict[Host, list[tuple[str, str]]], list[str]]:
+    """An address that several nodes find on their own interfaces (and that nobody named them by:
+    not the hostfile, not ssh_config) names none of them: a local bridge such as docker0 has the
+    same address everywhere. It is recorded for none of them, with a note, instead of stopping
+    the mesh; a name anyone chose stays a conflict (``name_conflicts``)."""
+    found: dict[str, set[Host]] = {}
+    chosen: set[str] = set()
+    for host, names in named.items():
+        for name, why in names:
+            if why == "address":
+                found.setdefault(name.lower(), set()).add(host)
+            else:
+                chosen.add(name.lower())
+    shared = {n for n, hosts in found.items() if len(hosts) > 1 and n not in chosen}
+    kept = {
+        host: [(n, why) for n, why in names if not (why == "address" and n.lower() in shared)]
+        for host, names in named.items()
+    }
+    notes = [
+        f"address {n} is on {len(found[n])} nodes (a local bridge such as docker0?): recorded for "
+        "none of them"
+        for n in sorted(shared)
+    ]
+    return kept, notes
+
+
 def name_conflicts(named: Mapping[Host, Sequence[tuple[str, str]]]) -> list[str]:
     """A name or address two nodes both answer to cannot be in known_hosts for either: the
     second node's key would be refused (or the first's trusted for the second)."""

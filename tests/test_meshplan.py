@@ -104,6 +104,19 @@ def test_a_name_two_nodes_claim_is_a_conflict():
     (only,) = mp.name_conflicts(named)
     assert "'ubuntu' is claimed by 10.0.0.1 (hostname) and 10.0.0.2 (hostname)" in only
     assert mp.name_conflicts({a: [("x", "hostfile"), ("x", "address")]}) == []
+    c = Host("10.0.0.3")
+    bridge = {
+        a: [("10.0.0.1", "hostfile"), ("172.17.0.1", "address")],
+        b: [("10.0.0.2", "hostfile"), ("172.17.0.1", "address")],
+        c: [("10.0.0.3", "hostfile"), ("10.0.0.1", "address")],  # a's hostfile address: chosen
+    }
+    kept, notes = mp.drop_shared_addresses(bridge)
+    assert kept[a] == [("10.0.0.1", "hostfile")] and kept[b] == [("10.0.0.2", "hostfile")]
+    assert notes == [
+        "address 172.17.0.1 is on 2 nodes (a local bridge such as docker0?): recorded for none of them"
+    ]
+    (still,) = mp.name_conflicts(kept)
+    assert "'10.0.0.1' is claimed by 10.0.0.1 (hostfile) and 10.0.0.3 (address)" in still
 
 
 def test_refused_files_and_authorized_keys_file():

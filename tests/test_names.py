@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 
 import pytest
 from conftest import fresh_sandbox, meshkit
@@ -165,3 +166,19 @@ def test_custom_port_names_are_bracketed(lay, tmp_path):
         "-p", "2222", "node1", "hostname",
     )  # fmt: skip
     assert code == 0 and out_.strip() == "node1", err
+
+
+def test_an_address_every_node_has_on_a_local_bridge_is_recorded_for_none(lay):
+    """docker0 has the same address on every node: it names none of them, and stops nothing."""
+    for n in lay.nodes[:2]:
+        for cmd in (
+            "link add mkdock0 type bridge",
+            "addr add 172.31.250.1/24 dev mkdock0",
+            "link set mkdock0 up",
+        ):
+            subprocess.run(["ip", "-n", n.netns, *cmd.split()], check=True)
+    out = meshkit("mesh", "--hostfile", str(lay.hostfile), env=FAST)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "address 172.31.250.1 is on 2 nodes" in out.stdout
+    for n in lay.nodes:
+        assert "172.31.250.1" not in recorded_names(lay, n)

@@ -133,15 +133,12 @@ def test_a_rebooted_node_keeps_its_networks(lay):
     assert hosts[0] == "127.0.1.1"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mesh records every address of a node in known_hosts, docker0's 172.17.0.1 included, "
-    "and refuses it as claimed by every node (meshplan reads /proc/net/fib_trie, which names no "
-    "interface); reported to the lead / mesh owner",
-)
 def test_mesh_accepts_the_same_docker0_address_on_every_node(lay):
-    out = meshkit("mesh", "--hostfile", str(lay.hostfile), "--no-verify")
+    """docker0 (172.17.0.1 on every node) is left out of known_hosts with a note, not a conflict
+    that would stop every Docker cluster; the pairs then all log in."""
+    out = meshkit("mesh", "--hostfile", str(lay.hostfile))
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "172.17.0.1" in out.stdout + out.stderr  # named as left out, not silently dropped
 
 
 def test_down_removes_the_second_network(lay):

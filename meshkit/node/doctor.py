@@ -17,7 +17,6 @@ import importlib.util
 import os
 import platform
 import re
-import shutil
 import signal
 import socket
 import struct
@@ -41,8 +40,8 @@ from ..protocol import (
     ProbeRequest,
     ProbeTarget,
 )
+from .gpus import gpu_count
 
-GPU_PROBE_TIMEOUT = 5.0
 MAX_SECONDS = 120.0  # no doctor call holds a listener or retries longer than this
 SIOCGIFADDR = 0x8915
 
@@ -84,25 +83,6 @@ def nccl_version() -> str | None:
         if found:
             return found
     return None
-
-
-def gpu_count() -> int:
-    """GPUs on this node: CUDA_VISIBLE_DEVICES, else the driver's /proc entries, else nvidia-smi."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    with contextlib.suppress(OSError):
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
-    try:
-        out = subprocess.run(
-            [smi, "-L"], capture_output=True, text=True, timeout=GPU_PROBE_TIMEOUT, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
 def _writable(workdir: str) -> str | None:

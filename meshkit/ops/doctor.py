@@ -13,10 +13,10 @@ import shlex
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from ..hostfile import Host
 from ..job import Job
+from ..meshplan import PairFailure
 from ..protocol import (
     ConnectReply,
     ConnectRequest,
@@ -97,26 +97,13 @@ class Report:
         }
 
 
-class PairFailureLike(Protocol):
-    """What the mesh's verify reports for one pair (``mesh.PairFailure``)."""
-
-    @property
-    def source(self) -> Host: ...
-
-    @property
-    def target(self) -> Host: ...
-
-    @property
-    def error(self) -> str: ...
-
-
-Verify = Callable[[], Sequence[PairFailureLike]]
+Verify = Callable[[], Sequence[PairFailure]]
 
 
 # ---- pure verdicts ------------------------------------------------------------------------
 
 
-def ssh_checks(hosts: Sequence[Host], failures: Sequence[PairFailureLike]) -> list[Check]:
+def ssh_checks(hosts: Sequence[Host], failures: Sequence[PairFailure]) -> list[Check]:
     """One row per node that logs in everywhere; one row per broken pair."""
     checks = []
     for source in hosts:

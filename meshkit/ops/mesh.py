@@ -33,6 +33,7 @@ from ..meshplan import (
     authorized_keys_problem,
     choose_user_key,
     conflicts,
+    drop_shared_addresses,
     entries,
     hostnames,
     is_meshkit_temp,
@@ -373,6 +374,7 @@ class MeshReport:
     nodes: list[NodeReport] = field(default_factory=list)
     left_out: dict[Host, str] = field(default_factory=dict)
     names: dict[Host, list[tuple[str, str]]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
     verify: VerifyResult | None = None
 
     @property
@@ -431,6 +433,10 @@ def mesh(
         if not facts:
             raise MeshAbort("mesh: no node is reachable")
         report.left_out = failures
+        kept, shared = drop_shared_addresses({f.host: f.names for f in facts})
+        for f in facts:
+            f.names = tuple(kept[f.host])
+        report.notes = shared
         report.names = {f.host: list(f.names) for f in facts}
         live = [f.host for f in facts]
         if dry_run:

@@ -29,6 +29,8 @@ from ..errors import SandboxError
 from . import networks as netopts
 from .layout import DEFAULT, Layout, Node, check_name, default_dir, default_subnet, layout
 from .networks import Options, cut, mend
+from .system import COMMAND_TIMEOUT
+from .system import run as _run
 
 __all__ = [
     "DEFAULT",
@@ -58,7 +60,6 @@ PROGRAMS = {
     "unshare": "util-linux",
     "nsenter": "util-linux",
 }
-COMMAND_TIMEOUT = 30.0
 READY_TIMEOUT = 10.0
 SSHD = "/usr/sbin/sshd"
 
@@ -103,25 +104,6 @@ PrintMotd no
 AcceptEnv LANG LC_*
 Subsystem sftp internal-sftp
 """
-
-
-def _run(
-    argv: Sequence[str], *, check: bool = True, input: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    try:
-        done = subprocess.run(
-            list(argv),
-            capture_output=True,
-            text=True,
-            timeout=COMMAND_TIMEOUT,
-            input=input,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        raise SandboxError(f"{' '.join(argv)}: no answer in {COMMAND_TIMEOUT:.0f}s") from None
-    if check and done.returncode != 0:
-        raise SandboxError(f"{' '.join(argv)} failed: {done.stderr.strip() or done.stdout.strip()}")
-    return done
 
 
 def preflight() -> None:

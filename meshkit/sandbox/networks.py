@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from ..errors import SandboxError
+from .system import run
 
 if TYPE_CHECKING:
     from .layout import Layout, Node
@@ -33,7 +33,6 @@ DOCKER_BRIDGE = "docker0"
 DOCKER_ADDRESS = "172.17.0.1/16"
 PRIMARY_NAMES = ("eth0", "ens3", "eno1")
 SECOND_NAMES = ("eth1", "ens4", "eno2")
-COMMAND_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -144,20 +143,7 @@ def hosts_text(lay: Layout, node: Node) -> str:
 
 
 def _run(argv: Sequence[str], *, check: bool = True, input: str | None = None) -> str:
-    try:
-        done = subprocess.run(
-            list(argv),
-            capture_output=True,
-            text=True,
-            timeout=COMMAND_TIMEOUT,
-            input=input,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        raise SandboxError(f"{' '.join(argv)}: no answer in {COMMAND_TIMEOUT:.0f}s") from None
-    if check and done.returncode != 0:
-        raise SandboxError(f"{' '.join(argv)} failed: {done.stderr.strip() or done.stdout.strip()}")
-    return done.stdout
+    return run(argv, check=check, input=input).stdout
 
 
 def check_second_subnet(lay: Layout) -> None:

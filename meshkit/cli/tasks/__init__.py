@@ -6,29 +6,25 @@ the top: SSH (fabric/paramiko) is imported inside the tasks that need it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from invoke.collection import Collection
 from invoke.context import Context
 
+if TYPE_CHECKING:
+    from ...distenv import NodeEnv
+
 from ..common import conf, helps, reported, task
+from ..fast import DISCOVERY_FLAGS
 from . import doctor as tasks_doctor
 from . import jobs as tasks_train
 from . import mesh as tasks_mesh
 from . import sandbox as tasks_sandbox
 
-DISCOVERY = (
-    "hostfile",
-    "node_rank",
-    "session",
-    "master_port",
-    "nproc_per_node",
-    "include",
-    "exclude",
-)
+DISCOVERY = DISCOVERY_FLAGS  # the fast path's flags: tests/test_fastcli.py keeps them equal
 
 
-def _node(c: Context, flags: dict[str, Any]) -> Any:
+def _node(c: Context, flags: dict[str, Any]) -> NodeEnv:
     """Discovery with this task's flags (those named in DISCOVERY) over the configuration."""
     from ..envcmd import node_env
 

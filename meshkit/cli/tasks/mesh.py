@@ -164,6 +164,8 @@ def _show(report: Any) -> None:
     print(
         f"  mesh id {report.mesh_id} (tagged on every line it adds; ~N: lines shared with another mesh)"
     )
+    for note in report.notes:
+        print(f"  note: {note}")
     for h, names in report.names.items():
         print(f"  {h.label} answers to: " + ", ".join(f"{n} ({why})" for n, why in names))
     for n in report.nodes:

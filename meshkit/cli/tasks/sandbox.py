@@ -5,7 +5,6 @@ from __future__ import annotations
 import json as jsonlib
 import sys
 import time
-from typing import Any
 
 from invoke.collection import Collection
 from invoke.context import Context
@@ -13,12 +12,13 @@ from invoke.context import Context
 from ... import sandbox
 from ...errors import UsageError
 from ...sandbox.slurm import conf_path as slurm_conf_path
+from ...settings import SandboxConfig
 from ..common import conf, reported, table, task
 
 DIR_HELP = "sandbox state directory (default: config meshkit.sandbox.dir, /var/tmp/meshkit-sandbox)"
 
 
-def _conf(c: Context) -> Any:
+def _conf(c: Context) -> SandboxConfig:
     return conf().sandbox
 
 
