@@ -336,14 +336,30 @@ def supervise(
                     say(f"{h.label}: cannot write the supervisor record: {exc}")
 
         say(f"supervising {job.label} on {len(hosts)} nodes, restarts {job.restarts}")
-        record = sup.supervise(
-            lambda wait: _pool(job, hosts, wait),
-            job,
-            hosts,
-            save=save,
-            say=say,
-            host=socket.gethostname(),
-        )
+        try:
+            record = sup.supervise(
+                lambda wait: _pool(job, hosts, wait),
+                job,
+                hosts,
+                save=save,
+                say=say,
+                host=socket.gethostname(),
+            )
+        except Exception as exc:  # the supervisor itself failed: say so where status looks
+            last = None
+            with contextlib.suppress(MeshkitError):
+                last = sup.record_from_json(ops.read_local(str(job.supervisor_file)))
+            record = sup.Record(
+                sup.GAVE_UP,
+                last.attempt if last else 1,
+                last.restarts_left if last else job.restarts,
+                f"the supervisor failed: {type(exc).__name__}: {exc}",
+                socket.gethostname(),
+            )
+            say(f"gave up: {record.last_restart_reason}")
+            with _pool(job, hosts) as pool:
+                save(pool, record)
+            raise
     if record.supervisor != sup.DONE:
         raise Exit(code=1)
 
