@@ -78,10 +78,15 @@ done
 mount --bind "$node/ssh" /root/.ssh
 mount --bind "$node/etc_ssh" /etc/ssh
 mount --bind "$node/hosts" /etc/hosts
+# This machine's own ~/.bashrc (pyenv init, say) would run at every login of every node; pyenv's
+# rehash lock then stalls logins for 60s whenever one is left behind. Nodes get a plain one.
+if [ -f /root/.bashrc ]; then mount --bind "$node/bashrc" /root/.bashrc; fi
 mount -t tmpfs -o size=64k,mode=700 meshkit-hidden "$hide/controller"
 mount -t tmpfs -o size=64k,mode=700 meshkit-hidden "$hide/nodes"
 exec /usr/sbin/sshd -D -f /etc/ssh/sshd_config -E "$hide/logs/$name.sshd.log"
 """
+
+NODE_BASHRC = "# meshkit sandbox node: the host's ~/.bashrc does not run on the nodes\n"
 
 SSHD_CONFIG = """\
 # meshkit sandbox node {name}
@@ -192,6 +197,7 @@ def _prepare_files(lay: Layout) -> None:
             d / "etc_ssh" / "sshd_config", SSHD_CONFIG.format(name=node.name, address=node.address)
         )
         _write(d / "hosts", netopts.hosts_text(lay, node) if lay.networks.any else hosts)
+        _write(d / "bashrc", NODE_BASHRC)
         for kind in ("ed25519", "ecdsa"):
             keygens.append(
                 _keygen(d / "etc_ssh" / f"ssh_host_{kind}_key", kind, f"root@{node.name}")
