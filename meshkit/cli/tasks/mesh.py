@@ -5,13 +5,19 @@ from __future__ import annotations
 import getpass
 import json as jsonlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from invoke.context import Context
 from invoke.exceptions import Exit
 
 from ...errors import MeshkitError
 from ...hostfile import Host
+
+if TYPE_CHECKING:
+    from ...meshplan import VerifyResult
+    from ...ops.mesh import MeshReport
+    from ...remote import Settings
+
 from ..common import conf, helps, option, progress, reported, table, task
 
 SSH_HELP = {
@@ -36,7 +42,7 @@ def ssh_settings(
     identity: str | None = None,
     password: bool = False,
     accept_new: bool = False,
-) -> Any:
+) -> Settings:
     """Connection settings from config and flags; the ssh_config beside the hostfile is read too."""
     from ...remote import Settings
 
@@ -68,7 +74,7 @@ def _mesh_id(c: Context, hostfile: str | None) -> str:
     return mesh_id(hosts)
 
 
-def _verify_report(result: Any) -> int:
+def _verify_report(result: VerifyResult) -> int:
     from ...meshplan import matrix
 
     hosts, failures = result.hosts, result.failures
@@ -146,7 +152,7 @@ def mesh(
             )
 
 
-def _show(report: Any) -> None:
+def _show(report: MeshReport) -> None:
     done = not report.dry_run
     rows = [
         (
