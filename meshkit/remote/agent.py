@@ -35,6 +35,7 @@ class Agent:
 
     def __init__(self, remote: Remote, python: str) -> None:
         self.remote, self.python = remote, python
+        self.broken: BaseException | None = None
         transport = remote.conn.client.get_transport()
         if transport is None:
             raise RemoteError("the connection is closed")
@@ -48,7 +49,22 @@ class Agent:
 
     def call(self, request: Request, expect: type[R], timeout: float | None = None) -> R:
         """The reply to ``request`` (``RemoteError`` if the node says it failed, the agent is
-        gone, or no reply came within ``timeout``, default the command timeout)."""
+        gone, or no reply came within ``timeout``, default the command timeout). After the agent
+        is gone, or its stream can no longer be trusted (a timeout, a malformed reply), every
+        later call raises that same first reason: it is the node's outcome, not "socket closed"."""
+        if self.broken is not None:
+            raise self.broken
+        try:
+            return self._call(request, expect, timeout)
+        except (AgentGone, ProtocolError, OSError, EOFError) as exc:
+            self.broken = exc
+            raise
+        except RemoteError as exc:
+            if not isinstance(exc, _NodeSaid):
+                self.broken = exc  # a timeout: a late reply would answer the next request
+            raise
+
+    def _call(self, request: Request, expect: type[R], timeout: float | None) -> R:
         op = type(request).__name__
         limit = timeout or self.remote.settings.command_timeout
         self.channel.settimeout(limit)
@@ -66,7 +82,7 @@ class Agent:
         try:
             reply = decode_reply(op_of(request), raw.decode(errors="replace"))
         except NodeFailure as exc:
-            raise RemoteError(f"{op} failed on the node: {exc}") from None
+            raise _NodeSaid(f"{op} failed on the node: {exc}") from None
         except ProtocolViolation as exc:
             raise ProtocolError(f"malformed reply to {op} from the node agent: {exc}") from None
         if not isinstance(reply, expect):
@@ -147,6 +163,10 @@ class AgentPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _NodeSaid(RemoteError):
+    """The agent answered that the request failed on the node; the agent itself is fine."""
 
 
 class _Skipped(Exception):
