@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..protocol import FileState, ManifestReply, ManifestRequest, PutReply, PutRequest
@@ -13,12 +14,9 @@ from ..protocol import FileState, ManifestReply, ManifestRequest, PutReply, PutR
 MAX_FILES = 100000  # a workdir larger than this is not a job's code: the launcher says so
 
 
-def manifest(request: ManifestRequest) -> ManifestReply:
-    root = Path(request.root)
-    if not root.is_dir():
-        return ManifestReply(False, [])
-    skip = set(request.exclude)
-    files: list[FileState] = []
+def walk(root: Path, skip: set[str]) -> Iterator[FileState]:
+    """The regular files under ``root`` (symlinks and excluded names left out), in a stable order:
+    what both ends of a sync compare."""
     for top, dirs, names in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in skip)
         for name in sorted(names):
@@ -31,11 +29,20 @@ def manifest(request: ManifestRequest) -> ManifestReply:
                 continue
             if not path.is_file() or path.is_symlink():
                 continue
-            files.append(
-                FileState(str(path.relative_to(root)), st.st_size, st.st_mtime, st.st_mode & 0o777)
+            yield FileState(
+                str(path.relative_to(root)), st.st_size, st.st_mtime, st.st_mode & 0o777
             )
-            if len(files) >= MAX_FILES:
-                return ManifestReply(True, files, truncated=True)
+
+
+def manifest(request: ManifestRequest) -> ManifestReply:
+    root = Path(request.root)
+    if not root.is_dir():
+        return ManifestReply(False, [])
+    files: list[FileState] = []
+    for state in walk(root, set(request.exclude)):
+        files.append(state)
+        if len(files) >= MAX_FILES:
+            return ManifestReply(True, files, truncated=True)
     return ManifestReply(True, files)
 
 

@@ -6,7 +6,6 @@ modification time differ; never deleting anything there). ``plan`` is pure."""
 from __future__ import annotations
 
 import base64
-import os
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,28 +68,16 @@ class LocalFile:
 
 
 def local_files(root: str, exclude: Sequence[str]) -> list[LocalFile]:
-    skip = set(exclude) | set(ALWAYS_EXCLUDED)
+    from ..node.sync import walk
+
     found: list[LocalFile] = []
-    for top, dirs, names in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in skip)
-        for name in sorted(names):
-            if name in skip:
-                continue
-            path = Path(top) / name
-            try:
-                st = path.lstat()
-            except OSError:
-                continue
-            if path.is_symlink() or not path.is_file():
-                continue
-            found.append(
-                LocalFile(str(path.relative_to(root)), st.st_size, st.st_mtime, st.st_mode & 0o777)
+    for state in walk(Path(root), set(exclude) | set(ALWAYS_EXCLUDED)):
+        found.append(LocalFile(state.path, state.size, state.mtime, state.mode))
+        if len(found) > MAX_FILES:
+            raise LaunchError(
+                f"{root}: more than {MAX_FILES} files to sync; exclude data directories with "
+                "config sync_exclude"
             )
-            if len(found) > MAX_FILES:
-                raise LaunchError(
-                    f"{root}: more than {MAX_FILES} files to sync; exclude data directories with "
-                    "config sync_exclude"
-                )
     return found
 
 
