@@ -130,11 +130,14 @@ def test_stop_with_a_missing_interpreter_is_a_row_per_node_not_a_traceback(meshe
     data = json.loads(original)
     data["python"] = "/nonexistent/python3"
     saved.write_text(json.dumps(data))
-    out = inside(lay, 1, str(work), "stop")
-    assert out.returncode == 1 and "Traceback" not in out.stderr
+    try:
+        out = inside(lay, 1, str(work), "stop")
+    finally:
+        saved.write_text(original)
+        restored = inside(lay, 1, str(work), "stop")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stdout.count("FAILED: interpreter /nonexistent/python3 not found") == 3, out.stdout
-    saved.write_text(original)
-    assert inside(lay, 1, str(work), "stop").returncode == 0
+    assert restored.returncode == 0, restored.stdout + restored.stderr
 
 
 def test_paths_with_tmux_format_characters_are_only_paths(meshed):

@@ -45,7 +45,6 @@ class Agent:
         self.channel.settimeout(remote.settings.command_timeout)
         self.channel.exec_command(shlex.join([python, "-m", "meshkit.node", "serve"]))
         self._out = self.channel.makefile("rb")
-        self._in = self.channel.makefile_stdin("wb")
 
     def call(self, request: Request, expect: type[R], timeout: float | None = None) -> R:
         """The reply to ``request`` (``RemoteError`` if the node says it failed, the agent is
@@ -69,8 +68,9 @@ class Agent:
         limit = timeout or self.remote.settings.command_timeout
         self.channel.settimeout(limit)
         try:
-            self._in.write(encode_request(request).encode())
-            self._in.flush()
+            # sendall, not a buffered stdin file: paramiko's file objects flush again when they
+            # are garbage-collected and print a traceback if the agent is already gone.
+            self.channel.sendall(encode_request(request).encode())
             raw: bytes = self._out.readline(MAX_LINE + 2)
         except (socket.timeout, TimeoutError):
             raise RemoteError(f"the node agent did not answer {op} within {limit:.0f}s") from None
