@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -74,6 +75,22 @@ def variables(env: NodeEnv) -> dict[str, str]:
         for k in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE")
     }
     return {k: str(v) for k, v in {**plain, **torchrun, **dict(env.socket_ifnames)}.items()}
+
+
+ENV_FIELDS = ("source", "matched", "interface_source")  # what `env --json` adds to the variables
+
+
+def log_target(pattern: str, node_rank: str | int) -> str:
+    """The node's log file: ``{rank}`` is replaced in the file name only (a directory may hold
+    any characters)."""
+    head, name = posixpath.split(pattern)
+    return posixpath.join(head, name.replace("{rank}", str(node_rank)))
+
+
+def logged(cmd: str, target: str) -> str:
+    """``cmd`` with its output also appended to ``target``. A pipeline, not ``exec > >(tee ...)``:
+    bash then waits for tee, so the log is complete by the time the exit code is recorded."""
+    return f"{{ {cmd}\n}} 2>&1 | tee -a {shlex.quote(target)}\nexit ${{PIPESTATUS[0]}}"
 
 
 def export_lines(env: NodeEnv) -> str:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 # tmux renames sessions containing '.' or ':' (my.job -> my_job), so neither is allowed.
 _SESSION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 MAX_ENV_VALUE = 65536
 MAX_JOB_FILE = 1 << 20
 
@@ -42,7 +43,7 @@ def check_session(name: str) -> str:
 def check_env(env: dict[str, str], where: str = "config meshkit.env") -> dict[str, str]:
     """Names become ``export NAME=...`` on every node: only shell variable names pass."""
     for name, value in env.items():
-        if not _ENV_NAME.match(name):
+        if not ENV_NAME.match(name):
             raise UsageError(
                 f"{where}: {name[:60]!r} is not a variable name (letters, digits, '_'; not first "
                 "a digit)"
@@ -136,23 +137,40 @@ class Job:
     def supervisor_tmux(self) -> str:
         return f"{self.tmux_session}-sup"
 
-    def node_job(self, attempt: int = 1) -> NodeJob:
-        """What every node is sent to start its part. Attempts after the first begin with a
-        marker line in each log (logs append, so every attempt's output is kept)."""
+    def node_job(self, attempt: int = 1, variables: Mapping[str, str] | None = None) -> NodeJob:
+        """What a node is sent to start its part. ``variables`` are what ``meshkit env`` printed
+        on that node in the preflight, a moment before: the node runs the command with them
+        (its keeper needs no second discovery, i.e. no ``meshkit run`` interpreter start on every
+        node at every launch). Without them (a dry run shows this) the node would run ``meshkit
+        run``, which discovers the same. Attempts after the first begin with a marker line in each
+        log (logs append, so every attempt's output is kept)."""
+        from .distenv import log_target, logged
         from .protocol import NodeJob
 
         cmd = self.cmd
         if attempt > 1:
             marker = f"===== meshkit: attempt {attempt} of {self.restarts + 1} ====="
             cmd = f"echo {shlex.quote(marker)}\n{cmd}"
+        env = dict(self.env)
+        if variables is None:
+            argv = self.meshkit_argv("run", "--log", self.log_pattern, "--cmd", cmd)
+        else:
+            target = log_target(self.log_pattern, variables["NODE_RANK"])
+            # As `meshkit run` does: the interpreter's directory first on PATH (nodes share the
+            # venv path, so its torchrun is found as if the venv were activated).
+            bindir = str(PurePosixPath(self.python).parent)
+            path = f'export PATH={shlex.quote(bindir)}:"$PATH"\n' if "/" in self.python else ""
+            mkdir = f"mkdir -p -- {shlex.quote(str(PurePosixPath(target).parent))} || exit 1\n"
+            argv = ["bash", "-c", path + mkdir + logged(cmd, target)]
+            env.update(variables)
         return NodeJob(
             job_id=self.id,
             session=self.session,
             label=self.label,
             workdir=self.workdir,
             tmux_session=self.tmux_session,
-            argv=self.meshkit_argv("run", "--log", self.log_pattern, "--cmd", cmd),
-            env=dict(self.env),
+            argv=argv,
+            env=env,
             setup=list(self.setup),
         )
 

@@ -7,6 +7,8 @@ import io
 import json
 import os
 import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -62,6 +64,14 @@ def test_identity_includes_the_workdir_and_paths_never_meet_a_format_language():
     odd = make_job(workdir="/x/exp#S{r}#(touch /tmp/pwn)")
     assert odd.log(2) == "/x/exp#S{r}#(touch /tmp/pwn)/.meshkit/s1/node2.log"
     assert "#" not in odd.tmux_session and "{" not in odd.tmux_session
+
+
+def test_node_job_with_variables_runs_the_command_itself_logged_per_rank():
+    spec = make_job().node_job(2, {"NODE_RANK": "3", "MASTER_PORT": "29500"})
+    assert spec.argv[:2] == ["bash", "-c"] and spec.env["NODE_RANK"] == "3"
+    script = spec.argv[2]
+    assert HOSTILE in script and "tee -a '/shared/w d/.meshkit/s1/node3.log'" in script
+    assert "===== meshkit: attempt 2" in script and script.endswith("exit ${PIPESTATUS[0]}")
 
 
 def test_node_job_carries_the_command_verbatim():
@@ -211,3 +221,23 @@ def test_logs_tail_and_follow_offsets(tmp_path):
     assert more.lines == ["new 1"]  # the partial line waits for its newline
     missing = node_jobs.logs(protocol.LogsRequest(str(tmp_path / "none"), 3))
     assert missing.missing and missing.lines == []
+
+
+def test_every_op_has_a_handler_and_status_imports_only_what_it_needs():
+    """Handlers are imported on first use (the agent starts on every node at every command)."""
+    for op in protocol.OPS:
+        assert callable(agent.handler(op)), op
+    code = (
+        "import sys, io; from meshkit.node import agent; from meshkit import protocol;"
+        "agent.serve(io.StringIO(protocol.encode_request(protocol.JobsRequest())), io.StringIO());"
+        "print(sorted(m for m in sys.modules if m.startswith('meshkit') or m == 'importlib.metadata'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = out.stdout
+    for heavy in (
+        "meshkit.node.doctor",
+        "meshkit.node.sync",
+        "meshkit.node.supervise",
+        "importlib.metadata",
+    ):
+        assert heavy not in loaded, loaded

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import sys
 from typing import Any, NoReturn
 
-from ..distenv import NodeEnv, as_json, export_lines, variables
+from ..distenv import NodeEnv, as_json, export_lines, log_target, logged, variables
 from ..errors import UsageError
 from ..settings import Config
 
@@ -72,12 +71,8 @@ def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     script = cmd
     if log:
-        # {rank} is replaced in the file name only: a directory may hold any characters.
-        head, name = os.path.split(log)
-        target = os.path.join(head, name.replace("{rank}", str(node.node_rank)))
+        target = log_target(log, node.node_rank)
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        # A pipeline, not `exec > >(tee ...)`: bash then waits for tee, so the log is complete by
-        # the time the exit code is recorded.
-        script = f"{{ {cmd}\n}} 2>&1 | tee -a {shlex.quote(target)}\nexit ${{PIPESTATUS[0]}}"
+        script = logged(cmd, target)
     sys.stdout.flush()
     os.execvpe("bash", ["bash", "-c", script], {**os.environ, **variables(node), "PATH": path})

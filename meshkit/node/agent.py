@@ -5,6 +5,7 @@ node. Requests are data (JSON, checked against the protocol's types), never shel
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,7 @@ from ..protocol import (
     decode_request,
     encode_reply,
 )
-from . import doctor, jobs
+from . import jobs
 
 ENV_TIMEOUT = 60.0
 
@@ -52,33 +53,31 @@ def ports(request: PortsRequest) -> PortsReply:
     return PortsReply(states, jobs.keeper_pid(request.job_id) is not None)
 
 
-HANDLERS: dict[str, Callable[[Any], Reply]] = {
-    "env": env,
-    "ports": ports,
-    "start": jobs.start,
-    "jobs": lambda _request: jobs.jobs(),
-    "status": jobs.status,
-    "stop": jobs.stop,
-    "logs": jobs.logs,
-    "doctor_facts": doctor.facts,
-    "doctor_listen": doctor.listen,
-    "doctor_connect": doctor.connect,
-    "doctor_done": doctor.done,
-    "doctor_probe": doctor.probe,
+# op -> (module of meshkit.node, function). Modules are imported on first use: every node pays
+# the agent's start-up at every command, and a status round needs none of doctor, sync or supervise.
+HANDLERS: dict[str, tuple[str, str]] = {
+    "env": ("agent", "env"),
+    "ports": ("agent", "ports"),
+    "start": ("jobs", "start"),
+    "jobs": ("jobs", "jobs_request"),
+    "status": ("jobs", "status"),
+    "stop": ("jobs", "stop"),
+    "logs": ("jobs", "logs"),
+    "doctor_facts": ("doctor", "facts"),
+    "doctor_listen": ("doctor", "listen"),
+    "doctor_connect": ("doctor", "connect"),
+    "doctor_done": ("doctor", "done"),
+    "doctor_probe": ("doctor", "probe"),
+    "unsupervise": ("supervise", "unsupervise"),
+    "manifest": ("sync", "manifest"),
+    "put": ("sync", "put"),
 }
 
 
-# ---- supervision and sync (issue 13) ----------------------------------------------------------
-from . import supervise as _supervise  # noqa: E402
-from . import sync as _sync  # noqa: E402
-
-HANDLERS.update(
-    {
-        "unsupervise": _supervise.unsupervise,
-        "manifest": _sync.manifest,
-        "put": _sync.put,
-    }
-)
+def handler(op: str) -> Callable[[Any], Reply]:
+    module, name = HANDLERS[op]
+    found: Callable[[Any], Reply] = getattr(importlib.import_module(f"meshkit.node.{module}"), name)
+    return found
 
 
 def serve(requests: IO[str], replies: IO[str]) -> None:
@@ -90,7 +89,7 @@ def serve(requests: IO[str], replies: IO[str]) -> None:
             if not line.endswith("\n"):
                 raise ProtocolViolation(f"request longer than {MAX_LINE} bytes")
             op, request = decode_request(line)
-            out = encode_reply(HANDLERS[op](request))
+            out = encode_reply(handler(op)(request))
         except Exception as exc:  # one request failed; say so and keep serving
             out = encode_reply(None, f"{type(exc).__name__}: {exc}")
         replies.write(out)

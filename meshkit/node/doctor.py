@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -50,6 +49,8 @@ SIOCGIFADDR = 0x8915
 
 
 def _version(package: str) -> str | None:
+    import importlib.metadata  # tens of ms: only the doctor needs it
+
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

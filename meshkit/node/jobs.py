@@ -19,6 +19,7 @@ from pathlib import Path
 from ..protocol import (
     MAX_LOG_BYTES,
     JobsReply,
+    JobsRequest,
     LogsReply,
     LogsRequest,
     NodeJob,
@@ -31,6 +32,7 @@ from ..protocol import (
     StopRequest,
 )
 from . import procs
+from .files import read_text, write_atomic
 
 TMUX_TIMEOUT = 10.0
 KEEPER_START_TIMEOUT = 10.0  # the keeper writes keeper.pid within this after tmux starts it
@@ -47,12 +49,7 @@ def state_dir(job_id: str) -> Path:
     return jobs_root() / job_id
 
 
-def _read(path: Path, limit: int = 65536) -> str | None:
-    try:
-        with path.open("rb") as handle:
-            return handle.read(limit).decode(errors="replace")
-    except OSError:
-        return None
+_read = read_text
 
 
 def _read_int(path: Path) -> int | None:
@@ -69,14 +66,6 @@ def _read_float(path: Path) -> float | None:
         return float(text.strip()) if text else None
     except ValueError:
         return None
-
-
-def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.replace(tmp, path)
 
 
 def keeper_pid(job_id: str) -> int | None:
@@ -109,6 +98,10 @@ def running_jobs() -> list[RunningJob]:
 
 def jobs() -> JobsReply:
     return JobsReply(running_jobs())
+
+
+def jobs_request(request: JobsRequest) -> JobsReply:
+    return jobs()
 
 
 def _state(job_id: str) -> tuple[str, int | None]:

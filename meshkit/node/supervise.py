@@ -10,7 +10,8 @@ from pathlib import Path
 
 from ..protocol import UnsuperviseReply, UnsuperviseRequest
 from . import procs
-from .jobs import JOB_ID, write_atomic
+from .files import write_atomic
+from .jobs import JOB_ID
 
 TMUX_TIMEOUT = 10.0
 

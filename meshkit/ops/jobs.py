@@ -14,9 +14,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from ..distenv import ENV_FIELDS
 from ..errors import JobError, LaunchError
 from ..hostfile import Host
-from ..job import Job, check_session, from_json, job_file, workdir_from_index
+from ..job import (
+    ENV_NAME,
+    MAX_ENV_VALUE,
+    Job,
+    check_session,
+    from_json,
+    job_file,
+    workdir_from_index,
+)
 from ..protocol import (
     EnvReply,
     EnvRequest,
@@ -126,6 +135,7 @@ class Preflight:
     port: int
     note: str | None
     running: dict[Host, list[RunningJob]] = field(default_factory=dict)
+    variables: dict[Host, dict[str, str]] = field(default_factory=dict)  # when no problems
 
 
 def explain_env_failure(code: int, err: str, job: Job) -> str:
@@ -138,6 +148,25 @@ def explain_env_failure(code: int, err: str, job: Job) -> str:
     if "cd:" in text:
         return f"workdir {job.workdir} is missing (it must be on storage every node shares)"
     return text.removeprefix("meshkit: ")
+
+
+def node_variables(data: object) -> dict[str, str]:
+    """The variables in what ``meshkit env --json`` printed on a node (what its job is started
+    with), checked: names as a shell takes them, values strings of bounded size; else
+    ``ValueError``."""
+    if not isinstance(data, dict) or len(data) > 256:
+        raise ValueError("not an object of at most 256 entries")
+    found: dict[str, str] = {}
+    for name, value in data.items():
+        if name in ENV_FIELDS:
+            continue
+        if not ENV_NAME.match(name) or not isinstance(value, str) or len(value) > MAX_ENV_VALUE:
+            raise ValueError(f"entry {name[:60]!r}")
+        found[name] = value
+    for required in ("NODE_RANK", "NNODES", "MASTER_ADDR", "MASTER_PORT"):
+        if required not in found:
+            raise ValueError(f"no {required}")
+    return found
 
 
 def env_verdicts(
@@ -159,10 +188,11 @@ def env_verdicts(
             problems.append(f"{host.label}: {explain_env_failure(reply.code, reply.err, job)}")
             continue
         try:
-            data = json.loads(reply.out)
-            found = (str(data["NODE_RANK"]), str(data.get("matched")))
-            key = (str(data["NNODES"]), str(data["MASTER_ADDR"]), str(data["MASTER_PORT"]))
-        except (ValueError, KeyError, TypeError):
+            raw = json.loads(reply.out)
+            data = node_variables(raw)
+            found = (data["NODE_RANK"], str(raw.get("matched")))
+            key = (data["NNODES"], data["MASTER_ADDR"], data["MASTER_PORT"])
+        except ValueError:
             problems.append(
                 f"{host.label}: meshkit env printed no usable JSON: {reply.out[:200]!r}"
             )
@@ -234,7 +264,13 @@ def preflight(pool: NodePool, job: Job, hosts: Sequence[Host], replace: bool = F
             )
         else:
             port, note = pick_port(outcome.value, job, hosts[0])
-    return Preflight(problems, port, note, running)
+    variables: dict[Host, dict[str, str]] = {}
+    for h, o in envs.items() if not problems else ():
+        if o.value is not None:
+            variables[h] = node_variables(json.loads(o.value.out))
+            if port != job.master_port:  # every node is given the port chosen above
+                variables[h].update(MASTER_PORT=str(port), PET_MASTER_PORT=str(port))
+    return Preflight(problems, port, note, running, variables)
 
 
 # ---- launch -------------------------------------------------------------------------------
@@ -292,8 +328,11 @@ def launch(
     for where in hosts if job.sync else hosts[:1]:
         pool.write_file(where, str(job.file), job.to_json())
         pool.write_file(where, str(job.index), job.index_json())
-    spec = job.node_job(attempt)
-    started = pool.call_all("start", lambda h: StartRequest(spec, replace), StartReply)
+    started = pool.call_all(
+        "start",
+        lambda h: StartRequest(job.node_job(attempt, checked.variables[h]), replace),
+        StartReply,
+    )
     return Launch(job, start_rows(hosts, started, pool.failures), checked.note, False, synced)
 
 
