@@ -241,3 +241,23 @@ def test_every_op_has_a_handler_and_status_imports_only_what_it_needs():
         "importlib.metadata",
     ):
         assert heavy not in loaded, loaded
+
+
+@pytest.mark.parametrize("case", ["ok", "error"])
+def test_env_in_a_fork_of_the_agent_prints_what_a_new_interpreter_prints(tmp_path, case):
+    """The preflight's `meshkit env` runs in a fork of the agent when it names the agent's own
+    interpreter: same output, same exit code, same error text, in the workdir given."""
+    (tmp_path / "hostfile").write_text("10.9.9.1\n10.9.9.2\n")
+    (tmp_path / "meshkit.yaml").write_text("meshkit:\n  master_port: 23456\n")
+    hostfile = "hostfile" if case == "ok" else "missing-hostfile"
+    argv = [sys.executable, "-m", "meshkit", "env", "--json", "--hostfile", hostfile]
+    argv += ["--node-rank", "1"]
+    assert agent._this_interpreter(argv)
+    forked = agent.env(protocol.EnvRequest(str(tmp_path), argv))
+    fresh = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert (forked.code, forked.out, forked.err) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    if case == "ok":
+        data = json.loads(forked.out)
+        assert data["NODE_RANK"] == "1" and data["MASTER_PORT"] == "23456"
+    else:
+        assert forked.code != 0 and "hostfile" in forked.err

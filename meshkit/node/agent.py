@@ -5,8 +5,14 @@ node. Requests are data (JSON, checked against the protocol's types), never shel
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+import select
+import signal
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -32,6 +38,8 @@ def env(request: EnvRequest) -> EnvReply:
     """``meshkit env --json ...`` in the job's workdir, as a login there would run it."""
     if not Path(request.cwd).is_dir():
         return EnvReply(1, "", f"cd: {request.cwd}: No such file or directory")
+    if _this_interpreter(request.argv):
+        return _env_forked(request)
     try:
         done = subprocess.run(
             request.argv,
@@ -46,6 +54,89 @@ def env(request: EnvRequest) -> EnvReply:
     except subprocess.TimeoutExpired:
         return EnvReply(124, "", f"meshkit env took longer than {ENV_TIMEOUT:.0f}s")
     return EnvReply(done.returncode, done.stdout[-65536:], done.stderr[-65536:])
+
+
+def _this_interpreter(argv: list[str]) -> bool:
+    """``argv`` is ``THIS_PYTHON -m meshkit ...``: the very interpreter (venv) this agent runs on.
+    Paths are compared as given, not resolved: two venvs share one resolved interpreter."""
+    return (
+        len(argv) > 3
+        and argv[1:3] == ["-m", "meshkit"]
+        and os.path.isabs(argv[0])
+        and os.path.normpath(argv[0]) == os.path.normpath(sys.executable)
+    )
+
+
+def _env_forked(request: EnvRequest) -> EnvReply:
+    """The same ``meshkit env`` run, in a fork of this agent rather than a new interpreter: the
+    child starts with the standard library already imported, which spares every node about
+    0.1 s of CPU at every launch. It changes to the workdir, gets its own stdio and runs meshkit's
+    own entry point with the same arguments; this process only reads what it printed."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.close(out_r)
+            os.close(err_r)
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the child exits below
+            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+            os.chdir(request.cwd)
+            sys.path[0] = request.cwd  # as `python -m` in that directory would have it
+            sys.argv = ["meshkit", *request.argv[3:]]
+            from meshkit.cli.main import main
+
+            main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:  # reported on the child's stderr, as python would report it
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+    os.close(out_w)
+    os.close(err_w)
+    out, err, timed_out = _read_both(out_r, err_r, time.monotonic() + ENV_TIMEOUT)
+    if timed_out:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    if timed_out:
+        return EnvReply(124, "", f"meshkit env took longer than {ENV_TIMEOUT:.0f}s")
+    text = [b.decode(errors="replace")[-65536:] for b in (out, err)]
+    return EnvReply(os.waitstatus_to_exitcode(status), text[0], text[1])
+
+
+def _read_both(out_fd: int, err_fd: int, deadline: float) -> tuple[bytes, bytes, bool]:
+    """Both pipes to their end (each kept to its last 64 KiB), or until ``deadline``."""
+    got = {out_fd: b"", err_fd: b""}
+    open_fds = [out_fd, err_fd]
+    try:
+        while open_fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return got[out_fd], got[err_fd], True
+            ready, _, _ = select.select(open_fds, [], [], left)
+            for fd in ready:
+                chunk = os.read(fd, 65536)
+                if chunk:
+                    got[fd] = (got[fd] + chunk)[-65536:]
+                else:
+                    open_fds.remove(fd)
+    finally:
+        os.close(out_fd)
+        os.close(err_fd)
+    return got[out_fd], got[err_fd], False
 
 
 def ports(request: PortsRequest) -> PortsReply:
