@@ -45,9 +45,11 @@ def install(peer: str) -> Path:
     env_dir = venv(peer)
     python = env_dir / "bin" / "python"
     marker = env_dir / ".bench-installed"
-    if marker.exists():
-        return env_dir / "bin"
     packages, with_deps = PACKAGES[peer]
+    if marker.exists():
+        if not with_deps:
+            lend_torch(python)
+        return env_dir / "bin"
     try:
         if not python.exists():
             subprocess.run(
@@ -67,18 +69,22 @@ def install(peer: str) -> Path:
             f"pip install {' '.join(packages)} failed: {exc} {lines[-1:]}"
         ) from exc
     if not with_deps:
-        purelib = subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout.strip()
-        Path(purelib, "zz_meshkit_bench_torch.pth").write_text(
-            sysconfig.get_paths()["purelib"] + "\n"
-        )
+        lend_torch(python)
     marker.write_text("\n".join(packages) + "\n")
     return env_dir / "bin"
+
+
+def lend_torch(python: Path) -> None:
+    """Point the peer's venv at this interpreter's packages (torch, fabric), on every run: the
+    cached venv outlives the interpreter that first lent them."""
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
+    Path(purelib, "zz_meshkit_bench_torch.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
 
 
 def version(argv: list[str]) -> str:

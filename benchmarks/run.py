@@ -256,6 +256,8 @@ class Options:
     n2_max: int
     bins: dict[str, Path]  # installed peers: name -> venv bin dir
     unavailable: dict[str, str]  # peer -> why it is not measured
+    seed_max: int = 16  # the seed's N + N² sequential logins take minutes beyond this
+    launch_max: int = 16  # 2 torch processes per node all share this machine's cores and memory
 
 
 def up(n: int) -> sandbox.Layout:
@@ -294,7 +296,9 @@ def mesh_variants(row: Row, opt: Options) -> None:
         (
             "seed",
             seed,
-            None if small else f"N + N² sequential logins; only up to --peers-max {opt.peers_max}",
+            None
+            if n <= min(opt.seed_max, opt.peers_max)
+            else f"N + N² sequential logins; only up to --seed-max {opt.seed_max}",
         ),
     ]
     for tool, fn, why in variants:
@@ -439,19 +443,33 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
         return f"{n * PER_NODE} ranks, right sum"
 
     logs_out: list[str] = []
-    row.sample("train_running", "meshkit", train)
-    if row.raw["train_running/meshkit"][-1] is not None:
-        try:
-            done()
-            if any(c != "0" for c in codes.values()):
-                raise StepFailed(f"exit codes {codes}")
-            row.raw.setdefault("train_done/meshkit", []).append(
-                round(time.perf_counter() - start, 4)
-            )
-            row.end_state.setdefault("train_done/meshkit", []).append(train_verify())
-        except StepFailed as exc:
-            row.raw.setdefault("train_done/meshkit", []).append(None)
-            row.failures.setdefault("train_done/meshkit", []).append(str(exc))
+    if n > opt.launch_max:
+        # Every session up, with a command that needs no torch: what --launch-max bounds is 2
+        # torch processes per node sharing this machine's cores and memory.
+        job = ["--hostfile", hostfile, "--session", f"bup{repeat}", "--workdir", str(workdir)]
+        light = "echo meshkit-bench up on node $NODE_RANK; sleep 600"
+        row.sample(
+            "train_running",
+            "meshkit",
+            lambda: must([*MESHKIT, "train", *job, "--cmd", light], bound(n, base=240)),
+        )
+        for tool in ("meshkit", "pdsh_torchrun", "torchrunx"):
+            row.skip("train_done", tool, f"launch until done up to --launch-max {opt.launch_max}")
+        time.sleep(1.0)  # the echo is in every log
+    else:
+        row.sample("train_running", "meshkit", train)
+        if row.raw["train_running/meshkit"][-1] is not None:
+            try:
+                done()
+                if any(c != "0" for c in codes.values()):
+                    raise StepFailed(f"exit codes {codes}")
+                row.raw.setdefault("train_done/meshkit", []).append(
+                    round(time.perf_counter() - start, 4)
+                )
+                row.end_state.setdefault("train_done/meshkit", []).append(train_verify())
+            except StepFailed as exc:
+                row.raw.setdefault("train_done/meshkit", []).append(None)
+                row.failures.setdefault("train_done/meshkit", []).append(str(exc))
 
     row.sample(
         "round",
@@ -478,7 +496,7 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
     else:
         row.skip("doctor", "meshkit", f"its N² SSH check above --n2-max {opt.n2_max}")
 
-    if "pdsh" in opt.unavailable or not small:
+    if "pdsh" in opt.unavailable or not small or n > opt.launch_max:
         row.skip(
             "train_done",
             "pdsh_torchrun",
@@ -504,6 +522,8 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
     why = opt.unavailable.get("torchrunx") or (
         None if small else f"peers only up to --peers-max {opt.peers_max}"
     )
+    if n > opt.launch_max:
+        why = f"launch until done up to --launch-max {opt.launch_max}"
     if why:
         row.skip("train_done", "torchrunx", why)
     else:
@@ -695,6 +715,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="largest N for N² operations (mesh verify, check, doctor)",
     )
     parser.add_argument(
+        "--seed-max", type=int, default=16, help="largest N the seed's sequential script runs at"
+    )
+    parser.add_argument(
+        "--launch-max",
+        type=int,
+        default=16,
+        help="largest N for launch until every rank is done (2 torch processes per node share "
+        "this machine); above it, train is timed until every session runs, with a light command",
+    )
+    parser.add_argument(
         "--quiet-machine", default=None, help="note stored in results.json: was the machine quiet?"
     )
     parser.add_argument(
@@ -721,7 +751,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("benchmarks build sandbox clusters: run as root")
     sizes = [int(x) for x in args.nodes.split(",")]
     bins, unavailable, versions = install_peers()
-    opt = Options(args.peers_max, args.n2_max, bins, unavailable)
+    opt = Options(args.peers_max, args.n2_max, bins, unavailable, args.seed_max, args.launch_max)
     for peer, why in unavailable.items():
         print(f"peer {peer} not measured: {why}", file=sys.stderr)
     doc: dict[str, object] = {
@@ -731,6 +761,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "repeats": args.repeats,
             "peers_max": args.peers_max,
             "n2_max": args.n2_max,
+            "seed_max": args.seed_max,
+            "launch_max": args.launch_max,
             "processes_per_node": PER_NODE,
         },
         "peers": {"versions": versions, "unavailable": unavailable},
