@@ -74,6 +74,56 @@ def install(peer: str) -> Path:
     return env_dir / "bin"
 
 
+def install_meshkit(repo: Path) -> Path:
+    """meshkit as users run it: this checkout's wheel (not editable: an editable install adds a
+    finder import to every interpreter start, on every node) in a fresh venv, lent this
+    interpreter's dependencies and torch, with a torchrun beside it. Its bin directory."""
+    root = CACHE / "meshkit"
+    subprocess.run(["rm", "-rf", str(root)], check=True, timeout=60)
+    dist, env_dir = root / "dist", root / "venv"
+    python = env_dir / "bin" / "python"
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(repo)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=INSTALL_TIMEOUT,
+        )
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", str(env_dir)],
+            check=True,
+            capture_output=True,
+            timeout=INSTALL_TIMEOUT,
+        )
+        wheel = next(dist.glob("meshkit-*.whl"))
+        pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q"]
+        subprocess.run(
+            [*pip, "--no-deps", str(wheel)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=INSTALL_TIMEOUT,
+        )
+    except (
+        subprocess.CalledProcessError,
+        subprocess.TimeoutExpired,
+        OSError,
+        StopIteration,
+    ) as exc:
+        detail = getattr(exc, "stderr", "") or ""
+        raise PeerUnavailable(
+            f"building and installing meshkit's wheel failed: {exc} {detail}"
+        ) from exc
+    lend_torch(python)
+    torchrun = env_dir / "bin" / "torchrun"
+    torchrun.write_text(
+        f"#!{python}\nimport sys\nfrom torch.distributed.run import main\nsys.exit(main())\n"
+    )
+    torchrun.chmod(0o755)
+    return env_dir / "bin"
+
+
 def lend_torch(python: Path) -> None:
     """Point the peer's venv at this interpreter's packages (torch, fabric), on every run: the
     cached venv outlives the interpreter that first lent them."""

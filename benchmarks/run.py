@@ -44,6 +44,7 @@ DIR = default_dir("/var/tmp/meshkit-bench-sandbox", NAME)
 SUBNET = default_subnet("10.77.0.0/24", NAME)
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
+# meshkit as users run it (set by main to the wheel's venv; see peers.install_meshkit).
 MESHKIT = [sys.executable, "-m", "meshkit"]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 PER_NODE = 2
@@ -604,7 +605,7 @@ def measure_env(repeats: int) -> dict[str, object]:
             must(argv, 60, cwd=Path(tmp))
             return time.perf_counter() - start
 
-        bare = [timed([sys.executable, "-c", "import netifaces"]) for _ in range(repeats)]
+        bare = [timed([MESHKIT[0], "-c", "import netifaces"]) for _ in range(repeats)]
         env = [timed([*MESHKIT, "env", "--node-rank", "1"]) for _ in range(repeats)]
     b, e = stats.median(bare), stats.median(env)
     assert b is not None and e is not None
@@ -750,6 +751,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if os.geteuid() != 0:
         raise SystemExit("benchmarks build sandbox clusters: run as root")
     sizes = [int(x) for x in args.nodes.split(",")]
+    global TORCHRUN
+    product = peers.install_meshkit(REPO)
+    MESHKIT[:] = [str(product / "python"), "-m", "meshkit"]
+    TORCHRUN = product / "torchrun"
     bins, unavailable, versions = install_peers()
     opt = Options(args.peers_max, args.n2_max, bins, unavailable, args.seed_max, args.launch_max)
     for peer, why in unavailable.items():
@@ -763,6 +768,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "n2_max": args.n2_max,
             "seed_max": args.seed_max,
             "launch_max": args.launch_max,
+            "meshkit": f"this checkout's wheel, installed (not editable) into {product.parent}",
             "processes_per_node": PER_NODE,
         },
         "peers": {"versions": versions, "unavailable": unavailable},

@@ -16,9 +16,10 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING
 
 from .errors import JobError, UsageError
+
+TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 
 if TYPE_CHECKING:
     from .protocol import NodeJob

@@ -14,9 +14,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 from .errors import ConfigError
+
+TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any
 
 LEVELS = ("/etc/meshkit", "~/.meshkit", "./meshkit")  # system, user, project
 SUFFIXES = ("yaml", "yml", "json")  # the first file found at a level wins
@@ -184,9 +187,11 @@ def _check(name: str, kind: Any, value: Any, where: str) -> Any:
     if "dict" in text:
         if not isinstance(value, dict):
             raise bad("a mapping NAME: value")
-        from .job import check_env
-
         env = {str(k): str(v) for k, v in value.items()}
+        if not env:
+            return env
+        from .job import check_env  # only when there is something to check: env runs per node
+
         try:
             return check_env(env, where)
         except ConfigError:

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, NoReturn
 
 from ..distenv import NodeEnv, as_json, export_lines, log_target, logged, variables
 from ..errors import UsageError
 from ..settings import Config
+
+TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
 
 
 def pick(conf: Config, name: str, flag: Any) -> Any:

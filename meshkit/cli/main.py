@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
 
 from .. import __version__
+
+TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 
 if TYPE_CHECKING:
     from invoke.program import Program

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import subprocess
 
 GPU_PROBE_TIMEOUT = 5.0
 
@@ -19,6 +17,9 @@ def gpu_count() -> int:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     with contextlib.suppress(OSError):
         return len(os.listdir("/proc/driver/nvidia/gpus"))
+    import shutil  # only on machines without the driver's /proc entries (CPU nodes mostly)
+    import subprocess
+
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return 0
