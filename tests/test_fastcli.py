@@ -110,3 +110,37 @@ def test_bad_configuration_is_a_clear_usage_error(tmp_path, monkeypatch, text, e
     fast, slow = both_paths(["env", "--node-rank", "0"], tmp_path, env)
     assert fast.returncode == slow.returncode == 2, (fast.stderr, slow.stderr)
     assert message in fast.stderr and "Traceback" not in fast.stderr + slow.stderr
+
+
+def test_the_fast_parser_takes_only_what_it_is_sure_of():
+    values, as_json = fastcli.parse("env", ["--json", "--hostfile=h f", "--node-rank", "2"])
+    assert as_json and values["hostfile"] == "h f" and values["node_rank"] == "2"
+    assert values["session"] is None
+    for args in (
+        ["--host", "h"],  # abbreviated: argparse (allow_abbrev=False) and invoke refuse it
+        ["--node_rank", "1"],  # not the flag's spelling
+        ["--hostfile"],  # no value
+        ["--hostfile", "--json"],  # a flag where the value should be
+        ["--json=yes"],
+        ["hostfile"],  # a positional
+        ["--cmd", "x"],  # not an env flag
+    ):
+        with pytest.raises(fastcli._Fallback):
+            fastcli.parse("env", args)
+
+
+def test_env_imports_no_typing_argparse_or_ssh(tmp_path):
+    (tmp_path / "hostfile").write_text("10.9.9.1\n10.9.9.2\n")
+    code = (
+        "import sys, io, contextlib\n"
+        "sys.argv = ['meshkit', 'env', '--node-rank', '1']\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    from meshkit.cli.main import main\n"
+        "    main()\n"
+        "heavy = ('typing', 'argparse', 'invoke', 'fabric', 'paramiko', 'torch', 'meshkit.job')\n"
+        "print([m for m in heavy if m in sys.modules])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
