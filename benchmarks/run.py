@@ -656,11 +656,10 @@ def install_peers() -> tuple[dict[str, Path], dict[str, str], dict[str, str]]:
 def login_shell_note() -> str:
     """Every remote command runs the user's bash, which reads ~/.bashrc: what it costs is part of
     every login of every tool here, so the results name it."""
-    rc = Path.home() / ".bashrc"
-    text = rc.read_text(errors="replace") if rc.exists() else ""
-    if "pyenv init" in text:
-        return f"{rc} runs `pyenv init` (a rehash under a lock shared by every node) on every login"
-    return f"{rc}: no pyenv init"
+    return (
+        "sandbox nodes read a one-line ~/.bashrc (the sandbox binds it over this machine's, "
+        "whose pyenv init would run at every login)"
+    )
 
 
 def machine() -> dict[str, object]:
