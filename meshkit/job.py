@@ -13,7 +13,6 @@ import hashlib
 import json
 import re
 import shlex
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 
@@ -138,40 +137,23 @@ class Job:
     def supervisor_tmux(self) -> str:
         return f"{self.tmux_session}-sup"
 
-    def node_job(self, attempt: int = 1, variables: Mapping[str, str] | None = None) -> NodeJob:
-        """What a node is sent to start its part. ``variables`` are what ``meshkit env`` printed
-        on that node in the preflight, a moment before: the node runs the command with them
-        (its keeper needs no second discovery, i.e. no ``meshkit run`` interpreter start on every
-        node at every launch). Without them (a dry run shows this) the node would run ``meshkit
-        run``, which discovers the same. Attempts after the first begin with a marker line in each
-        log (logs append, so every attempt's output is kept)."""
-        from .distenv import log_target, logged
+    def node_job(self, attempt: int = 1) -> NodeJob:
+        """What every node is sent to start its part. Attempts after the first begin with a
+        marker line in each log (logs append, so every attempt's output is kept)."""
         from .protocol import NodeJob
 
         cmd = self.cmd
         if attempt > 1:
             marker = f"===== meshkit: attempt {attempt} of {self.restarts + 1} ====="
             cmd = f"echo {shlex.quote(marker)}\n{cmd}"
-        env = dict(self.env)
-        if variables is None:
-            argv = self.meshkit_argv("run", "--log", self.log_pattern, "--cmd", cmd)
-        else:
-            target = log_target(self.log_pattern, variables["NODE_RANK"])
-            # As `meshkit run` does: the interpreter's directory first on PATH (nodes share the
-            # venv path, so its torchrun is found as if the venv were activated).
-            bindir = str(PurePosixPath(self.python).parent)
-            path = f'export PATH={shlex.quote(bindir)}:"$PATH"\n' if "/" in self.python else ""
-            mkdir = f"mkdir -p -- {shlex.quote(str(PurePosixPath(target).parent))} || exit 1\n"
-            argv = ["bash", "-c", path + mkdir + logged(cmd, target)]
-            env.update(variables)
         return NodeJob(
             job_id=self.id,
             session=self.session,
             label=self.label,
             workdir=self.workdir,
             tmux_session=self.tmux_session,
-            argv=argv,
-            env=env,
+            argv=self.meshkit_argv("run", "--log", self.log_pattern, "--cmd", cmd),
+            env=dict(self.env),
             setup=list(self.setup),
         )
 

@@ -66,14 +66,6 @@ def test_identity_includes_the_workdir_and_paths_never_meet_a_format_language():
     assert "#" not in odd.tmux_session and "{" not in odd.tmux_session
 
 
-def test_node_job_with_variables_runs_the_command_itself_logged_per_rank():
-    spec = make_job().node_job(2, {"NODE_RANK": "3", "MASTER_PORT": "29500"})
-    assert spec.argv[:2] == ["bash", "-c"] and spec.env["NODE_RANK"] == "3"
-    script = spec.argv[2]
-    assert HOSTILE in script and "tee -a '/shared/w d/.meshkit/s1/node3.log'" in script
-    assert "===== meshkit: attempt 2" in script and script.endswith("exit ${PIPESTATUS[0]}")
-
-
 def test_node_job_carries_the_command_verbatim():
     spec = make_job().node_job()
     assert spec.argv[spec.argv.index("--cmd") + 1] == HOSTILE

@@ -89,21 +89,6 @@ def test_launch_saves_the_job_and_its_index_through_the_master_then_starts_every
     assert [op for op, _, _ in pool.calls].count("start") == 3
 
 
-def test_each_node_starts_with_the_variables_its_preflight_printed():
-    """No second discovery on the node: its keeper runs the command with what `meshkit env`
-    printed there a moment before, the master port as chosen for every node."""
-    busy = {HOSTS[0]: p.PortsReply([p.PortState(25000, False), p.PortState(25001, True)], False)}
-    pool = FakePool(healthy(ports=busy))
-    launch = ops.launch(pool, job(), HOSTS)
-    assert launch.ok and launch.job.master_port == 25001
-    starts = {h: req for op, h, req in pool.calls if op == "start"}
-    for rank, h in enumerate(HOSTS):
-        spec = starts[h].job  # type: ignore[union-attr]
-        assert spec.env["NODE_RANK"] == str(rank) and spec.env["MASTER_PORT"] == "25001"
-        assert "matched" not in spec.env and spec.argv[:2] == ["bash", "-c"]
-        assert f"node{rank}.log" in spec.argv[2] and "export PATH=/venv/bin:" in spec.argv[2]
-
-
 @pytest.mark.parametrize(
     "out",
     [

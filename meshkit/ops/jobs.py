@@ -135,7 +135,6 @@ class Preflight:
     port: int
     note: str | None
     running: dict[Host, list[RunningJob]] = field(default_factory=dict)
-    variables: dict[Host, dict[str, str]] = field(default_factory=dict)  # when no problems
 
 
 def explain_env_failure(code: int, err: str, job: Job) -> str:
@@ -151,9 +150,8 @@ def explain_env_failure(code: int, err: str, job: Job) -> str:
 
 
 def node_variables(data: object) -> dict[str, str]:
-    """The variables in what ``meshkit env --json`` printed on a node (what its job is started
-    with), checked: names as a shell takes them, values strings of bounded size; else
-    ``ValueError``."""
+    """The variables in what ``meshkit env --json`` printed on a node, checked: names as a shell
+    takes them, values strings of bounded size; else ``ValueError``."""
     if not isinstance(data, dict) or len(data) > 256:
         raise ValueError("not an object of at most 256 entries")
     found: dict[str, str] = {}
@@ -264,13 +262,7 @@ def preflight(pool: NodePool, job: Job, hosts: Sequence[Host], replace: bool = F
             )
         else:
             port, note = pick_port(outcome.value, job, hosts[0])
-    variables: dict[Host, dict[str, str]] = {}
-    for h, o in envs.items() if not problems else ():
-        if o.value is not None:
-            variables[h] = node_variables(json.loads(o.value.out))
-            if port != job.master_port:  # every node is given the port chosen above
-                variables[h].update(MASTER_PORT=str(port), PET_MASTER_PORT=str(port))
-    return Preflight(problems, port, note, running, variables)
+    return Preflight(problems, port, note, running)
 
 
 # ---- launch -------------------------------------------------------------------------------
@@ -310,12 +302,13 @@ def launch(
     replace: bool = False,
     dry_run: bool = False,
     attempt: int = 1,
+    synced: dict[str, int] | None = None,
 ) -> Launch:
     """Preflight everywhere (read-only; any problem starts nothing anywhere), save the job and
     its index through the master (every node when the workdir is synced), then start it on every
-    node. A synced job's workdir is copied first (only what changed)."""
-    synced = None
-    if job.sync and not dry_run:
+    node. A synced job's workdir is copied first (only what changed), unless the caller just did
+    (``synced``: what it copied)."""
+    if job.sync and not dry_run and synced is None:
         from .sync import sync_workdir
 
         synced = sync_workdir(pool, job, hosts).nodes
@@ -328,11 +321,8 @@ def launch(
     for where in hosts if job.sync else hosts[:1]:
         pool.write_file(where, str(job.file), job.to_json())
         pool.write_file(where, str(job.index), job.index_json())
-    started = pool.call_all(
-        "start",
-        lambda h: StartRequest(job.node_job(attempt, checked.variables[h]), replace),
-        StartReply,
-    )
+    spec = job.node_job(attempt)
+    started = pool.call_all("start", lambda h: StartRequest(spec, replace), StartReply)
     return Launch(job, start_rows(hosts, started, pool.failures), checked.note, False, synced)
 
 
