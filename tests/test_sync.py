@@ -118,3 +118,22 @@ def test_private_workdirs_are_synced_and_the_job_works_from_any_node(meshed):
     assert job_processes(lay) == []
     rows = json.loads(run_in(lay, 1, "status", *base, "--json").stdout)
     assert [r["state"] for r in rows] == ["absent"] * n and rows[0]["supervisor"] is None
+
+
+def test_train_doctor_on_private_workdirs_checks_the_synced_copies(meshed):
+    """--doctor runs `meshkit env` in the workdir on every node: a synced job's copies are made
+    first, and a copy (not shared, so without the master's marker) passes the workdir check."""
+    lay = meshed
+    work = Path("/tmp/mkwork-doctor")
+    private(lay, 0, work).mkdir(parents=True)
+    (private(lay, 0, work) / "job.sh").write_text("sleep 120\n")
+    base = ["--workdir", str(work), "--session", "sd"]
+    out = run_in(
+        lay, 0, "train", "--hostfile", str(HOSTFILE), *base, "--doctor", "--cmd", "bash job.sh"
+    )
+    assert "syncing it" in out.stdout and "quick checks passed" in out.stdout, out.stdout
+    assert out.stdout.count("synced 1 changed files") == len(lay.nodes) - 1, out.stdout
+    for i in range(1, len(lay.nodes)):
+        assert (private(lay, i, work) / "job.sh").exists()
+    out = run_in(lay, 1, "stop", *base)
+    assert out.stdout.count("nothing left") == len(lay.nodes)

@@ -219,10 +219,12 @@ def fact_checks(
     failures: dict[Host, str],
     timing: dict[Host, tuple[float, float]],
     slots: int | None,
+    synced: bool = False,
 ) -> list[Check]:
-    """Versions equal to the master's; GPUs against slots; the workdir shared and writable;
-    clocks within CLOCK_SKEW of the controller's (``timing``: when each request left and its reply
-    came back, controller time)."""
+    """Versions equal to the master's; GPUs against slots; the workdir shared and writable (a
+    synced job's nodes hold copies: the master's marker is not expected there); clocks within
+    CLOCK_SKEW of the controller's (``timing``: when each request left and its reply came back,
+    controller time)."""
     checks: list[Check] = []
     master = facts.get(hosts[0])
     reference = master.value if master is not None else None
@@ -262,8 +264,9 @@ def fact_checks(
                 f"set slots={f.gpus} (or fewer) in the hostfile" if over else "",
             )
         )
+        copy = synced and f.marker.endswith((" is not there", " holds another run's token"))
         problems = [p for p in (f.writable,) if p] + (
-            [] if f.marker in ("written", "seen") else [f"marker: {f.marker}"]
+            [] if f.marker in ("written", "seen") or copy else [f"marker: {f.marker}"]
         )
         checks.append(
             Check(
@@ -272,7 +275,13 @@ def fact_checks(
                 None,
                 not problems,
                 "; ".join(problems)
-                or ("shared and writable" if f.marker == "seen" else "writable"),
+                or (
+                    "shared and writable"
+                    if f.marker == "seen"
+                    else "writable (a synced copy)"
+                    if copy
+                    else "writable"
+                ),
                 "put the workdir on storage every node mounts at the same path (or use train --sync)"
                 if problems
                 else "",
@@ -450,7 +459,7 @@ def run(
         facts.update(pool.call_all("facts", request, FactsReply, chosen))
         back = time.time()
         timing.update({h: (t, back) for h, t in sent.items()})
-    checks += fact_checks(hosts, facts, pool.failures, timing, hosts[0].slots)
+    checks += fact_checks(hosts, facts, pool.failures, timing, hosts[0].slots, job.sync)
 
     try:
         checks += network_checks(pool, job, hosts, views, port_may_move)

@@ -225,11 +225,17 @@ def train(
                 left = sup.end_supervisor(pool, job, hosts)
                 if left:
                     raise LaunchError([*left, "train: the old supervisor did not end"])
+            copied = None
             if doctor:
                 from .doctor import train_preflight
 
+                if job.sync and not dry_run:
+                    # The doctor runs `meshkit env` in the workdir on every node: copy it first.
+                    from ...ops.sync import sync_workdir
+
+                    copied = sync_workdir(pool, job, hosts).nodes
                 train_preflight(pool, job, hosts)
-            launch = ops.launch(pool, job, hosts, replace=replace, dry_run=dry_run)
+            launch = ops.launch(pool, job, hosts, replace=replace, dry_run=dry_run, synced=copied)
             if launch.ok and not launch.dry_run and launch.job.restarts:
                 _start_supervisor(pool, launch.job, hosts)
         if launch.synced:
