@@ -138,3 +138,22 @@ def test_down_leaves_nothing_and_up_is_idempotent(cluster):
         meshkit("sandbox.down", "--dir", str(cluster.root), "--name", cluster.name).stdout.strip()
         == "no sandbox to remove"
     )
+
+
+def test_neighbour_table_is_only_ever_raised(tmp_path):
+    """About N² ARP entries machine-wide: past gc_thresh3 the kernel drops new neighbours and
+    node pairs time out (seen at N=32 in the benchmarks' doctor)."""
+    from meshkit.sandbox import neighbour_room
+
+    for family in ("ipv4", "ipv6"):
+        d = tmp_path / family / "neigh" / "default"
+        d.mkdir(parents=True)
+        (d / "gc_thresh3").write_text("1024\n")
+        (d / "gc_thresh2").write_text("999999\n")
+    changed = neighbour_room(64, tmp_path)
+    assert changed == [
+        "net.ipv4.neigh.default.gc_thresh3=9736",
+        "net.ipv6.neigh.default.gc_thresh3=9736",
+    ]
+    assert (tmp_path / "ipv4" / "neigh" / "default" / "gc_thresh2").read_text() == "999999\n"
+    assert neighbour_room(8, tmp_path) == []  # already room

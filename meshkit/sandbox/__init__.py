@@ -230,7 +230,32 @@ def _prepare_files(lay: Layout) -> None:
     )
 
 
+NEIGH_SYSCTLS = Path("/proc/sys/net")
+
+
+def neighbour_room(nodes: int, root: Path = NEIGH_SYSCTLS) -> list[str]:
+    """Make the kernel's neighbour (ARP/NDP) table big enough for every node to know every
+    other. Its limits are machine-wide, not per namespace: N nodes that all talk to each other
+    (the doctor's N x N reach, gloo) need about N² entries, and past gc_thresh3 (1024 by default,
+    i.e. about 32 nodes) the kernel drops new neighbours ("neighbor table overflow") and those
+    pairs time out. Only ever raised, never lowered (another sandbox may rely on it); returns
+    what it changed."""
+    need = 2 * (nodes + 2) ** 2 + 1024  # a second network per node doubles the entries
+    changed = []
+    for family in ("ipv4", "ipv6"):
+        for name, want in (("gc_thresh3", need), ("gc_thresh2", need // 2)):
+            path = root / family / "neigh" / "default" / name
+            try:
+                if int(path.read_text().split()[0]) < want:
+                    path.write_text(f"{want}\n")
+                    changed.append(f"net.{family}.neigh.default.{name}={want}")
+            except (OSError, ValueError, IndexError):
+                continue  # not Linux-like, or not allowed: the sandbox still works up to ~32 nodes
+    return changed
+
+
 def _network(lay: Layout) -> None:
+    neighbour_room(lay.count)
     prefix = lay.subnet.prefixlen
     batch = [
         f"link add {lay.bridge} type bridge",
