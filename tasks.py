@@ -26,11 +26,15 @@ def bench(
     repeats: int = 3,
     peers_max: int = 16,
     n2_max: int = 16,
+    seed_max: int = 8,
+    launch_max: int = 16,
     render_only: bool = False,
 ) -> None:
-    """Benchmarks on sandbox clusters (root): meshkit against the floor and its peers."""
+    """Benchmarks on sandbox clusters (root): meshkit against the floor and its peers (the
+    defaults are the committed run's settings)."""
     argv = [sys.executable, "-m", "benchmarks", "--nodes", nodes, "--repeats", str(repeats)]
     argv += ["--peers-max", str(peers_max), "--n2-max", str(n2_max)]
+    argv += ["--seed-max", str(seed_max), "--launch-max", str(launch_max)]
     subprocess.run([*argv, "--render-only"] if render_only else argv, check=True)
 
 

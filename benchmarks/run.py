@@ -705,25 +705,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--nodes", default="2,4,8,16", help="comma list of cluster sizes (at most 64)"
     )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--peers-max", type=int, default=16, help="largest N the peers (and the seed) run at"
-    )
-    parser.add_argument(
-        "--n2-max",
-        type=int,
-        default=16,
-        help="largest N for N² operations (mesh verify, check, doctor)",
-    )
-    parser.add_argument(
-        "--seed-max", type=int, default=16, help="largest N the seed's sequential script runs at"
-    )
-    parser.add_argument(
-        "--launch-max",
-        type=int,
-        default=16,
-        help="largest N for launch until every rank is done (2 torch processes per node share "
-        "this machine); above it, train is timed until every session runs, with a light command",
-    )
+    for flag, text in (
+        ("--peers-max", "largest N the peers run at"),
+        ("--n2-max", "largest N for N² operations (mesh verify, check, doctor)"),
+        ("--seed-max", "largest N the seed's sequential script runs at"),
+        (
+            "--launch-max",
+            "largest N for launch until every rank is done (2 torch processes per node share "
+            "this machine); above it, train is timed until every session runs, with a light "
+            "command",
+        ),
+    ):
+        parser.add_argument(flag, type=int, default=16, help=text)
     parser.add_argument(
         "--quiet-machine", default=None, help="note stored in results.json: was the machine quiet?"
     )
