@@ -17,6 +17,8 @@ from meshkit.cli.tasks import ns as meshkit_tasks
         "repeats": "runs per size (default 3)",
         "peers_max": "largest N the peers run at (default 16)",
         "n2_max": "largest N for N x N operations (default 16)",
+        "seed_max": "largest N the seed's sequential script runs at (default 8)",
+        "launch_max": "largest N for launch until every rank is done (default 16)",
         "render_only": "redraw the table and plots from results.json; measure nothing",
     }
 )
