@@ -11,6 +11,7 @@ from meshkit.ops import jobs as ops
 from meshkit.ops.supervise import (
     DONE,
     GAVE_UP,
+    RUNNING,
     NodeView,
     Record,
     backoff,
@@ -86,6 +87,25 @@ def test_record_round_trip_and_status_fields():
     plain = Job("x", "/w", "s", "/h", "/p", 1)
     assert "supervisor" not in ops.with_supervision(plain, rows, None)[0].as_json()
     assert ops.with_supervision(job, rows, "{}")[0].as_json()["supervisor"] is None
+
+
+def test_a_running_record_not_rewritten_for_long_is_not_responding():
+    """A supervisor whose machine rebooted leaves a record that says running: status must not
+    repeat it once the heartbeat is stale."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    rows = [ops.StatusRow(0, "a", "running", None, None, None)]
+    now = 1_000_000.0
+
+    def shown(record: Record) -> dict:
+        return ops.with_supervision(job, rows, record.to_json(), now)[0].as_json()
+
+    fresh = Record(RUNNING, 1, 2, None, "ctl", heartbeat=now - 20)
+    assert shown(fresh)["supervisor"] == RUNNING
+    stale = shown(Record(RUNNING, 1, 2, None, "ctl", heartbeat=now - 600))
+    assert stale["supervisor"] == "not responding"
+    assert "ctl was last written 600s ago" in stale["last_restart_reason"]
+    assert shown(Record(GAVE_UP, 3, 0, "x", "ctl", heartbeat=now - 600))["supervisor"] == GAVE_UP
+    assert shown(Record(RUNNING, 1, 2, None, "ctl"))["supervisor"] == RUNNING  # no heartbeat
 
 
 def test_job_keeps_its_policy_and_marks_later_attempts():
@@ -180,6 +200,8 @@ def test_loop_restarts_a_failed_attempt_then_ends_done():
     assert final.last_restart_reason == "node 1 (10.0.0.2) exited with code 1"
     assert [h for op, h, _ in pool.calls if op == "stop"] == HOSTS  # the whole job, once
     assert saved[-1] == final
+    running_saves = [r for r in saved if r.supervisor == RUNNING]
+    assert running_saves and all(r.heartbeat is not None for r in running_saves)
 
 
 def test_loop_gives_up_when_restarts_run_out_keeping_exit_codes():

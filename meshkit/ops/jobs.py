@@ -370,7 +370,7 @@ class StatusRow:
     attempt: int | None = None
     restarts_left: int | None = None
     last_restart_reason: str | None = None
-    supervisor: str | None = None  # running | gave up | done | None (no record)
+    supervisor: str | None = None  # running | gave up | done | not responding | None (no record)
 
     def as_json(self) -> dict[str, object]:
         data: dict[str, object] = {
@@ -421,14 +421,18 @@ def status(
     return status_rows(hosts, replies, pool.failures)
 
 
-def with_supervision(job: Job, rows: list[StatusRow], record_text: str | None) -> list[StatusRow]:
-    """Pure: a supervised job's rows carry its supervisor's record (all null when there is none,
-    e.g. after ``stop``)."""
+def with_supervision(
+    job: Job, rows: list[StatusRow], record_text: str | None, now: float | None = None
+) -> list[StatusRow]:
+    """Pure (given ``now``): a supervised job's rows carry its supervisor's record (all null when
+    there is none, e.g. after ``stop``); a running record gone stale says "not responding"."""
     if not job.restarts:
         return rows
-    from .supervise import record_from_json
+    from .supervise import record_from_json, seen_alive
 
     record = record_from_json(record_text)
+    if record is not None and now is not None:
+        record = seen_alive(record, now)
     if record is None:
         return [replace(r, supervised=True) for r in rows]
     return [

@@ -24,7 +24,11 @@ BACKOFF = 2.0  # seconds before the first relaunch, doubled for each later one
 MAX_BACKOFF = 60.0
 GIVE_UP_GRACE = 30.0  # seconds the nodes still running get to end by themselves after a give-up
 
+HEARTBEAT = 15.0  # seconds between the running supervisor's record writes while it waits
+STALE = 120.0  # a running record older than this: its supervisor is gone (clocks may differ)
+
 RUNNING, GAVE_UP, DONE = "running", "gave up", "done"
+NOT_RESPONDING = "not responding"  # shown by status only; never written by a supervisor
 
 
 # ---- the policy (pure) ----------------------------------------------------------------------
@@ -126,6 +130,7 @@ class Record:
     last_restart_reason: str | None = None
     host: str | None = None  # where the supervisor runs (its tmux session is there)
     exit_codes: list[int | None] = field(default_factory=list)  # the last attempt's, per rank
+    heartbeat: float | None = None  # when a running supervisor last wrote this (its clock)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -148,10 +153,31 @@ def record_from_json(text: str | None) -> Record | None:
             ),
             host=None if data.get("host") is None else str(data["host"]),
             exit_codes=[None if c is None else int(c) for c in data.get("exit_codes") or []],
+            heartbeat=None if data.get("heartbeat") is None else float(data["heartbeat"]),
         )
     except (ValueError, TypeError, KeyError):
         return None
     return record if record.supervisor in (RUNNING, GAVE_UP, DONE) else None
+
+
+def seen_alive(record: Record, now: float) -> Record:
+    """Pure: a record that says running but has not been rewritten for ``STALE`` seconds belongs
+    to a supervisor that is gone (its machine rebooted, or it was killed): status must not say
+    "running" for it."""
+    if record.supervisor != RUNNING or record.heartbeat is None:
+        return record
+    if now - record.heartbeat <= STALE:
+        return record
+    ago = now - record.heartbeat
+    return replace(
+        record,
+        supervisor=NOT_RESPONDING,
+        last_restart_reason=(
+            f"its record on {record.host or '?'} was last written {ago:.0f}s ago (that machine "
+            "rebooted, or the supervisor was killed); `meshkit train` relaunches the job under a "
+            "new one"
+        ),
+    )
 
 
 # ---- the loop -------------------------------------------------------------------------------
@@ -181,7 +207,7 @@ def supervise(
     record = Record(RUNNING, 1, job.restarts, None, host)
     while True:
         with connect(0.0) as pool:
-            save(pool, record)
+            record = _beat(pool, record, save)
             record = _watch(pool, job, hosts, record, save, say, interval)
         if record.supervisor != RUNNING:
             return record
@@ -215,7 +241,7 @@ def supervise(
             if not ok:
                 say(f"attempt {attempt} did not start: {why}")
                 # Counted as a failed attempt: the next poll sees the nodes absent and decides.
-            save(pool, record)
+            record = _beat(pool, record, save)
             say(f"attempt {attempt} started")
 
 
@@ -232,6 +258,8 @@ def _watch(
     started: dict[int, float] = {}
     misses: dict[int, int] = {}
     while True:
+        if record.heartbeat is None or time.time() - record.heartbeat >= HEARTBEAT:
+            record = _beat(pool, record, save)
         rows = ops.status(pool, job, hosts, phase="")
         seen = views(rows, misses)
         for n in seen:
@@ -273,6 +301,15 @@ def _watch(
             return record
         ops.stop(pool, job, hosts)
         return replace(record, last_restart_reason=decision.reason, exit_codes=codes)
+
+
+def _beat(
+    pool: ops.NodePool, record: Record, save: Callable[[ops.NodePool, Record], None]
+) -> Record:
+    """Write the running record with a fresh heartbeat (status takes a stale one as gone)."""
+    record = replace(record, heartbeat=time.time())
+    save(pool, record)
+    return record
 
 
 # ---- starting and ending the supervisor -----------------------------------------------------

@@ -7,6 +7,7 @@ import dataclasses
 import json as jsonlib
 import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -115,6 +116,8 @@ def _print_status(rows: Sequence[ops.StatusRow], job: Job) -> None:
         r = rows[0]
         if r.supervisor is None:
             print(f"supervisor: none (restarts {job.restarts})")
+        elif r.supervisor == "not responding":
+            print(f"supervisor: not responding: {r.last_restart_reason}")
         else:
             print(
                 f"supervisor: {r.supervisor}, attempt {r.attempt} of {job.restarts + 1}, "
@@ -385,7 +388,9 @@ def status(
         hosts = _hosts_of(job)
         with _pool(job, hosts) as pool:
             rows = ops.status(pool, job, hosts)
-        rows = ops.with_supervision(job, rows, ops.read_local(str(job.supervisor_file)))
+        rows = ops.with_supervision(
+            job, rows, ops.read_local(str(job.supervisor_file)), time.time()
+        )
     if json:
         print(jsonlib.dumps([r.as_json() for r in rows]))
     else:
