@@ -3,7 +3,6 @@ them to the pure core. What ``meshkit env`` and ``meshkit run`` call; never impo
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,6 +11,7 @@ from . import hostfile, localnet, sources, topology
 from .distenv import NodeEnv, combine, master_problem
 from .errors import HostfileError, SourceError
 from .hostfile import Host
+from .record import replace
 
 MAX_HOSTFILE_BYTES = 4 * 1024 * 1024
 
@@ -117,7 +117,7 @@ def with_interface(
                 node.nnodes,
             )
     ifnames, why = topology.socket_ifnames(chosen, environ)
-    return dataclasses.replace(node, socket_ifnames=tuple(ifnames.items()), interface_source=why)
+    return replace(node, socket_ifnames=tuple(ifnames.items()), interface_source=why)
 
 
 def _read_nodefile(path: str | None) -> str | None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import posixpath
 import shlex
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
 
 from .errors import DistEnvError
 from .hostfile import Host
+from .record import record, replace
 from .sources import Placement
 from .topology import Match, derive_master_port, master_addr
 
@@ -30,7 +30,7 @@ VARIABLES = (
 )
 
 
-@dataclass(frozen=True)
+@record
 class NodeEnv:
     """Where this node sits in the job: the same on every node except ``node_rank``/``matched``."""
 
@@ -106,7 +106,7 @@ def as_json(env: NodeEnv) -> dict[str, object]:
     return out
 
 
-@dataclass(frozen=True)
+@record
 class ProcessPlace:
     rank: int
     world_size: int

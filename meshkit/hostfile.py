@@ -14,11 +14,11 @@ import fnmatch
 import ipaddress
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import hostlist
 
 from .errors import HostfileError
+from .record import record
 
 MAX_NODES = 4096
 MAX_LINE_CHARS = 1024
@@ -32,7 +32,7 @@ _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
 _RANGE_CHARS = re.compile(r"^[A-Za-z0-9_.,\[\]-]+$")
 
 
-@dataclass(frozen=True)
+@record
 class Host:
     """One node as the hostfile lists it."""
 

@@ -13,10 +13,10 @@ import hashlib
 import json
 import re
 import shlex
-from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 
 from .errors import JobError, UsageError
+from .record import asdict, field, record
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 
@@ -57,7 +57,7 @@ def job_id(workdir: str, session: str) -> str:
     return hashlib.sha256(f"{workdir}\0{session}".encode()).hexdigest()[:16]
 
 
-@dataclass(frozen=True)
+@record
 class Job:
     cmd: str
     workdir: str

@@ -11,9 +11,9 @@ import hmac
 import re
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from .errors import KeyFormatError
+from .record import record
 
 KEY_TYPES = frozenset(
     {
@@ -41,7 +41,7 @@ MAX_BLOB_CHARS = 16384
 _LABEL = re.compile(r"^[A-Za-z0-9_.:\[\]@-]{1,300}$")
 
 
-@dataclass(frozen=True)
+@record
 class PublicKey:
     kind: str
     blob: str
@@ -141,7 +141,7 @@ def check_mesh_id(mesh_id: str) -> str:
     return mesh_id
 
 
-@dataclass(frozen=True)
+@record
 class Merge:
     """A merged file: its new text, the lines added, and how many of meshkit's existing lines now
     also list this mesh (another mesh added them first)."""
@@ -213,7 +213,7 @@ def _names_match(patterns: str, name: str) -> bool:
     )
 
 
-@dataclass(frozen=True)
+@record
 class Conflict:
     name: str
     kind: str

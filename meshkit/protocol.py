@@ -8,12 +8,15 @@ trusted structure. Adding an op = a request class, a reply class and an entry in
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, TypeVar, Union
+
+from .record import MISSING, Field, asdict, field, fields, is_record, record
+
+TYPE_CHECKING = False  # no runtime `typing`: every agent imports this module (see record.py)
+if TYPE_CHECKING:
+    from typing import Any, TypeVar, Union
+
+    T = TypeVar("T")
 
 VERSION = 1
 MAX_LINE = 1 << 20  # bytes in one request or reply line
@@ -27,7 +30,7 @@ class ProtocolViolation(ValueError):
 # ---- requests and replies ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@record
 class EnvRequest:
     """Run ``meshkit env --json ...`` (``argv``) in ``cwd``, as a login there would."""
 
@@ -35,14 +38,14 @@ class EnvRequest:
     argv: list[str]
 
 
-@dataclass(frozen=True)
+@record
 class EnvReply:
     code: int
     out: str
     err: str
 
 
-@dataclass(frozen=True)
+@record
 class PortsRequest:
     """Which of ``ports`` a TCP listener could bind here; ``job_id``'s own job may hold one."""
 
@@ -50,19 +53,19 @@ class PortsRequest:
     ports: list[int]
 
 
-@dataclass(frozen=True)
+@record
 class PortState:
     port: int
     free: bool
 
 
-@dataclass(frozen=True)
+@record
 class PortsReply:
     ports: list[PortState]
     ours: bool  # the job asked about is running here (so its port is about to be freed)
 
 
-@dataclass(frozen=True)
+@record
 class NodeJob:
     """What a node needs to run its part of a job (the same on every node: each node discovers
     its own rank). ``argv`` is ``meshkit run ...``; ``env`` and ``setup`` come from config."""
@@ -77,19 +80,19 @@ class NodeJob:
     setup: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@record
 class RunningJob:
     job_id: str
     label: str
 
 
-@dataclass(frozen=True)
+@record
 class StartRequest:
     job: NodeJob
     replace: bool = False  # end other meshkit jobs running here (never without the user's say)
 
 
-@dataclass(frozen=True)
+@record
 class StartReply:
     started: bool
     state: str  # "running" | "exited" | "absent"
@@ -98,23 +101,23 @@ class StartReply:
     error: str | None = None
 
 
-@dataclass(frozen=True)
+@record
 class JobsRequest:
     """The meshkit jobs running on this node."""
 
 
-@dataclass(frozen=True)
+@record
 class JobsReply:
     running: list[RunningJob]
 
 
-@dataclass(frozen=True)
+@record
 class StatusRequest:
     job_id: str
     log: str
 
 
-@dataclass(frozen=True)
+@record
 class StatusReply:
     state: str  # "running" | "exited" | "absent"
     exit_code: int | None
@@ -122,20 +125,20 @@ class StatusReply:
     last_line: str | None
 
 
-@dataclass(frozen=True)
+@record
 class StopRequest:
     job_id: str
     keep_exit: bool = False  # leave the exit record (a supervisor giving up keeps exit codes)
 
 
-@dataclass(frozen=True)
+@record
 class StopReply:
     found: bool  # the job had a keeper (or processes) here
     signalled: int
     left: list[int]  # processes of the job still alive after TERM and KILL (looked, not assumed)
 
 
-@dataclass(frozen=True)
+@record
 class LogsRequest:
     """The last ``lines`` lines of ``path``, or (``offset`` given) what was appended since."""
 
@@ -144,7 +147,7 @@ class LogsRequest:
     offset: int | None = None
 
 
-@dataclass(frozen=True)
+@record
 class LogsReply:
     lines: list[str]
     offset: int  # where the next `follow` read starts
@@ -154,7 +157,7 @@ class LogsReply:
 # ---- doctor: node-side checks (meshkit/node/doctor.py) ----------------------------------------
 
 
-@dataclass(frozen=True)
+@record
 class FactsRequest:
     """Versions, GPUs, clock and the workdir: the master writes ``marker`` (holding ``token``)
     first, the other nodes then look for it (the workdir is shared if they all see it)."""
@@ -165,7 +168,7 @@ class FactsRequest:
     write_marker: bool
 
 
-@dataclass(frozen=True)
+@record
 class FactsReply:
     hostname: str
     python: str
@@ -179,7 +182,7 @@ class FactsReply:
     marker: str  # "written" | "seen" | why not
 
 
-@dataclass(frozen=True)
+@record
 class ListenRequest:
     """A short-lived TCP listener: on ``ifname``'s IPv4 address (None: every address) and
     ``port`` (0: any free one); it closes by itself after ``seconds``."""
@@ -189,21 +192,21 @@ class ListenRequest:
     seconds: float
 
 
-@dataclass(frozen=True)
+@record
 class ListenReply:
     address: str
     port: int
     error: str | None  # why it could not listen (a busy port names its holder when known)
 
 
-@dataclass(frozen=True)
+@record
 class ProbeTarget:
     label: str
     host: str
     port: int
 
 
-@dataclass(frozen=True)
+@record
 class ConnectRequest:
     """TCP connect to every target at once, retried until ``seconds`` have passed."""
 
@@ -211,7 +214,7 @@ class ConnectRequest:
     seconds: float
 
 
-@dataclass(frozen=True)
+@record
 class ConnectResult:
     label: str
     port: int
@@ -219,24 +222,24 @@ class ConnectResult:
     detail: str
 
 
-@dataclass(frozen=True)
+@record
 class ConnectReply:
     results: list[ConnectResult]
 
 
-@dataclass(frozen=True)
+@record
 class DoneRequest:
     """Close this agent's doctor listeners; remove ``marker`` when given."""
 
     marker: str | None = None
 
 
-@dataclass(frozen=True)
+@record
 class DoneReply:
     closed: int
 
 
-@dataclass(frozen=True)
+@record
 class ProbeRequest:
     """Run ``argv`` (``meshkit run --cmd <collective probe>``) in ``cwd``, bounded by ``seconds``."""
 
@@ -244,40 +247,6 @@ class ProbeRequest:
     argv: list[str]
     seconds: float
 
-
-Request = Union[
-    EnvRequest,
-    PortsRequest,
-    StartRequest,
-    JobsRequest,
-    StatusRequest,
-    StopRequest,
-    LogsRequest,
-    FactsRequest,
-    ListenRequest,
-    ConnectRequest,
-    DoneRequest,
-    ProbeRequest,
-    "UnsuperviseRequest",
-    "ManifestRequest",
-    "PutRequest",
-]
-Reply = Union[
-    EnvReply,
-    PortsReply,
-    StartReply,
-    JobsReply,
-    StatusReply,
-    StopReply,
-    LogsReply,
-    FactsReply,
-    ListenReply,
-    ConnectReply,
-    DoneReply,
-    "UnsuperviseReply",
-    "ManifestReply",
-    "PutReply",
-]
 
 OPS: dict[str, tuple[type[Any], type[Any]]] = {
     "env": (EnvRequest, EnvReply),
@@ -298,7 +267,7 @@ OPS: dict[str, tuple[type[Any], type[Any]]] = {
 # ---- supervision and sync (issue 13) ----------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@record
 class UnsuperviseRequest:
     """End the supervisor of ``job_id`` if it runs on this node."""
 
@@ -306,13 +275,13 @@ class UnsuperviseRequest:
     tmux_session: str
 
 
-@dataclass(frozen=True)
+@record
 class UnsuperviseReply:
     found: bool
     left: list[int]
 
 
-@dataclass(frozen=True)
+@record
 class ManifestRequest:
     """Size and mtime of every file under ``root`` (relative paths), ``exclude`` names skipped."""
 
@@ -320,7 +289,7 @@ class ManifestRequest:
     exclude: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@record
 class FileState:
     path: str
     size: int
@@ -328,14 +297,14 @@ class FileState:
     mode: int
 
 
-@dataclass(frozen=True)
+@record
 class ManifestReply:
     exists: bool
     files: list[FileState]
     truncated: bool = False
 
 
-@dataclass(frozen=True)
+@record
 class PutRequest:
     """A chunk of a file (base64 ``data`` at ``offset``); ``last`` moves it into place with
     ``mode`` and ``mtime`` (until then it is a hidden temporary beside it)."""
@@ -348,7 +317,7 @@ class PutRequest:
     mtime: float = 0.0
 
 
-@dataclass(frozen=True)
+@record
 class PutReply:
     written: int
 
@@ -361,12 +330,46 @@ SUPERVISE_OPS: dict[str, tuple[type[Any], type[Any]]] = {
 OPS.update(SUPERVISE_OPS)
 _OP_OF = {req: op for op, (req, _) in OPS.items()}
 
+if TYPE_CHECKING:
+    Request = Union[
+        EnvRequest,
+        PortsRequest,
+        StartRequest,
+        JobsRequest,
+        StatusRequest,
+        StopRequest,
+        LogsRequest,
+        FactsRequest,
+        ListenRequest,
+        ConnectRequest,
+        DoneRequest,
+        ProbeRequest,
+        "UnsuperviseRequest",
+        "ManifestRequest",
+        "PutRequest",
+    ]
+    Reply = Union[
+        EnvReply,
+        PortsReply,
+        StartReply,
+        JobsReply,
+        StatusReply,
+        StopReply,
+        LogsReply,
+        FactsReply,
+        ListenReply,
+        ConnectReply,
+        DoneReply,
+        "UnsuperviseReply",
+        "ManifestReply",
+        "PutReply",
+    ]
+else:  # the aliases only annotate; at runtime any name will do
+    Request = Reply = object
+
 
 def op_of(request: Request) -> str:
     return _OP_OF[type(request)]
-
-
-T = TypeVar("T")
 
 
 # ---- encoding ---------------------------------------------------------------------------------
@@ -374,7 +377,7 @@ T = TypeVar("T")
 
 def encode_request(request: Request) -> str:
     op = _OP_OF[type(request)]
-    return _line({"v": VERSION, "op": op, "args": dataclasses.asdict(request)})
+    return _line({"v": VERSION, "op": op, "args": asdict(request)})
 
 
 def decode_request(line: str) -> tuple[str, Request]:
@@ -389,7 +392,7 @@ def decode_request(line: str) -> tuple[str, Request]:
 def encode_reply(reply: Reply | None, error: str | None = None) -> str:
     if error is not None:
         return _line({"ok": False, "error": error[:4000]})
-    return _line({"ok": True, "result": dataclasses.asdict(reply) if reply else {}})
+    return _line({"ok": True, "result": asdict(reply) if reply else {}})
 
 
 def decode_reply(op: str, line: str) -> Reply:
@@ -425,47 +428,103 @@ def _load(line: str) -> dict[str, Any]:
 
 
 def build(cls: type[T], data: object, where: str) -> T:
-    """A dataclass from JSON, checking every field against its annotation."""
+    """A record from JSON, checking every field against its annotation."""
     if not isinstance(data, dict):
         raise ProtocolViolation(f"{where}: expected an object")
-    hints = typing.get_type_hints(cls)
     values = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f, shape in _fields_of(cls):
         if f.name in data:
-            values[f.name] = _check(hints[f.name], data[f.name], f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            values[f.name] = _check(shape, data[f.name], f"{where}.{f.name}")
+        elif f.default is MISSING and f.default_factory is MISSING:
             raise ProtocolViolation(f"{where}.{f.name}: missing")
     return cls(**values)
 
 
-def _check(kind: Any, value: object, where: str) -> object:
-    origin = typing.get_origin(kind)
-    if origin in (Union, types.UnionType):
-        for option in typing.get_args(kind):
+class _Shape:
+    """A field's annotation, parsed once: ``tag`` is a scalar type's name, ``list``, ``dict``,
+    ``union`` or ``record`` (then ``record`` is the class)."""
+
+    __slots__ = ("args", "record", "tag")
+
+    def __init__(self, tag: str, args: tuple[_Shape, ...] = (), record: type | None = None) -> None:
+        self.tag = tag
+        self.args = args
+        self.record = record
+
+
+_SHAPES: dict[type, tuple[tuple[Field, _Shape], ...]] = {}
+_SCALARS = ("str", "int", "float", "bool", "None")
+
+
+def _fields_of(cls: type) -> tuple[tuple[Field, _Shape], ...]:
+    found = _SHAPES.get(cls)
+    if found is None:
+        found = _SHAPES[cls] = tuple((f, _shape(f.type)) for f in fields(cls))
+    return found
+
+
+def _shape(text: str) -> _Shape:
+    """The shape of an annotation string (``list[int]``, ``str | None``, ``dict[str, str]``, a
+    record of this module); the protocol's annotations use nothing else (a test parses them all)."""
+    options = _split(text, "|")
+    if len(options) > 1:
+        return _Shape("union", tuple(_shape(option) for option in options))
+    text = text.strip()
+    if text.endswith("]"):
+        head, _, inner = text[:-1].partition("[")
+        args = tuple(_shape(arg) for arg in _split(inner, ","))
+        if (head, len(args)) in (("list", 1), ("dict", 2)):
+            return _Shape(head, args)
+    elif text in _SCALARS:
+        return _Shape(text)
+    else:
+        found = globals().get(text)
+        if isinstance(found, type) and is_record(found):
+            return _Shape("record", record=found)
+    raise TypeError(f"protocol: unsupported annotation {text!r}")
+
+
+def _split(text: str, sep: str) -> list[str]:
+    """``text`` cut at ``sep`` outside brackets."""
+    parts, depth, start = [], 0, 0
+    for at, char in enumerate(text):
+        depth += (char == "[") - (char == "]")
+        if char == sep and depth == 0:
+            parts.append(text[start:at])
+            start = at + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _check(shape: _Shape, value: object, where: str) -> object:
+    tag = shape.tag
+    if tag == "union":
+        for option in shape.args:
             try:
                 return _check(option, value, where)
             except ProtocolViolation:
                 continue
         raise ProtocolViolation(f"{where}: unexpected {type(value).__name__}")
-    if kind is type(None):
+    if tag == "None":
         if value is None:
             return None
-    elif origin is list:
+    elif tag == "list":
         if isinstance(value, list):
-            (item,) = typing.get_args(kind)
+            (item,) = shape.args
             return [_check(item, v, f"{where}[]") for v in value]
-    elif origin is dict:
+    elif tag == "dict":
         if isinstance(value, dict):
-            key, val = typing.get_args(kind)
+            key, val = shape.args
             return {_check(key, k, where): _check(val, v, where) for k, v in value.items()}
-    elif dataclasses.is_dataclass(kind):
-        return build(kind, value, where)  # type: ignore[arg-type]
-    elif kind is float:
+    elif tag == "record":
+        assert shape.record is not None
+        return build(shape.record, value, where)
+    elif tag == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-    elif kind is int:
+    elif tag == "int":
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-    elif kind in (str, bool) and isinstance(value, kind):
+    elif (tag == "str" and isinstance(value, str)) or (tag == "bool" and isinstance(value, bool)):
         return value
     raise ProtocolViolation(f"{where}: unexpected {type(value).__name__}")

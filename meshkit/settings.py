@@ -12,10 +12,10 @@ import copy
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from .errors import ConfigError
+from .record import field, fields, record
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 if TYPE_CHECKING:
@@ -52,14 +52,14 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True)
+@record
 class SandboxConfig:
     dir: str = "/var/tmp/meshkit-sandbox"
     subnet: str = "10.77.0.0/24"
     nodes: int = 3
 
 
-@dataclass(frozen=True)
+@record
 class Config:
     hostfile: str = "hostfile"
     include: str | None = None

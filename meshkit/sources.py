@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import hostlist
 
 from .errors import SourceError
+from .record import record
 
 
-@dataclass(frozen=True)
+@record
 class Placement:
     """What a launcher says about this node; ``None`` fields are filled from the hostfile/config.
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from .errors import TopologyError
 from .hostfile import Host
+from .record import record
 
 # Interfaces that exist identically on many machines (container bridges, veth ends): an address on
 # one of these says nothing about which machine this is, so it never decides a rank.
@@ -29,13 +29,13 @@ SHARED_INTERFACE_PREFIXES = (
 PORT_RANGE = (20000, 30000)  # below Linux's ephemeral range (32768+), above well-known services
 
 
-@dataclass(frozen=True)
+@record
 class LocalAddress:
     interface: str
     address: str
 
 
-@dataclass(frozen=True)
+@record
 class Match:
     rank: int
     address: str
@@ -164,7 +164,7 @@ def master_addr(hosts: Sequence[Host]) -> str:
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-@dataclass(frozen=True)
+@record
 class Interface:
     """The interface this node's backends should bind, and why (``name`` None: none found)."""
 

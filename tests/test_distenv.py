@@ -1,7 +1,5 @@
-import dataclasses
 import shlex
 import subprocess
-from dataclasses import replace
 
 import pytest
 
@@ -17,6 +15,7 @@ from meshkit.distenv import (
     variables,
 )
 from meshkit.hostfile import parse
+from meshkit.record import replace
 from meshkit.sources import Placement
 from meshkit.topology import Match
 
@@ -96,9 +95,7 @@ def test_exports_are_eval_safe_and_complete():
         text=True,
     )
     assert out.stdout == "host'; touch /tmp/pwned; '"
-    e = dataclasses.replace(
-        e, socket_ifnames=(("GLOO_SOCKET_IFNAME", "ens3"), ("NCCL_SOCKET_IFNAME", "ens3"))
-    )
+    e = replace(e, socket_ifnames=(("GLOO_SOCKET_IFNAME", "ens3"), ("NCCL_SOCKET_IFNAME", "ens3")))
     assert list(variables(e)) == list(VARIABLES)
     assert set(as_json(e)) == {*VARIABLES, "source", "matched", "interface_source"}
     assert shlex.split(export_lines(env_for(1)).splitlines()[0]) == ["export", "NODE_RANK=1"]

@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
 
 from ..protocol import (
     MAX_LINE,
@@ -30,6 +29,10 @@ from ..protocol import (
     encode_reply,
 )
 from . import jobs
+
+TYPE_CHECKING = False  # no runtime `typing` in the agent (see meshkit/record.py)
+if TYPE_CHECKING:
+    from typing import IO, Any
 
 ENV_TIMEOUT = 60.0
 

@@ -10,7 +10,7 @@ import datetime
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -45,6 +45,7 @@ from ..protocol import (
     StopReply,
     StopRequest,
 )
+from ..record import replace
 from ..remote.group import Outcome
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master

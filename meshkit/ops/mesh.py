@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .. import keys
 from ..errors import KeyFormatError, MeshAbort, MeshkitError, RemoteError, UnsafeFileError
@@ -50,6 +50,7 @@ from ..meshplan import (
     unsafe_files,
     verify_script,
 )
+from ..record import replace
 from ..remote import Cluster, Remote, Settings, failed, succeeded
 from ..remote.group import ProgressFn
 from ..remote.hostkeys import proven_host_keys

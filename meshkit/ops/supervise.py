@@ -10,11 +10,12 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from ..errors import LaunchError, RemoteError
 from ..hostfile import Host
 from ..job import Job
+from ..record import replace
 from . import jobs as ops
 
 POLL_INTERVAL = 2.0  # seconds between status polls of every node

@@ -72,7 +72,7 @@ def _target(
         hosts = read_hosts(job.hostfile, job.include, job.exclude)
         port = int_option("master_port", master_port)
         if port and port != job.master_port:
-            from dataclasses import replace
+            from ...record import replace
 
             job = replace(job, master_port=port)
     return job, hosts, source

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json as jsonlib
 import os
 import sys
@@ -18,6 +17,7 @@ from ...errors import LaunchError, MeshkitError, UsageError
 from ...hostfile import Host
 from ...job import Job, check_env, check_session
 from ...ops import jobs as ops
+from ...record import replace as changed  # `replace` is a flag here
 from ..common import conf, helps, int_option, option, progress, reported, table, task
 from .mesh import ssh_settings
 
@@ -206,7 +206,7 @@ def train(
             job, hosts = _new_job(
                 cmd, workdir, session, hostfile, nproc_per_node, master_port, include, exclude
             )
-            job = dataclasses.replace(job, sync_exclude=tuple(conf().sync_exclude))
+            job = changed(job, sync_exclude=tuple(conf().sync_exclude))
         job = _supervision(
             job, policy, restarts is not None, restart_on is not None, cmd is not None
         )
@@ -219,9 +219,9 @@ def train(
                     if lacking:
                         names = ", ".join(h.label for h in lacking)
                         print(f"workdir {job.workdir} is not shared with {names}: syncing it")
-                    job = dataclasses.replace(job, sync=True)
+                    job = changed(job, sync=True)
             elif sync:
-                job = dataclasses.replace(job, sync=True)
+                job = changed(job, sync=True)
             if not dry_run:
                 from ...ops import supervise as sup
 
@@ -282,8 +282,8 @@ def _supervision(
     policy unless told otherwise; a new job is unsupervised unless told)."""
     restarts, codes = policy
     if fresh:
-        return dataclasses.replace(job, restarts=restarts or 0, restart_on=codes)
-    return dataclasses.replace(
+        return changed(job, restarts=restarts or 0, restart_on=codes)
+    return changed(
         job,
         restarts=restarts if restarts_given and restarts is not None else job.restarts,
         restart_on=codes if codes_given else job.restart_on,
