@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 from . import hostfile, localnet, sources, topology
 from .distenv import NodeEnv, combine, master_problem
@@ -20,21 +19,20 @@ def read_hosts(
     path: str | os.PathLike[str], include: str | None = None, exclude: str | None = None
 ) -> list[Host]:
     """Read, parse, filter and duplicate-check a hostfile (names resolved here)."""
-    p = Path(path)
+    p = os.fspath(path)  # os.path, not pathlib: `meshkit env` runs on every node at every start
     try:
-        if p.stat().st_size > MAX_HOSTFILE_BYTES:
+        if os.stat(p).st_size > MAX_HOSTFILE_BYTES:
             raise HostfileError(f"{p}: larger than {MAX_HOSTFILE_BYTES} bytes; is this a hostfile?")
-        text = p.read_text()
+        with open(p) as stream:
+            text = stream.read()
     except FileNotFoundError:
         raise HostfileError(
             f"{p}: no such hostfile; create it (one node per line: {hostfile.FORMAT}) or pass --hostfile"
         ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise HostfileError(f"{p}: cannot read: {exc}") from None
-    hosts = hostfile.select(hostfile.parse(text, str(p)), include, exclude)
-    problems = hostfile.duplicate_problems(
-        hosts, localnet.resolve_all(h.host for h in hosts), str(p)
-    )
+    hosts = hostfile.select(hostfile.parse(text, p), include, exclude)
+    problems = hostfile.duplicate_problems(hosts, localnet.resolve_all(h.host for h in hosts), p)
     if problems:
         raise HostfileError(problems)
     return hosts
@@ -60,7 +58,7 @@ def discover(
     nodefile = _read_nodefile(env.get("PBS_NODEFILE"))
     placement = sources.from_environment(env, nodefile)
     hosts = None
-    if hostfile_path is not None and (placement is None or Path(hostfile_path).exists()):
+    if hostfile_path is not None and (placement is None or os.path.exists(hostfile_path)):
         hosts = read_hosts(hostfile_path, include, exclude)
     match = None
     local = None
@@ -124,6 +122,7 @@ def _read_nodefile(path: str | None) -> str | None:
     if not path:
         return None
     try:
-        return Path(path).read_text()
+        with open(path) as stream:
+            return stream.read()
     except OSError as exc:
         raise SourceError(f"PBS_NODEFILE={path}: cannot read: {exc}") from None

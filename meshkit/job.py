@@ -9,12 +9,12 @@ find it from any node and any directory.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shlex
 from pathlib import PurePosixPath
 
+from .digest import sha256_hex
 from .errors import JobError, UsageError
 from .record import asdict, field, record
 
@@ -54,7 +54,7 @@ def check_env(env: dict[str, str], where: str = "config meshkit.env") -> dict[st
 
 
 def job_id(workdir: str, session: str) -> str:
-    return hashlib.sha256(f"{workdir}\0{session}".encode()).hexdigest()[:16]
+    return sha256_hex(f"{workdir}\0{session}".encode())[:16]
 
 
 @record

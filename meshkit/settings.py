@@ -8,11 +8,8 @@ naming the file or variable, the key and what is expected. Never imports invoke 
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 from .errors import ConfigError
 from .record import field, fields, record
@@ -87,14 +84,17 @@ class Config:
 
 def _read_file(base: str) -> tuple[str, dict[str, Any]] | None:
     for suffix in SUFFIXES:
-        path = Path(os.path.expanduser(f"{base}.{suffix}"))
-        if not path.is_file():
+        path = os.path.expanduser(f"{base}.{suffix}")
+        if not os.path.isfile(path):
             continue
         try:
-            if path.stat().st_size > MAX_CONFIG_BYTES:
+            if os.stat(path).st_size > MAX_CONFIG_BYTES:
                 raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
-            text = path.read_text()
+            with open(path) as stream:
+                text = stream.read()
             if suffix == "json":
+                import json  # only here and for JSON variables: `meshkit env` rarely needs it
+
                 data = json.loads(text)
             else:
                 import yaml
@@ -110,13 +110,15 @@ def _read_file(base: str) -> tuple[str, dict[str, Any]] | None:
         section = data.get("meshkit", data) if isinstance(data, dict) else None
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: expected a mapping of meshkit keys (e.g. 'hostfile: x')")
-        return str(path), section
+        return path, section
     return None
 
 
 def _from_env(key: str, default: Any, text: str) -> Any:
     var = f"MESHKIT_{key.upper()}"
     if isinstance(default, (dict, list)):
+        import json
+
         try:
             return json.loads(text)
         except ValueError:
@@ -126,12 +128,19 @@ def _from_env(key: str, default: Any, text: str) -> Any:
     return text
 
 
+def _copied(value: Any) -> Any:
+    """A deep copy of a default (dicts, lists and scalars only; `copy` costs `meshkit env` ms)."""
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return value
+
+
 def raw(environ: Mapping[str, str] | None = None) -> dict[str, tuple[Any, str]]:
     """Each key's value and where it came from (for error messages), before checking."""
     environ = os.environ if environ is None else environ
-    merged: dict[str, tuple[Any, str]] = {
-        k: (copy.deepcopy(v), "default") for k, v in DEFAULTS.items()
-    }
+    merged: dict[str, tuple[Any, str]] = {k: (_copied(v), "default") for k, v in DEFAULTS.items()}
     for base in LEVELS:
         found = _read_file(base)
         if found is None:

@@ -5,10 +5,10 @@ Every node evaluates these with the same hostfile and gets the same answers with
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 from collections.abc import Mapping, Sequence
 
+from .digest import sha256
 from .errors import TopologyError
 from .hostfile import Host
 from .record import record
@@ -149,7 +149,7 @@ def derive_master_port(hosts: Sequence[Host], session: str) -> int:
     """A port every node derives identically from the node list and the session name, so that two
     clusters (or two sessions) on the same machines do not collide."""
     canonical = "\n".join(f"{h.user or ''}@{h.host}:{h.port or ''}" for h in hosts) + "\0" + session
-    digest = int.from_bytes(hashlib.sha256(canonical.encode()).digest()[:8], "big")
+    digest = int.from_bytes(sha256(canonical.encode())[:8], "big")
     low, high = PORT_RANGE
     return low + digest % (high - low)
 

@@ -6,7 +6,6 @@ These run on every node at every launch, so this module imports neither invoke n
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -65,7 +64,12 @@ def node_env(
 
 
 def print_env(node: NodeEnv, as_json_output: bool) -> None:
-    print(json.dumps(as_json(node)) if as_json_output else export_lines(node))
+    if as_json_output:
+        import json  # only for --json
+
+        print(json.dumps(as_json(node)))
+    else:
+        print(export_lines(node))
 
 
 def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:

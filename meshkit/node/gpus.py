@@ -17,12 +17,11 @@ def gpu_count() -> int:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     with contextlib.suppress(OSError):
         return len(os.listdir("/proc/driver/nvidia/gpus"))
-    import shutil  # only on machines without the driver's /proc entries (CPU nodes mostly)
-    import subprocess
-
-    smi = shutil.which("nvidia-smi")
+    smi = _on_path("nvidia-smi")
     if smi is None:
         return 0
+    import subprocess  # only where nvidia-smi is (`meshkit env` on CPU nodes skips the import)
+
     try:
         out = subprocess.run(
             [smi, "-L"], capture_output=True, text=True, timeout=GPU_PROBE_TIMEOUT, check=False
@@ -30,3 +29,12 @@ def gpu_count() -> int:
     except (OSError, subprocess.TimeoutExpired):
         return 0
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def _on_path(name: str) -> str | None:
+    """``shutil.which(name)`` for a plain name, without importing shutil (and its compressors)."""
+    for directory in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(directory or ".", name)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None

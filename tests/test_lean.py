@@ -1,0 +1,63 @@
+"""What every node interpreter (agent, `meshkit env`, `meshkit run`) imports stays lean, and the
+stand-ins for the heavy modules behave like them."""
+
+import hashlib
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshkit.digest import sha256, sha256_hex
+from meshkit.node import gpus
+
+HEAVY = {"dataclasses", "typing", "inspect", "hashlib", "shutil", "copy", "pathlib"}
+
+
+def test_meshkit_env_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
+    (tmp_path / "hostfile").write_text("10.255.0.1\n10.255.0.2\n")
+    # What meshkit itself imports (an editable install's finder brings pathlib before it).
+    code = (
+        "import sys; before = set(sys.modules); sys.argv = ['meshkit', 'env', '--node-rank', '1']\n"
+        "from meshkit.cli.main import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        f"print(sorted({HEAVY!r} & (set(sys.modules) - before)), file=sys.stderr)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True
+    )
+    assert "NODE_RANK=1" in out.stdout
+    assert out.stderr.strip().splitlines()[-1] == "[]"
+
+
+def test_the_agent_imports_neither_dataclasses_nor_typing() -> None:
+    code = (
+        "import sys; before = set(sys.modules); import meshkit.node.agent, meshkit.protocol;"
+        "print(sorted({'dataclasses', 'typing', 'inspect'} & (set(sys.modules) - before)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_digests_are_hashlibs() -> None:
+    for data in (b"", b"x", "a\0b\nü".encode(), bytes(range(256)) * 50):
+        assert sha256(data) == hashlib.sha256(data).digest()
+        assert sha256_hex(data) == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.skipif(os.path.isdir("/proc/driver/nvidia/gpus"), reason="the driver answers first")
+def test_gpu_count_finds_nvidia_smi_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpus.gpu_count() == 0  # none on PATH
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: A (UUID: x)'\necho 'GPU 1: A (UUID: y)'\n")
+    assert gpus.gpu_count() == 0  # not executable: not a command (as shutil.which says)
+    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+    assert gpus.gpu_count() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert gpus.gpu_count() == 1
