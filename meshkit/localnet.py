@@ -15,7 +15,10 @@ def local_addresses() -> list[LocalAddress]:
     """Every IPv4 and IPv6 address of every interface."""
     found = []
     for interface in netifaces.interfaces():
-        families = netifaces.ifaddresses(interface)
+        try:
+            families = netifaces.ifaddresses(interface)
+        except ValueError:  # gone since the listing (a container's veth, a sandbox's): skip it
+            continue
         for family in (netifaces.AF_INET, netifaces.AF_INET6):
             for entry in families.get(family, []):
                 if entry.get("addr"):
