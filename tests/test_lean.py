@@ -32,13 +32,38 @@ def test_meshkit_env_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
     assert out.stderr.strip().splitlines()[-1] == "[]"
 
 
-def test_the_agent_imports_neither_dataclasses_nor_typing() -> None:
+@pytest.mark.parametrize(
+    ("modules", "heavy"),
+    [
+        # the agent as every command starts it, with the job ops a status round uses
+        ("meshkit.node.agent, meshkit.node.jobs", HEAVY | {"subprocess", "tempfile", "platform"}),
+        ("meshkit.node.keeper", HEAVY | {"subprocess", "tempfile", "platform"}),
+        (
+            "meshkit.node.doctor",
+            HEAVY | {"subprocess", "tempfile", "platform", "importlib.metadata"},
+        ),
+    ],
+)
+def test_node_side_modules_stay_lean(modules: str, heavy: set[str]) -> None:
     code = (
-        "import sys; before = set(sys.modules); import meshkit.node.agent, meshkit.protocol;"
-        "print(sorted({'dataclasses', 'typing', 'inspect'} & (set(sys.modules) - before)))"
+        f"import sys; before = set(sys.modules); import {modules};"
+        f"print(sorted({heavy!r} & (set(sys.modules) - before)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_versions_read_as_importlib_metadata_reads_them() -> None:
+    from importlib import metadata
+
+    from meshkit.node.doctor import _version
+
+    names = {d.metadata["Name"] for d in metadata.distributions()}
+    assert {"pytest", "meshkit"} <= names
+    for name in sorted(names):
+        assert _version(name) == metadata.version(name), name
+        assert _version(name.upper().replace("-", "_")) == metadata.version(name), name
+    assert _version("no-such-distribution-here") is None
 
 
 def test_digests_are_hashlibs() -> None:

@@ -10,11 +10,9 @@ import importlib
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from ..protocol import (
     MAX_LINE,
@@ -39,10 +37,12 @@ ENV_TIMEOUT = 60.0
 
 def env(request: EnvRequest) -> EnvReply:
     """``meshkit env --json ...`` in the job's workdir, as a login there would run it."""
-    if not Path(request.cwd).is_dir():
+    if not os.path.isdir(request.cwd):
         return EnvReply(1, "", f"cd: {request.cwd}: No such file or directory")
     if _this_interpreter(request.argv):
         return _env_forked(request)
+    import subprocess  # another interpreter's meshkit only (the fork above is the usual path)
+
     try:
         done = subprocess.run(
             request.argv,

@@ -11,10 +11,8 @@ import contextlib
 import json
 import os
 import re
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 from ..protocol import (
     MAX_LOG_BYTES,
@@ -34,25 +32,29 @@ from ..protocol import (
 from . import procs
 from .files import read_text, write_atomic
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import subprocess
+
 TMUX_TIMEOUT = 10.0
 KEEPER_START_TIMEOUT = 10.0  # the keeper writes keeper.pid within this after tmux starts it
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
 
 
-def jobs_root() -> Path:
-    return Path("/tmp") / f"meshkit-{os.getuid()}" / "jobs"
+def jobs_root() -> str:
+    return f"/tmp/meshkit-{os.getuid()}/jobs"
 
 
-def state_dir(job_id: str) -> Path:
+def state_dir(job_id: str) -> str:
     if not JOB_ID.match(job_id):
         raise ValueError(f"bad job id {job_id[:40]!r}")
-    return jobs_root() / job_id
+    return f"{jobs_root()}/{job_id}"
 
 
 _read = read_text
 
 
-def _read_int(path: Path) -> int | None:
+def _read_int(path: str) -> int | None:
     text = _read(path, 64)
     try:
         return int(text.strip()) if text else None
@@ -60,7 +62,7 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def _read_float(path: Path) -> float | None:
+def _read_float(path: str) -> float | None:
     text = _read(path, 64)
     try:
         return float(text.strip()) if text else None
@@ -71,15 +73,15 @@ def _read_float(path: Path) -> float | None:
 def keeper_pid(job_id: str) -> int | None:
     """The job's keeper, if it is alive and really is that job's keeper (pids get reused)."""
     d = state_dir(job_id)
-    pid = _read_int(d / "keeper.pid")
+    pid = _read_int(f"{d}/keeper.pid")
     if pid is None or not procs.alive(pid):
         return None
     argv = procs.cmdline(pid)
-    return pid if "keep" in argv and str(d) in argv else None
+    return pid if "keep" in argv and d in argv else None
 
 
 def _label(job_id: str) -> str:
-    text = _read(state_dir(job_id) / "spec.json")
+    text = _read(f"{state_dir(job_id)}/spec.json")
     try:
         return str(json.loads(text or "{}").get("label") or job_id)
     except ValueError:
@@ -89,7 +91,7 @@ def _label(job_id: str) -> str:
 def running_jobs() -> list[RunningJob]:
     root = jobs_root()
     try:
-        ids = sorted(p.name for p in root.iterdir() if JOB_ID.match(p.name))
+        ids = sorted(name for name in os.listdir(root) if JOB_ID.match(name))
     except OSError:
         return []
     # Running means its command has not exited; stragglers an exited job left are not a conflict.
@@ -106,7 +108,7 @@ def jobs_request(request: JobsRequest) -> JobsReply:
 
 def _state(job_id: str) -> tuple[str, int | None]:
     d = state_dir(job_id)
-    code = _read_int(d / "exit")
+    code = _read_int(f"{d}/exit")
     if code is not None:
         return "exited", code
     if keeper_pid(job_id) is not None:
@@ -115,6 +117,8 @@ def _state(job_id: str) -> tuple[str, int | None]:
 
 
 def _tmux(*args: str) -> subprocess.CompletedProcess[str]:
+    import subprocess  # start and stop only: a status or logs round never pays for it
+
     return subprocess.run(
         ["tmux", *args], capture_output=True, text=True, timeout=TMUX_TIMEOUT, check=False
     )
@@ -127,7 +131,7 @@ def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
     d = state_dir(job_id)
     tmux_session = ""
     with contextlib.suppress(ValueError, TypeError):
-        tmux_session = str(json.loads(_read(d / "spec.json") or "{}").get("tmux_session") or "")
+        tmux_session = str(json.loads(_read(f"{d}/spec.json") or "{}").get("tmux_session") or "")
 
     def below() -> list[int]:
         return procs.descendants(keeper) if keeper else []
@@ -145,7 +149,7 @@ def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
         # TERM above ended it), so status still shows the last attempt's codes.
         for name in ("keeper.pid",) if keep_exit else ("exit", "started", "keeper.pid"):
             with contextlib.suppress(OSError):
-                (d / name).unlink()
+                os.unlink(f"{d}/{name}")
     return found, signalled, left
 
 
@@ -175,11 +179,11 @@ def start(request: StartRequest) -> StartReply:
         if found:
             replaced.append(victim)
     d = state_dir(job.job_id)
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.makedirs(d, mode=0o700, exist_ok=True)
     for name in ("exit", "started", "keeper.pid", "error"):
         with contextlib.suppress(OSError):
-            (d / name).unlink()
-    write_atomic(d / "spec.json", json.dumps(_spec(job)))
+            os.unlink(f"{d}/{name}")
+    write_atomic(f"{d}/spec.json", json.dumps(_spec(job)))
     _tmux("kill-session", "-t", f"={job.tmux_session}")  # a stale one whose keeper is gone
     # Nothing the user wrote passes through tmux: no -c (tmux expands formats there); the keeper
     # reads the spec and changes directory itself.
@@ -193,7 +197,7 @@ def start(request: StartRequest) -> StartReply:
         "-m",
         "meshkit.node",
         "keep",
-        str(d),
+        d,
     )
     if done.returncode != 0:
         return StartReply(
@@ -203,7 +207,7 @@ def start(request: StartRequest) -> StartReply:
     while time.monotonic() < deadline:
         state, _ = _state(job.job_id)
         if state != "absent":
-            error = _read(d / "error", 2000)
+            error = _read(f"{d}/error", 2000)
             return StartReply(True, state, replaced, [], error.strip() if error else None)
         time.sleep(0.02)
     return StartReply(
@@ -230,13 +234,13 @@ def _spec(job: NodeJob) -> dict[str, object]:
 
 def status(request: StatusRequest) -> StatusReply:
     state, code = _state(request.job_id)
-    started = _read_float(state_dir(request.job_id) / "started") if state != "absent" else None
-    return StatusReply(state, code, started, last_line(Path(request.log)))
+    started = _read_float(f"{state_dir(request.job_id)}/started") if state != "absent" else None
+    return StatusReply(state, code, started, last_line(request.log))
 
 
-def last_line(path: Path, window: int = 8192) -> str | None:
+def last_line(path: str, window: int = 8192) -> str | None:
     try:
-        with path.open("rb") as handle:
+        with open(path, "rb") as handle:
             handle.seek(0, os.SEEK_END)
             handle.seek(max(0, handle.tell() - window))
             lines = [ln for ln in handle.read().decode(errors="replace").splitlines() if ln.strip()]
@@ -247,9 +251,8 @@ def last_line(path: Path, window: int = 8192) -> str | None:
 
 def logs(request: LogsRequest) -> LogsReply:
     """The last lines, or what was appended since ``offset`` (at most MAX_LOG_BYTES a call)."""
-    path = Path(request.path)
     try:
-        with path.open("rb") as handle:
+        with open(request.path, "rb") as handle:
             size = handle.seek(0, os.SEEK_END)
             if request.offset is None:
                 start = max(0, size - MAX_LOG_BYTES)

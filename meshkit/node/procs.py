@@ -10,12 +10,10 @@ what outlived its keeper.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 JOB_TAG = "MESHKIT_JOB"  # every process of a job inherits it (unless it clears its environment)
 SESSION_TAG = "MESHKIT_SESSION"  # the user's session name, for scripts that want it
@@ -24,6 +22,8 @@ PR_SET_CHILD_SUBREAPER = 36
 
 def become_subreaper() -> bool:
     """Make orphaned descendants re-parent to this process instead of init (Linux >= 3.4)."""
+    import ctypes  # only the keeper asks, once
+
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
@@ -34,17 +34,18 @@ def become_subreaper() -> bool:
 def parents() -> dict[int, int]:
     """pid -> parent pid, for every process visible here."""
     table = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            with open(f"/proc/{name}/stat") as handle:
+                stat = handle.read()
         except OSError:
             continue  # exited meanwhile
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses; split after the last ')'
         fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) > 1 and fields[1].isdigit():
-            table[int(entry.name)] = int(fields[1])
+            table[int(name)] = int(fields[1])
     return table
 
 
@@ -67,12 +68,13 @@ def tagged(job_id: str) -> list[int]:
     tag = f"{JOB_TAG}={job_id}".encode()
     me = os.getpid()
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
             continue
         try:
-            if tag in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
+            with open(f"/proc/{name}/environ", "rb") as handle:
+                if tag in handle.read().split(b"\0"):
+                    found.append(int(name))
         except OSError:
             continue
     return found
@@ -81,7 +83,8 @@ def tagged(job_id: str) -> list[int]:
 def alive(pid: int) -> bool:
     """Running (a zombie, already dead and waiting to be reaped, does not count)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        with open(f"/proc/{pid}/stat") as handle:
+            stat = handle.read()
     except OSError:
         return False
     return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
@@ -89,7 +92,8 @@ def alive(pid: int) -> bool:
 
 def cmdline(pid: int) -> list[str]:
     try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            raw = handle.read()
     except OSError:
         return []
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
