@@ -157,6 +157,20 @@ def wait_for(predicate, timeout: float = 15.0):
     raise AssertionError(f"not reached within {timeout}s")
 
 
+def test_kill_session_asks_tmux_only_when_its_server_is_there(private_tmux, tmp_path):
+    assert not node_jobs.tmux_server_may_run()
+    node_jobs.kill_session("none")  # no server, no socket: nothing to ask and no error
+    subprocess.run(["tmux", "new-session", "-d", "-s", "k1", "sleep 60"], check=True, timeout=10)
+    subprocess.run(["tmux", "new-session", "-d", "-s", "k10", "sleep 60"], check=True, timeout=10)
+    assert node_jobs.tmux_server_may_run()
+    node_jobs.kill_session("k1")  # exactly that name, not k10
+    has = [
+        subprocess.run(["tmux", "has-session", "-t", f"={s}"], capture_output=True, timeout=10)
+        for s in ("k1", "k10")
+    ]
+    assert [h.returncode == 0 for h in has] == [False, True]
+
+
 def test_stop_ends_what_setsid_and_env_i_detached(private_tmux, tmp_path):
     work = tmp_path / "w"
     work.mkdir()

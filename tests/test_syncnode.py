@@ -6,6 +6,7 @@ import base64
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,11 +72,11 @@ def test_unsupervise_ends_only_the_registered_supervisor(tmp_path, monkeypatch):
     # a stand-in supervisor: its command line says "supervise", as the real one's does
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "supervise"])
     try:
-        nsup.pid_file(job_id).write_text(f"{proc.pid}\n")
+        Path(nsup.pid_file(job_id)).write_text(f"{proc.pid}\n")
         assert nsup.supervisor_pid(job_id) == proc.pid
         reply = nsup.unsupervise(UnsuperviseRequest(job_id, ""))
         assert reply.found and reply.left == []
-        assert proc.wait(10) is not None and not nsup.pid_file(job_id).exists()
+        assert proc.wait(10) is not None and not Path(nsup.pid_file(job_id)).exists()
         again = nsup.unsupervise(UnsuperviseRequest(job_id, ""))
         assert not again.found
     finally:

@@ -116,6 +116,22 @@ def _state(job_id: str) -> tuple[str, int | None]:
     return "absent", None
 
 
+def tmux_server_may_run() -> bool:
+    """Whether this user's default tmux server may be up: its socket is there. Without one there
+    is no session to kill, and asking tmux would cost every node a process at every launch."""
+    base = os.environ.get("TMUX_TMPDIR") or "/tmp"
+    return os.path.exists(f"{base}/tmux-{os.getuid()}/default")
+
+
+def kill_session(name: str) -> None:
+    """End tmux session ``name`` (exactly that name) if it exists."""
+    if tmux_server_may_run():
+        import subprocess
+
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            _tmux("kill-session", "-t", f"={name}")
+
+
 def _tmux(*args: str) -> subprocess.CompletedProcess[str]:
     import subprocess  # start and stop only: a status or logs round never pays for it
 
@@ -141,7 +157,7 @@ def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
         more, _ = procs.end(lambda: [keeper] if procs.alive(keeper) else [])
         signalled += more
     if tmux_session:
-        _tmux("kill-session", "-t", f"={tmux_session}")
+        kill_session(tmux_session)
     left = [p for p in procs.tagged(job_id) + ([keeper] if keeper else []) if procs.alive(p)]
     found = keeper is not None or signalled > 0
     if not left:
@@ -184,7 +200,7 @@ def start(request: StartRequest) -> StartReply:
         with contextlib.suppress(OSError):
             os.unlink(f"{d}/{name}")
     write_atomic(f"{d}/spec.json", json.dumps(_spec(job)))
-    _tmux("kill-session", "-t", f"={job.tmux_session}")  # a stale one whose keeper is gone
+    kill_session(job.tmux_session)  # a stale one whose keeper is gone
     # Nothing the user wrote passes through tmux: no -c (tmux expands formats there); the keeper
     # reads the spec and changes directory itself.
     done = _tmux(

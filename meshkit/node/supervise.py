@@ -5,31 +5,26 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-from pathlib import Path
 
 from ..protocol import UnsuperviseReply, UnsuperviseRequest
-from . import procs
-from .files import write_atomic
-from .jobs import JOB_ID
-
-TMUX_TIMEOUT = 10.0
+from . import jobs, procs
+from .files import read_text, write_atomic
 
 
-def supervisors_root() -> Path:
-    return Path("/tmp") / f"meshkit-{os.getuid()}" / "supervisors"
+def supervisors_root() -> str:
+    return f"/tmp/meshkit-{os.getuid()}/supervisors"
 
 
-def pid_file(job_id: str) -> Path:
-    if not JOB_ID.match(job_id):
+def pid_file(job_id: str) -> str:
+    if not jobs.JOB_ID.match(job_id):
         raise ValueError(f"bad job id {job_id[:40]!r}")
-    return supervisors_root() / f"{job_id}.pid"
+    return os.path.join(supervisors_root(), f"{job_id}.pid")
 
 
 def register(job_id: str) -> None:
     """Called by the supervisor itself: this process supervises ``job_id`` here."""
     path = pid_file(job_id)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     write_atomic(path, f"{os.getpid()}\n")
 
 
@@ -37,8 +32,8 @@ def supervisor_pid(job_id: str) -> int | None:
     """The live supervisor of ``job_id`` on this node (checked by its command line: pids get
     reused)."""
     try:
-        pid = int(pid_file(job_id).read_text().strip())
-    except (OSError, ValueError):
+        pid = int((read_text(pid_file(job_id), 64) or "").strip())
+    except ValueError:
         return None
     if pid == os.getpid() or not procs.alive(pid):
         return None
@@ -52,14 +47,8 @@ def unsupervise(request: UnsuperviseRequest) -> UnsuperviseReply:
     if pid is not None:
         _, left = procs.end(lambda: [pid] if procs.alive(pid) else [])
     if request.tmux_session:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(
-                ["tmux", "kill-session", "-t", f"={request.tmux_session}"],
-                capture_output=True,
-                timeout=TMUX_TIMEOUT,
-                check=False,
-            )
+        jobs.kill_session(request.tmux_session)
     if not left:
         with contextlib.suppress(OSError, ValueError):
-            pid_file(request.job_id).unlink()
+            os.unlink(pid_file(request.job_id))
     return UnsuperviseReply(pid is not None, left)
