@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import marshal
 import os
 import shlex
 import subprocess
@@ -267,3 +268,17 @@ def test_env_in_a_fork_of_the_agent_prints_what_a_new_interpreter_prints(tmp_pat
         assert data["NODE_RANK"] == "1" and data["MASTER_PORT"] == "23456"
     else:
         assert forked.code != 0 and "hostfile" in forked.err
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\xff\x00garbage", marshal.dumps({"job_id": "x", "env": {"A": 1}})],
+)
+def test_keeper_refuses_a_spec_it_cannot_trust(tmp_path, data):
+    (tmp_path / "spec.marshal").write_bytes(data)
+    keep = [sys.executable, "-m", "meshkit.node", "keep", str(tmp_path)]
+    done = subprocess.run(keep, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert (tmp_path / "exit").read_text() == "2\n"
+    assert (tmp_path / "error").read_text().startswith("unreadable job spec: ")
+    assert not (tmp_path / "keeper.pid").exists()

@@ -37,7 +37,7 @@ def test_meshkit_env_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
     [
         # the agent as every command starts it, with the job ops a status round uses
         ("meshkit.node.agent, meshkit.node.jobs", HEAVY | {"subprocess", "tempfile", "platform"}),
-        ("meshkit.node.keeper", HEAVY | {"subprocess", "tempfile", "platform"}),
+        ("meshkit.node.keeper", HEAVY | {"subprocess", "tempfile", "platform", "json", "re"}),
         ("meshkit.node.supervise", HEAVY | {"subprocess", "tempfile", "platform"}),
         (
             "meshkit.node.doctor",

@@ -16,11 +16,11 @@ def read_text(path: str | os.PathLike[str], limit: int = 65536) -> str | None:
         return None
 
 
-def write_atomic(path: str | os.PathLike[str], text: str, mode: int = 0o600) -> None:
+def write_atomic(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o600) -> None:
     path = os.fspath(path)
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data.encode() if isinstance(data, str) else data)
     os.replace(tmp, path)

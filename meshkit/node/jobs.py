@@ -2,15 +2,18 @@
 and log reads. Standard library only.
 
 Each job has a state directory in this node's own /tmp (so a reboot forgets it: the job then
-reads ``absent``): ``spec.json`` (what to run), ``keeper.pid``, ``started`` and ``exit``.
+reads ``absent``): ``spec.json`` (what to run), ``spec.marshal`` (the same for the keeper, see
+``keeper.Spec``), ``keeper.pid``, ``started`` and ``exit``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import marshal
 import os
 import re
+import shlex
 import sys
 import time
 
@@ -29,7 +32,7 @@ from ..protocol import (
     StopReply,
     StopRequest,
 )
-from . import procs
+from . import keeper, procs
 from .files import read_text, write_atomic
 
 TYPE_CHECKING = False
@@ -200,6 +203,7 @@ def start(request: StartRequest) -> StartReply:
         with contextlib.suppress(OSError):
             os.unlink(f"{d}/{name}")
     write_atomic(f"{d}/spec.json", json.dumps(_spec(job)))
+    write_atomic(f"{d}/{keeper.SPEC}", marshal.dumps(keeper_spec(job)))
     kill_session(job.tmux_session)  # a stale one whose keeper is gone
     # Nothing the user wrote passes through tmux: no -c (tmux expands formats there); the keeper
     # reads the spec and changes directory itself.
@@ -233,6 +237,18 @@ def start(request: StartRequest) -> StartReply:
         [],
         f"the job's keeper did not start in {KEEPER_START_TIMEOUT:.0f}s",
     )
+
+
+def keeper_spec(job: NodeJob) -> dict[str, object]:
+    """What the keeper reads (``keeper.Spec``): the script bash runs, built here with shlex."""
+    script = "\n".join([*job.setup, shlex.join(job.argv)]) + "\n"
+    return {
+        "job_id": job.job_id,
+        "session": job.session,
+        "workdir": job.workdir,
+        "script": script,
+        "env": job.env,
+    }
 
 
 def _spec(job: NodeJob) -> dict[str, object]:

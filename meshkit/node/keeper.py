@@ -6,45 +6,41 @@ last of the job's processes is gone. Standard library only.
 
 from __future__ import annotations
 
-import json
+import marshal
 import os
-import shlex
 import signal
 import time
 
 from . import procs
-from .files import read_text, write_atomic
+from .files import write_atomic
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from types import FrameType
 
-MAX_SPEC = 1 << 20  # bytes of spec.json (the agent wrote it from a request of at most a line)
+MAX_SPEC = 1 << 20  # bytes of the spec (the agent wrote it from a request of at most a line)
+SPEC = "spec.marshal"
 
 
 class Spec:
-    """The fields of the job spec the keeper uses. The agent wrote spec.json from a request it
-    had already checked against the protocol; the keeper checks the types again by hand rather
-    than importing the protocol: it is one more interpreter on every node at every launch, so it
-    imports as little as it can."""
+    """What the keeper needs of the job: the agent wrote it (``jobs.keeper_spec``) from a request
+    it had checked against the protocol, as this interpreter's own ``marshal`` data in the job's
+    private (0700) state directory, with the bash script already built. The keeper checks the
+    types again by hand. Not JSON, shlex or the protocol: the keeper is one more interpreter on
+    every node at every launch, and those imports (``re`` above all) were most of its start-up."""
 
     def __init__(self, data: object) -> None:
         if not isinstance(data, dict):
-            raise ValueError("not an object")
+            raise ValueError("not a mapping")
         self.job_id = _str(data, "job_id")
         self.session = _str(data, "session")
         self.workdir = _str(data, "workdir")
-        argv, setup, env = data.get("argv"), data.get("setup", []), data.get("env", {})
-        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-            raise ValueError("argv: expected a non-empty list of strings")
-        if not isinstance(setup, list) or not all(isinstance(a, str) for a in setup):
-            raise ValueError("setup: expected a list of strings")
+        self.script = _str(data, "script")
+        env = data.get("env", {})
         if not isinstance(env, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()
         ):
-            raise ValueError("env: expected an object of strings")
-        self.argv: list[str] = argv
-        self.setup: list[str] = setup
+            raise ValueError("env: expected a mapping of strings")
         self.env: dict[str, str] = env
 
 
@@ -58,11 +54,9 @@ def _str(data: dict[str, object], key: str) -> str:
 def keep(directory: str) -> int:
     d = directory
     try:
-        text = read_text(f"{d}/spec.json", MAX_SPEC)
-        if text is None:
-            raise ValueError(f"cannot read {d}/spec.json")
-        job = Spec(json.loads(text))
-    except ValueError as exc:
+        with open(f"{d}/{SPEC}", "rb") as handle:
+            job = Spec(marshal.loads(handle.read(MAX_SPEC)))
+    except (OSError, ValueError, EOFError, TypeError) as exc:
         write_atomic(f"{d}/error", f"unreadable job spec: {exc}\n")
         write_atomic(f"{d}/exit", "2\n")
         return 2
@@ -80,7 +74,6 @@ def keep(directory: str) -> int:
         procs.JOB_TAG: job.job_id,
         procs.SESSION_TAG: job.session,
     }
-    script = "\n".join([*job.setup, shlex.join(job.argv)]) + "\n"
     try:
         os.chdir(job.workdir)
         # posix_spawn, not subprocess (whose import costs every node ms at every launch). Like
@@ -88,7 +81,7 @@ def keep(directory: str) -> int:
         # ignores them); what this keeper ignores on purpose it inherits, as it did under Popen.
         child = os.posix_spawnp(
             "bash",
-            ["bash", "-c", script],
+            ["bash", "-c", job.script],
             env,
             setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
         )
