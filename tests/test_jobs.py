@@ -19,7 +19,7 @@ from meshkit import job as jobs
 from meshkit import protocol
 from meshkit.errors import JobError, UsageError
 from meshkit.job import Job
-from meshkit.node import agent, procs
+from meshkit.node import agent, inprocess, procs
 from meshkit.node import jobs as node_jobs
 from meshkit.ops.jobs import find_job
 
@@ -259,7 +259,7 @@ def test_env_in_a_fork_of_the_agent_prints_what_a_new_interpreter_prints(tmp_pat
     hostfile = "hostfile" if case == "ok" else "missing-hostfile"
     argv = [sys.executable, "-m", "meshkit", "env", "--json", "--hostfile", hostfile]
     argv += ["--node-rank", "1"]
-    assert agent._this_interpreter(argv)
+    assert inprocess.this_interpreter(argv)
     forked = agent.env(protocol.EnvRequest(str(tmp_path), argv))
     fresh = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, check=False)
     assert (forked.code, forked.out, forked.err) == (fresh.returncode, fresh.stdout, fresh.stderr)
@@ -268,6 +268,57 @@ def test_env_in_a_fork_of_the_agent_prints_what_a_new_interpreter_prints(tmp_pat
         assert data["NODE_RANK"] == "1" and data["MASTER_PORT"] == "23456"
     else:
         assert forked.code != 0 and "hostfile" in forked.err
+
+
+def test_the_keeper_runs_meshkit_in_a_fork_only_for_its_own_interpreter_and_no_setup():
+    def keeper_spec(**kw: object) -> dict[str, object]:
+        return node_jobs.keeper_spec(
+            make_job(**{"python": sys.executable, "setup": (), **kw}).node_job()
+        )
+
+    plain = keeper_spec(env={"A": "x y"})
+    assert plain["meshkit"] == make_job(python=sys.executable).node_job().argv[3:]
+    assert plain["meshkit"][0] == "run"  # type: ignore[index]
+    for kw in (
+        {"python": "/other/venv/bin/python"},
+        {"setup": ("source /venv/bin/activate",)},
+        {"env": {"PYTHONPATH": "/elsewhere"}},
+    ):
+        assert "meshkit" not in keeper_spec(**kw), kw
+        assert keeper_spec(**kw)["script"]  # bash runs it as before
+
+
+@pytest.mark.parametrize("forked", [True, False])
+def test_meshkit_run_under_the_keeper_gives_the_command_the_same_either_way(
+    private_tmux, tmp_path, forked
+):
+    """In a fork of the keeper or through bash and a new interpreter: the node's variables, the
+    job's tag and environment, its exit code, and SIGPIPE/SIGXFSZ at their defaults (`yes | head`
+    ends quietly: Python ignores SIGPIPE, and an ignored signal would survive the exec)."""
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "hostfile").write_text("10.9.9.1\n10.9.9.2\n")
+    cmd = (
+        "env > env.txt; grep SigIgn /proc/self/status > sig.txt;"
+        " yes | head -1 > yes.txt 2> yes.err; exit 5"
+    )
+    argv = [sys.executable, "-m", "meshkit", "run", "--hostfile", "hostfile", "--node-rank", "1"]
+    base = spec(work, cmd)
+    job = protocol.NodeJob(
+        **{**base.__dict__, "argv": [*argv, "--cmd", cmd], "setup": [] if forked else ["true"]}
+    )
+    assert ("meshkit" in node_jobs.keeper_spec(job)) is forked
+    assert node_jobs.start(protocol.StartRequest(job)).started
+    wait_for(lambda: node_jobs._state(job.job_id)[0] == "exited")
+    assert node_jobs._state(job.job_id) == ("exited", 5)
+    env = dict(
+        line.split("=", 1) for line in (work / "env.txt").read_text().splitlines() if "=" in line
+    )
+    assert (env["NODE_RANK"], env["NNODES"], env["MASTER_ADDR"]) == ("1", "2", "10.9.9.1")
+    assert (env[procs.JOB_TAG], env["X"]) == (job.job_id, "1")
+    ignored = int((work / "sig.txt").read_text().split()[1], 16)
+    assert ignored & (1 << (13 - 1) | 1 << (25 - 1)) == 0  # SIGPIPE, SIGXFSZ
+    assert (work / "yes.txt").read_text() == "y\n" and (work / "yes.err").read_text() == ""
 
 
 @pytest.mark.parametrize(

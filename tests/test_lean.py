@@ -37,7 +37,10 @@ def test_meshkit_env_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
     [
         # the agent as every command starts it, with the job ops a status round uses
         ("meshkit.node.agent, meshkit.node.jobs", HEAVY | {"subprocess", "tempfile", "platform"}),
-        ("meshkit.node.keeper", HEAVY | {"subprocess", "tempfile", "platform", "json", "re"}),
+        (
+            "meshkit.node.keeper",
+            HEAVY | {"subprocess", "tempfile", "platform", "json", "re", "enum", "contextlib"},
+        ),
         ("meshkit.node.supervise", HEAVY | {"subprocess", "tempfile", "platform"}),
         (
             "meshkit.node.doctor",
@@ -87,3 +90,4 @@ def test_gpu_count_finds_nvidia_smi_on_path(
     assert gpus.gpu_count() == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert gpus.gpu_count() == 1
+

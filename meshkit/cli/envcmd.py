@@ -11,6 +11,7 @@ import sys
 
 from ..distenv import NodeEnv, as_json, export_lines, log_target, logged, variables
 from ..errors import UsageError
+from ..node.signals import reset_for_exec
 from ..settings import Config
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
@@ -82,4 +83,5 @@ def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
         script = logged(cmd, target)
     sys.stdout.flush()
+    reset_for_exec()  # not Python's SIG_IGN for SIGPIPE: `yes | head` in the command must end quietly
     os.execvpe("bash", ["bash", "-c", script], {**os.environ, **variables(node), "PATH": path})

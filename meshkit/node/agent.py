@@ -27,6 +27,7 @@ from ..protocol import (
     encode_reply,
 )
 from . import jobs
+from .inprocess import run_meshkit, this_interpreter
 
 TYPE_CHECKING = False  # no runtime `typing` in the agent (see meshkit/record.py)
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ def env(request: EnvRequest) -> EnvReply:
     """``meshkit env --json ...`` in the job's workdir, as a login there would run it."""
     if not os.path.isdir(request.cwd):
         return EnvReply(1, "", f"cd: {request.cwd}: No such file or directory")
-    if _this_interpreter(request.argv):
+    if this_interpreter(request.argv):
         return _env_forked(request)
     import subprocess  # another interpreter's meshkit only (the fork above is the usual path)
 
@@ -59,17 +60,6 @@ def env(request: EnvRequest) -> EnvReply:
     return EnvReply(done.returncode, done.stdout[-65536:], done.stderr[-65536:])
 
 
-def _this_interpreter(argv: list[str]) -> bool:
-    """``argv`` is ``THIS_PYTHON -m meshkit ...``: the very interpreter (venv) this agent runs on.
-    Paths are compared as given, not resolved: two venvs share one resolved interpreter."""
-    return (
-        len(argv) > 3
-        and argv[1:3] == ["-m", "meshkit"]
-        and os.path.isabs(argv[0])
-        and os.path.normpath(argv[0]) == os.path.normpath(sys.executable)
-    )
-
-
 def _env_forked(request: EnvRequest) -> EnvReply:
     """The same ``meshkit env`` run, in a fork of this agent rather than a new interpreter: the
     child starts with the standard library already imported, which spares every node about
@@ -79,34 +69,18 @@ def _env_forked(request: EnvRequest) -> EnvReply:
     err_r, err_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
-        code = 1
         try:
             os.close(out_r)
             os.close(err_r)
             os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
-            sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the child exits below
+            sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the child exits in run_meshkit
             sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
             sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-            os.chdir(request.cwd)
-            sys.path[0] = request.cwd  # as `python -m` in that directory would have it
-            sys.argv = ["meshkit", *request.argv[3:]]
-            from meshkit.cli.main import main
-
-            main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        except BaseException:  # reported on the child's stderr, as python would report it
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            with contextlib.suppress(Exception):
-                sys.stdout.flush()
-                sys.stderr.flush()
-            os._exit(code)
+        except BaseException:
+            os._exit(1)
+        run_meshkit(request.cwd, request.argv[3:])
     os.close(out_w)
     os.close(err_w)
     out, err, timed_out = _read_both(out_r, err_r, time.monotonic() + ENV_TIMEOUT)

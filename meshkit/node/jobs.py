@@ -34,6 +34,7 @@ from ..protocol import (
 )
 from . import keeper, procs
 from .files import read_text, write_atomic
+from .inprocess import this_interpreter
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -240,15 +241,25 @@ def start(request: StartRequest) -> StartReply:
 
 
 def keeper_spec(job: NodeJob) -> dict[str, object]:
-    """What the keeper reads (``keeper.Spec``): the script bash runs, built here with shlex."""
+    """What the keeper reads (``keeper.Spec``): the script bash runs, built here with shlex; and,
+    when that script is only ``THIS_PYTHON -m meshkit ...`` (no setup lines, and no variable in
+    the job's environment that changes how an interpreter starts), those arguments, which the
+    keeper then runs in a fork of itself rather than in bash and a new interpreter."""
     script = "\n".join([*job.setup, shlex.join(job.argv)]) + "\n"
-    return {
+    spec: dict[str, object] = {
         "job_id": job.job_id,
         "session": job.session,
         "workdir": job.workdir,
         "script": script,
         "env": job.env,
     }
+    if (
+        not job.setup
+        and this_interpreter(job.argv)
+        and not any(k.startswith("PYTHON") for k in job.env)
+    ):
+        spec["meshkit"] = job.argv[3:]
+    return spec
 
 
 def _spec(job: NodeJob) -> dict[str, object]:

@@ -9,11 +9,11 @@ what outlived its keeper.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import time
 from collections.abc import Callable, Iterable
+
+from . import signals
 
 JOB_TAG = "MESHKIT_JOB"  # every process of a job inherits it (unless it clears its environment)
 SESSION_TAG = "MESHKIT_SESSION"  # the user's session name, for scripts that want it
@@ -102,9 +102,11 @@ def cmdline(pid: int) -> list[str]:
 def signal_all(pids: Iterable[int], sig: int) -> int:
     sent = 0
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        try:
             os.kill(pid, sig)
-            sent += 1
+        except (ProcessLookupError, PermissionError):
+            continue
+        sent += 1
     return sent
 
 
@@ -121,14 +123,14 @@ def end(
     while True:
         current = [p for p in find() if alive(p)]
         fresh = [p for p in current if p not in seen]
-        signal_all(fresh, signal.SIGTERM)
+        signal_all(fresh, signals.SIGTERM)
         seen.update(fresh)
         if not current or time.monotonic() > deadline:
             break
         time.sleep(poll)
     deadline = time.monotonic() + kill_grace
     while (current := [p for p in find() if alive(p)]) and time.monotonic() < deadline:
-        signal_all(current, signal.SIGKILL)
+        signal_all(current, signals.SIGKILL)
         seen.update(current)
         time.sleep(poll)
     left = [p for p in find() if alive(p)]

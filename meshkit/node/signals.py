@@ -1,0 +1,35 @@
+"""Signal numbers and dispositions for the node's hot paths, from ``_signal``: the ``signal``
+module is its C core plus enums for the names, and the enum import alone is about 5 ms of every
+keeper's and every ``meshkit run``'s start, on every node at every launch. Type checkers see
+``signal`` (the same functions; the constants there are ``IntEnum`` members, here plain ints).
+Standard library only."""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from signal import SIG_DFL, SIG_IGN, SIGHUP, SIGINT, SIGKILL, SIGPIPE, SIGTERM, SIGXFSZ, signal
+else:
+    from _signal import SIG_DFL, SIG_IGN, SIGHUP, SIGINT, SIGKILL, SIGPIPE, SIGTERM, SIGXFSZ, signal
+
+__all__ = [
+    "RESET_FOR_EXEC",
+    "SIGHUP",
+    "SIGINT",
+    "SIGKILL",
+    "SIGTERM",
+    "SIG_DFL",
+    "SIG_IGN",
+    "signal",
+]
+
+# Python ignores these in itself, and an ignored signal stays ignored across exec: a command
+# started from Python gets them back at their defaults (as Popen's restore_signals does), or
+# `yes | head -1` in a job reports "Broken pipe" instead of ending quietly.
+RESET_FOR_EXEC = (SIGPIPE, SIGXFSZ)
+
+
+def reset_for_exec() -> None:
+    """Before this process execs a command: give it SIGPIPE and SIGXFSZ at their defaults."""
+    for number in RESET_FOR_EXEC:
+        signal(number, SIG_DFL)
