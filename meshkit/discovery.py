@@ -19,6 +19,13 @@ def read_hosts(
     path: str | os.PathLike[str], include: str | None = None, exclude: str | None = None
 ) -> list[Host]:
     """Read, parse, filter and duplicate-check a hostfile (names resolved here)."""
+    return _read_hosts(path, include, exclude)[0]
+
+
+def _read_hosts(
+    path: str | os.PathLike[str], include: str | None, exclude: str | None
+) -> tuple[list[Host], dict[str, tuple[str, ...]]]:
+    """The hosts, and what each name resolves to here (looked up once: discovery needs it too)."""
     p = os.fspath(path)  # os.path, not pathlib: `meshkit env` runs on every node at every start
     try:
         if os.stat(p).st_size > MAX_HOSTFILE_BYTES:
@@ -32,10 +39,11 @@ def read_hosts(
     except (OSError, UnicodeDecodeError) as exc:
         raise HostfileError(f"{p}: cannot read: {exc}") from None
     hosts = hostfile.select(hostfile.parse(text, p), include, exclude)
-    problems = hostfile.duplicate_problems(hosts, localnet.resolve_all(h.host for h in hosts), p)
+    resolved = localnet.resolve_all(h.host for h in hosts)
+    problems = hostfile.duplicate_problems(hosts, resolved, p)
     if problems:
         raise HostfileError(problems)
-    return hosts
+    return hosts, resolved
 
 
 def discover(
@@ -57,15 +65,15 @@ def discover(
     env.setdefault("MESHKIT_HOSTNAME", localnet.hostname())
     nodefile = _read_nodefile(env.get("PBS_NODEFILE"))
     placement = sources.from_environment(env, nodefile)
-    hosts = None
+    hosts: list[Host] | None = None
+    resolved: dict[str, tuple[str, ...]] = {}
     if hostfile_path is not None and (placement is None or os.path.exists(hostfile_path)):
-        hosts = read_hosts(hostfile_path, include, exclude)
+        hosts, resolved = _read_hosts(hostfile_path, include, exclude)
     match = None
     local = None
     # OpenMPI cannot tell which node this is: a hostfile, when there is one, decides.
     hostfile_decides = placement is not None and placement.hostfile_decides and hosts is not None
     if hosts is not None and (placement is None or hostfile_decides):
-        resolved = localnet.resolve_all(h.host for h in hosts)
         local = localnet.local_addresses()
         match = topology.match_rank(
             hosts,

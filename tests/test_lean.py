@@ -91,3 +91,18 @@ def test_gpu_count_finds_nvidia_smi_on_path(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert gpus.gpu_count() == 1
 
+
+def test_addresses_and_the_hostname_are_what_socket_would_answer() -> None:
+    """`meshkit env` skips getaddrinfo for an address (and socket's import with it)."""
+    import socket
+
+    from meshkit import localnet
+    from meshkit.topology import normalize
+
+    assert localnet.hostname() == socket.gethostname()
+    for address in ("10.1.2.3", "127.0.0.1", "::1", "fe80::1%lo", "::ffff:10.0.0.1", "2001:db8::1"):
+        infos = socket.getaddrinfo(address, None, proto=socket.IPPROTO_TCP)
+        assert localnet.resolve(address) == tuple(
+            dict.fromkeys(normalize(str(i[4][0])) for i in infos)
+        ), address
+    assert localnet.resolve("localhost")  # a name still resolves
