@@ -170,6 +170,23 @@ def test_kill_session_asks_tmux_only_when_its_server_is_there(private_tmux, tmp_
         for s in ("k1", "k10")
     ]
     assert [h.returncode == 0 for h in has] == [False, True]
+    subprocess.run(["tmux", "kill-server"], check=True, timeout=10)
+    socket_file = tmp_path / f"tmux-{os.getuid()}" / "default"
+    wait_for(lambda: not node_jobs.tmux_server_may_run())  # the server takes a moment to go
+    assert socket_file.exists()  # tmux leaves it behind; nothing listens on it
+
+
+def test_a_node_command_reports_its_status_and_stderr_and_is_bounded(tmp_path):
+    from meshkit.node import command
+
+    assert command.run(["sh", "-c", "echo out; echo err >&2; exit 3"], 10) == (3, "err\n")
+    assert command.run(["sh", "-c", "read x; echo ${x:-eof} >&2"], 10) == (0, "eof\n")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        command.run(["sleep", "30"], 0.3)
+    assert time.monotonic() - started < 10
+    with pytest.raises(OSError):
+        command.run([str(tmp_path / "no-such-command")], 10)
 
 
 def test_stop_ends_what_setsid_and_env_i_detached(private_tmux, tmp_path):

@@ -32,13 +32,9 @@ from ..protocol import (
     StopReply,
     StopRequest,
 )
-from . import keeper, procs
+from . import command, keeper, procs
 from .files import read_text, write_atomic
 from .inprocess import this_interpreter
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    import subprocess
 
 TMUX_TIMEOUT = 10.0
 KEEPER_START_TIMEOUT = 10.0  # the keeper writes keeper.pid within this after tmux starts it
@@ -121,27 +117,39 @@ def _state(job_id: str) -> tuple[str, int | None]:
 
 
 def tmux_server_may_run() -> bool:
-    """Whether this user's default tmux server may be up: its socket is there. Without one there
-    is no session to kill, and asking tmux would cost every node a process at every launch."""
+    """Whether this user's default tmux server may be up: something accepts on its socket. tmux
+    leaves the socket file behind when its server exits, so the file alone says little; without
+    a server there is no session to kill, and asking tmux would cost every node a process, twice
+    at every launch. Anything but a refused connection counts as "may run"."""
     base = os.environ.get("TMUX_TMPDIR") or "/tmp"
-    return os.path.exists(f"{base}/tmux-{os.getuid()}/default")
+    path = f"{base}/tmux-{os.getuid()}/default"
+    if not os.path.exists(path):
+        return False
+    import _socket  # socket's C core: `socket` itself imports enum and selectors for this
+
+    probe = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        probe.settimeout(TMUX_TIMEOUT)
+        probe.connect(path)  # tmux drops a client that closes before identifying itself
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True
+    finally:
+        probe.close()
+    return True
 
 
 def kill_session(name: str) -> None:
     """End tmux session ``name`` (exactly that name) if it exists."""
     if tmux_server_may_run():
-        import subprocess
-
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
+        with contextlib.suppress(OSError):  # TimeoutError included
             _tmux("kill-session", "-t", f"={name}")
 
 
-def _tmux(*args: str) -> subprocess.CompletedProcess[str]:
-    import subprocess  # start and stop only: a status or logs round never pays for it
-
-    return subprocess.run(
-        ["tmux", *args], capture_output=True, text=True, timeout=TMUX_TIMEOUT, check=False
-    )
+def _tmux(*args: str) -> tuple[int, str]:
+    """tmux's exit status and stderr; start and stop only (a status round never runs one)."""
+    return command.run(["tmux", *args], TMUX_TIMEOUT)
 
 
 def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
@@ -220,10 +228,9 @@ def start(request: StartRequest) -> StartReply:
         "keep",
         d,
     )
-    if done.returncode != 0:
-        return StartReply(
-            False, "absent", replaced, [], done.stderr.strip()[-300:] or "tmux failed"
-        )
+    code, err = done
+    if code != 0:
+        return StartReply(False, "absent", replaced, [], err.strip()[-300:] or "tmux failed")
     deadline = time.monotonic() + KEEPER_START_TIMEOUT
     while time.monotonic() < deadline:
         state, _ = _state(job.job_id)
