@@ -10,26 +10,50 @@ pdsh/SLURM range such as ``node[01-16]`` that expands to several nodes.
 
 from __future__ import annotations
 
-import fnmatch
 import ipaddress
-import re
 from collections.abc import Mapping, Sequence
-
-import hostlist
 
 from .errors import HostfileError
 from .record import record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import re
 
 MAX_NODES = 4096
 MAX_LINE_CHARS = 1024
 MAX_SLOTS = 1024
 FORMAT = "[user@]host[:port] [slots=N]"
 
-_HOSTNAME = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_-]{1,63})*\.?$"
-)
-_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
-_RANGE_CHARS = re.compile(r"^[A-Za-z0-9_.,\[\]-]+$")
+# Checked only for names, users and ranges, and compiled on first use: a hostfile of addresses
+# (what `meshkit run` reads on every node at every launch) then needs neither re nor hostlist
+# nor fnmatch, whose imports (re, enum, functools) were about 5 ms of each run.
+_PATTERNS = {
+    "hostname": r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_-]{1,63})*\.?$",
+    "user": r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$",
+    "range": r"^[A-Za-z0-9_.,\[\]-]+$",
+}
+_compiled: dict[str, re.Pattern[str]] = {}
+
+
+def _fits(kind: str, text: str) -> bool:
+    pattern = _compiled.get(kind)
+    if pattern is None:
+        import re
+
+        pattern = _compiled[kind] = re.compile(_PATTERNS[kind])
+    return pattern.match(text) is not None
+
+
+def _expand_range(text: str) -> list[str]:
+    """``node[01-03],gpu1`` -> its names (``hostlist.BadHostlist`` as ``ValueError``)."""
+    import hostlist
+
+    try:
+        names: list[str] = hostlist.expand_hostlist(text)
+    except hostlist.BadHostlist as exc:
+        raise ValueError(str(exc)) from None
+    return names
 
 
 @record
@@ -99,21 +123,21 @@ def _expand(host: str) -> list[str]:
     """One host token -> the hosts it names (ranges expanded, bounded)."""
     if _ip(host) is not None:
         return [host]
-    if not _RANGE_CHARS.match(host):
+    if not _fits("range", host):
         raise ValueError(
             f"bad host {host!r}: expected an IP address, a hostname or a range like node[01-16]"
         )
     if "[" in host or "," in host:
         try:
-            names: list[str] = hostlist.expand_hostlist(host)
-        except hostlist.BadHostlist as exc:
+            names = _expand_range(host)
+        except ValueError as exc:
             raise ValueError(f"bad host range {host!r}: {exc}") from None
         if len(names) > MAX_NODES:
             raise ValueError(f"range {host!r} names {len(names)} hosts, more than {MAX_NODES}")
     else:
         names = [host]
     for name in names:
-        if not _HOSTNAME.match(name):
+        if not _fits("hostname", name):
             raise ValueError(f"bad host {name!r}: expected an IP address or a hostname")
     return names
 
@@ -121,7 +145,7 @@ def _expand(host: str) -> list[str]:
 def _parse_line(text: str, lineno: int) -> list[Host]:
     spec, *options = text.split()
     user, host, port_text = _split_spec(spec)
-    if user is not None and not _USER.match(user):
+    if user is not None and not _fits("user", user):
         raise ValueError(f"bad user {user!r}: expected a login name before '@'")
     names = _expand(host)
     port = None if port_text is None else _number(port_text, "port", 1, 65535)
@@ -230,8 +254,8 @@ def _patterns(text: str, flag: str) -> list[str]:
     for part in _split_top(text):
         if "[" in part and "*" not in part and "?" not in part:
             try:
-                patterns += hostlist.expand_hostlist(part)
-            except hostlist.BadHostlist as exc:
+                patterns += _expand_range(part)
+            except ValueError as exc:
                 raise HostfileError(f"{flag}: bad range {part!r}: {exc}") from None
         else:
             patterns.append(part)
@@ -252,4 +276,8 @@ def _split_top(text: str) -> list[str]:
 
 
 def _matches(host: Host, patterns: Sequence[str]) -> bool:
+    if not patterns:
+        return False
+    import fnmatch  # --include/--exclude only
+
     return any(fnmatch.fnmatchcase(name, p) for p in patterns for name in (host.host, host.label))

@@ -3,10 +3,7 @@ environment variables. Pure: the caller passes the environment and the PBS nodef
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
-
-import hostlist
 
 from .errors import SourceError
 from .record import record
@@ -72,6 +69,8 @@ def torchrun(env: Mapping[str, str], _nodefile: str | None = None) -> Placement 
 def _tasks_per_node(name: str, text: str) -> int | None:
     """SLURM's tasks per node look like ``4`` or ``4(x3),2``: every node must run the same count
     (NPROC_PER_NODE is one number), so ``4(x3),2`` is refused."""
+    import re  # SLURM only: `meshkit run` from a hostfile skips re (and hostlist below)
+
     counts = set(re.findall(r"(\d+)(?:\(x\d+\))?", text.strip()))
     if len(counts) > 1:
         raise SourceError(
@@ -88,6 +87,8 @@ def slurm(env: Mapping[str, str], _nodefile: str | None = None) -> Placement | N
     if rank is None:
         return None
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    import hostlist
+
     try:
         nodes = hostlist.expand_hostlist(nodelist) if nodelist else []
     except hostlist.BadHostlist as exc:

@@ -106,3 +106,41 @@ def test_addresses_and_the_hostname_are_what_socket_would_answer() -> None:
             dict.fromkeys(normalize(str(i[4][0])) for i in infos)
         ), address
     assert localnet.resolve("localhost")  # a name still resolves
+
+
+def test_meshkit_env_from_a_hostfile_of_addresses_needs_no_re_socket_or_hostlist(
+    tmp_path: Path,
+) -> None:
+    """What `meshkit run` reads on every node at every launch: nothing to resolve, no range to
+    expand, no name to check, nothing to quote with shlex."""
+    from meshkit import localnet
+
+    mine = next(
+        a.address
+        for a in localnet.local_addresses()
+        if "." in a.address and not a.address.startswith("127.")
+    )
+    (tmp_path / "hostfile").write_text(f"{mine} slots=2\n10.255.0.2 slots=2\n")
+    lean = {"re", "socket", "shlex", "hostlist", "fnmatch", "encodings.idna", "subprocess"}
+    code = (
+        "import sys; before = set(sys.modules); sys.argv = ['meshkit', 'env']\n"
+        "from meshkit.cli.main import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        f"print(sorted({lean!r} & (set(sys.modules) - before)), file=sys.stderr)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True
+    )
+    assert "NODE_RANK=0" in out.stdout and "NPROC_PER_NODE=2" in out.stdout
+    assert out.stderr.strip().splitlines()[-1] == "[]"
+
+
+def test_shell_quote_is_shlex_quote() -> None:
+    import shlex
+
+    from meshkit.distenv import shell_quote
+
+    samples = ["", "a", "a b", "it's", "$HOME", "a'b\"c", "ü", "x\ny", "-n", "a=b,c:d/e.f@g%h+i"]
+    samples += [chr(c) for c in range(0, 300)] + ["''", "'", "\\"]
+    for text in samples:
+        assert shell_quote(text) == shlex.quote(text), repr(text)
