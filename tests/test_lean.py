@@ -36,7 +36,10 @@ def test_meshkit_env_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
     ("modules", "heavy"),
     [
         # the agent as every command starts it, with the job ops a status round uses
-        ("meshkit.node.agent, meshkit.node.jobs", HEAVY | {"subprocess", "tempfile", "platform"}),
+        (
+            "meshkit.node.agent, meshkit.node.jobs",
+            HEAVY | {"subprocess", "tempfile", "platform", "signal"},
+        ),
         (
             "meshkit.node.keeper",
             HEAVY | {"subprocess", "tempfile", "platform", "json", "re", "enum", "contextlib"},

@@ -6,10 +6,8 @@ node. Requests are data (JSON, checked against the protocol's types), never shel
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import select
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +26,7 @@ from ..protocol import (
 )
 from . import jobs
 from .inprocess import run_meshkit, this_interpreter
+from .signals import SIGKILL
 
 TYPE_CHECKING = False  # no runtime `typing` in the agent (see meshkit/record.py)
 if TYPE_CHECKING:
@@ -86,7 +85,7 @@ def _env_forked(request: EnvRequest) -> EnvReply:
     out, err, timed_out = _read_both(out_r, err_r, time.monotonic() + ENV_TIMEOUT)
     if timed_out:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, SIGKILL)
     _, status = os.waitpid(pid, 0)
     if timed_out:
         return EnvReply(124, "", f"meshkit env took longer than {ENV_TIMEOUT:.0f}s")
@@ -144,7 +143,9 @@ HANDLERS: dict[str, tuple[str, str]] = {
 
 def handler(op: str) -> Callable[[Any], Reply]:
     module, name = HANDLERS[op]
-    found: Callable[[Any], Reply] = getattr(importlib.import_module(f"meshkit.node.{module}"), name)
+    full = f"meshkit.node.{module}"
+    __import__(full)  # not importlib (and its warnings): one more import at every agent's start
+    found: Callable[[Any], Reply] = getattr(sys.modules[full], name)
     return found
 
 
