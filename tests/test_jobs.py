@@ -137,7 +137,11 @@ def test_agent_answers_and_survives_bad_requests(tmp_path):
 
 @pytest.fixture
 def private_tmux(tmp_path, monkeypatch):
+    """A tmux server and a jobs directory of the test's own: nothing left in this machine's
+    /tmp/meshkit-<uid>/jobs, and no other job running here counts as a conflict."""
     monkeypatch.setenv("TMUX_TMPDIR", str(tmp_path))
+    jobs_dir = str(tmp_path / "jobs")
+    monkeypatch.setattr(node_jobs, "jobs_root", lambda: jobs_dir)
     yield
     os.system(f"TMUX_TMPDIR={shlex.quote(str(tmp_path))} tmux kill-server 2>/dev/null")
 
