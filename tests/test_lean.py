@@ -1,6 +1,7 @@
 """What every node interpreter (agent, `meshkit env`, `meshkit run`) imports stays lean, and the
 stand-ins for the heavy modules behave like them."""
 
+import ast
 import hashlib
 import os
 import stat
@@ -16,20 +17,26 @@ from meshkit.node import gpus
 HEAVY = {"dataclasses", "typing", "inspect", "hashlib", "shutil", "copy", "pathlib"}
 
 
-def test_meshkit_env_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
-    (tmp_path / "hostfile").write_text("10.255.0.1\n10.255.0.2\n")
-    # What meshkit itself imports (an editable install's finder brings pathlib before it).
+def env_imports(cwd: Path, args: list[str], watched: set[str]) -> tuple[str, list[str]]:
+    """`meshkit env ARGS` in ``cwd``: what it printed, and which ``watched`` modules meshkit
+    itself imported (an editable install's finder brings pathlib and re before it)."""
     code = (
-        "import sys; before = set(sys.modules); sys.argv = ['meshkit', 'env', '--node-rank', '1']\n"
+        f"import sys; before = set(sys.modules); sys.argv = {['meshkit', 'env', *args]!r}\n"
         "from meshkit.cli.main import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        f"print(sorted({HEAVY!r} & (set(sys.modules) - before)), file=sys.stderr)"
+        f"print(sorted({watched!r} & (set(sys.modules) - before)), file=sys.stderr)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, check=True
     )
-    assert "NODE_RANK=1" in out.stdout
-    assert out.stderr.strip().splitlines()[-1] == "[]"
+    return out.stdout, ast.literal_eval(out.stderr.strip().splitlines()[-1])
+
+
+def test_meshkit_env_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
+    (tmp_path / "hostfile").write_text("10.255.0.1\n10.255.0.2\n")
+    printed, loaded = env_imports(tmp_path, ["--node-rank", "1"], HEAVY)
+    assert "NODE_RANK=1" in printed
+    assert loaded == []
 
 
 @pytest.mark.parametrize(
@@ -125,17 +132,9 @@ def test_meshkit_env_from_a_hostfile_of_addresses_needs_no_re_socket_or_hostlist
     )
     (tmp_path / "hostfile").write_text(f"{mine} slots=2\n10.255.0.2 slots=2\n")
     lean = {"re", "socket", "shlex", "hostlist", "fnmatch", "encodings.idna", "subprocess"}
-    code = (
-        "import sys; before = set(sys.modules); sys.argv = ['meshkit', 'env']\n"
-        "from meshkit.cli.main import main\n"
-        "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        f"print(sorted({lean!r} & (set(sys.modules) - before)), file=sys.stderr)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True
-    )
-    assert "NODE_RANK=0" in out.stdout and "NPROC_PER_NODE=2" in out.stdout
-    assert out.stderr.strip().splitlines()[-1] == "[]"
+    printed, loaded = env_imports(tmp_path, [], lean)
+    assert "NODE_RANK=0" in printed and "NPROC_PER_NODE=2" in printed
+    assert loaded == []
 
 
 def test_shell_quote_is_shlex_quote() -> None:
