@@ -267,6 +267,7 @@ class Options:
     unavailable: dict[str, str]  # peer -> why it is not measured
     seed_max: int = 16  # the seed's N + N² sequential logins take minutes beyond this
     launch_max: int = 16  # 2 torch processes per node all share this machine's cores and memory
+    launch_only: bool = False  # per repeat: one cluster, the floor and the launches only
 
 
 def up(n: int) -> sandbox.Layout:
@@ -399,6 +400,9 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
         row.failures.setdefault("setup", []).append(f"mesh for the ops cluster: {exc}")
         return
     row.sample("round", "floor", lambda: floor(lay))
+    if opt.launch_only:
+        launches(row, lay, workdir, opt, repeat)
+        return
     if n <= opt.n2_max:
         row.sample("check", "meshkit", lambda: check_pairs(lay, opt.n2_max))
     else:
@@ -423,63 +427,8 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
             continue
         round_peer(row, lay, tool, argv, env)
 
-    session = f"bex{repeat}"
-    job = ["--hostfile", hostfile, "--session", session, "--workdir", str(workdir)]
-    before = job_dirs(lay)
-    start = time.perf_counter()
-    codes: dict[str, str] = {}
-
-    def train() -> None:
-        must(
-            [
-                *MESHKIT,
-                "train",
-                *job,
-                "--nproc-per-node",
-                str(PER_NODE),
-                "--cmd",
-                "torchrun example_train.py",
-            ],
-            bound(n, base=240),
-        )
-
-    def done() -> None:
-        codes.update(wait_exits(lay, before, bound(n, base=300, per_node=10)))
-
-    def train_verify() -> str:
-        text = "".join(p.read_text() for p in (workdir / ".meshkit" / session).glob("node*.log"))
-        check_launch(text, n)
-        return f"{n * PER_NODE} ranks, right sum"
-
+    job = launches(row, lay, workdir, opt, repeat)
     logs_out: list[str] = []
-    if n > opt.launch_max:
-        # Every session up, with a command that needs no torch: what --launch-max bounds is 2
-        # torch processes per node sharing this machine's cores and memory.
-        job = ["--hostfile", hostfile, "--session", f"bup{repeat}", "--workdir", str(workdir)]
-        light = "echo meshkit-bench up on node $NODE_RANK; sleep 600"
-        row.sample(
-            "train_running",
-            "meshkit",
-            lambda: must([*MESHKIT, "train", *job, "--cmd", light], bound(n, base=240)),
-        )
-        for tool in ("meshkit", "pdsh_torchrun", "torchrunx"):
-            row.skip("train_done", tool, f"launch until done up to --launch-max {opt.launch_max}")
-        time.sleep(1.0)  # the echo is in every log
-    else:
-        row.sample("train_running", "meshkit", train)
-        if row.raw["train_running/meshkit"][-1] is not None:
-            try:
-                done()
-                if any(c != "0" for c in codes.values()):
-                    raise StepFailed(f"exit codes {codes}")
-                row.raw.setdefault("train_done/meshkit", []).append(
-                    round(time.perf_counter() - start, 4)
-                )
-                row.end_state.setdefault("train_done/meshkit", []).append(train_verify())
-            except StepFailed as exc:
-                row.raw.setdefault("train_done/meshkit", []).append(None)
-                row.failures.setdefault("train_done/meshkit", []).append(str(exc))
-
     row.sample(
         "round",
         "meshkit_logs",
@@ -505,65 +454,142 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
     else:
         row.skip("doctor", "meshkit", f"its N² SSH check above --n2-max {opt.n2_max}")
 
-    if "pdsh" in opt.unavailable or not small or n > opt.launch_max:
+
+def launches(row: Row, lay: sandbox.Layout, workdir: Path, opt: Options, repeat: int) -> list[str]:
+    """The launches, back to back on one meshed cluster: ``meshkit train`` until every session
+    runs and until every rank is done, pdsh+torchrun and torchrunx until every rank is done.
+    Their order rotates with the repeat, so each tool goes first once in 3 repeats: in a fixed
+    order (meshkit first, right after the cluster came up and after check's N² logins, the
+    peers minutes later, after the doctor) one sweep had meshkit 1.02-1.12x pdsh+torchrun,
+    another on the same meshkit code 0.90-1.02x. Returns meshkit's job flags: its logs are read
+    next. Above --launch-max, only every session up, with a command that needs no torch."""
+    n = row.nodes
+    hostfile = str(lay.hostfile)
+    if n > opt.launch_max:
+        # What --launch-max bounds is 2 torch processes per node sharing this machine's cores.
+        job = ["--hostfile", hostfile, "--session", f"bup{repeat}", "--workdir", str(workdir)]
+        light = "echo meshkit-bench up on node $NODE_RANK; sleep 600"
+        row.sample(
+            "train_running",
+            "meshkit",
+            lambda: must([*MESHKIT, "train", *job, "--cmd", light], bound(n, base=240)),
+        )
+        for tool in ("meshkit", "pdsh_torchrun", "torchrunx"):
+            row.skip("train_done", tool, f"launch until done up to --launch-max {opt.launch_max}")
+        time.sleep(1.0)  # the echo is in every log
+        return job
+    session = f"bex{repeat}"
+    job = ["--hostfile", hostfile, "--session", session, "--workdir", str(workdir)]
+    order: list[Callable[[], None]] = [
+        lambda: launch_meshkit(row, lay, workdir, job, session),
+        lambda: launch_pdsh(row, lay, workdir, opt),
+        lambda: launch_torchrunx(row, lay, workdir, opt),
+    ]
+    first = repeat % len(order)
+    for run_one in order[first:] + order[:first]:
+        run_one()
+    return job
+
+
+def launch_meshkit(
+    row: Row, lay: sandbox.Layout, workdir: Path, job: list[str], session: str
+) -> None:
+    n = row.nodes
+    before = job_dirs(lay)
+    start = time.perf_counter()
+
+    def train() -> None:
+        must(
+            [
+                *MESHKIT,
+                "train",
+                *job,
+                "--nproc-per-node",
+                str(PER_NODE),
+                "--cmd",
+                "torchrun example_train.py",
+            ],
+            bound(n, base=240),
+        )
+
+    row.sample("train_running", "meshkit", train)
+    if row.raw["train_running/meshkit"][-1] is None:
+        return
+    try:
+        codes = wait_exits(lay, before, bound(n, base=300, per_node=10))
+        if any(c != "0" for c in codes.values()):
+            raise StepFailed(f"exit codes {codes}")
+        row.raw.setdefault("train_done/meshkit", []).append(round(time.perf_counter() - start, 4))
+        text = "".join(p.read_text() for p in (workdir / ".meshkit" / session).glob("node*.log"))
+        check_launch(text, n)
+        row.end_state.setdefault("train_done/meshkit", []).append(
+            f"{n * PER_NODE} ranks, right sum"
+        )
+    except StepFailed as exc:
+        row.raw.setdefault("train_done/meshkit", []).append(None)
+        row.failures.setdefault("train_done/meshkit", []).append(str(exc))
+
+
+def launch_pdsh(row: Row, lay: sandbox.Layout, workdir: Path, opt: Options) -> None:
+    n = row.nodes
+    if "pdsh" in opt.unavailable or n > opt.peers_max:
         row.skip(
             "train_done",
             "pdsh_torchrun",
             opt.unavailable.get("pdsh") or f"peers only up to --peers-max {opt.peers_max}",
         )
-    else:
-        port = random.randint(20000, 40000)
-        command = peers.pdsh_torchrun_command(workdir, TORCHRUN, n, PER_NODE, "node0", port)
-        argv = peers.pdsh_argv(names(lay), command)
-        out: list[str] = []
+        return
+    port = random.randint(20000, 40000)
+    command = peers.pdsh_torchrun_command(workdir, TORCHRUN, n, PER_NODE, "node0", port)
+    argv = peers.pdsh_argv(names(lay), command)
+    out: list[str] = []
 
-        def pdsh_launch() -> None:
-            out.append(
-                must(argv, bound(n, base=300, per_node=10), env=peers.pdsh_env(lay.ssh_config))
-            )
+    def pdsh_launch() -> None:
+        out.append(must(argv, bound(n, base=300, per_node=10), env=peers.pdsh_env(lay.ssh_config)))
 
-        def pdsh_verify() -> str:
-            check_launch(out[0], n)
-            return f"{n * PER_NODE} ranks, right sum"
+    def pdsh_verify() -> str:
+        check_launch(out[0], n)
+        return f"{n * PER_NODE} ranks, right sum"
 
-        row.sample("train_done", "pdsh_torchrun", pdsh_launch, pdsh_verify)
+    row.sample("train_done", "pdsh_torchrun", pdsh_launch, pdsh_verify)
 
+
+def launch_torchrunx(row: Row, lay: sandbox.Layout, workdir: Path, opt: Options) -> None:
+    n = row.nodes
     why = opt.unavailable.get("torchrunx") or (
-        None if small else f"peers only up to --peers-max {opt.peers_max}"
+        None if n <= opt.peers_max else f"peers only up to --peers-max {opt.peers_max}"
     )
-    if n > opt.launch_max:
-        why = f"launch until done up to --launch-max {opt.launch_max}"
     if why:
         row.skip("train_done", "torchrunx", why)
-    else:
-        trx: list[str] = []
-        python = opt.bins["torchrunx"] / "python"
+        return
+    trx: list[str] = []
+    python = opt.bins["torchrunx"] / "python"
 
-        def trx_launch() -> None:
-            launch = [str(python), str(peers.TRX_SCRIPT), str(n), str(PER_NODE)]
-            line = f"cd {shlex.quote(str(workdir))} && {shlex.join(launch)}"
-            try:
-                res = sandbox.node_exec(
-                    lay.nodes[0], ["bash", "-lc", line], timeout=bound(n, base=300, per_node=10)
-                )
-            except subprocess.TimeoutExpired as exc:
-                raise StepFailed("torchrunx: no end in time") from exc
-            if res.returncode != 0:
-                raise StepFailed(f"torchrunx exited {res.returncode}: {res.stderr.strip()[-400:]}")
-            trx.append(res.stdout)
+    def trx_launch() -> None:
+        launch = [str(python), str(peers.TRX_SCRIPT), str(n), str(PER_NODE)]
+        line = f"cd {shlex.quote(str(workdir))} && {shlex.join(launch)}"
+        try:
+            res = sandbox.node_exec(
+                lay.nodes[0], ["bash", "-lc", line], timeout=bound(n, base=300, per_node=10)
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise StepFailed("torchrunx: no end in time") from exc
+        if res.returncode != 0:
+            raise StepFailed(f"torchrunx exited {res.returncode}: {res.stderr.strip()[-400:]}")
+        trx.append(res.stdout)
 
-        known = lay.node_dir(lay.nodes[0]) / "ssh" / "known_hosts"
-        known_before = known.read_bytes() if known.exists() else b""
+    known = lay.node_dir(lay.nodes[0]) / "ssh" / "known_hosts"
+    known_before = known.read_bytes() if known.exists() else b""
 
-        def trx_verify() -> str:
-            check_launch(trx[0], n)
-            # fabric (under torchrunx) trusts unknown host keys (AutoAddPolicy): prove it had none
-            # to trust, i.e. it only logged in to hosts meshkit mesh had made known.
-            if (known.read_bytes() if known.exists() else b"") != known_before:
-                raise StepFailed("torchrunx (fabric AutoAddPolicy) added a host key on node0")
-            return f"{n * PER_NODE} ranks, right sum; no host key auto-added"
+    def trx_verify() -> str:
+        check_launch(trx[0], n)
+        # fabric (under torchrunx) trusts unknown host keys (AutoAddPolicy): prove it had none
+        # to trust, i.e. it only logged in to hosts meshkit mesh had made known.
+        if (known.read_bytes() if known.exists() else b"") != known_before:
+            raise StepFailed("torchrunx (fabric AutoAddPolicy) added a host key on node0")
+        return f"{n * PER_NODE} ranks, right sum; no host key auto-added"
 
-        row.sample("train_done", "torchrunx", trx_launch, trx_verify)
+    row.sample("train_done", "torchrunx", trx_launch, trx_verify)
 
 
 def logs_from_every_rank(text: str, n: int) -> str:
@@ -590,7 +616,7 @@ def measure_n(n: int, repeats: int, opt: Options) -> dict[str, object]:
     row = Row(n)
     for r in range(repeats):
         print(f"N={n} repeat {r + 1}/{repeats}", file=sys.stderr)
-        for part in ("mesh", "ops"):
+        for part in ("ops",) if opt.launch_only else ("mesh", "ops"):
             try:
                 if part == "mesh":
                     mesh_variants(row, opt)
@@ -726,6 +752,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ):
         parser.add_argument(flag, type=int, default=16, help=text)
     parser.add_argument(
+        "--launch-only",
+        action="store_true",
+        help="per N and repeat: one meshed cluster, the floor and the launches only (rotating "
+        "which tool goes first); use with --results elsewhere, beside a full sweep",
+    )
+    parser.add_argument(
         "--quiet-machine", default=None, help="note stored in results.json: was the machine quiet?"
     )
     parser.add_argument(
@@ -756,7 +788,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     MESHKIT[:] = [str(product / "python"), "-m", "meshkit"]
     TORCHRUN = product / "torchrun"
     bins, unavailable, versions = install_peers()
-    opt = Options(args.peers_max, args.n2_max, bins, unavailable, args.seed_max, args.launch_max)
+    opt = Options(
+        args.peers_max,
+        args.n2_max,
+        bins,
+        unavailable,
+        args.seed_max,
+        args.launch_max,
+        args.launch_only,
+    )
     for peer, why in unavailable.items():
         print(f"peer {peer} not measured: {why}", file=sys.stderr)
     doc: dict[str, object] = {
@@ -768,6 +808,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "n2_max": args.n2_max,
             "seed_max": args.seed_max,
             "launch_max": args.launch_max,
+            "launch_only": args.launch_only,
             "meshkit": f"this checkout's wheel, installed (not editable) into {product.parent}",
             "processes_per_node": PER_NODE,
         },
@@ -776,7 +817,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.quiet_machine is not None:
         doc["machine"] = {**machine(), "quiet_machine": args.quiet_machine}
     doc["sizes"] = [measure_n(n, args.repeats, opt) for n in sizes]
-    doc["env"] = measure_env(max(5, args.repeats * 3))
+    if not args.launch_only:
+        doc["env"] = measure_env(max(5, args.repeats * 3))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(render.render(doc, out_dir))

@@ -4,6 +4,7 @@ a tool reached its end state. Runs no benchmark and builds no cluster."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -146,3 +147,26 @@ def test_pdsh_launch_takes_its_rank_from_pdsh():
         "node0,node1",
         "true",
     ]
+
+
+def test_wait_exits_reads_each_nodes_new_job_only_and_names_who_is_missing(tmp_path):
+    import ipaddress
+
+    import pytest
+
+    from benchmarks import run
+    from meshkit.sandbox.layout import Layout
+
+    lay = Layout(tmp_path, ipaddress.IPv4Network("10.9.0.0/24"), 2)
+    jobs = [lay.node_dir(n) / "tmp" / f"meshkit-{os.getuid()}" / "jobs" for n in lay.nodes]
+    for d in jobs:
+        (d / "old").mkdir(parents=True)
+        (d / "old" / "exit").write_text("9\n")  # an earlier job's: never read
+    before = run.job_dirs(lay)
+    for d in jobs:
+        (d / "new").mkdir()
+    (jobs[0] / "new" / "exit").write_text("0\n")
+    with pytest.raises(run.StepFailed, match=r"ranks done on \['node0'\] only"):
+        run.wait_exits(lay, before, timeout=0.1)
+    (jobs[1] / "new" / "exit").write_text("1\n")
+    assert run.wait_exits(lay, before, timeout=0.1) == {"node0": "0", "node1": "1"}
