@@ -234,3 +234,31 @@ def test_one_ctrl_c_ends_a_command_stuck_on_a_hung_node(meshed):
     finally:
         os.kill(min(sshd), signal.SIGCONT)
     assert code == 130 and "interrupted" in err and "Traceback" not in err, err
+
+
+def test_each_agent_starts_as_its_node_connects_and_serves_every_later_phase(meshed):
+    """``AgentPool.connect`` starts each node's agent inside the connect phase, as soon as that
+    node's connection is up (no phase of its own): before any request, every node already runs
+    one; later phases reuse it rather than start another."""
+    from meshkit.discovery import read_hosts
+    from meshkit.protocol import JobsReply, JobsRequest
+    from meshkit.remote import AgentPool, PhaseEvent, Settings
+
+    lay = meshed
+    hosts = read_hosts(lay.hostfile)
+    settings = Settings(connect_timeout=5.0, ssh_configs=(str(lay.ssh_config),))
+    events: list[PhaseEvent] = []
+
+    def agents_on(node: sandbox.Node) -> int:
+        out = sandbox.node_exec(node, ["ps", "-eo", "args"], timeout=30).stdout
+        return sum("meshkit.node serve" in line for line in out.splitlines())
+
+    with AgentPool.connect(hosts, settings, sys.executable, events.append) as pool:
+        assert [e.phase for e in events if e.finished] == ["connect"]
+        wait_for(lambda: all(agents_on(n) == 1 for n in lay.nodes), timeout=20)
+        first = pool.call_all("jobs", lambda h: JobsRequest(), JobsReply)
+        second = pool.call_all("jobs", lambda h: JobsRequest(), JobsReply)
+        assert list(first) == list(second) == hosts
+        assert all(o.ok for o in [*first.values(), *second.values()])
+        assert all(agents_on(n) == 1 for n in lay.nodes)
+    wait_for(lambda: all(agents_on(n) == 0 for n in lay.nodes), timeout=20)

@@ -132,8 +132,13 @@ class Cluster:
         settings: Settings,
         extra_ssh_configs: Sequence[str] = (),
         progress: ProgressFn | None = None,
+        on_open: Callable[[Remote], None] | None = None,
     ) -> None:
+        """``on_open`` runs in the connecting worker right after each node's connection opens
+        (before the phase ends: what it starts overlaps the other nodes' connects); it must not
+        raise, so a failure of what it starts is its own to keep."""
         self.hosts, self.settings, self.progress = list(hosts), settings, progress
+        self.on_open = on_open
         self._config: paramiko.SSHConfig = ssh_config([*settings.ssh_configs, *extra_ssh_configs])
         self.remotes: dict[Host, Remote] = {}
         self.failures: dict[Host, str] = {}
@@ -141,8 +146,14 @@ class Cluster:
         self._open(self.hosts, "connect")
 
     def _open(self, hosts: Sequence[Host], phase: str) -> None:
+        def connect(host: Host) -> Remote:
+            remote = Remote(host, self.settings, self._config).open()
+            if self.on_open is not None:
+                self.on_open(remote)
+            return remote
+
         opened = fan_out(
-            lambda h: Remote(h, self.settings, self._config).open(),
+            connect,
             hosts,
             self.settings,
             lambda h: h,

@@ -126,7 +126,7 @@ def doctor(
     workdir, clocks, and a tiny all_reduce. Every check is bounded in time; exit 1 if any fails."""
     from ...ops import doctor as ops
     from ...ops.mesh import verify
-    from ...remote import AgentPool, Cluster
+    from ...remote import AgentPool
 
     with reported():
         try:
@@ -137,15 +137,12 @@ def doctor(
             raise UsageError(f"--timeout {timeout!r}: expected seconds between 1 and 600")
         job, hosts, source = _target(hostfile, session, workdir, master_port, include, exclude)
         settings = ssh_settings(c, job.hostfile)
-        with (
-            Cluster(hosts, settings, progress=None if json else progress) as cluster,
-            AgentPool(cluster, job.python) as pool,
-        ):
+        with AgentPool.connect(hosts, settings, job.python, None if json else progress) as pool:
             report = ops.run(
                 pool,
                 job,
                 hosts,
-                verify=None if quick else (lambda: verify(cluster, hosts).failures),
+                verify=None if quick else (lambda: verify(pool.cluster, hosts).failures),
                 collective=not quick,
                 probe_seconds=seconds,
             )

@@ -93,13 +93,11 @@ def _new_job(
 def _pool(job: Job, hosts: Sequence[Host], wait: float = 0.0) -> Iterator[ops.NodePool]:
     """One connection and one node agent per node for the whole command, closed on the way out
     (Ctrl-C included)."""
-    from ...remote import AgentPool, Cluster
+    from ...remote import AgentPool
 
-    with Cluster(hosts, ssh_settings(Context(), job.hostfile), progress=progress) as cluster:
-        if wait:
-            cluster.wait_for(wait)
-        with AgentPool(cluster, job.python) as pool:
-            yield pool
+    settings = ssh_settings(Context(), job.hostfile)
+    with AgentPool.connect(hosts, settings, job.python, progress, wait) as pool:
+        yield pool
 
 
 def _print_start(launch: ops.Launch) -> None:
