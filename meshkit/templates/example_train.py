@@ -22,9 +22,12 @@ def main() -> None:
         "--sleep", type=float, default=0.0, help="keep running this long afterwards"
     )
     args = parser.parse_args()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    cuda = torch.cuda.is_available()
+    if cuda:  # nccl reduces only CUDA tensors, each process on its own GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    value = torch.tensor([float(rank + 1)])
+    value = torch.tensor([float(rank + 1)], device="cuda" if cuda else "cpu")
     dist.all_reduce(value)
     expected = world * (world + 1) // 2
     line = (
