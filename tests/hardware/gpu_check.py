@@ -1,0 +1,118 @@
+"""meshkit on a real NVIDIA GPU node (not part of the suite: CI has no GPU). Run on a GPU
+machine from the repository root: ``python3 tests/hardware/gpu_check.py``. Checks GPU counting
+(each way ``gpu_count`` can learn it), the doctor's CUDA and NCCL versions, ``meshkit env
+--nproc-per-node auto``, and ``init_distributed``'s nccl path under torchrun and without it, both
+started by ``meshkit run``; then the example job. Exit 0 only if every check passed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from meshkit.node import doctor, gpus
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+failed: list[str] = []
+
+
+def check(name: str, ok: bool, detail: object = "") -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    if not ok:
+        failed.append(name)
+
+
+def meshkit(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "meshkit", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+def main() -> int:
+    cuda = torch.cuda.device_count()
+    smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    print(f"torch {torch.__version__}, cuda {torch.version.cuda}, devices {cuda}")
+    print(smi.stdout.strip())
+    check("torch sees a GPU", cuda >= 1, cuda)
+
+    # --- counting: /proc/driver/nvidia, nvidia-smi, CUDA_VISIBLE_DEVICES
+    saved = os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    check("gpu_count() (driver's /proc entries, else nvidia-smi)", gpus.gpu_count() == cuda,
+          gpus.gpu_count())  # fmt: skip
+    listdir = os.listdir
+
+    def no_proc(path: str) -> list[str]:
+        if str(path).startswith("/proc/driver/nvidia"):
+            raise FileNotFoundError(path)
+        return listdir(path)
+
+    os.listdir = no_proc  # type: ignore[assignment]
+    try:
+        check("gpu_count() through nvidia-smi -L", gpus.gpu_count() == cuda, gpus.gpu_count())
+    finally:
+        os.listdir = listdir
+    for visible, want in (("", 0), ("-1", 0), ("0", 1), ("0,1", 2)):
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        check(f"gpu_count() with CUDA_VISIBLE_DEVICES={visible!r}", gpus.gpu_count() == want,
+              gpus.gpu_count())  # fmt: skip
+    os.environ.pop("CUDA_VISIBLE_DEVICES")
+    if saved is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+    # --- the doctor's versions, read from dist-info without importing torch
+    check("doctor torch_cuda() == torch.version.cuda", doctor.torch_cuda() == torch.version.cuda,
+          doctor.torch_cuda())  # fmt: skip
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    found = doctor.nccl_version()
+    check("doctor nccl_version() matches torch's NCCL", bool(found) and found.startswith(nccl),
+          f"{found} (torch: {nccl})")  # fmt: skip
+
+    # --- discovery and init_distributed on this node, as a one-node hostfile
+    address = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+    work = Path(tempfile.mkdtemp(prefix="meshkit-gpu-"))
+    hostfile = work / "hostfile"
+    hostfile.write_text(f"{address[0] if address else '127.0.0.1'}\n")
+    shutil.copy(HERE / "gpu_worker.py", work / "gpu_worker.py")
+    shutil.copy(ROOT / "meshkit" / "templates" / "example_train.py", work / "example_train.py")
+    out = meshkit(
+        "env", "--hostfile", str(hostfile), "--nproc-per-node", "auto", "--json", cwd=work
+    )
+    env = json.loads(out.stdout) if out.returncode == 0 else {}
+    check("meshkit env --nproc-per-node auto gives the GPU count",
+          str(env.get("NPROC_PER_NODE")) == str(cuda), out.stdout.strip() or out.stderr.strip())  # fmt: skip
+    torchrun = shutil.which("torchrun") or f"{sys.executable} -m torch.distributed.run"
+    for label, cmd in (
+        ("under torchrun", f"{torchrun} gpu_worker.py {hostfile}"),
+        ("without torchrun (meshkit's own store)", f"{sys.executable} gpu_worker.py {hostfile}"),
+    ):
+        out = meshkit("run", "--hostfile", str(hostfile), "--nproc-per-node", "auto",
+                      "--cmd", cmd, cwd=work)  # fmt: skip
+        lines = [x for x in out.stdout.splitlines() if x.startswith("gpu-worker")]
+        world = cuda if "torchrun" in label else 1  # nproc auto: a process per GPU under torchrun
+        want = f"world={world} backend=nccl"
+        good = out.returncode == 0 and len(lines) == world and all(want in x for x in lines)
+        good = good and all(f"sum={world * (world + 1) // 2} " in x for x in lines)
+        check(f"init_distributed nccl {label}", good,
+              "; ".join(lines) or out.stdout[-600:] + out.stderr[-1500:])  # fmt: skip
+    out = meshkit("run", "--hostfile", str(hostfile), "--cmd", f"{torchrun} example_train.py",
+                  cwd=work)  # fmt: skip
+    check("the example job on a GPU node", out.returncode == 0 and "ok=True" in out.stdout,
+          (out.stdout[-400:] + out.stderr[-1500:]).strip())  # fmt: skip
+    print(f"\n{'all checks passed' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
