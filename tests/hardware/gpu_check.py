@@ -2,7 +2,8 @@
 machine from the repository root: ``python3 tests/hardware/gpu_check.py``. Checks GPU counting
 (each way ``gpu_count`` can learn it), the doctor's CUDA and NCCL versions, ``meshkit env
 --nproc-per-node auto``, and ``init_distributed``'s nccl path under torchrun and without it, both
-started by ``meshkit run``; then the example job. Exit 0 only if every check passed."""
+started by ``meshkit run``; then the example job and the doctor's collective probe. Exit 0 only
+if every check passed."""
 
 from __future__ import annotations
 
@@ -109,6 +110,13 @@ def main() -> int:
     out = meshkit("run", "--hostfile", str(hostfile), "--cmd", f"{torchrun} example_train.py",
                   cwd=work)  # fmt: skip
     check("the example job on a GPU node", out.returncode == 0 and "ok=True" in out.stdout,
+          (out.stdout[-400:] + out.stderr[-1500:]).strip())  # fmt: skip
+    probe = ROOT / "meshkit" / "templates" / "collective_probe.py"
+    out = meshkit(
+        "run", "--hostfile", str(hostfile), "--cmd", f"{sys.executable} {probe}", cwd=work
+    )
+    check("the doctor's collective probe picks nccl and sums right",
+          out.returncode == 0 and "backend=nccl" in out.stdout and "ok=True" in out.stdout,
           (out.stdout[-400:] + out.stderr[-1500:]).strip())  # fmt: skip
     print(f"\n{'all checks passed' if not failed else 'FAILED: ' + ', '.join(failed)}")
     return 1 if failed else 0
