@@ -18,6 +18,7 @@ plots; ``--render-only`` redraws plots and table from an existing results.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -458,13 +459,14 @@ def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
 
 
 def launches(row: Row, lay: sandbox.Layout, workdir: Path, opt: Options, repeat: int) -> list[str]:
-    """The launches, back to back on one meshed cluster: ``meshkit train`` until every session
-    runs and until every rank is done, pdsh+torchrun and torchrunx until every rank is done.
-    Their order rotates with the repeat, so each tool goes first once in 3 repeats: in a fixed
-    order (meshkit first, right after the cluster came up and after check's N² logins, the
-    peers minutes later, after the doctor) one sweep had meshkit 1.02-1.12x pdsh+torchrun,
-    another on the same meshkit code 0.90-1.02x. Returns meshkit's job flags: its logs are read
-    next. Above --launch-max, only every session up, with a command that needs no torch."""
+    """The launches, one after another on one meshed cluster: ``meshkit train`` until every
+    session runs and until every rank is done, pdsh+torchrun and torchrunx until every rank is
+    done. Each starts on a settled machine (``settle``), in an order that goes through all six
+    orders of the three over six repeats (``launch_order``): in a fixed order (meshkit first,
+    right after the cluster came up and after check's N² logins, the peers minutes later, after
+    the doctor) one sweep had meshkit 1.02-1.12x pdsh+torchrun, another on the same meshkit code
+    0.90-1.02x. Returns meshkit's job flags: its logs are read next. Above --launch-max, only
+    every session up, with a command that needs no torch."""
     n = row.nodes
     hostfile = str(lay.hostfile)
     if n > opt.launch_max:
@@ -487,10 +489,43 @@ def launches(row: Row, lay: sandbox.Layout, workdir: Path, opt: Options, repeat:
         lambda: launch_pdsh(row, lay, workdir, opt),
         lambda: launch_torchrunx(row, lay, workdir, opt),
     ]
-    first = repeat % len(order)
-    for run_one in order[first:] + order[:first]:
-        run_one()
+    for index in launch_order(repeat):
+        settle()
+        order[index]()
     return job
+
+
+LAUNCH_ORDERS = list(itertools.permutations(range(3)))
+
+
+def launch_order(repeat: int) -> tuple[int, ...]:
+    """Which launch runs first, second and third at this repeat: every one of the six orders once
+    in six repeats, so each tool runs first, second and third equally often and right after
+    each other tool equally often. (Rotating one order, as before, always ran meshkit right
+    after torchrunx and pdsh+torchrun right after meshkit.)"""
+    return LAUNCH_ORDERS[repeat % len(LAUNCH_ORDERS)]
+
+
+def machine_busy() -> float:
+    """CPU seconds all of this machine's cores have spent busy since boot (/proc/stat)."""
+    with open("/proc/stat") as handle:
+        fields = [int(v) for v in handle.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def settle(limit: float = 15.0, window: float = 0.5, idle: float = 0.1) -> float:
+    """Before a launch: wait until this machine is idle (under ``idle`` of one core busy over
+    ``window`` seconds), at most ``limit`` seconds; the seconds waited. The launches used to run
+    back to back, so whatever one left winding down (sshd sessions closing, interpreters
+    exiting) was taken from the next one's ranks."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit:
+        before = machine_busy()
+        time.sleep(window)
+        if machine_busy() - before < idle * window:
+            break
+    return time.monotonic() - start
 
 
 def launch_meshkit(
@@ -756,8 +791,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--launch-only",
         action="store_true",
-        help="per N and repeat: one meshed cluster, the floor and the launches only (rotating "
-        "which tool goes first); use with --results elsewhere, beside a full sweep",
+        help="per N and repeat: one meshed cluster, the floor and the launches only (all six "
+        "orders of the three over six repeats); use with --results elsewhere, beside a full sweep",
     )
     parser.add_argument(
         "--quiet-machine", default=None, help="note stored in results.json: was the machine quiet?"

@@ -170,3 +170,24 @@ def test_wait_exits_reads_each_nodes_new_job_only_and_names_who_is_missing(tmp_p
         run.wait_exits(lay, before, timeout=0.1)
     (jobs[1] / "new" / "exit").write_text("1\n")
     assert run.wait_exits(lay, before, timeout=0.1) == {"node0": "0", "node1": "1"}
+
+
+def test_launch_orders_balance_position_and_predecessor_over_six_repeats():
+    from collections import Counter
+
+    from benchmarks.run import launch_order
+
+    orders = [launch_order(r) for r in range(6)]
+    assert len(set(orders)) == 6 and launch_order(6) == orders[0]
+    for position in range(3):
+        assert Counter(o[position] for o in orders) == {0: 2, 1: 2, 2: 2}
+    after = Counter((o[i], o[i + 1]) for o in orders for i in range(2))
+    assert set(after.values()) == {2} and len(after) == 6
+
+
+def test_settle_returns_once_the_machine_is_idle_and_never_waits_past_its_limit():
+    from benchmarks.run import machine_busy, settle
+
+    assert machine_busy() > 0
+    assert settle(limit=0.3, window=0.1, idle=2.5) < 0.3  # 2.5 cores' worth of "idle": at once
+    assert settle(limit=0.3, window=0.1, idle=-1.0) < 0.6  # never idle enough: the limit
