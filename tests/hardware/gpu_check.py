@@ -17,10 +17,15 @@ from pathlib import Path
 
 import torch
 
+import meshkit as package
 from meshkit.node import doctor, gpus
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+PACKAGE = Path(package.__file__).resolve().parent
+# The meshkit under test is the one this check imported: this checkout's source (its
+# subprocesses then get the checkout on PYTHONPATH too), or an installed wheel.
+FROM_CHECKOUT = PACKAGE.parent == ROOT
 failed: list[str] = []
 
 
@@ -31,10 +36,9 @@ def check(name: str, ok: bool, detail: object = "") -> None:
 
 
 def meshkit(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = dict(os.environ)
+    if FROM_CHECKOUT:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, "-m", "meshkit", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False,
@@ -44,9 +48,18 @@ def meshkit(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Completed
 def main() -> int:
     cuda = torch.cuda.device_count()
     smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    where = "this checkout" if FROM_CHECKOUT else "installed"
+    print(f"meshkit {package.__version__} from {PACKAGE} ({where})")
     print(f"torch {torch.__version__}, cuda {torch.version.cuda}, devices {cuda}")
     print(smi.stdout.strip())
     check("torch sees a GPU", cuda >= 1, cuda)
+    if not FROM_CHECKOUT:
+        script = shutil.which("meshkit")
+        if script is None:
+            check("the installed console script runs", False, "no meshkit on PATH")
+        else:
+            out = subprocess.run([script, "--version"], capture_output=True, text=True)
+            check("the installed console script runs", out.returncode == 0, out.stdout.strip())
 
     # --- counting: /proc/driver/nvidia, nvidia-smi, CUDA_VISIBLE_DEVICES
     saved = os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -86,7 +99,7 @@ def main() -> int:
     hostfile = work / "hostfile"
     hostfile.write_text(f"{address[0] if address else '127.0.0.1'}\n")
     shutil.copy(HERE / "gpu_worker.py", work / "gpu_worker.py")
-    shutil.copy(ROOT / "meshkit" / "templates" / "example_train.py", work / "example_train.py")
+    shutil.copy(PACKAGE / "templates" / "example_train.py", work / "example_train.py")
     out = meshkit(
         "env", "--hostfile", str(hostfile), "--nproc-per-node", "auto", "--json", cwd=work
     )
@@ -111,7 +124,7 @@ def main() -> int:
                   cwd=work)  # fmt: skip
     check("the example job on a GPU node", out.returncode == 0 and "ok=True" in out.stdout,
           (out.stdout[-400:] + out.stderr[-1500:]).strip())  # fmt: skip
-    probe = ROOT / "meshkit" / "templates" / "collective_probe.py"
+    probe = PACKAGE / "templates" / "collective_probe.py"
     out = meshkit(
         "run", "--hostfile", str(hostfile), "--cmd", f"{sys.executable} {probe}", cwd=work
     )
