@@ -75,9 +75,20 @@ def _names(flags: str, wanted: tuple[str, ...]) -> bool:
 def main() -> None:
     from .fast import run_fast
 
+    argv = sys.argv[1:]
     try:
-        if not run_fast(sys.argv[1:]):
+        if run_fast(argv):
+            return
+        _watch_interrupts()
+        idle = _warm(argv)
+        try:
             program().run()
+        except SystemExit as exc:
+            if idle and exc.code != INTERRUPTED_EXIT:
+                _start_warm(idle)
+            raise
+        if idle:
+            _start_warm(idle)
     except KeyboardInterrupt:
         print("meshkit: interrupted", file=sys.stderr)
         _leave(INTERRUPTED_EXIT)
@@ -85,11 +96,68 @@ def main() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         _leave(0)
     except SystemExit as exc:
+        if _interrupted and exc.code not in (0, INTERRUPTED_EXIT):
+            # invoke ends a Ctrl-C that lands outside a task's own handling (while it parses,
+            # say) with a silent exit 1: it is an interruption, wherever it lands.
+            print("meshkit: interrupted", file=sys.stderr)
+            _leave(INTERRUPTED_EXIT)
         if exc.code == INTERRUPTED_EXIT:
             # Worker threads may still be blocked in a connect; the connections are closed
             # already, so leave now rather than wait for them (Ctrl-C ends within a second).
             _leave(INTERRUPTED_EXIT)
         raise
+
+
+_interrupted = False
+
+
+def _watch_interrupts() -> None:
+    """SIGINT raises KeyboardInterrupt as Python's own handler does, and is remembered."""
+    from ..node.signals import SIGINT, signal
+
+    def interrupt(signum: int, frame: object) -> None:
+        global _interrupted
+        _interrupted = True
+        raise KeyboardInterrupt
+
+    signal(SIGINT, interrupt)
+
+
+def _warm(argv: list[str]) -> float | None:
+    """Run the command through the warm server when there is one (and leave with its status);
+    otherwise the configured ``warm_start`` (start one after this command), or None."""
+    from . import warm
+
+    if not warm.eligible(argv):
+        return None
+    try:
+        code = warm.run_via_server(argv)
+    except warm.WarmError as exc:
+        print(f"meshkit: warm start: {exc}", file=sys.stderr)
+        _leave(1)
+    if code is not None:
+        _leave(code)
+    from .. import settings
+    from ..errors import MeshkitError
+
+    try:
+        return settings.load().warm_start
+    except MeshkitError:
+        return None  # the command itself reports it
+
+
+def _start_warm(idle: float) -> None:
+    """After the command: its output is complete, so what is left to print (paramiko's threads
+    report connections still failing as the interpreter ends) goes nowhere, as it would have
+    had the process ended at once."""
+    from . import warm
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    warm.start_server(idle)
 
 
 def _leave(code: int) -> None:

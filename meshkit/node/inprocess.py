@@ -25,13 +25,14 @@ def this_interpreter(argv: list[str]) -> bool:
     )
 
 
-def run_meshkit(cwd: str, args: list[str]) -> NoReturn:
+def run_meshkit(cwd: str, args: list[str], path0: str | None = None) -> NoReturn:
     """In a forked child: ``python -m meshkit ARGS`` as started in ``cwd`` (``cwd`` first on the
-    module path, as ``-m`` puts it), then exit with its status. Never returns."""
+    module path, as ``-m`` puts it; or ``path0``, a console script's directory), then exit with
+    its status. Never returns."""
     code = 1
     try:
         os.chdir(cwd)
-        sys.path[0] = cwd
+        sys.path[0] = cwd if path0 is None else path0
         sys.argv = ["meshkit", *args]
         from meshkit.cli.main import main
 

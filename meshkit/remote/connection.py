@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import logging
 import os
 import shlex
 import socket
@@ -25,6 +26,11 @@ from invoke.exceptions import CommandTimedOut
 
 from ..errors import MeshkitError, PhaseTimeout
 from ..hostfile import Host
+
+# paramiko logs a connection's failure from its own thread (a banner never read, say): with no
+# handler, logging's last resort printed that traceback on stderr whenever the thread got there
+# before the command ended. meshkit reports every failure itself, as the exception it raises.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class UnknownHostKey(paramiko.SSHException):
