@@ -18,6 +18,7 @@ plots; ``--render-only`` redraws plots and table from an existing results.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -26,6 +27,7 @@ import random
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -271,6 +273,7 @@ class Options:
     seed_max: int = 16  # the seed's N + N² sequential logins take minutes beyond this
     launch_max: int = 16  # 2 torch processes per node all share this machine's cores and memory
     launch_only: bool = False  # per repeat: one cluster, the floor and the launches only
+    warm: bool = False  # also meshkit with warm start (a fourth launch)
 
 
 def up(n: int) -> sandbox.Layout:
@@ -489,21 +492,50 @@ def launches(row: Row, lay: sandbox.Layout, workdir: Path, opt: Options, repeat:
         lambda: launch_pdsh(row, lay, workdir, opt),
         lambda: launch_torchrunx(row, lay, workdir, opt),
     ]
-    for index in launch_order(repeat):
+    if opt.warm:
+        warm_job = ["--hostfile", hostfile, "--session", f"bwx{repeat}", "--workdir", str(workdir)]
+        order.append(lambda: launch_meshkit(row, lay, workdir, warm_job, f"bwx{repeat}", True))
+        start_warm_server(workdir, job)
+    for index in launch_order(repeat, len(order)):
         settle()
         order[index]()
     return job
 
 
+# Every meshkit command of the benchmark runs without warm start (a server left by one would
+# serve the others), except the warm launch, which sets this.
+WARM_ON = {"MESHKIT_WARM_START": "600"}
+
+
+def start_warm_server(workdir: Path, job: list[str]) -> None:
+    """Before the warm launch: one warm command, which starts the server for the next ones (the
+    launch measures a warm start, not the first command that starts a server)."""
+    run([*MESHKIT, "status", *job], 60, env={**os.environ, **WARM_ON}, cwd=workdir)
+    time.sleep(2.0)  # the server imports what the tasks import: ~0.3 s here
+
+
+def end_warm_servers() -> None:
+    """The warm servers this run's meshkit started (their pid files name them)."""
+    for pid_file in Path(f"/tmp/meshkit-{os.getuid()}/warm").glob("*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(pid_file.read_text())
+            if MESHKIT[0].encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGTERM)
+
+
 LAUNCH_ORDERS = list(itertools.permutations(range(3)))
+# Four launches (with --warm): a Williams square, each launch in each place once and right after
+# each other launch once in every four repeats (all 24 orders would take 24 repeats).
+LAUNCH_ORDERS_4 = [(0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1)]
 
 
-def launch_order(repeat: int) -> tuple[int, ...]:
+def launch_order(repeat: int, count: int = 3) -> tuple[int, ...]:
     """Which launch runs first, second and third at this repeat: every one of the six orders once
     in six repeats, so each tool runs first, second and third equally often and right after
     each other tool equally often. (Rotating one order, as before, always ran meshkit right
-    after torchrunx and pdsh+torchrun right after meshkit.)"""
-    return LAUNCH_ORDERS[repeat % len(LAUNCH_ORDERS)]
+    after torchrunx and pdsh+torchrun right after meshkit.) Four launches: LAUNCH_ORDERS_4."""
+    orders = LAUNCH_ORDERS_4 if count == 4 else LAUNCH_ORDERS
+    return orders[repeat % len(orders)]
 
 
 def machine_busy() -> float:
@@ -529,9 +561,11 @@ def settle(limit: float = 15.0, window: float = 0.5, idle: float = 0.1) -> float
 
 
 def launch_meshkit(
-    row: Row, lay: sandbox.Layout, workdir: Path, job: list[str], session: str
+    row: Row, lay: sandbox.Layout, workdir: Path, job: list[str], session: str, warm: bool = False
 ) -> None:
     n = row.nodes
+    tool = "meshkit_warm" if warm else "meshkit"
+    env = {**os.environ, **WARM_ON} if warm else None
     before = job_dirs(lay)
     start = time.perf_counter()
 
@@ -547,24 +581,25 @@ def launch_meshkit(
                 "torchrun example_train.py",
             ],
             bound(n, base=240),
+            env=env,
         )
 
-    row.sample("train_running", "meshkit", train)
-    if row.raw["train_running/meshkit"][-1] is None:
+    row.sample("train_running", tool, train)
+    if row.raw[f"train_running/{tool}"][-1] is None:
         return
     try:
         codes = wait_exits(lay, before, bound(n, base=300, per_node=10))
         if any(c != "0" for c in codes.values()):
             raise StepFailed(f"exit codes {codes}")
-        row.raw.setdefault("train_done/meshkit", []).append(round(time.perf_counter() - start, 4))
+        row.raw.setdefault(f"train_done/{tool}", []).append(round(time.perf_counter() - start, 4))
         text = "".join(p.read_text() for p in (workdir / ".meshkit" / session).glob("node*.log"))
         check_launch(text, n)
-        row.end_state.setdefault("train_done/meshkit", []).append(
+        row.end_state.setdefault(f"train_done/{tool}", []).append(
             f"{n * PER_NODE} ranks, right sum"
         )
     except StepFailed as exc:
-        row.raw.setdefault("train_done/meshkit", []).append(None)
-        row.failures.setdefault("train_done/meshkit", []).append(str(exc))
+        row.raw.setdefault(f"train_done/{tool}", []).append(None)
+        row.failures.setdefault(f"train_done/{tool}", []).append(str(exc))
 
 
 def launch_pdsh(row: Row, lay: sandbox.Layout, workdir: Path, opt: Options) -> None:
@@ -795,6 +830,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "orders of the three over six repeats); use with --results elsewhere, beside a full sweep",
     )
     parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="with --launch-only: a fourth launch, meshkit with warm start (warm_start: 600)",
+    )
+    parser.add_argument(
         "--quiet-machine", default=None, help="note stored in results.json: was the machine quiet?"
     )
     parser.add_argument(
@@ -833,6 +873,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.seed_max,
         args.launch_max,
         args.launch_only,
+        args.warm,
     )
     for peer, why in unavailable.items():
         print(f"peer {peer} not measured: {why}", file=sys.stderr)
@@ -846,6 +887,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "seed_max": args.seed_max,
             "launch_max": args.launch_max,
             "launch_only": args.launch_only,
+            "warm": args.warm,
             "meshkit": f"this checkout's wheel, installed (not editable) into {product.parent}",
             "processes_per_node": PER_NODE,
         },
@@ -853,7 +895,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     if args.quiet_machine is not None:
         doc["machine"] = {**machine(), "quiet_machine": args.quiet_machine}
-    doc["sizes"] = [measure_n(n, args.repeats, opt) for n in sizes]
+    os.environ["MESHKIT_WARM_START"] = "off"  # WARM_ON
+    try:
+        doc["sizes"] = [measure_n(n, args.repeats, opt) for n in sizes]
+    finally:
+        end_warm_servers()
     if not args.launch_only:
         doc["env"] = measure_env(max(5, args.repeats * 3))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("doctor", "meshkit", "doctor"),
     ("train_running", "meshkit", "train: sessions up"),
     ("train_done", "meshkit", "train: ranks done"),
+    ("train_running", "meshkit_warm", "train, warm: sessions up"),
+    ("train_done", "meshkit_warm", "train, warm: ranks done"),
     ("train_done", "pdsh_torchrun", "pdsh+torchrun done"),
     ("train_done", "torchrunx", "torchrunx done"),
 )

@@ -191,3 +191,16 @@ def test_settle_returns_once_the_machine_is_idle_and_never_waits_past_its_limit(
     assert machine_busy() > 0
     assert settle(limit=0.3, window=0.1, idle=2.5) < 0.3  # 2.5 cores' worth of "idle": at once
     assert settle(limit=0.3, window=0.1, idle=-1.0) < 0.6  # never idle enough: the limit
+
+
+def test_four_launch_orders_are_a_williams_square():
+    """With --warm: each launch in each place once, and right after each other launch once,
+    in every four repeats."""
+    from benchmarks.run import launch_order
+
+    orders = [launch_order(r, 4) for r in range(4)]
+    assert launch_order(4, 4) == orders[0]
+    for place in range(4):
+        assert sorted(o[place] for o in orders) == [0, 1, 2, 3]
+    pairs = [(o[i], o[i + 1]) for o in orders for i in range(3)]
+    assert sorted(pairs) == sorted((a, b) for a in range(4) for b in range(4) if a != b)
