@@ -47,8 +47,12 @@ DIR = default_dir("/var/tmp/meshkit-bench-sandbox", NAME)
 SUBNET = default_subnet("10.77.0.0/24", NAME)
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
-# meshkit as users run it (set by main to the wheel's venv; see peers.install_meshkit).
-MESHKIT = [sys.executable, "-m", "meshkit"]
+# meshkit as users run it: the console script of the wheel's venv (set by main; see
+# peers.install_meshkit). Not `python -m meshkit`: that puts the working directory first on the
+# module path, so run from this checkout it imported the checkout, not the wheel (and no warm
+# server, started for the wheel, would serve it).
+PYTHON = sys.executable
+MESHKIT = [str(Path(sys.executable).parent / "meshkit")]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 PER_NODE = 2
 SEED_COLLECT = (
@@ -519,7 +523,7 @@ def end_warm_servers() -> None:
     for pid_file in Path(f"/tmp/meshkit-{os.getuid()}/warm").glob("*.pid"):
         with contextlib.suppress(OSError, ValueError):
             pid = int(pid_file.read_text())
-            if MESHKIT[0].encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if PYTHON.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(pid, signal.SIGTERM)
 
 
@@ -711,7 +715,7 @@ def measure_env(repeats: int) -> dict[str, object]:
             must(argv, 60, cwd=Path(tmp))
             return time.perf_counter() - start
 
-        bare = [timed([MESHKIT[0], "-c", "import netifaces"]) for _ in range(repeats)]
+        bare = [timed([PYTHON, "-c", "import netifaces"]) for _ in range(repeats)]
         env = [timed([*MESHKIT, "env", "--node-rank", "1"]) for _ in range(repeats)]
     b, e = stats.median(bare), stats.median(env)
     assert b is not None and e is not None
@@ -860,9 +864,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if os.geteuid() != 0:
         raise SystemExit("benchmarks build sandbox clusters: run as root")
     sizes = [int(x) for x in args.nodes.split(",")]
-    global TORCHRUN
+    global TORCHRUN, PYTHON
     product = peers.install_meshkit(REPO)
-    MESHKIT[:] = [str(product / "python"), "-m", "meshkit"]
+    PYTHON = str(product / "python")
+    MESHKIT[:] = [str(product / "meshkit")]
     TORCHRUN = product / "torchrun"
     bins, unavailable, versions = install_peers()
     opt = Options(

@@ -277,6 +277,35 @@ def test_an_idle_server_ends_and_takes_its_socket_along(tmp_path: Path) -> None:
         server.end()
 
 
+def test_a_file_that_turns_warm_start_off_ends_the_server(tmp_path: Path) -> None:
+    """A server serves commands configured for warm start: one whose configuration has none (a
+    meshkit.yaml with ``warm_start: off`` here) still runs (in it, as inline), and then the
+    server takes no more commands and ends."""
+    server = Warm()
+    try:
+        (tmp_path / "hostfile").write_text("127.0.0.1\n")
+        argv = [*MESHKIT, "status"]
+        started = subprocess.run(
+            argv, cwd=tmp_path, env=server.env, capture_output=True, timeout=60
+        )
+        pid = server.wait_up()
+        (tmp_path / "meshkit.yaml").write_text("warm_start: off\n")
+        env = {k: v for k, v in server.env.items() if k != "MESHKIT_WARM_START"}
+        served = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, timeout=60)
+        assert (served.returncode, served.stderr) == (started.returncode, started.stderr)
+        deadline = time.monotonic() + 20
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{pid}").exists()
+        assert not os.path.exists(server.path)
+        again = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, timeout=60)
+        assert again.returncode == started.returncode
+        time.sleep(0.5)
+        assert server.pid() is None and not os.path.exists(server.path), "it started a server"
+    finally:
+        server.end()
+
+
 # ---- on real nodes ---------------------------------------------------------------------------
 
 

@@ -128,6 +128,9 @@ def _warm(argv: list[str]) -> float | None:
     otherwise the configured ``warm_start`` (start one after this command), or None."""
     from . import warm
 
+    if warm.in_server:
+        _warm_still_wanted()
+        return None
     if not warm.eligible(argv):
         return None
     try:
@@ -144,6 +147,22 @@ def _warm(argv: list[str]) -> float | None:
         return settings.load().warm_start
     except MeshkitError:
         return None  # the command itself reports it
+
+
+def _warm_still_wanted() -> None:
+    """In the warm server's child: when this command's configuration has no ``warm_start``
+    (a file turned it off since the server started, say), the server takes no more commands
+    and ends once the running ones are done: the next command runs inline, starting none."""
+    from .. import settings
+    from ..errors import MeshkitError
+    from . import warm
+
+    try:
+        wanted = settings.load().warm_start
+    except MeshkitError:
+        return  # the command itself reports it
+    if wanted is None:
+        warm.stop_serving()
 
 
 def _start_warm(idle: float) -> None:

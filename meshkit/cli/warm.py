@@ -237,6 +237,16 @@ class _Forwarder:
             os.kill(os.getpid(), signum)
 
 
+def stop_serving() -> None:
+    """From the server's child: ask the server (this process's parent) to take no more
+    commands (it ends once the running ones are done)."""
+    import contextlib
+    import signal
+
+    with contextlib.suppress(OSError):  # the server is gone already
+        os.kill(os.getppid(), signal.SIGUSR1)
+
+
 def start_server(idle: float) -> None:
     """Start this user's warm server for the next commands (it detaches at once and exits by
     itself after ``idle`` seconds without one). Not from inside a meshkit job: the job's keeper

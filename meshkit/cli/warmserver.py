@@ -130,6 +130,7 @@ class Server:
         self.hung_up: set[int] = set()
         self.last = time.monotonic()
         self.declining = False
+        self.asked_to_decline = False  # SIGUSR1: a command's configuration turned warm start off
         self.state = code_state()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.wake_r, self.wake_w = os.pipe()
@@ -157,6 +158,9 @@ class Server:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd is written
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        # Only a flag: the wakeup fd ends the select, and the loop declines (closing the
+        # listener inside the handler would pull a descriptor from under a select).
+        signal.signal(signal.SIGUSR1, lambda *_: setattr(self, "asked_to_decline", True))
         return True
 
     def serve(self) -> None:
@@ -174,6 +178,8 @@ class Server:
                     elif not self.declining:
                         self.accept()
                 self.reap()
+                if self.asked_to_decline:
+                    self.decline()
                 if not self.children and time.monotonic() - self.last > self.idle:
                     return
         finally:
@@ -249,7 +255,7 @@ class Server:
         """The forked child: become the client's command, as it would have run inline."""
         try:
             signal.set_wakeup_fd(-1)
-            for number in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            for number in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
                 signal.signal(number, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             for fd in (self.wake_r, self.wake_w, self.lock_fd):
