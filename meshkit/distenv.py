@@ -76,6 +76,28 @@ def variables(env: NodeEnv) -> dict[str, str]:
     return {k: str(v) for k, v in {**plain, **torchrun, **dict(env.socket_ifnames)}.items()}
 
 
+def rank_variables(env: NodeEnv, local_rank: int) -> dict[str, str]:
+    """What torchrun gives each of its workers, for the ``local_rank``-th process ``meshkit run
+    --spawn`` starts on this node: ranks in node blocks (rank 0 on the master node, where it hosts
+    the rendezvous store under ``init_method="env://"``), and the sizes. ``WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` are already among ``variables``. Not the TORCHELASTIC_*
+    variables: no elastic agent is there to answer to."""
+    if not 0 <= local_rank < env.nproc_per_node:
+        raise DistEnvError(f"local rank {local_rank} is outside 0..{env.nproc_per_node - 1}")
+    rank = env.node_rank * env.nproc_per_node + local_rank
+    values = {
+        "RANK": rank,
+        "LOCAL_RANK": local_rank,
+        "GROUP_RANK": env.node_rank,
+        "ROLE_RANK": rank,
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": env.nproc_per_node,
+        "GROUP_WORLD_SIZE": env.nnodes,
+        "ROLE_WORLD_SIZE": env.world_size,
+    }
+    return {k: str(v) for k, v in values.items()}
+
+
 ENV_FIELDS = ("source", "matched", "interface_source")  # what `env --json` adds to the variables
 
 

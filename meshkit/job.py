@@ -74,6 +74,7 @@ class Job:
     restart_on: tuple[int, ...] = ()  # exit codes that restart; empty: any non-zero
     sync: bool = False  # the workdir is copied to every node (no shared storage)
     sync_exclude: tuple[str, ...] = ()  # names never copied (besides .git and __pycache__)
+    spawn: bool = False  # train --spawn: `meshkit run --spawn` starts each node's ranks itself
 
     @property
     def id(self) -> str:
@@ -152,7 +153,9 @@ class Job:
             label=self.label,
             workdir=self.workdir,
             tmux_session=self.tmux_session,
-            argv=self.meshkit_argv("run", "--log", self.log_pattern, "--cmd", cmd),
+            argv=self.meshkit_argv(
+                "run", *(["--spawn"] if self.spawn else []), "--log", self.log_pattern, "--cmd", cmd
+            ),
             env=dict(self.env),
             setup=list(self.setup),
         )

@@ -113,8 +113,8 @@ def test_bad_configuration_is_a_clear_usage_error(tmp_path, monkeypatch, text, e
 
 
 def test_the_fast_parser_takes_only_what_it_is_sure_of():
-    values, as_json = fastcli.parse("env", ["--json", "--hostfile=h f", "--node-rank", "2"])
-    assert as_json and values["hostfile"] == "h f" and values["node_rank"] == "2"
+    values, given = fastcli.parse("env", ["--json", "--hostfile=h f", "--node-rank", "2"])
+    assert given == {"json"} and values["hostfile"] == "h f" and values["node_rank"] == "2"
     assert values["session"] is None
     for args in (
         ["--host", "h"],  # abbreviated: argparse (allow_abbrev=False) and invoke refuse it

@@ -52,6 +52,11 @@ def test_meshkit_env_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
             HEAVY | {"subprocess", "tempfile", "platform", "json", "re", "enum", "contextlib"},
         ),
         ("meshkit.node.supervise", HEAVY | {"subprocess", "tempfile", "platform"}),
+        # `meshkit run --spawn`, between discovery and the ranks' exec
+        (
+            "meshkit.node.ranks",
+            HEAVY | {"subprocess", "tempfile", "platform", "json", "re", "enum", "contextlib"},
+        ),
         (
             "meshkit.node.doctor",
             HEAVY | {"subprocess", "tempfile", "platform", "importlib.metadata"},

@@ -154,6 +154,45 @@ def test_seed_style_run_sh_from_a_worker_and_exit_codes(meshed):
     assert [(r["exit_code"], r["last_line"]) for r in rows] == [(7, "about to fail")] * n
 
 
+def test_spawn_starts_every_rank_without_torchrun_and_a_failure_ends_the_node(meshed):
+    lay, workdir = meshed
+    n = len(lay.nodes)
+    args = ("--nproc-per-node", str(NPROC), "--spawn")
+    out = train_on(lay, 1, workdir, "spawned", *args, "--cmd", "python example_train.py")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = wait_for(lambda: all_exited(lay, workdir, "spawned"))
+    assert [r["exit_code"] for r in rows] == [0] * n
+    found = results(workdir, "spawned", n)
+    check_results(found, n)
+    # torchrun's worker variables, from meshkit: GROUP_RANK is the node's rank
+    assert all(f"node_rank={rank} " in m.group(0) for rank, m in found)
+    assert "torchrun" not in (workdir / ".meshkit" / "spawned" / "node0.log").read_text()
+
+    # a bare relaunch from another node keeps --spawn
+    out = on_node(lay, 2, workdir, "train", "--session", "spawned")
+    assert out.returncode == 0, out.stdout + out.stderr
+    wait_for(lambda: len(results(workdir, "spawned", n)) == 2 * n * NPROC)
+    assert [r["exit_code"] for r in wait_for(lambda: all_exited(lay, workdir, "spawned"))] == [
+        0
+    ] * n
+    assert json.loads((workdir / ".meshkit" / "spawned" / "job.json").read_text())["spawn"]
+
+    # one rank failing ends its node's other rank at once, and the node exits with its code
+    cmd = "if [ $LOCAL_RANK = 1 ]; then echo rank $RANK fails; exit 5; fi; exec sleep 600"
+    out = train_on(lay, 0, workdir, "spawnfail", *args, "--cmd", cmd)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = wait_for(lambda: all_exited(lay, workdir, "spawnfail"), timeout=60)
+    assert [r["exit_code"] for r in rows] == [5] * n
+    assert [r["last_line"] for r in rows] == [f"rank {2 * i + 1} fails" for i in range(n)]
+    for node in lay.nodes:
+        assert sandbox.node_exec(node, ["pgrep", "-f", "^sleep 600"]).stdout == ""
+
+    # a launcher under --spawn would start NPROC launchers per node: refused, nothing started
+    out = train_on(lay, 0, workdir, "spawnbad", *args, "--cmd", "torchrun example_train.py")
+    assert out.returncode == 2 and "--spawn starts the node's ranks itself" in out.stderr
+    assert nothing_started(lay, "spawnbad")
+
+
 def all_exited(lay, workdir: Path, session: str):
     rows = status(lay, workdir, session)
     return rows if all(r["state"] == "exited" for r in rows) else None

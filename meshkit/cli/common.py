@@ -30,6 +30,9 @@ HELP = {
     "master_port": "master port (default: derived from the hostfile and session, same on every node)",
     "nproc_per_node": "processes per node, or 'auto' (hostfile slots, else GPUs, else 1)",
     "cmd": "the command to run (bash); $NODE_RANK, $MASTER_ADDR etc. expand in it",
+    "spawn": "start NPROC_PER_NODE copies of the command on each node, each with torchrun's "
+    "worker variables (RANK, LOCAL_RANK, WORLD_SIZE, ...), instead of one launcher (torchrun) "
+    "per node; one failing ends the node's others",
     "workdir": "the job's workdir (default: config meshkit.workdir, else found through the "
     "hostfile's job index, else the current directory)",
 }

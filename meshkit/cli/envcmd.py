@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..distenv import NodeEnv, as_json, export_lines, log_target, logged, variables
+from ..distenv import NodeEnv, as_json, export_lines, log_target, logged, rank_variables, variables
 from ..errors import UsageError
 from ..node.signals import reset_for_exec
 from ..settings import Config
@@ -73,15 +73,55 @@ def print_env(node: NodeEnv, as_json_output: bool) -> None:
         print(export_lines(node))
 
 
-def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
-    """Replace this process with ``bash -c CMD`` carrying the node's variables."""
+def _script(node: NodeEnv, cmd: str, log: str | None) -> str:
+    if not log:
+        return cmd
+    target = log_target(log, node.node_rank)
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    return logged(cmd, target)
+
+
+def _environment(node: NodeEnv) -> dict[str, str]:
     # Nodes share the venv path: make its tools (torchrun) reachable as if it were activated.
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    script = cmd
-    if log:
-        target = log_target(log, node.node_rank)
-        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        script = logged(cmd, target)
+    return {**os.environ, **variables(node), "PATH": path}
+
+
+def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
+    """Replace this process with ``bash -c CMD`` carrying the node's variables."""
+    script = _script(node, cmd, log)
     sys.stdout.flush()
     reset_for_exec()  # not Python's SIG_IGN for SIGPIPE: `yes | head` in the command must end quietly
-    os.execvpe("bash", ["bash", "-c", script], {**os.environ, **variables(node), "PATH": path})
+    os.execvpe("bash", ["bash", "-c", script], _environment(node))
+
+
+SPAWN_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")  # as python -m
+
+
+def check_spawn_cmd(cmd: str) -> None:
+    """``--spawn`` starts every rank itself: a launcher in CMD would start NPROC_PER_NODE
+    launchers per node, each starting its own ranks, and the job would hang in rendezvous."""
+    words = cmd.split()
+    for i, word in enumerate(words[:8]):
+        if word.rsplit("/", 1)[-1] == "torchrun" or (
+            i and words[i - 1] == "-m" and word in SPAWN_LAUNCHERS
+        ):
+            raise UsageError(
+                f"--spawn with {word[:60]!r} in --cmd: --spawn starts the node's ranks itself; run the "
+                "script (python train.py), or drop --spawn and let the launcher start them"
+            )
+
+
+def spawn_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
+    """NPROC_PER_NODE processes of ``bash -c CMD``, each with the node's variables and torchrun's
+    worker variables (RANK, LOCAL_RANK, ...); exit with the first failure's code, else 0."""
+    from ..node.ranks import run_ranks
+
+    check_spawn_cmd(cmd)
+    script = _script(node, cmd, log)
+    base = _environment(node)
+    if node.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
+        base["OMP_NUM_THREADS"] = "1"  # what torchrun sets: N ranks x all cores would oversubscribe
+    envs = [{**base, **rank_variables(node, i)} for i in range(node.nproc_per_node)]
+    sys.stdout.flush()
+    raise SystemExit(run_ranks(script, envs))

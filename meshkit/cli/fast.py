@@ -21,22 +21,23 @@ DISCOVERY_FLAGS = (
 )
 FLAGS: dict[str, tuple[str, ...]] = {
     "env": ("json", *DISCOVERY_FLAGS),
-    "run": ("cmd", *DISCOVERY_FLAGS, "log"),
+    "run": ("cmd", *DISCOVERY_FLAGS, "log", "spawn"),
 }
-BOOLEAN = {"json"}
+BOOLEAN = {"json", "spawn"}
 
 
 class _Fallback(Exception):
     """Not something the fast path handles: let the invoke Program do it."""
 
 
-def parse(task: str, args: Sequence[str]) -> tuple[dict[str, str | None], bool]:
-    """``--name value``, ``--name=value`` and the boolean ``--json``: (values, json). Anything
+def parse(task: str, args: Sequence[str]) -> tuple[dict[str, str | None], set[str]]:
+    """``--name value``, ``--name=value`` and the booleans (``--json``, ``--spawn``): (values,
+    the booleans given). Anything
     else (a positional, an unknown or abbreviated flag, a missing value, a value that looks like
     a flag) is ``_Fallback``: invoke then parses it and reports it as usual. Not argparse: that
     is about 5 ms of imports at every ``meshkit env`` on every node."""
     values: dict[str, str | None] = {name: None for name in FLAGS[task] if name not in BOOLEAN}
-    as_json = False
+    given: set[str] = set()
     rest = list(args)
     while rest:
         arg = rest.pop(0)
@@ -47,14 +48,14 @@ def parse(task: str, args: Sequence[str]) -> tuple[dict[str, str | None], bool]:
         if name in BOOLEAN:
             if eq:
                 raise _Fallback
-            as_json = True
+            given.add(name)
             continue
         if not eq:
             if not rest or rest[0].startswith("-"):
                 raise _Fallback
             value = rest.pop(0)
         values[name] = value
-    return values, as_json
+    return values, given
 
 
 def run_fast(argv: Sequence[str]) -> bool:
@@ -62,19 +63,21 @@ def run_fast(argv: Sequence[str]) -> bool:
     if not argv or argv[0] not in FLAGS or {"-h", "--help"} & set(argv[1:]):
         return False
     try:
-        flags, as_json = parse(argv[0], argv[1:])
+        flags, given = parse(argv[0], argv[1:])
     except _Fallback:
         return False
     if argv[0] == "run" and flags["cmd"] is None:
         return False
     from .. import settings
-    from .envcmd import exec_run, node_env, print_env
+    from .envcmd import exec_run, node_env, print_env, spawn_run
 
     try:
         conf = settings.load()
         node = node_env(conf, **{name: flags[name] for name in DISCOVERY_FLAGS})
         if argv[0] == "env":
-            print_env(node, as_json)
+            print_env(node, "json" in given)
+        elif "spawn" in given:
+            spawn_run(node, str(flags["cmd"]), flags["log"])
         else:
             exec_run(node, str(flags["cmd"]), flags["log"])
     except MeshkitError as exc:

@@ -8,9 +8,31 @@ from __future__ import annotations
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from signal import SIG_DFL, SIG_IGN, SIGHUP, SIGINT, SIGKILL, SIGPIPE, SIGTERM, SIGXFSZ, signal
+    from signal import (
+        SIG_DFL,
+        SIG_IGN,
+        SIGHUP,
+        SIGINT,
+        SIGKILL,
+        SIGPIPE,
+        SIGTERM,
+        SIGXFSZ,
+        getsignal,
+        signal,
+    )
 else:
-    from _signal import SIG_DFL, SIG_IGN, SIGHUP, SIGINT, SIGKILL, SIGPIPE, SIGTERM, SIGXFSZ, signal
+    from _signal import (
+        SIG_DFL,
+        SIG_IGN,
+        SIGHUP,
+        SIGINT,
+        SIGKILL,
+        SIGPIPE,
+        SIGTERM,
+        SIGXFSZ,
+        getsignal,
+        signal,
+    )
 
 __all__ = [
     "RESET_FOR_EXEC",
@@ -20,6 +42,7 @@ __all__ = [
     "SIGTERM",
     "SIG_DFL",
     "SIG_IGN",
+    "getsignal",
     "signal",
 ]
 

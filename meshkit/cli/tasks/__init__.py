@@ -57,7 +57,10 @@ def env(
 
 @task(
     help=helps(
-        *DISCOVERY, "cmd", log="also append all output to this file; {rank} becomes the node rank"
+        *DISCOVERY,
+        "cmd",
+        "spawn",
+        log="also append all output to this file; {rank} becomes the node rank",
     )
 )
 def run(
@@ -71,15 +74,19 @@ def run(
     include: str | None = None,
     exclude: str | None = None,
     log: str | None = None,
+    spawn: bool = False,
 ) -> None:
     """Discover this node's rank, then exec CMD under bash with the variables exported.
 
-    This is what every node runs inside tmux for `meshkit train`.
+    This is what every node runs inside tmux for `meshkit train`. With --spawn, CMD runs
+    NPROC_PER_NODE times, each with its rank's variables, as torchrun would start it.
     """
-    from ..envcmd import exec_run
+    from ..envcmd import exec_run, spawn_run
 
     with reported():
         node = _node(c, locals())
+        if spawn:
+            spawn_run(node, cmd, log)
         exec_run(node, cmd, log)
 
 

@@ -18,7 +18,7 @@ from ...hostfile import Host
 from ...job import Job, check_env, check_session
 from ...ops import jobs as ops
 from ...record import replace as changed  # `replace` is a flag here
-from ..common import conf, helps, int_option, option, progress, reported, table, task
+from ..common import HELP, conf, helps, int_option, option, progress, reported, table, task
 from .mesh import ssh_settings
 
 JOB_FLAGS = ("hostfile", "session", "workdir")
@@ -157,6 +157,7 @@ TRAIN_HELP = helps(
     restart_on="only these exit codes restart (comma list; default any non-zero; torchrun "
     "exits 1 for any worker failure)",
     sync="copy the workdir to every node (default: when some node does not see it)",
+    spawn=HELP["spawn"] + " (a bare relaunch keeps it)",
     replace="end any other meshkit job running on the nodes (never done without this flag)",
     dry_run="run the preflight and show what would start; start nothing",
     doctor="also run the doctor's quick checks (interfaces, master port, node-to-node TCP, "
@@ -182,6 +183,7 @@ def train(
     restarts: str | None = None,
     restart_on: str | None = None,
     sync: bool = False,
+    spawn: bool = False,
 ) -> None:
     """Start CMD detached in tmux on every node, each with its rank variables; or relaunch the
     saved job.
@@ -204,7 +206,12 @@ def train(
             job, hosts = _new_job(
                 cmd, workdir, session, hostfile, nproc_per_node, master_port, include, exclude
             )
-            job = changed(job, sync_exclude=tuple(conf().sync_exclude))
+            job = changed(job, sync_exclude=tuple(conf().sync_exclude), spawn=spawn)
+        if spawn:
+            from ..envcmd import check_spawn_cmd
+
+            check_spawn_cmd(job.cmd)
+            job = changed(job, spawn=True)
         job = _supervision(
             job, policy, restarts is not None, restart_on is not None, cmd is not None
         )
