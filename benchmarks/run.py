@@ -278,6 +278,7 @@ class Options:
     launch_max: int = 16  # 2 torch processes per node all share this machine's cores and memory
     launch_only: bool = False  # per repeat: one cluster, the floor and the launches only
     warm: bool = False  # also meshkit with warm start (a fourth launch)
+    spawn: bool = False  # also meshkit train --spawn: no torchrun (a fourth launch)
 
 
 def up(n: int) -> sandbox.Layout:
@@ -500,6 +501,11 @@ def launches(row: Row, lay: sandbox.Layout, workdir: Path, opt: Options, repeat:
         warm_job = ["--hostfile", hostfile, "--session", f"bwx{repeat}", "--workdir", str(workdir)]
         order.append(lambda: launch_meshkit(row, lay, workdir, warm_job, f"bwx{repeat}", True))
         start_warm_server(workdir, job)
+    if opt.spawn:
+        spawn_job = ["--hostfile", hostfile, "--session", f"bsx{repeat}", "--workdir", str(workdir)]
+        order.append(
+            lambda: launch_meshkit(row, lay, workdir, spawn_job, f"bsx{repeat}", spawn=True)
+        )
     for index in launch_order(repeat, len(order)):
         settle()
         order[index]()
@@ -565,10 +571,23 @@ def settle(limit: float = 15.0, window: float = 0.5, idle: float = 0.1) -> float
 
 
 def launch_meshkit(
-    row: Row, lay: sandbox.Layout, workdir: Path, job: list[str], session: str, warm: bool = False
+    row: Row,
+    lay: sandbox.Layout,
+    workdir: Path,
+    job: list[str],
+    session: str,
+    warm: bool = False,
+    spawn: bool = False,
 ) -> None:
+    """``meshkit train`` of the example: torchrun on every node, or (``spawn``) each node's ranks
+    started by meshkit itself, the same script without torchrun."""
     n = row.nodes
-    tool = "meshkit_warm" if warm else "meshkit"
+    tool = "meshkit_warm" if warm else "meshkit_spawn" if spawn else "meshkit"
+    how = (
+        ["--spawn", "--cmd", "python example_train.py"]
+        if spawn
+        else ["--cmd", "torchrun example_train.py"]
+    )
     env = {**os.environ, **WARM_ON} if warm else None
     before = job_dirs(lay)
     start = time.perf_counter()
@@ -581,8 +600,7 @@ def launch_meshkit(
                 *job,
                 "--nproc-per-node",
                 str(PER_NODE),
-                "--cmd",
-                "torchrun example_train.py",
+                *how,
             ],
             bound(n, base=240),
             env=env,
@@ -839,6 +857,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="with --launch-only: a fourth launch, meshkit with warm start (warm_start: 600)",
     )
     parser.add_argument(
+        "--spawn",
+        action="store_true",
+        help="with --launch-only: a fourth launch, meshkit train --spawn (each node's ranks "
+        "started by meshkit, no torchrun); not with --warm",
+    )
+    parser.add_argument(
         "--quiet-machine", default=None, help="note stored in results.json: was the machine quiet?"
     )
     parser.add_argument(
@@ -861,6 +885,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"--render-only: {path} is not this benchmark's results (no 'sizes')")
         print(render.render(stored, out_dir))
         return
+    if args.warm and args.spawn:
+        raise SystemExit(
+            "--warm and --spawn: one fourth launch at a time (the orders are for four)"
+        )
     if os.geteuid() != 0:
         raise SystemExit("benchmarks build sandbox clusters: run as root")
     sizes = [int(x) for x in args.nodes.split(",")]
@@ -879,6 +907,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.launch_max,
         args.launch_only,
         args.warm,
+        args.spawn,
     )
     for peer, why in unavailable.items():
         print(f"peer {peer} not measured: {why}", file=sys.stderr)
@@ -893,6 +922,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "launch_max": args.launch_max,
             "launch_only": args.launch_only,
             "warm": args.warm,
+            "spawn": args.spawn,
             "meshkit": f"this checkout's wheel, installed (not editable) into {product.parent}",
             "processes_per_node": PER_NODE,
         },

@@ -32,6 +32,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("train_done", "meshkit", "train: ranks done"),
     ("train_running", "meshkit_warm", "train, warm: sessions up"),
     ("train_done", "meshkit_warm", "train, warm: ranks done"),
+    ("train_running", "meshkit_spawn", "train --spawn: sessions up"),
+    ("train_done", "meshkit_spawn", "train --spawn: ranks done"),
     ("train_done", "pdsh_torchrun", "pdsh+torchrun done"),
     ("train_done", "torchrunx", "torchrunx done"),
 )
