@@ -1,9 +1,9 @@
 """meshkit on a real NVIDIA GPU node (not part of the suite: CI has no GPU). Run on a GPU
 machine from the repository root: ``python3 tests/hardware/gpu_check.py``. Checks GPU counting
 (each way ``gpu_count`` can learn it), the doctor's CUDA and NCCL versions, ``meshkit env
---nproc-per-node auto``, and ``init_distributed``'s nccl path under torchrun and without it, both
-started by ``meshkit run``; then the example job and the doctor's collective probe. Exit 0 only
-if every check passed."""
+--nproc-per-node auto``, and ``init_distributed``'s nccl path under torchrun, without it, and
+under ``meshkit run --spawn``, all started by ``meshkit run``; then the example job (under
+torchrun and spawned) and the doctor's collective probe. Exit 0 only if every check passed."""
 
 from __future__ import annotations
 
@@ -107,14 +107,17 @@ def main() -> int:
     check("meshkit env --nproc-per-node auto gives the GPU count",
           str(env.get("NPROC_PER_NODE")) == str(cuda), out.stdout.strip() or out.stderr.strip())  # fmt: skip
     torchrun = shutil.which("torchrun") or f"{sys.executable} -m torch.distributed.run"
-    for label, cmd in (
-        ("under torchrun", f"{torchrun} gpu_worker.py {hostfile}"),
-        ("without torchrun (meshkit's own store)", f"{sys.executable} gpu_worker.py {hostfile}"),
+    worker = f"{sys.executable} gpu_worker.py {hostfile}"
+    for label, cmd, spawn in (
+        ("under torchrun", f"{torchrun} gpu_worker.py {hostfile}", []),
+        ("without torchrun (meshkit's own store)", worker, []),
+        ("spawned by meshkit run --spawn (a process per GPU, no torchrun)", worker, ["--spawn"]),
     ):
-        out = meshkit("run", "--hostfile", str(hostfile), "--nproc-per-node", "auto",
+        out = meshkit("run", *spawn, "--hostfile", str(hostfile), "--nproc-per-node", "auto",
                       "--cmd", cmd, cwd=work)  # fmt: skip
         lines = [x for x in out.stdout.splitlines() if x.startswith("gpu-worker")]
-        world = cuda if "torchrun" in label else 1  # nproc auto: a process per GPU under torchrun
+        # nproc auto: a process per GPU under torchrun and --spawn; one process without
+        world = cuda if "torchrun" in label or spawn else 1
         want = f"world={world} backend=nccl"
         good = out.returncode == 0 and len(lines) == world and all(want in x for x in lines)
         good = good and all(f"sum={world * (world + 1) // 2} " in x for x in lines)
@@ -123,6 +126,11 @@ def main() -> int:
     out = meshkit("run", "--hostfile", str(hostfile), "--cmd", f"{torchrun} example_train.py",
                   cwd=work)  # fmt: skip
     check("the example job on a GPU node", out.returncode == 0 and "ok=True" in out.stdout,
+          (out.stdout[-400:] + out.stderr[-1500:]).strip())  # fmt: skip
+    out = meshkit("run", "--spawn", "--hostfile", str(hostfile), "--nproc-per-node", "auto",
+                  "--cmd", f"{sys.executable} example_train.py", cwd=work)  # fmt: skip
+    check("the example job spawned (train --spawn's node side), a rank per GPU",
+          out.returncode == 0 and out.stdout.count("ok=True") == cuda,
           (out.stdout[-400:] + out.stderr[-1500:]).strip())  # fmt: skip
     probe = PACKAGE / "templates" / "collective_probe.py"
     out = meshkit(
