@@ -87,20 +87,13 @@ def hostfile(tmp_path: Path) -> Path:
     return path
 
 
-def run_spawn(hostfile: Path, cmd: str, *extra: str, timeout: float = 60):
-    return meshkit(
-        "run",
-        "--spawn",
-        "--hostfile",
-        str(hostfile),
-        "--nproc-per-node",
-        "3",
-        *extra,
-        "--cmd",
-        cmd,
-        cwd=hostfile.parent,
-        timeout=timeout,
-    )
+def spawn_args(hostfile: Path, cmd: str, *extra: str) -> list[str]:
+    return ["run", "--spawn", "--hostfile", str(hostfile), "--nproc-per-node", "3", *extra,
+            "--cmd", cmd]  # fmt: skip
+
+
+def run_spawn(hostfile: Path, cmd: str, *extra: str):
+    return meshkit(*spawn_args(hostfile, cmd, *extra), cwd=hostfile.parent, timeout=60)
 
 
 def test_every_rank_runs_with_its_variables_and_its_output_in_the_log(hostfile):
@@ -134,38 +127,57 @@ def pids_of(marker: str) -> list[str]:
     return out.stdout.split()
 
 
+def started(hostfile: Path, marker: str, ignore_int: bool = False) -> subprocess.Popen[bytes]:
+    """``meshkit run --spawn`` of three sleeps, once all three run. ``ignore_int``: started as
+    the keeper starts it, with INT (and HUP) ignored."""
+
+    def ignore() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshkit", *spawn_args(hostfile, f"exec -a {marker} sleep 120")],
+        cwd=hostfile.parent,
+        preexec_fn=ignore if ignore_int else None,
+    )
+    deadline = time.monotonic() + 30
+    while len(pids_of(marker)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
+def end(proc: subprocess.Popen[bytes], marker: str) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in pids_of(marker):
+        os.kill(int(pid), signal.SIGKILL)
+
+
 def test_term_reaches_every_rank_and_nothing_is_left(hostfile):
     marker = f"meshkit-test-{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "meshkit",
-            "run",
-            "--spawn",
-            "--hostfile",
-            str(hostfile),
-            "--nproc-per-node",
-            "3",
-            "--cmd",
-            f"exec -a {marker} sleep 120",
-        ],
-        cwd=hostfile.parent,
-    )
+    proc = started(hostfile, marker)
     try:
-        deadline = time.monotonic() + 30
-        while len(pids_of(marker)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
         assert len(pids_of(marker)) == 3
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
         assert not pids_of(marker)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in pids_of(marker):
-            os.kill(int(pid), signal.SIGKILL)
+        end(proc, marker)
+
+
+def test_a_signal_ignored_at_the_start_stays_ignored(hostfile):
+    """The keeper ignores INT and HUP for its job (stop ends the tree itself): so do the ranks."""
+    marker = f"meshkit-test-{uuid.uuid4().hex[:8]}"
+    proc = started(hostfile, marker, ignore_int=True)
+    try:
+        assert len(pids_of(marker)) == 3
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None and len(pids_of(marker)) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        end(proc, marker)
 
 
 def test_a_launcher_under_spawn_is_a_usage_error(hostfile):

@@ -67,8 +67,8 @@ class Ranks:
         signal), else 0. Signals this process gets (those it does not ignore: the keeper ignores
         HUP and INT for its job) are passed to every rank."""
         for number in FORWARDED:
-            if signals.getsignal(number) != signals.SIG_IGN:
-                signals.signal(number, self._forward)
+            if signals.signal(number, self._forward) == signals.SIG_IGN:
+                signals.signal(number, signals.SIG_IGN)  # ignored on purpose: stays ignored
         try:
             for local_rank, env in enumerate(self.envs):
                 self.running[self.spawn(env)] = local_rank

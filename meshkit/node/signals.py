@@ -8,31 +8,9 @@ from __future__ import annotations
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from signal import (
-        SIG_DFL,
-        SIG_IGN,
-        SIGHUP,
-        SIGINT,
-        SIGKILL,
-        SIGPIPE,
-        SIGTERM,
-        SIGXFSZ,
-        getsignal,
-        signal,
-    )
+    from signal import SIG_DFL, SIG_IGN, SIGHUP, SIGINT, SIGKILL, SIGPIPE, SIGTERM, SIGXFSZ, signal
 else:
-    from _signal import (
-        SIG_DFL,
-        SIG_IGN,
-        SIGHUP,
-        SIGINT,
-        SIGKILL,
-        SIGPIPE,
-        SIGTERM,
-        SIGXFSZ,
-        getsignal,
-        signal,
-    )
+    from _signal import SIG_DFL, SIG_IGN, SIGHUP, SIGINT, SIGKILL, SIGPIPE, SIGTERM, SIGXFSZ, signal
 
 __all__ = [
     "RESET_FOR_EXEC",
@@ -42,7 +20,6 @@ __all__ = [
     "SIGTERM",
     "SIG_DFL",
     "SIG_IGN",
-    "getsignal",
     "signal",
 ]
 
