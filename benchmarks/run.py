@@ -486,8 +486,13 @@ def launches(row: Row, lay: sandbox.Layout, workdir: Path, opt: Options, repeat:
             "meshkit",
             lambda: must([*MESHKIT, "train", *job, "--cmd", light], bound(n, base=240)),
         )
+        why = f"launch until done up to --launch-max {opt.launch_max}"
         for tool in ("meshkit", "pdsh_torchrun", "torchrunx"):
-            row.skip("train_done", tool, f"launch until done up to --launch-max {opt.launch_max}")
+            row.skip("train_done", tool, why)
+        for tool, asked in (("meshkit_warm", opt.warm), ("meshkit_spawn", opt.spawn)):
+            if asked:  # the light command's launch is the same with warm start or --spawn
+                row.skip("train_running", tool, why)
+                row.skip("train_done", tool, why)
         time.sleep(1.0)  # the echo is in every log
         return job
     session = f"bex{repeat}"
