@@ -177,6 +177,16 @@ def test_spawn_starts_every_rank_without_torchrun_and_a_failure_ends_the_node(me
     ] * n
     assert json.loads((workdir / ".meshkit" / "spawned" / "job.json").read_text())["spawn"]
 
+    # stop ends spawned ranks (each in a process group of its own) and finds nothing left
+    cmd = "python example_train.py --sleep 600"
+    out = train_on(lay, 1, workdir, "spawnstop", *args, "--cmd", cmd)
+    assert out.returncode == 0, out.stdout + out.stderr
+    wait_for(lambda: len(results(workdir, "spawnstop", n)) == n * NPROC)
+    assert [r["state"] for r in status(lay, workdir, "spawnstop")] == ["running"] * n
+    out = on_node(lay, 0, workdir, "stop", "--session", "spawnstop")
+    assert out.returncode == 0 and out.stdout.count("nothing left") == n, out.stdout + out.stderr
+    assert job_processes(lay) == []
+
     # one rank failing ends its node's other rank at once, and the node exits with its code
     cmd = "if [ $LOCAL_RANK = 1 ]; then echo rank $RANK fails; exit 5; fi; exec sleep 600"
     out = train_on(lay, 0, workdir, "spawnfail", *args, "--cmd", cmd)
