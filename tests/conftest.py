@@ -25,10 +25,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sandbox: needs root; runs against a real local cluster")
 
 
+# One letter that starts every test sandbox's name: two checkouts (git worktrees) running the suite
+# at once on one machine set different ones, so their sandboxes never share a name.
+PREFIX = os.environ.get("MESHKIT_TEST_PREFIX", "t")
+if not re.fullmatch(r"[a-z]", PREFIX):
+    raise SystemExit(f"MESHKIT_TEST_PREFIX={PREFIX!r}: one lowercase letter")
+
+
+def named(base: str) -> str:
+    """A test's own sandbox name: the prefix, then ``base`` (at most 8 characters in all)."""
+    return (PREFIX + base)[:8]
+
+
 def sandbox_name(module: str) -> str:
     """``tests/test_mesh.py`` -> ``tmesh``: a valid sandbox name per test module."""
     stem = module.rsplit(".", 1)[-1].removeprefix("test_")
-    return ("t" + re.sub(r"[^a-z0-9]", "", stem.lower()))[:8]
+    return named(re.sub(r"[^a-z0-9]", "", stem.lower()))
 
 
 def sandbox_dir(name: str) -> str:

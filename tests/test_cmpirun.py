@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import fresh_sandbox, meshkit
+from conftest import fresh_sandbox, meshkit, named
 
 from meshkit import sandbox
 
 NODES = 4
-NAME = "cmpirun"
+NAME = named("xmpirun")
 MPI_TIMEOUT = 300.0  # bounds, not speed checks: torch imports crawl on a loaded machine
 # Where a process runs and what it says, as one file per process in a shared directory (mpirun
 # interleaves the processes' output).

@@ -13,13 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import need_root, sandbox_dir
+from conftest import named, need_root, sandbox_dir
 
 from meshkit import sandbox
 from meshkit.errors import SandboxError
 from meshkit.sandbox import slurm
 
-NAME = "cslurmt"
+NAME = named("xslurm")
 NODES = 4
 JOB_TIMEOUT = 300.0  # a bound, not a speed check
 TRAIN = """\

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import meshkit, need_root, sandbox_dir
+from conftest import meshkit, named, need_root, sandbox_dir
 
 from meshkit import sandbox
 from meshkit.hostfile import Host, parse
@@ -144,7 +144,7 @@ def test_report_json_has_exactly_the_fixed_keys():
 
 # ---- on a sandbox with real-world networks ---------------------------------------------------
 
-NAME = "tndoctor"
+NAME = named("ndoctor")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import fresh_sandbox, meshkit
+from conftest import fresh_sandbox, meshkit, named
 
 from meshkit import sandbox
 
@@ -19,7 +19,7 @@ FAST = {"MESHKIT_CONNECT_TIMEOUT": "3"}
 
 @pytest.fixture
 def lay():
-    with fresh_sandbox("tmesh", NODES) as layout:
+    with fresh_sandbox(named("mesh"), NODES) as layout:
         yield layout
 
 

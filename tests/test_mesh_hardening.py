@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import fresh_sandbox, meshkit
+from conftest import fresh_sandbox, meshkit, named
 
 from meshkit import sandbox
 from meshkit.discovery import read_hosts
@@ -27,7 +27,7 @@ FAST = {"MESHKIT_CONNECT_TIMEOUT": "3"}
 
 @pytest.fixture
 def lay():
-    with fresh_sandbox("mhard", NODES) as layout:
+    with fresh_sandbox(named("mhard"), NODES) as layout:
         yield layout
 
 

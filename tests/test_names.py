@@ -9,7 +9,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import fresh_sandbox, meshkit
+from conftest import fresh_sandbox, meshkit, named
 
 from meshkit import sandbox
 
@@ -19,7 +19,7 @@ FAST = {"MESHKIT_CONNECT_TIMEOUT": "5"}
 
 @pytest.fixture
 def lay():
-    with fresh_sandbox("mnames", NODES) as layout:
+    with fresh_sandbox(named("mnames"), NODES) as layout:
         yield layout
 
 

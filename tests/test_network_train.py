@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import meshkit, need_root, sandbox_dir
+from conftest import meshkit, named, need_root, sandbox_dir
 
 from meshkit import sandbox, templates
 from meshkit.sandbox import networks
 
-NAME = "tnmulti"
+NAME = named("nmulti")
 IFNAMES = ["eth0", "ens3", "eno1"]
 PROBE = re.compile(r"meshkit-probe rank=(\d+) (.*)")
 

@@ -9,13 +9,13 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from conftest import meshkit, need_root, sandbox_dir
+from conftest import meshkit, named, need_root, sandbox_dir
 
 from meshkit import sandbox
 from meshkit.errors import SandboxError
 from meshkit.sandbox import networks
 
-NAME = "tnetwork"
+NAME = named("network")
 
 
 def test_options_parse_and_round_trip_through_state():
