@@ -6,11 +6,12 @@ For each N and each repeat:
   (ansible-core, builtin modules), a parallel bash with ControlMaster, the seed's sequential script;
   every variant's end state is then checked with ``meshkit check`` (strict all-pairs logins; a
   sample of 4 nodes' pairs above --n2-max, recorded as such);
-- on one more fresh cluster (meshed first, untimed): its floor, ``meshkit check``, one round with
-  pdsh and clush, ``meshkit train`` of the example gloo all_reduce (2 processes per node) until
-  every session runs and until every rank is done, logs, status (of a running job), stop,
-  doctor --quick and doctor; the launch peers pdsh+torchrun (``%n`` ranks) and torchrunx until
-  every rank is done, each result line checked.
+- on one more fresh cluster (meshed first, untimed; where meshkit's ``--no-verify`` variant was
+  the last mesh, as above --peers-max and --n2-max, on that cluster): its floor,
+  ``meshkit check``, one round with pdsh and clush, ``meshkit train`` of the example gloo
+  all_reduce (2 processes per node) until every session runs and until every rank is done, logs,
+  status (of a running job), stop, doctor --quick and doctor; the launch peers pdsh+torchrun
+  (``%n`` ranks) and torchrunx until every rank is done, each result line checked.
 Every ratio is to the floor of the same cluster in the same repeat (the median of those per-sample
 ratios). The nodes' ~/.bashrc costs what conda's does (``--bashrc``), and every shell a node starts
 is counted per operation. Peers run only up to --peers-max nodes; N² operations only up to
@@ -350,7 +351,10 @@ def count_floor_shells(row: Row, lay: sandbox.Layout) -> None:
         raise StepFailed(f"the floor's shells per node were {got}, want 1 on each node")
 
 
-def mesh_variants(row: Row, opt: Options, repeat: int) -> None:
+def mesh_variants(row: Row, opt: Options, repeat: int) -> sandbox.Layout | None:
+    """Each variant on a fresh cluster. Returns the last cluster when it is meshkit's
+    ``--no-verify`` one and reached its end state (at large N, the only variant): the ops reuse
+    it instead of building and meshing another, which at 244 nodes takes minutes."""
     n = row.nodes
     small = n <= opt.peers_max
     variants: list[tuple[str, Callable[[sandbox.Layout], object], str | None]] = [
@@ -387,11 +391,13 @@ def mesh_variants(row: Row, opt: Options, repeat: int) -> None:
             else f"N + N² sequential logins; only up to --seed-max {opt.seed_max}",
         ),
     ]
+    meshed: sandbox.Layout | None = None
     for tool, fn, why in variants:
         if why:
             row.skip("mesh", tool, why)
             continue
         lay = up(n)
+        meshed = None
         row.on(lay, f"r{repeat + 1}/mesh/{tool}")
         row.sample("round", "floor", lambda: floor(lay))  # noqa: B023
         count_floor_shells(row, lay)
@@ -420,6 +426,9 @@ def mesh_variants(row: Row, opt: Options, repeat: int) -> None:
             row.add(stats.ANSIBLE_CHECK, round(mesh_s + took[0], 4) if full else None)  # type: ignore[operator]
         else:
             row.sample("mesh", tool, lambda: fn(lay), lambda: check_pairs(lay, opt.n2_max), count)  # noqa: B023
+            if tool == "meshkit_no_verify" and row.raw[f"mesh/{tool}"][-1] is not None:
+                meshed = lay
+    return meshed
 
 
 def seed_end_state(lay: sandbox.Layout, n2_max: int) -> str:
@@ -480,19 +489,22 @@ def one_round_peer(
     return lambda: f"all {lay.count} nodes answered"
 
 
-def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
+def meshkit_ops(row: Row, opt: Options, repeat: int, meshed: sandbox.Layout | None = None) -> None:
+    """The operations on one meshed cluster: ``meshed`` (the mesh variant's, meshed by
+    ``mesh --no-verify`` and checked), else a fresh one meshed here, untimed."""
     n = row.nodes
     small = n <= opt.peers_max
-    lay = up(n)
+    lay = meshed or up(n)
     hostfile = str(lay.hostfile)
     workdir = lay.shared / "bench"
     workdir.mkdir(exist_ok=True)
     shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir / "example_train.py")
-    try:
-        must([*MESHKIT, "mesh", "--hostfile", hostfile, "--no-verify"], bound(n))
-    except StepFailed as exc:
-        row.failures.setdefault("setup", []).append(f"mesh for the ops cluster: {exc}")
-        return
+    if meshed is None:
+        try:
+            must([*MESHKIT, "mesh", "--hostfile", hostfile, "--no-verify"], bound(n))
+        except StepFailed as exc:
+            row.failures.setdefault("setup", []).append(f"mesh for the ops cluster: {exc}")
+            return
     row.on(lay, f"r{repeat + 1}/ops")
     row.sample("round", "floor", lambda: floor(lay))
     count_floor_shells(row, lay)
@@ -610,6 +622,14 @@ def launch_order(repeat: int, count: int = 3) -> tuple[int, ...]:
     after torchrunx and pdsh+torchrun right after meshkit.) Four launches: LAUNCH_ORDERS_4."""
     orders = LAUNCH_ORDERS_4 if count == 4 else LAUNCH_ORDERS
     return orders[repeat % len(orders)]
+
+
+def cpu_steal() -> float:
+    """CPU seconds this machine's cores have had stolen by the hypervisor since boot: other
+    tenants' work on the same physical cores (recorded per run, start and end)."""
+    with open("/proc/stat") as handle:
+        fields = [int(v) for v in handle.readline().split()[1:9]]
+    return fields[7] / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy() -> float:
@@ -771,12 +791,13 @@ def measure_n(n: int, repeats: int, opt: Options) -> dict[str, object]:
     row = Row(n)
     for r in range(repeats):
         print(f"N={n} repeat {r + 1}/{repeats}", file=sys.stderr)
+        meshed = None
         for part in ("ops",) if opt.launch_only else ("mesh", "ops"):
             try:
                 if part == "mesh":
-                    mesh_variants(row, opt, r)
+                    meshed = mesh_variants(row, opt, r)
                 else:
-                    meshkit_ops(row, opt, r)
+                    meshkit_ops(row, opt, r, meshed)
             except (StepFailed, SandboxError) as exc:
                 # A broken setup step loses this repeat's remaining samples, not the sweep.
                 row.failures.setdefault("setup", []).append(f"repeat {r + 1}: {exc}"[:400])
@@ -1071,14 +1092,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     if args.quiet_machine is not None:
         doc["machine"] = {**machine(), "quiet_machine": args.quiet_machine}
-    doc["sizes"] = [measure_n(n, r, opt) for n, r in sizes]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    steal_before = cpu_steal()
+    doc["sizes"] = []
+    for n, r in sizes:
+        doc["sizes"].append(measure_n(n, r, opt))  # type: ignore[attr-defined]
+        # Written after every N: a sweep cut short still leaves every N it finished.
+        (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     if not args.launch_only:
         try:
             doc["env"] = measure_env(max(5, args.repeats * 3))
         except (StepFailed, SandboxError) as exc:
             doc["env"] = {"failed": str(exc)[:400]}
     doc["measured"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())  # type: ignore[index]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    doc["measured"]["cpu_steal_s"] = round(cpu_steal() - steal_before, 1)  # type: ignore[index]
     (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(render.render(doc, out_dir))
 
