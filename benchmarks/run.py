@@ -98,8 +98,13 @@ def run(
 def must(argv: Sequence[str], timeout: float, **kw: object) -> str:
     out = run(argv, timeout, **kw)  # type: ignore[arg-type]
     if out.returncode != 0:
-        tail = (out.stdout + out.stderr).strip().splitlines()[-3:]
-        raise StepFailed(f"{shlex.join(argv)[:200]} exited {out.returncode}: {' | '.join(tail)}")
+        lines = (out.stdout + out.stderr).strip().splitlines()
+        # The lines that say what failed (a doctor's failed checks come before its summary),
+        # then the last three.
+        bad = [x for x in lines[:-3] if re.search(r"fail|error|FAIL|✗|not ", x)][:6]
+        raise StepFailed(
+            f"{shlex.join(argv)[:200]} exited {out.returncode}: {' | '.join(bad + lines[-3:])}"
+        )
     return out.stdout
 
 
@@ -1094,16 +1099,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         doc["machine"] = {**machine(), "quiet_machine": args.quiet_machine}
     out_dir.mkdir(parents=True, exist_ok=True)
     steal_before = cpu_steal()
-    doc["sizes"] = []
-    for n, r in sizes:
-        doc["sizes"].append(measure_n(n, r, opt))  # type: ignore[attr-defined]
-        # Written after every N: a sweep cut short still leaves every N it finished.
-        (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
-    if not args.launch_only:
+    if not args.launch_only:  # first: it takes seconds, and a sweep cut short keeps it
         try:
             doc["env"] = measure_env(max(5, args.repeats * 3))
         except (StepFailed, SandboxError) as exc:
             doc["env"] = {"failed": str(exc)[:400]}
+    rows: list[dict[str, object]] = []
+    for n, r in sizes:
+        rows.append(measure_n(n, r, opt))
+        # Written after every N, in order of N whatever order they ran in: a sweep cut short
+        # still leaves every N it finished.
+        doc["sizes"] = sorted(rows, key=lambda row: int(str(row["nodes"])))
+        (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     doc["measured"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())  # type: ignore[index]
     doc["measured"]["cpu_steal_s"] = round(cpu_steal() - steal_before, 1)  # type: ignore[index]
     (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
