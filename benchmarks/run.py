@@ -288,8 +288,9 @@ class Row:
                     checked = checked.scope
                 self.end_state.setdefault(k, []).append(checked)
         except StepFailed as exc:
+            took = time.perf_counter() - start
             seconds = None
-            self.failures.setdefault(k, []).append(str(exc))
+            self.failures.setdefault(k, []).append(f"after {took:.2f}s: {exc}")
             print(f"  N={self.nodes} {k}: FAILED {exc}", file=sys.stderr)
         self.add(k, seconds)
         if k == stats.FLOOR:
