@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -267,3 +269,47 @@ def test_four_launch_orders_are_a_williams_square():
         assert sorted(o[place] for o in orders) == [0, 1, 2, 3]
     pairs = [(o[i], o[i + 1]) for o in orders for i in range(3)]
     assert sorted(pairs) == sorted((a, b) for a in range(4) for b in range(4) if a != b)
+
+
+def test_a_row_pairs_each_sample_with_its_clusters_floor_and_counts_its_shells(tmp_path):
+    """Row.sample on a conda-bashrc layout (files only, no nodes): the shells each step started
+    on each node (what the nodes' bashrc appends to their /tmp/.meshkit-shells), each sample's
+    cluster, and the ratio to that cluster's own floor."""
+    from benchmarks.run import Row, StepFailed, count_floor_shells
+    from meshkit import sandbox
+
+    def cluster(name: str) -> sandbox.Layout:
+        lay = sandbox.layout(tmp_path / name, "10.77.3.0/24", 2, "b", bashrc="conda")
+        for node in lay.nodes:
+            (lay.node_dir(node) / "tmp").mkdir(parents=True)
+        return lay
+
+    def shells(lay: sandbox.Layout, per_node: list[int], seconds: float) -> Callable[[], None]:
+        def step() -> None:
+            for node, count in zip(lay.nodes, per_node):
+                with open(lay.node_dir(node) / "tmp" / ".meshkit-shells", "a") as f:
+                    f.write("".join(f"cmd {i}\n" for i in range(count)))
+            time.sleep(seconds)
+
+        return step
+
+    row = Row(2)
+    fresh, meshed = cluster("fresh"), cluster("meshed")
+    row.on(fresh, "r1/mesh/meshkit_no_verify")
+    row.sample("round", "floor", shells(fresh, [1, 1], 0.1))
+    count_floor_shells(row, fresh)
+    row.sample("mesh", "meshkit_no_verify", shells(fresh, [3, 4], 0.12))
+    row.on(meshed, "r1/ops")
+    row.sample("round", "floor", shells(meshed, [1, 2], 0.3))
+    with pytest.raises(StepFailed, match=r"\[1, 2\], want 1 on each node"):
+        count_floor_shells(row, meshed)
+    doc = row.as_json()
+    assert doc["cluster"] == {
+        "round/floor": ["r1/mesh/meshkit_no_verify", "r1/ops"],
+        "mesh/meshkit_no_verify": ["r1/mesh/meshkit_no_verify"],
+    }
+    assert doc["shells_raw"]["mesh/meshkit_no_verify"] == [[3, 4]]
+    assert doc["shells_per_node"]["mesh/meshkit_no_verify"] == {"mean": 3.5, "max": 4}
+    assert doc["shell_commands_node0"]["mesh/meshkit_no_verify"] == ["cmd 0", "cmd 1", "cmd 2"]
+    # 0.12 s over its own cluster's 0.1 s floor, not over the pooled median of 0.1 and 0.3
+    assert 1.1 <= doc["ratio_to_floor"]["mesh/meshkit_no_verify"] < 1.5
