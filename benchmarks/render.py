@@ -160,6 +160,15 @@ def render(doc: Mapping[str, object], out_dir: Path) -> str:
     rows = doc.get("sizes")
     if isinstance(rows, list):
         for r in rows:
+            if load := r.get("machine_load"):
+                lines.append(
+                    f"N={r['nodes']} machine: "
+                    + " -> ".join(
+                        f"{x['at']} load {x['load_average_1m']}, "
+                        f"{x['other_sandbox_nodes']} other sandbox nodes"
+                        for x in load
+                    )
+                )
             for k, msgs in r.get("failures", {}).items():
                 lines.append(f"N={r['nodes']} {k} FAILED: {msgs[0][:200]}")
     lines.append("wrote " + ", ".join(str(p) for p in written))

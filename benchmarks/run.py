@@ -793,8 +793,23 @@ def stop(job: list[str], n: int) -> None:
         raise StepFailed(f"stop confirmed {out.count('nothing left')} of {n} nodes: {out[-300:]}")
 
 
+def neighbours() -> dict[str, object]:
+    """What else this machine is doing: its load average and the nodes of sandboxes other than
+    the benchmark's (other checkouts' tests and measurements share the cores)."""
+    names = run(["ip", "netns", "list"], 30).stdout.split()
+    others = [
+        x for x in names if x.startswith("meshkit-") and not x.startswith(f"meshkit-{NAME}-n")
+    ]
+    return {
+        "at": time.strftime("%H:%M:%SZ", time.gmtime()),
+        "load_average_1m": round(os.getloadavg()[0], 1),
+        "other_sandbox_nodes": len(others),
+    }
+
+
 def measure_n(n: int, repeats: int, opt: Options) -> dict[str, object]:
     row = Row(n)
+    before = neighbours()
     for r in range(repeats):
         print(f"N={n} repeat {r + 1}/{repeats}", file=sys.stderr)
         meshed = None
@@ -809,7 +824,7 @@ def measure_n(n: int, repeats: int, opt: Options) -> dict[str, object]:
                 row.failures.setdefault("setup", []).append(f"repeat {r + 1}: {exc}"[:400])
                 print(f"  N={n} setup FAILED: {exc}", file=sys.stderr)
     sandbox.down(DIR, NAME)
-    return row.as_json()
+    return {**row.as_json(), "machine_load": [before, neighbours()]}
 
 
 # Timed inside a node: ``meshkit env`` as every node runs it at every launch (the hostfile matched
