@@ -343,6 +343,10 @@ class Options:
     launch_max: int = 16  # 2 torch processes per node all share this machine's cores and memory
     launch_only: bool = False  # per repeat: one cluster, the floor and the launches only
     spawn: bool = False  # also meshkit train --spawn: no torchrun (a fourth launch)
+    without: frozenset[str] = frozenset()  # op/tool keys left out (--without)
+
+
+WITHOUT = ("mesh/bash_controlmaster", "mesh/seed", "round/pdsh", "round/clush", "doctor/meshkit")
 
 
 def up(n: int) -> sandbox.Layout:
@@ -399,6 +403,8 @@ def mesh_variants(row: Row, opt: Options, repeat: int) -> sandbox.Layout | None:
     ]
     meshed: sandbox.Layout | None = None
     for tool, fn, why in variants:
+        if f"mesh/{tool}" in opt.without:
+            why = "left out with --without"
         if why:
             row.skip("mesh", tool, why)
             continue
@@ -536,6 +542,8 @@ def meshkit_ops(row: Row, opt: Options, repeat: int, meshed: sandbox.Layout | No
         ),
     ):
         why = opt.unavailable.get("clustershell" if tool == "clush" else "pdsh")
+        if f"round/{tool}" in opt.without:
+            why = "left out with --without"
         if why or not small:
             row.skip("round", tool, why or f"peers only up to --peers-max {opt.peers_max}")
             continue
@@ -559,7 +567,9 @@ def meshkit_ops(row: Row, opt: Options, repeat: int, meshed: sandbox.Layout | No
         "meshkit_quick",
         lambda: must([*MESHKIT, "doctor", *job, "--quick"], bound(n, base=240), cwd=workdir),
     )
-    if n <= opt.n2_max:
+    if "doctor/meshkit" in opt.without:
+        row.skip("doctor", "meshkit", "left out with --without")
+    elif n <= opt.n2_max:
         row.sample(
             "doctor",
             "meshkit",
@@ -1026,6 +1036,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "started by meshkit, no torchrun)",
     )
     parser.add_argument(
+        "--without",
+        default="",
+        help="comma list of measurements to leave out, to fit a sweep in its time: any of "
+        + ", ".join(WITHOUT),
+    )
+    parser.add_argument(
         "--bashrc",
         default="conda",
         choices=sorted(sandbox.BASHRCS),
@@ -1064,6 +1080,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if os.geteuid() != 0:
         raise SystemExit("benchmarks build sandbox clusters: run as root")
     sizes = sizes_arg(args.nodes, args.repeats)
+    if unknown := set(args.without.split(",")) - {""} - set(WITHOUT):
+        raise SystemExit(f"--without: unknown {', '.join(sorted(unknown))}; expected {WITHOUT}")
     try:
         NAME = sandbox.check_name(args.name)
     except SandboxError as exc:
@@ -1085,6 +1103,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.launch_max,
         args.launch_only,
         args.spawn,
+        frozenset(args.without.split(",")) - {""},
     )
     for peer, why in unavailable.items():
         print(f"peer {peer} not measured: {why}", file=sys.stderr)
@@ -1104,6 +1123,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "launch_max": args.launch_max,
             "launch_only": args.launch_only,
             "spawn": args.spawn,
+            "without": args.without,
             "sandbox": NAME,
             "meshkit": f"this checkout's wheel, installed (not editable) into {product.parent}",
             "processes_per_node": PER_NODE,
