@@ -41,7 +41,6 @@ DEFAULTS: dict[str, Any] = {
     "setup": [],  # shell lines run before the job on every node (e.g. activate a venv)
     "env": {},  # extra environment variables for the job
     "sync_exclude": [],  # names `train --sync` never copies (besides .git and __pycache__)
-    "warm_start": None,  # seconds a warm server idles before it ends; unset or off: none
     "sandbox": {
         "dir": "/var/tmp/meshkit-sandbox",  # state of the local test cluster (shared "storage")
         "subnet": "10.77.0.0/24",  # its private network; checked against the host's routes
@@ -77,7 +76,6 @@ class Config:
     setup: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     sync_exclude: tuple[str, ...] = ()
-    warm_start: float | None = None
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def get(self, name: str) -> Any:
@@ -233,14 +231,9 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
             )
         elif key == "sync_exclude":
             values[key] = _check_names(value, where)
-        elif key == "warm_start" and str(value).strip().lower() in OFF:
-            values[key] = None
         else:
             values[key] = _check(key, hints[key], value, where)
     return Config(**values)
-
-
-OFF = ("0", "off", "false", "no")  # warm_start: none (also honoured by cli/warm.py's client)
 
 
 def _check_names(value: Any, where: str) -> tuple[str, ...]:
