@@ -159,7 +159,7 @@ LOCAL_RANK_VARIABLES = {
 
 def _index(environ: Mapping[str, str], name: str) -> int:
     value = environ[name].strip()
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise DistEnvError(f"{name}={environ[name]!r} is not a whole number >= 0")
     return int(value)
 

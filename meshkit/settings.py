@@ -82,6 +82,11 @@ class Config:
         return getattr(self, name)
 
 
+def _digits(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes '²', which ``int`` then refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def _read_file(base: str) -> tuple[str, dict[str, Any]] | None:
     for suffix in SUFFIXES:
         path = os.path.expanduser(f"{base}.{suffix}")
@@ -137,11 +142,16 @@ def _copied(value: Any) -> Any:
     return value
 
 
-def raw(environ: Mapping[str, str] | None = None) -> dict[str, tuple[Any, str]]:
-    """Each key's value and where it came from (for error messages), before checking."""
+def raw(
+    environ: Mapping[str, str] | None = None, cwd: str | None = None
+) -> dict[str, tuple[Any, str]]:
+    """Each key's value and where it came from (for error messages), before checking. ``cwd``:
+    the directory whose ``./meshkit.yaml`` counts (default: the working directory)."""
     environ = os.environ if environ is None else environ
     merged: dict[str, tuple[Any, str]] = {k: (_copied(v), "default") for k, v in DEFAULTS.items()}
     for base in LEVELS:
+        if cwd is not None and base.startswith("./"):
+            base = os.path.join(cwd, base[2:])
         found = _read_file(base)
         if found is None:
             continue
@@ -180,7 +190,7 @@ def _check(name: str, kind: Any, value: Any, where: str) -> Any:
             raise bad("seconds between 0 and 86400")
         return number
     if "int" in text:
-        if isinstance(value, bool) or not str(value).strip().isdigit():
+        if isinstance(value, bool) or not _digits(str(value).strip()):
             raise bad("a whole number")
         number = int(str(value).strip())
         limits = {"port": (1, 65535), "master_port": (1, 65535), "parallel": (1, 1024)}
@@ -212,9 +222,9 @@ def _check(name: str, kind: Any, value: Any, where: str) -> Any:
     return str(value)
 
 
-def load(environ: Mapping[str, str] | None = None) -> Config:
-    """The checked configuration, from every level."""
-    merged = raw(environ)
+def load(environ: Mapping[str, str] | None = None, cwd: str | None = None) -> Config:
+    """The checked configuration, from every level (``cwd``: see ``raw``)."""
+    merged = raw(environ, cwd)
     hints = {f.name: f.type for f in fields(Config)}
     values: dict[str, Any] = {}
     for key, (value, where) in merged.items():

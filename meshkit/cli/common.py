@@ -14,8 +14,8 @@ from invoke.tasks import Task
 from invoke.tasks import task as invoke_task
 
 from .. import settings
+from ..envrun import pick, pick_int
 from ..errors import MeshkitError
-from .envcmd import pick, pick_int
 
 if TYPE_CHECKING:
     from ..remote import PhaseEvent

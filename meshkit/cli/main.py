@@ -1,7 +1,8 @@
 """The ``meshkit`` console script: an invoke Program over the package's task collection.
 
-``env`` and ``run`` take a fast path that never imports invoke (they run on every node at every
-launch); everything else, and anything unusual about those two, goes to the Program.
+``env`` and ``run`` go straight to ``meshkit.envrun``, which never imports invoke (they run on
+every node at every launch); everything else, and anything unusual about those two (help, a flag
+it does not know), goes to the Program.
 """
 
 from __future__ import annotations
@@ -73,11 +74,11 @@ def _names(flags: str, wanted: tuple[str, ...]) -> bool:
 
 
 def main() -> None:
-    from .fast import run_fast
+    from ..envrun import main as envrun
 
     argv = sys.argv[1:]
     try:
-        if run_fast(argv):
+        if envrun(argv):
             return
         _watch_interrupts()
         program().run()
