@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import getpass
 import json as jsonlib
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from invoke.context import Context
@@ -43,27 +41,10 @@ def ssh_settings(
     password: bool = False,
     accept_new: bool = False,
 ) -> Settings:
-    """Connection settings from config and flags; the ssh_config beside the hostfile is read too."""
-    from ...remote import Settings
+    """Connection settings from config and flags (see ``ops.pool.ssh_settings``)."""
+    from ...ops.pool import ssh_settings as settings
 
-    cfg = conf()
-    configs = [
-        str(p)
-        for p in (cfg.ssh_config, Path(hostfile).parent / "ssh_config")
-        if p and Path(p).is_file()
-    ]
-    secret = getpass.getpass("SSH password for all nodes: ") if password else None
-    return Settings(
-        connect_timeout=float(cfg.connect_timeout),
-        command_timeout=float(cfg.command_timeout),
-        identity=identity or cfg.identity,
-        password=secret,
-        accept_new=accept_new,
-        ssh_configs=tuple(configs),
-        user=cfg.user,
-        port=int(cfg.port) if cfg.port else None,
-        parallel=int(cfg.parallel),
-    )
+    return settings(conf(), hostfile, identity, password, accept_new)
 
 
 def _mesh_id(c: Context, hostfile: str | None) -> str:
