@@ -33,12 +33,12 @@ from ..protocol import (
 from ..record import asdict
 from . import procs, tmux
 from .files import read_text, write_atomic
+from .keeper import SPEC
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ..protocol import JobState
 
-SPEC = "spec.json"
 KEEPER_START_TIMEOUT = 10.0  # the keeper writes keeper.pid within this after tmux starts it
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
 

@@ -14,12 +14,12 @@ from ..protocol import NodeJob
 from ..record import Invalid, build
 from . import procs, signals
 from .files import write_atomic
-from .jobs import SPEC
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from types import FrameType
 
+SPEC = "spec.json"  # the job's one record (protocol.NodeJob), written by the agent's start
 MAX_SPEC = 1 << 20  # bytes of the spec (the agent wrote it from a request of at most a line)
 
 
