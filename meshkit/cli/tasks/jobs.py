@@ -161,7 +161,7 @@ def train(
             )
         if result.lacking:
             print(
-                f"workdir {job.workdir} is not shared with {', '.join(result.lacking)}: synced it"
+                f"workdir {job.workdir} is not shared with {', '.join(result.lacking)}: syncing it"
             )
         if result.doctor is not None:
             if not result.doctor.ok:
