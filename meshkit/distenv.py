@@ -98,7 +98,6 @@ def rank_variables(env: NodeEnv, local_rank: int) -> dict[str, str]:
     return {k: str(v) for k, v in values.items()}
 
 
-ENV_FIELDS = ("source", "matched", "interface_source")  # what `env --json` adds to the variables
 
 
 def log_target(pattern: str, node_rank: str | int) -> str:
