@@ -98,8 +98,6 @@ def rank_variables(env: NodeEnv, local_rank: int) -> dict[str, str]:
     return {k: str(v) for k, v in values.items()}
 
 
-
-
 def log_target(pattern: str, node_rank: str | int) -> str:
     """The node's log file: ``{rank}`` is replaced in the file name only (a directory may hold
     any characters)."""
