@@ -89,29 +89,42 @@ def _text(reply: Reply, path: str, limit: int, strict: bool) -> str | None:
 
 
 def _cat(path: str, limit: int = MAX_READ) -> str:
+    """Read exactly (base64 on the wire): the files mesh rewrites, and large ones."""
     return f"cat {limit + 1} {path}"
 
 
-def _stat(reply: Reply) -> tuple[int | None, int | None]:
-    if reply.status != "ok" or len(reply.text.split()) != 2:
-        return None, None
-    mode, uid = reply.text.split()
-    return int(mode, 16), int(uid)
+def _txt(path: str, lines: int = 10000) -> str:
+    """Read a small text file with shell builtins (no process on the node), up to ``lines``."""
+    return f"txt {lines} {path}"
 
 
-STAT_REQUESTS = ("lstat - .", "stat - .ssh", f"lstat - {AUTHORIZED}", f"lstat - {KNOWN}")
+Stats = dict[str, tuple[int, int]]
 
 
-def _check_files(shell: NodeShell, label: str, home: str, stats: Sequence[Reply]) -> None:
-    """Refuse (never repair) a ~/.ssh that sshd's StrictModes would refuse, and symlinks:
-    ``stats`` are the answers to STAT_REQUESTS."""
-    (home_mode, home_uid), (ssh_mode, ssh_uid) = _stat(stats[0]), _stat(stats[1])
-    home_stat = FileStat.of(home, home_mode, home_uid)
-    # ~/.ssh itself may be a link (to a shared home): judge what it points at.
-    found = [FileStat.of("~/.ssh", ssh_mode, ssh_uid)]
+def _stats(reply: Reply) -> Stats:
+    """``stat`` answers by path: (st_mode, uid); a missing path is absent."""
+    out = {}
+    for line in reply.body.decode(errors="replace").splitlines():
+        parts = line.split(" ", 2)
+        if len(parts) == 3 and parts[0].isascii() and parts[1].isascii():
+            with contextlib.suppress(ValueError):
+                out[parts[2]] = (int(parts[0], 16), int(parts[1]))
+    return out
+
+
+# lstat of home and the two files (and the key slots in inspect); stat of ~/.ssh, which may be a
+# link (to a shared home): judge what it points at. Paths here have no spaces.
+LSTAT = f"stat - . {AUTHORIZED} {KNOWN}"
+STAT_SSH = "stat -L .ssh"
+
+
+def _check_files(shell: NodeShell, label: str, home: str, lst: Stats, ssh: Stats) -> None:
+    """Refuse (never repair) a ~/.ssh that sshd's StrictModes would refuse, and symlinks."""
+    home_stat = FileStat.of(home, *lst.get(".", (None, None)))
+    found = [FileStat.of("~/.ssh", *ssh.get(".ssh", (None, None)))]
     if found[0].kind == "dir":
-        for path, reply in zip((AUTHORIZED, KNOWN), stats[2:]):
-            mode, uid = _stat(reply)
+        for path in (AUTHORIZED, KNOWN):
+            mode, uid = lst.get(path, (None, None))
             target = ""
             if mode is not None and stat.S_ISLNK(mode):
                 target = shell.one(f"link - {path}").body.decode(errors="replace").strip()
@@ -135,7 +148,7 @@ def _authorized_keys_file(
                 listed = shell.one(f"ls - {folder or '/'}").body.decode(errors="replace")
                 names = sorted(n for n in listed.splitlines() if fnmatch.fnmatch(n, glob))
                 paths = [f"{folder}/{name}" for name in names]
-                replies = shell.ask(*(_cat(p, 256 << 10) for p in paths)) if paths else []
+                replies = shell.ask(*(_txt(p) for p in paths)) if paths else []
                 for included, reply in zip(paths, replies):
                     value, where = _authorized_keys_file(
                         shell, included, _text(reply, included, 256 << 10, False) or "", depth + 1
@@ -159,6 +172,7 @@ def _names(remote: Remote, hostname: str, files: dict[str, str]) -> list[tuple[s
     return node_names(remote.host, port, connected, own, addresses)
 
 
+# What inspect reads besides ~/.ssh, and how much of each (bytes).
 SYSTEM_FILES = {
     "/proc/sys/kernel/hostname": 4096,
     "/etc/hosts": 256 << 10,
@@ -167,6 +181,7 @@ SYSTEM_FILES = {
     "/proc/net/if_inet6": 256 << 10,
     SSHD_CONFIG: 256 << 10,
 }
+EXACT = {"/proc/net/fib_trie"}  # large on a router-like host: read by head -c, not line by line
 
 
 def inspect(remote: Remote, shell: NodeShell) -> NodeFacts:
@@ -177,30 +192,29 @@ def inspect(remote: Remote, shell: NodeShell) -> NodeFacts:
     with remote.bounded("inspect"):
         first = shell.ask(
             "home",
-            *STAT_REQUESTS,
-            *(f"lstat - {p}" for p in USER_KEY_SLOTS),
-            *(_cat(p + ".pub", 64 << 10) for p in USER_KEY_SLOTS),
-            *(_cat(p, n) for p, n in SYSTEM_FILES.items()),
+            f"{LSTAT} {' '.join(USER_KEY_SLOTS)}",
+            STAT_SSH,
+            *(_txt(p + ".pub", 4) for p in USER_KEY_SLOTS),
+            *(_cat(p, n) if p in EXACT else _txt(p) for p, n in SYSTEM_FILES.items()),
             _cat(AUTHORIZED),
             _cat(KNOWN),
             "ls - .ssh",
             "ls - /etc/ssh",
         )
-        home, stats = first[0].text, first[1:5]
+        home, lst, ssh = first[0].text, _stats(first[1]), _stats(first[2])
         k = len(USER_KEY_SLOTS)
-        privates, publics = first[5 : 5 + k], first[5 + k : 5 + 2 * k]
-        rest = first[5 + 2 * k :]
+        publics, rest = first[3 : 3 + k], first[3 + k :]
         files = {p: _text(r, p, n, False) or "" for (p, n), r in zip(SYSTEM_FILES.items(), rest)}
         authorized, known, in_ssh, in_etc = rest[len(SYSTEM_FILES) :]
-        _check_files(shell, label, home, stats)
+        _check_files(shell, label, home, lst, ssh)
         # sshd must read ~/.ssh/authorized_keys, or the keys mesh installs are never used.
         value, where = _authorized_keys_file(shell, SSHD_CONFIG, files[SSHD_CONFIG], 0)
         problem = authorized_keys_problem(label, value, where, home)
         if problem:
             raise RemoteError(problem)
         slots = [
-            KeySlot(path, private.status == "ok", _text(public, path + ".pub", 64 << 10, True))
-            for path, private, public in zip(USER_KEY_SLOTS, privates, publics)
+            KeySlot(path, path in lst, _text(public, path + ".pub", 64 << 10, True))
+            for path, public in zip(USER_KEY_SLOTS, publics)
         ]
         user = choose_user_key(slots, label)
         claimed, notes = _claimed_host_keys(shell, in_etc.body.decode(errors="replace"))
@@ -216,6 +230,7 @@ def inspect(remote: Remote, shell: NodeShell) -> NodeFacts:
             hostname=hostname,
             stale=tuple(n for n in _listing(in_ssh) if is_meshkit_temp(n)),
             notes=tuple(notes + unproven),
+            home=home,
             host_keys_by=how,
         )
 
@@ -229,7 +244,7 @@ def _claimed_host_keys(shell: NodeShell, listing: str) -> tuple[list[PublicKey],
         n for n in listing.splitlines() if n.startswith("ssh_host_") and n.endswith("_key.pub")
     )
     found, notes = [], []
-    replies = shell.ask(*(_cat(f"/etc/ssh/{n}", 64 << 10) for n in names)) if names else []
+    replies = shell.ask(*(_txt(f"/etc/ssh/{n}", 4) for n in names)) if names else []
     for name, reply in zip(names, replies):
         text = (_text(reply, name, 64 << 10, False) or "").strip()
         try:
@@ -296,11 +311,11 @@ def _temp(path: str) -> str:
 @contextlib.contextmanager
 def _locked(remote: Remote, shell: NodeShell) -> Iterator[list[Reply]]:
     """Hold flock on ~/.ssh (the node shell's own descriptor) while the body runs, and hand it
-    the files as read under the lock: STAT_REQUESTS, the listing of ~/.ssh, both files. The node
+    the files as read under the lock: LSTAT, STAT_SSH, the listing of ~/.ssh, both files. The node
     lets go by itself if we vanish (EOF) or after the phase's time, so a dropped link never
     leaves the lock held."""
     hold = max(1, int(remote.remaining()) + 1)
-    got = shell.ask(f"lock {hold}", *STAT_REQUESTS, "ls - .ssh", _cat(AUTHORIZED), _cat(KNOWN))
+    got = shell.ask(f"lock {hold}", LSTAT, STAT_SSH, "ls - .ssh", _cat(AUTHORIZED), _cat(KNOWN))
     if got[0].status != "ok":
         raise MeshkitError(
             "could not lock ~/.ssh (flock): is another meshkit run holding it, or is flock "
@@ -354,9 +369,9 @@ def install(
     again if a writer that ignores the lock got in between). Bounded by command_timeout."""
     label = remote.host.label
     with remote.bounded("install"), _locked(remote, shell) as got:
-        stats, in_ssh, files = got[:4], got[4], got[5:7]
-        stale = [n for n in _listing(in_ssh) if is_meshkit_temp(n)]
-        _check_files(shell, label, fact.home, stats)
+        stale = [n for n in _listing(got[2]) if is_meshkit_temp(n)]
+        files = got[3:5]
+        _check_files(shell, label, fact.home, _stats(got[0]), _stats(got[1]))
         inspected = (fact.authorized, fact.known)
         current = planned
         for attempt in range(WRITE_ATTEMPTS):
@@ -391,8 +406,8 @@ def apply_unmesh(
 ) -> UnmeshPlan:
     """Under the ~/.ssh flock, re-read and take this mesh's lines off what is there now."""
     with remote.bounded("unmesh"), _locked(remote, shell) as got:
-        stale = [n for n in _listing(got[4]) if is_meshkit_temp(n)]
-        files = got[5:7]
+        stale = [n for n in _listing(got[2]) if is_meshkit_temp(n)]
+        files = got[3:5]
         result = change
         for attempt in range(WRITE_ATTEMPTS):
             if attempt:

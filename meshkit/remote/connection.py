@@ -456,37 +456,48 @@ class Remote:
 
 # The node side of NodeShell: POSIX sh, started once per node by the user's login shell (so its
 # ~/.bashrc runs once). It answers one request per line, in order; every answer is a status line
-# ("=ok", "=none", "=denied", "=err ...", "=changed"), base64 lines, and a line ".". Request data
-# (paths, sizes) is read with `read`, never evaluated; file contents travel as counted bytes.
+# ("=ok", "=none", "=denied", "=err ...", "=changed"), data lines (base64, or text lines each
+# after a "|"), and a line ".". Request data (paths, sizes) is read with `read`, never evaluated;
+# file contents travel as counted bytes; each request line starts with this run's token, so a
+# shell that ever lost count of the bytes ends (releasing its lock) instead of reading data as
+# requests. Text files are read with shell builtins and most answers need no fork: the node's CPU
+# goes to sshd and the user's shell, as for any login.
 NODE_SHELL = r"""
 exec 2>/dev/null
 umask 077
-w=
+set -C
+T=$1 w=
 trap '[ -z "$w" ] || kill "$w"' EXIT
-h() { if [ -e "$1" ]; then x=$(sha256sum < "$1") && echo "${x%% *}"; else echo none; fi; }
+txt() {
+  n=0
+  while [ "$n" -lt "$2" ] && { IFS= read -r l || [ -n "$l" ]; }; do
+    n=$((n + 1)); printf '|%s\n' "$l"
+  done < "$1"
+}
 fin() { case $2 in -) ;; !) rm -f -- "$1" ;; *) mv -f -- "$2" "$1" ;; esac; }
 drop() { case $1 in -|!) ;; *) rm -f -- "$1" ;; esac; }
 echo =meshkit-ready
-while read -r op a b; do
+while read -r t op a b; do
+  [ "$t" = "$T" ] || exit 1
   case $op in
-  cat)
+  cat|txt)
     if [ ! -e "$b" ]; then echo =none
     elif [ ! -r "$b" ]; then echo =denied
+    elif [ "$op" = txt ]; then echo =ok; txt "$b" "$a"
     else echo =ok; head -c "$a" -- "$b" </dev/null | base64; fi ;;
-  lstat|stat)
-    if [ -e "$b" ] || [ -L "$b" ]; then
-      if [ "$op" = stat ]; then s=$(stat -L -c '%f %u' -- "$b"); else s=$(stat -c '%f %u' -- "$b"); fi
-      echo "=ok $s"
-    else echo =none; fi ;;
-  link) echo =ok; readlink -- "$b" | base64 ;;
+  stat)
+    echo =ok; set -f
+    if [ "$a" = -L ]; then stat -L -c '|%f %u %n' -- $b; else stat -c '|%f %u %n' -- $b; fi
+    set +f ;;
+  link) echo =ok; printf '|%s\n' "$(readlink -- "$b")" ;;
   ls)
     if [ -d "$b" ]; then
       echo =ok
       for f in "$b"/* "$b"/.[!.]* "$b"/..?*; do
-        if [ -e "$f" ] || [ -L "$f" ]; then printf '%s\n' "${f##*/}"; fi
-      done | base64
+        if [ -e "$f" ] || [ -L "$f" ]; then printf '|%s\n' "${f##*/}"; fi
+      done
     else echo =none; fi ;;
-  home) echo "=ok $(pwd -P)" ;;
+  home) cd -P . && echo "=ok $PWD" ;;
   keygen)
     k=${a%%:*} c=${a#*:} r=0 out=
     [ -d .ssh ] || mkdir -m 700 .ssh
@@ -494,14 +505,14 @@ while read -r op a b; do
     if flock -w 30 8; then
       if [ "$k" = derive ]; then
         if [ ! -e "$b.pub" ]; then
-          out=$(set -C; ssh-keygen -y -f "$b" 2>&1 >"$b.pub" </dev/null) || { r=$?; rm -f -- "$b.pub"; }
+          out=$(ssh-keygen -y -f "$b" 2>&1 >"$b.pub" </dev/null) || { r=$?; rm -f -- "$b.pub"; }
         fi
       elif [ ! -e "$b" ] && [ ! -e "$b.pub" ]; then
         out=$(ssh-keygen -q -t "$k" -N '' -C "$c" -f "$b" 2>&1 </dev/null) || r=$?
       fi
       exec 8<&-
-      if [ "$r" = 0 ] && [ -r "$b.pub" ]; then echo =ok; head -c 65536 -- "$b.pub" | base64
-      else echo "=err $r"; printf '%s' "$out" | base64; fi
+      if [ "$r" = 0 ] && [ -r "$b.pub" ]; then echo =ok; txt "$b.pub" 4
+      else echo "=err $r"; printf '%s\n' "$out" | head -c 300 | base64; fi
     else exec 8<&-; echo "=err lock"; fi ;;
   lock)
     [ -d .ssh ] || mkdir -m 700 .ssh
@@ -513,12 +524,15 @@ while read -r op a b; do
       echo =ok
     else exec 9<&-; echo =err; fi ;;
   unlock) exec 9<&-; [ -z "$w" ] || kill "$w"; w=; echo =ok ;;
-  put)
-    if (set -C; : > "$b"); then head -c "$a" >> "$b"; echo =ok
-    else head -c "$a" > /dev/null; echo =err; fi ;;
+  put) if head -c "$a" > "$b"; then echo =ok; else exit 1; fi ;;
   commit)
     read -r ta tk
-    if [ "$(h .ssh/authorized_keys)" = "$a" ] && [ "$(h .ssh/known_hosts)" = "$b" ]; then
+    ha=none hk=none p=
+    for x in $(sha256sum -- .ssh/authorized_keys .ssh/known_hosts); do
+      case $x in .ssh/authorized_keys) ha=$p ;; .ssh/known_hosts) hk=$p ;; esac
+      p=$x
+    done
+    if [ "$ha" = "$a" ] && [ "$hk" = "$b" ]; then
       if fin .ssh/authorized_keys "$ta" && fin .ssh/known_hosts "$tk"; then echo =ok
       else echo =err; fi
     else drop "$ta"; drop "$tk"; echo =changed; fi ;;
@@ -553,7 +567,8 @@ class NodeShell:
         self.channel = remote.conn.transport.open_session(timeout=remote.remaining())
         self._buf = b""
         self.channel.settimeout(remote.remaining())
-        self.channel.exec_command("exec sh -c " + shlex.quote(NODE_SHELL))
+        self.token = uuid.uuid4().hex
+        self.channel.exec_command(f"exec sh -c {shlex.quote(NODE_SHELL)} meshkit {self.token}")
         seen = 0
         while (line := self._line()) != b"=meshkit-ready":
             seen += len(line)
@@ -580,7 +595,7 @@ class NodeShell:
             line, data = (request, b"") if isinstance(request, str) else request
             if "\n" in line:
                 raise ValueError(f"a request is one line: {line!r}")
-            out += line.encode() + b"\n" + data
+            out += f"{self.token} {line}\n".encode() + data
         self.channel.settimeout(self.remote.remaining())
         self.channel.sendall(out)
         replies = []
@@ -590,9 +605,14 @@ class NodeShell:
                 raise MeshkitError(f"the node's shell answered {head[:80]!r}")
             status, _, text = head[1:].partition(" ")
             lines: list[bytes] = []
+            encoded: list[bytes] = []
             while (body := self._line()) != b".":
-                lines.append(body)
-            replies.append(Reply(status, text, base64.b64decode(b"".join(lines))))
+                if body.startswith(b"|"):
+                    lines.append(body[1:] + b"\n")
+                else:
+                    encoded.append(body)
+            data = b"".join(lines) + base64.b64decode(b"".join(encoded))
+            replies.append(Reply(status, text, data))
         return replies
 
     def one(self, request: str | tuple[str, bytes]) -> Reply:
