@@ -1,7 +1,8 @@
 """Served host keys proven in the connection (hostkeys-prove-00@openssh.com), and the fallback
 (one key-exchange-only handshake per key type) when sshd does not prove them, against a paramiko
-SSH server on loopback that serves an ed25519 and an ecdsa host key and, by mode, announces and
-proves them, announces but refuses to prove, says nothing, or forges a proof."""
+SSH server on loopback that serves ed25519, ecdsa and RSA host keys and, by mode, announces and
+proves them, announces but refuses to prove, says nothing, forges proofs (not over this
+session), or signs the RSA key with SHA-1 (ssh-rsa)."""
 
 from __future__ import annotations
 
@@ -63,19 +64,30 @@ class Node(paramiko.ServerInterface):
             if self.transport.mode != "forge" or key.get_name() == "ssh-ed25519":
                 data.add_string(self.transport.session_id)  # a forged proof leaves it out
             data.add_string(blob)
-            sigs.append(key.sign_ssh_data(data.asbytes()).asbytes())
+            if key.get_name() != "ssh-rsa":
+                sigs.append(key.sign_ssh_data(data.asbytes()).asbytes())
+                continue
+            sig = key.sign_ssh_data(data.asbytes(), "rsa-sha2-512")
+            if self.transport.mode == "sha1":  # named ssh-rsa (SHA-1), which must be refused
+                sig.get_text()
+                named = paramiko.Message()
+                named.add_string("ssh-rsa")
+                named.add_string(sig.get_binary())
+                sig = named
+            sigs.append(sig.asbytes())
         return tuple(sigs)
 
 
 def keygen(path: Path, kind: str) -> paramiko.PKey:
-    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(path)], check=True)
-    cls = paramiko.Ed25519Key if kind == "ed25519" else paramiko.ECDSAKey
-    return cls.from_private_key_file(str(path))
+    size = ["-b", "2048"] if kind == "rsa" else []
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, *size, "-N", "", "-f", str(path)], check=True)
+    cls = {"ed25519": paramiko.Ed25519Key, "ecdsa": paramiko.ECDSAKey, "rsa": paramiko.RSAKey}
+    return cls[kind].from_private_key_file(str(path))
 
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[tuple[socket.socket, list[paramiko.PKey]]]:
-    keys = [keygen(tmp_path / "ed", "ed25519"), keygen(tmp_path / "ec", "ecdsa")]
+    keys = [keygen(tmp_path / k, k) for k in ("ed25519", "ecdsa", "rsa")]
     listener = socket.create_server(("127.0.0.1", 0))
     transports: list[paramiko.Transport] = []
 
@@ -115,7 +127,7 @@ def public(key: paramiko.PKey) -> PublicKey:
     return PublicKey(key.get_name(), key.get_base64())
 
 
-@pytest.mark.parametrize("mode", ["prove", "refuse", "silent", "forge"])
+@pytest.mark.parametrize("mode", ["prove", "refuse", "silent", "forge", "sha1"])
 def test_served_host_keys_are_proven_in_the_connection_or_by_the_fallback(node, tmp_path, mode):
     listener, keys = node
     NodeTransport.mode = mode
@@ -123,16 +135,20 @@ def test_served_host_keys_are_proven_in_the_connection_or_by_the_fallback(node, 
     stray = keygen(tmp_path / "stray", "ecdsa")  # in /etc/ssh, but never served
     try:
         with remote.bounded("inspect", 10):
-            proven, notes, how = proven_host_keys(remote, [public(keys[1]), public(stray)])
+            proven, notes, how = proven_host_keys(remote, [*map(public, keys[1:]), public(stray)])
     finally:
         remote.close()
-    assert how == (IN_CONNECTION if mode in ("prove", "forge") else FALLBACK)
+    assert how == (IN_CONNECTION if mode in ("prove", "forge", "sha1") else FALLBACK)
     blobs = {k.blob for k in proven}
     assert public(keys[0]).blob in blobs  # the connection's own key
     assert public(stray).blob not in blobs
     assert any(public(stray).fingerprint() in n and "not trusted" in n for n in notes), notes
+    ecdsa, rsa = public(keys[1]).blob, public(keys[2]).blob
     if mode == "forge":  # announced, but its signature does not cover this session: never trusted
-        assert public(keys[1]).blob not in blobs
-        assert any("does not verify; not trusted" in n for n in notes), notes
+        assert ecdsa not in blobs and rsa not in blobs
+        assert sum("does not verify; not trusted" in n for n in notes) == 2, notes
+    elif mode == "sha1":
+        assert ecdsa in blobs and rsa not in blobs
+        assert any("(ssh-rsa) does not verify; not trusted" in n for n in notes), notes
     else:
-        assert public(keys[1]).blob in blobs, notes
+        assert ecdsa in blobs and rsa in blobs, notes
