@@ -184,28 +184,37 @@ SYSTEM_FILES = {
 EXACT = {"/proc/net/fib_trie"}  # large on a router-like host: read by head -c, not line by line
 
 
+# The standard host key files (others that /etc/ssh lists are read in a second round).
+HOST_KEY_FILES = tuple(f"ssh_host_{k}_key.pub" for k in ("ecdsa", "ed25519", "rsa"))
+# inspect's first round, sent as soon as the node's connection opens (see ``_start_shell``).
+INSPECT = (
+    "home",
+    f"{LSTAT} {' '.join(USER_KEY_SLOTS)}",
+    STAT_SSH,
+    *(_txt(p + ".pub", 4) for p in USER_KEY_SLOTS),
+    *(_cat(p, n) if p in EXACT else _txt(p) for p, n in SYSTEM_FILES.items()),
+    _cat(AUTHORIZED),
+    _cat(KNOWN),
+    "ls - .ssh",
+    "ls - /etc/ssh",
+    *(_txt(f"/etc/ssh/{name}", 4) for name in HOST_KEY_FILES),
+)
+
+
 def inspect(remote: Remote, shell: NodeShell) -> NodeFacts:
-    """Read only, in a few pipelined rounds over the node shell: refuses unsafe files; finds the
-    user key, the host keys sshd proves it serves, every name the node answers to, the two
-    files, stale temps."""
+    """Read only, in one pipelined round over the node shell (two when sshd_config includes
+    files or /etc/ssh holds other host key files): refuses unsafe files; finds the user key, the
+    host keys sshd proves it serves, every name the node answers to, the two files, stale
+    temps. The first round was sent when the connection opened (``_start_shell``)."""
     label = remote.host.label
     with remote.bounded("inspect"):
-        first = shell.ask(
-            "home",
-            f"{LSTAT} {' '.join(USER_KEY_SLOTS)}",
-            STAT_SSH,
-            *(_txt(p + ".pub", 4) for p in USER_KEY_SLOTS),
-            *(_cat(p, n) if p in EXACT else _txt(p) for p, n in SYSTEM_FILES.items()),
-            _cat(AUTHORIZED),
-            _cat(KNOWN),
-            "ls - .ssh",
-            "ls - /etc/ssh",
-        )
+        first = shell.receive(len(INSPECT))
         home, lst, ssh = first[0].text, _stats(first[1]), _stats(first[2])
         k = len(USER_KEY_SLOTS)
         publics, rest = first[3 : 3 + k], first[3 + k :]
         files = {p: _text(r, p, n, False) or "" for (p, n), r in zip(SYSTEM_FILES.items(), rest)}
-        authorized, known, in_ssh, in_etc = rest[len(SYSTEM_FILES) :]
+        authorized, known, in_ssh, in_etc = rest[len(SYSTEM_FILES) : len(SYSTEM_FILES) + 4]
+        standard = dict(zip(HOST_KEY_FILES, rest[len(SYSTEM_FILES) + 4 :]))
         _check_files(shell, label, home, lst, ssh)
         # sshd must read ~/.ssh/authorized_keys, or the keys mesh installs are never used.
         value, where = _authorized_keys_file(shell, SSHD_CONFIG, files[SSHD_CONFIG], 0)
@@ -217,7 +226,7 @@ def inspect(remote: Remote, shell: NodeShell) -> NodeFacts:
             for path, public in zip(USER_KEY_SLOTS, publics)
         ]
         user = choose_user_key(slots, label)
-        claimed, notes = _claimed_host_keys(shell, in_etc.body.decode(errors="replace"))
+        claimed, notes = _claimed_host_keys(shell, _listing(in_etc), standard)
         host_keys, unproven, how = proven_host_keys(remote, claimed)
         hostname = files["/proc/sys/kernel/hostname"].strip()
         return NodeFacts(
@@ -239,14 +248,19 @@ def _listing(reply: Reply) -> list[str]:
     return reply.body.decode(errors="replace").splitlines() if reply.status == "ok" else []
 
 
-def _claimed_host_keys(shell: NodeShell, listing: str) -> tuple[list[PublicKey], list[str]]:
-    names = sorted(
-        n for n in listing.splitlines() if n.startswith("ssh_host_") and n.endswith("_key.pub")
+def _claimed_host_keys(
+    shell: NodeShell, listing: list[str], standard: dict[str, Reply]
+) -> tuple[list[PublicKey], list[str]]:
+    names = sorted(n for n in listing if n.startswith("ssh_host_") and n.endswith("_key.pub"))
+    others = [n for n in names if n not in standard]
+    replies = (
+        {**standard, **dict(zip(others, shell.ask(*(_txt(f"/etc/ssh/{n}", 4) for n in others))))}
+        if others
+        else standard
     )
     found, notes = [], []
-    replies = shell.ask(*(_txt(f"/etc/ssh/{n}", 4) for n in names)) if names else []
-    for name, reply in zip(names, replies):
-        text = (_text(reply, name, 64 << 10, False) or "").strip()
+    for name in names:
+        text = (_text(replies[name], name, 64 << 10, False) or "").strip()
         try:
             found.append(keys.parse_public_key(text, f"/etc/ssh/{name}"))
         except KeyFormatError as exc:
@@ -525,11 +539,25 @@ class MeshReport:
         return not self.failed and not self.left_out and not (self.verify and self.verify.failures)
 
 
-def _shell(remote: Remote, shells: dict[Host, NodeShell]) -> NodeShell:
-    """The node's one shell for this run (opened within the phase's deadline)."""
-    with remote.bounded("inspect"):
-        shells[remote.host] = NodeShell(remote)
-    return shells[remote.host]
+class Shells:
+    """Each node's one shell for this run, started as its connection opens (Cluster's
+    ``on_open``, in the connecting worker) with inspect's first round already sent, so the
+    user's shell start-up (its ~/.bashrc) overlaps the other nodes' connects."""
+
+    def __init__(self) -> None:
+        self.shells: dict[Host, NodeShell] = {}
+        self.errors: dict[Host, Exception] = {}
+
+    def start(self, remote: Remote) -> None:
+        try:
+            self.shells[remote.host] = NodeShell(remote, *INSPECT)
+        except Exception as exc:  # on_open must not raise: inspect reports it for this node
+            self.errors[remote.host] = exc
+
+    def __getitem__(self, host: Host) -> NodeShell:
+        if host in self.errors:
+            raise self.errors[host]
+        return self.shells[host]
 
 
 def _abort(failures: dict[Host, str], what: str) -> MeshAbort:
@@ -570,9 +598,9 @@ def mesh(
     if dry_run:
         settings = replace(settings, record_new_host_keys=False)
     report = MeshReport(list(hosts), mesh_id, dry_run)
-    with Cluster(hosts, settings, progress=progress) as cluster:
-        shells: dict[Host, NodeShell] = {}
-        inspected = cluster.each("inspect", lambda r: inspect(r, _shell(r, shells)))
+    shells = Shells()
+    with Cluster(hosts, settings, progress=progress, on_open=shells.start) as cluster:
+        inspected = cluster.each("inspect", lambda r: inspect(r, shells[r.host]))
         failures = {**cluster.failures, **failed(inspected)}
         if failures and not skip_unreachable:
             raise _abort(failures, "mesh")
@@ -644,14 +672,17 @@ def mesh(
                 node.result, node.error = "failed", outcome.error
             report.nodes.append(node)
         if check and not report.failed:
-            report.verify = verify(cluster, live, {f.host: f.hostname for f in facts}, shells)
+            report.verify = verify(
+                cluster, live, {f.host: f.hostname for f in facts}, shells.shells
+            )
     return report
 
 
 def check(
     hosts: Sequence[Host], settings: Settings, progress: ProgressFn | None = None
 ) -> VerifyResult:
-    """Every pair, from the nodes themselves, by the hostfile spelling and by hostname."""
+    """Every pair, from the nodes themselves: a login by the hostfile spelling, the host-key
+    check by hostname."""
     with Cluster(hosts, settings, progress=progress) as cluster:
         return verify(cluster, hosts)
 
@@ -689,9 +720,9 @@ def unmesh(
     if dry_run:
         settings = replace(settings, record_new_host_keys=False)
     report = UnmeshReport(mesh_id, dry_run)
-    with Cluster(hosts, settings, progress=progress) as cluster:
-        shells: dict[Host, NodeShell] = {}
-        inspected = cluster.each("inspect", lambda r: inspect(r, _shell(r, shells)))
+    shells = Shells()
+    with Cluster(hosts, settings, progress=progress, on_open=shells.start) as cluster:
+        inspected = cluster.each("inspect", lambda r: inspect(r, shells[r.host]))
         failures = {**cluster.failures, **failed(inspected)}
         if failures:
             raise _abort(failures, "unmesh")

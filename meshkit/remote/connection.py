@@ -562,18 +562,27 @@ class NodeShell:
     node. Requests are pipelined: ``ask`` sends them all, then reads every answer in order.
     Every wait is bounded by the Remote's phase deadline."""
 
-    def __init__(self, remote: Remote) -> None:
+    def __init__(self, remote: Remote, *first: str | tuple[str, bytes]) -> None:
+        """Start the node shell and send it the ``first`` requests at once, without waiting
+        (their replies are ``receive``'s): started as each connection opens, the shell's
+        start-up and that first round overlap the other nodes' connects."""
         self.remote = remote
         self.channel = remote.conn.transport.open_session(timeout=remote.remaining())
         self._buf = b""
-        self.channel.settimeout(remote.remaining())
+        self._ready = False
         self.token = uuid.uuid4().hex
+        self.channel.settimeout(remote.remaining())
         self.channel.exec_command(f"exec sh -c {shlex.quote(NODE_SHELL)} meshkit {self.token}")
+        if first:
+            self.send(*first)
+
+    def _wait_ready(self) -> None:
         seen = 0
         while (line := self._line()) != b"=meshkit-ready":
             seen += len(line)
             if seen > MAX_NOISE:
                 raise MeshkitError("the node's shell printed too much before starting")
+        self._ready = True
 
     def _line(self) -> bytes:
         while b"\n" not in self._buf:
@@ -588,8 +597,8 @@ class NodeShell:
         line, _, self._buf = self._buf.partition(b"\n")
         return line
 
-    def ask(self, *requests: str | tuple[str, bytes]) -> list[Reply]:
-        """Send each request (a line, or a line and the bytes it announces); the replies."""
+    def send(self, *requests: str | tuple[str, bytes]) -> None:
+        """Send each request (a line, or a line and the bytes it announces)."""
         out = b""
         for request in requests:
             line, data = (request, b"") if isinstance(request, str) else request
@@ -598,8 +607,13 @@ class NodeShell:
             out += f"{self.token} {line}\n".encode() + data
         self.channel.settimeout(self.remote.remaining())
         self.channel.sendall(out)
+
+    def receive(self, count: int) -> list[Reply]:
+        """The replies to the next ``count`` requests sent, in order."""
+        if not self._ready:
+            self._wait_ready()
         replies = []
-        for _ in requests:
+        for _ in range(count):
             head = self._line().decode(errors="replace")
             if not head.startswith("="):
                 raise MeshkitError(f"the node's shell answered {head[:80]!r}")
@@ -614,6 +628,11 @@ class NodeShell:
             data = b"".join(lines) + base64.b64decode(b"".join(encoded))
             replies.append(Reply(status, text, data))
         return replies
+
+    def ask(self, *requests: str | tuple[str, bytes]) -> list[Reply]:
+        """Send the requests, then read every reply in order (pipelined: one round trip)."""
+        self.send(*requests)
+        return self.receive(len(requests))
 
     def one(self, request: str | tuple[str, bytes]) -> Reply:
         return self.ask(request)[0]
