@@ -61,8 +61,9 @@ def _verify_report(result: VerifyResult) -> int:
     hosts, failures = result.hosts, result.failures
     pairs = len(hosts) ** 2
     print(
-        f"verify: {result.ok_pairs}/{pairs} pairs log in by hostfile name and by hostname "
-        "(BatchMode, StrictHostKeyChecking=yes)"
+        f"verify: {result.ok_pairs}/{pairs} pairs log in by hostfile name (BatchMode, "
+        "StrictHostKeyChecking=yes) and pass the host-key check by hostname (key exchange only, "
+        "PreferredAuthentications=none)"
     )
     if failures:
         print(matrix(hosts, failures))
@@ -153,6 +154,11 @@ def _show(report: MeshReport) -> None:
     )
     for note in report.notes:
         print(f"  note: {note}")
+    by: dict[str, list[str]] = {}
+    for h, how in report.host_keys_by.items():
+        by.setdefault(how, []).append(h.label)
+    for how, labels in by.items():
+        print(f"  host keys {how}: {', '.join(labels)}")
     for h, names in report.names.items():
         print(f"  {h.label} answers to: " + ", ".join(f"{n} ({why})" for n, why in names))
     for n in report.nodes:
@@ -176,8 +182,8 @@ def check(
     include: str | None = None,
     exclude: str | None = None,
 ) -> None:
-    """Check all N x N pairs: from every node, ssh to every node (by the hostfile spelling and by
-    its hostname) with BatchMode and strict host keys."""
+    """Check all N x N pairs: from every node, ssh to every node by the hostfile spelling with
+    BatchMode and strict host keys, and check each node's host key by its hostname."""
     from ...ops import mesh as ops
 
     with reported():
