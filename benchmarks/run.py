@@ -1,24 +1,28 @@
 """meshkit against the tools users would pick instead, on sandbox clusters of N nodes, in one run.
 
 For each N and each repeat:
-- mesh, each variant on a fresh cluster: meshkit mesh with and without its NxN verify, Ansible
+- mesh, each variant on a fresh cluster whose own floor (one parallel round of plain
+  ``ssh node true``) is measured first: meshkit mesh with and without its NxN verify, Ansible
   (ansible-core, builtin modules), a parallel bash with ControlMaster, the seed's sequential script;
   every variant's end state is then checked with ``meshkit check`` (strict all-pairs logins; a
-  sample of 4 nodes' pairs above --n2-max);
-- on one more fresh cluster (meshed first, untimed): the floor (one parallel round of plain
-  ``ssh node true``), ``meshkit check``, one round with pdsh and clush, ``meshkit train`` of the
-  example gloo all_reduce (2 processes per node) until every session runs and until every rank is
-  done, logs, status (of a running job), stop, doctor --quick and doctor; the launch peers
-  pdsh+torchrun (``%n`` ranks) and torchrunx until every rank is done, each result line checked.
-Peers run only up to --peers-max nodes; N² operations only up to --n2-max. Every step is bounded in
-time. Writes results/results.json (raw samples, medians, ratios to the floor, machine) and the
-plots; ``--render-only`` redraws plots and table from an existing results.json.
+  sample of 4 nodes' pairs above --n2-max, recorded as such);
+- on one more fresh cluster (meshed first, untimed; where meshkit's ``--no-verify`` variant was
+  the last mesh, as above --peers-max and --n2-max, on that cluster): its floor,
+  ``meshkit check``, one round with pdsh and clush, ``meshkit train`` of the example gloo
+  all_reduce (2 processes per node) until every session runs and until every rank is done, logs,
+  status (of a running job), stop, doctor --quick and doctor; the launch peers pdsh+torchrun
+  (``%n`` ranks) and torchrunx until every rank is done, each result line checked.
+Every ratio is to the floor of the same cluster in the same repeat (the median of those per-sample
+ratios). The nodes' ~/.bashrc costs what conda's does (``--bashrc``), and every shell a node starts
+is counted per operation. Peers run only up to --peers-max nodes; N² operations only up to
+--n2-max. Every step is bounded in time. Writes results/results.json (raw samples, their clusters
+and floors, medians, ratios, shells per node, the commit and the machine) and the plots;
+``--render-only`` redraws plots and table from an existing results.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
@@ -27,7 +31,6 @@ import random
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,15 +45,16 @@ from meshkit.sandbox.layout import default_dir, default_subnet
 
 from . import peers, render, stats
 
+# The benchmark's own sandbox (``--name``): several checkouts can each run one at once.
 NAME = "bench"
 DIR = default_dir("/var/tmp/meshkit-bench-sandbox", NAME)
 SUBNET = default_subnet("10.77.0.0/24", NAME)
+BASHRC = "conda"  # the nodes' ~/.bashrc (``--bashrc``)
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 # meshkit as users run it: the console script of the wheel's venv (set by main; see
 # peers.install_meshkit). Not `python -m meshkit`: that puts the working directory first on the
-# module path, so run from this checkout it imported the checkout, not the wheel (and no warm
-# server, started for the wheel, would serve it).
+# module path, so run from this checkout it imported the checkout, not the wheel.
 PYTHON = sys.executable
 MESHKIT = [str(Path(sys.executable).parent / "meshkit")]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -94,8 +98,13 @@ def run(
 def must(argv: Sequence[str], timeout: float, **kw: object) -> str:
     out = run(argv, timeout, **kw)  # type: ignore[arg-type]
     if out.returncode != 0:
-        tail = (out.stdout + out.stderr).strip().splitlines()[-3:]
-        raise StepFailed(f"{shlex.join(argv)[:200]} exited {out.returncode}: {' | '.join(tail)}")
+        lines = (out.stdout + out.stderr).strip().splitlines()
+        # The lines that say what failed (a doctor's failed checks come before its summary),
+        # then the last three.
+        bad = [x for x in lines[:-3] if re.search(r"fail|error|FAIL|✗|not ", x)][:6]
+        raise StepFailed(
+            f"{shlex.join(argv)[:200]} exited {out.returncode}: {' | '.join(bad + lines[-3:])}"
+        )
     return out.stdout
 
 
@@ -145,15 +154,25 @@ def reset_logs(lay: sandbox.Layout) -> None:
 # --- end-state checkers ---------------------------------------------------------------------------
 
 
-def check_pairs(lay: sandbox.Layout, n2_max: int) -> str:
+@dataclass(frozen=True)
+class Checked:
+    """What an end-state check covered: ``pairs`` ordered pairs of the cluster's ``of``."""
+
+    scope: str
+    pairs: int
+    of: int
+
+
+def check_pairs(lay: sandbox.Layout, n2_max: int) -> Checked:
     """Strict all-pairs logins, by meshkit check (by address and by name); above n2_max nodes only
     among 4 nodes spread over the cluster. Returns what was checked; raises if a pair fails."""
     argv = [*MESHKIT, "check", "--hostfile", str(lay.hostfile), "--json"]
     scope = f"all {lay.count}x{lay.count} pairs"
+    pick = list(range(lay.count))
     if lay.count > n2_max:
         pick = sorted({0, lay.count // 3, 2 * lay.count // 3, lay.count - 1})
         argv += ["--include", ",".join(lay.nodes[i].address for i in pick)]
-        scope = f"{len(pick)}x{len(pick)} pairs among nodes {pick}"
+        scope = f"{len(pick)}x{len(pick)} pairs among nodes {pick} (sampled above --n2-max)"
     out = run(argv, bound(lay.count, per_pair=1.0))
     try:
         doc = json.loads(out.stdout)
@@ -164,7 +183,7 @@ def check_pairs(lay: sandbox.Layout, n2_max: int) -> str:
     failures = stats.pair_failures(doc)
     if failures or out.returncode != 0:
         raise StepFailed(f"{len(failures)} failed pairs of {scope}, e.g. {failures[:2]}")
-    return scope
+    return Checked(scope, len(pick) * len(pick), lay.count * lay.count)
 
 
 def job_dirs(lay: sandbox.Layout) -> dict[str, set[Path]]:
@@ -215,56 +234,101 @@ def check_launch(text: str, n: int) -> None:
 
 @dataclass
 class Row:
-    """Everything measured at one N."""
+    """Everything measured at one N. Every sample is taken on a cluster (``on``): its id goes
+    beside the sample (``cluster``), and the cluster's own floor is the one its ratio uses."""
 
     nodes: int
     raw: dict[str, list[float | None]] = field(default_factory=dict)
+    cluster: dict[str, list[str]] = field(default_factory=dict)  # op/tool -> each sample's cluster
+    floors: dict[str, float | None] = field(default_factory=dict)  # cluster -> its floor
     skipped: dict[str, str] = field(default_factory=dict)
     failures: dict[str, list[str]] = field(default_factory=dict)
     end_state: dict[str, list[str]] = field(default_factory=dict)
+    pairs_checked: dict[str, list[list[int]]] = field(default_factory=dict)  # [pairs, of]
     logins: dict[str, list[list[int]]] = field(default_factory=dict)
+    shells: dict[str, list[list[int]]] = field(default_factory=dict)  # per sample, per node
+    shell_commands: dict[str, list[str]] = field(default_factory=dict)  # node0's, first sample
+    lay: sandbox.Layout | None = None
+    current: str = ""
+
+    def on(self, lay: sandbox.Layout, cluster: str) -> None:
+        """The samples that follow are taken on ``lay``, named ``cluster`` (unique in the row)."""
+        self.lay, self.current = lay, cluster
 
     def sample(
         self,
         op: str,
         tool: str,
         fn: Callable[[], object],
-        verify: Callable[[], str] | None = None,
+        verify: Callable[[], str | Checked] | None = None,
         after: Callable[[], object] | None = None,
     ) -> None:
-        """Time fn; then (untimed) after, then verify: the end state. A sample whose step failed
-        or whose end state was not reached has no time, only a failure line."""
+        """Time fn, counting the shells it started on every node; then (untimed) after, then
+        verify: the end state. A sample whose step failed or whose end state was not reached has
+        no time, only a failure line."""
         k = stats.key(op, tool)
+        counting = self.lay is not None and self.lay.bashrc == "conda"
+        if counting:
+            assert self.lay is not None
+            sandbox.reset_shells(self.lay)
         start = time.perf_counter()
         try:
-            fn()
-            seconds: float | None = round(time.perf_counter() - start, 4)
+            try:
+                fn()
+            finally:
+                seconds: float | None = round(time.perf_counter() - start, 4)
+                if counting:
+                    self.count_shells(k)
             if after is not None:
                 after()
             if verify is not None:
-                self.end_state.setdefault(k, []).append(verify())
+                checked = verify()
+                if isinstance(checked, Checked):
+                    self.pairs_checked.setdefault(k, []).append([checked.pairs, checked.of])
+                    checked = checked.scope
+                self.end_state.setdefault(k, []).append(checked)
         except StepFailed as exc:
             seconds = None
             self.failures.setdefault(k, []).append(str(exc))
             print(f"  N={self.nodes} {k}: FAILED {exc}", file=sys.stderr)
-        self.raw.setdefault(k, []).append(seconds)
+        self.add(k, seconds)
+        if k == stats.FLOOR:
+            self.floors[self.current] = seconds
         if seconds is not None:
             print(f"  N={self.nodes} {k}: {seconds:.2f}s", file=sys.stderr)
+
+    def add(self, k: str, seconds: float | None) -> None:
+        """One sample of ``k`` on the current cluster."""
+        self.raw.setdefault(k, []).append(seconds)
+        self.cluster.setdefault(k, []).append(self.current)
+
+    def count_shells(self, k: str) -> None:
+        assert self.lay is not None
+        started = sandbox.shells(self.lay)
+        self.shells.setdefault(k, []).append([len(x) for x in started])
+        if k not in self.shell_commands:
+            self.shell_commands[k] = [c[:160] for c in started[0][:40]]
 
     def skip(self, op: str, tool: str, why: str) -> None:
         self.skipped[stats.key(op, tool)] = why
 
     def as_json(self) -> dict[str, object]:
-        medians, ratios = stats.summarize(self.raw)
+        medians, ratios = stats.summarize(self.raw, self.cluster, self.floors)
         return {
             "nodes": self.nodes,
             "median_s": medians,
             "ratio_to_floor": ratios,
+            "shells_per_node": stats.shells_summary(self.shells),
             "raw_s": self.raw,
+            "cluster": self.cluster,
+            "floor_of_cluster_s": self.floors,
             "skipped": self.skipped,
             "failures": self.failures,
             "end_state": self.end_state,
+            "pairs_checked": self.pairs_checked,
             "controller_logins_per_node": self.logins,
+            "shells_raw": self.shells,
+            "shell_commands_node0": self.shell_commands,
         }
 
 
@@ -277,15 +341,25 @@ class Options:
     seed_max: int = 16  # the seed's N + N² sequential logins take minutes beyond this
     launch_max: int = 16  # 2 torch processes per node all share this machine's cores and memory
     launch_only: bool = False  # per repeat: one cluster, the floor and the launches only
-    warm: bool = False  # also meshkit with warm start (a fourth launch)
     spawn: bool = False  # also meshkit train --spawn: no torchrun (a fourth launch)
 
 
 def up(n: int) -> sandbox.Layout:
-    return sandbox.up(DIR, SUBNET, n, NAME)
+    return sandbox.up(DIR, SUBNET, n, NAME, bashrc=BASHRC)
 
 
-def mesh_variants(row: Row, opt: Options) -> None:
+def count_floor_shells(row: Row, lay: sandbox.Layout) -> None:
+    """The floor starts one shell per node: if the nodes' bashrc counts shells, it must have
+    counted exactly that, or every shell count of the run is wrong."""
+    got = row.shells.get(stats.FLOOR, [[]])[-1]
+    if lay.bashrc == "conda" and got != [1] * lay.count:
+        raise StepFailed(f"the floor's shells per node were {got}, want 1 on each node")
+
+
+def mesh_variants(row: Row, opt: Options, repeat: int) -> sandbox.Layout | None:
+    """Each variant on a fresh cluster. Returns the last cluster when it is meshkit's
+    ``--no-verify`` one and reached its end state (at large N, the only variant): the ops reuse
+    it instead of building and meshing another, which at 244 nodes takes minutes."""
     n = row.nodes
     small = n <= opt.peers_max
     variants: list[tuple[str, Callable[[sandbox.Layout], object], str | None]] = [
@@ -322,12 +396,16 @@ def mesh_variants(row: Row, opt: Options) -> None:
             else f"N + N² sequential logins; only up to --seed-max {opt.seed_max}",
         ),
     ]
+    meshed: sandbox.Layout | None = None
     for tool, fn, why in variants:
         if why:
             row.skip("mesh", tool, why)
             continue
         lay = up(n)
+        meshed = None
+        row.on(lay, f"r{repeat + 1}/mesh/{tool}")
         row.sample("round", "floor", lambda: floor(lay))  # noqa: B023
+        count_floor_shells(row, lay)
         reset_logs(lay)
         # Controller logins are counted before the end-state check adds its own.
         count = lambda: row.logins.setdefault(f"mesh/{tool}", []).append(logins(lay))  # noqa: B023, E731
@@ -335,13 +413,32 @@ def mesh_variants(row: Row, opt: Options) -> None:
             # The seed exchanges no host keys: its end state is recorded, not required.
             row.sample("mesh", tool, lambda: fn(lay), after=count)  # noqa: B023
             row.end_state.setdefault("mesh/seed", []).append(seed_end_state(lay, opt.n2_max))
+        elif tool == "ansible":
+            # Ansible's mesh plus a separate all-pairs check (what a user of it would run to
+            # know the mesh works; meshkit's mesh verifies in the same command): the check's
+            # time on the same cluster, added as its own sample.
+            took: list[float] = []
+
+            def timed_check() -> Checked:
+                start = time.perf_counter()
+                checked = check_pairs(lay, opt.n2_max)  # noqa: B023
+                took.append(time.perf_counter() - start)  # noqa: B023
+                return checked
+
+            row.sample("mesh", tool, lambda: fn(lay), timed_check, count)  # noqa: B023
+            mesh_s = row.raw["mesh/ansible"][-1]
+            full = mesh_s is not None and took and lay.count <= opt.n2_max
+            row.add(stats.ANSIBLE_CHECK, round(mesh_s + took[0], 4) if full else None)  # type: ignore[operator]
         else:
             row.sample("mesh", tool, lambda: fn(lay), lambda: check_pairs(lay, opt.n2_max), count)  # noqa: B023
+            if tool == "meshkit_no_verify" and row.raw[f"mesh/{tool}"][-1] is not None:
+                meshed = lay
+    return meshed
 
 
 def seed_end_state(lay: sandbox.Layout, n2_max: int) -> str:
     try:
-        return "ok: " + check_pairs(lay, n2_max)
+        return "ok: " + check_pairs(lay, n2_max).scope
     except StepFailed as exc:
         return f"not reached: {exc}"[:300]
 
@@ -374,7 +471,7 @@ def mesh_ansible(lay: sandbox.Layout, opt: Options) -> None:
 def round_peer(
     row: Row, lay: sandbox.Layout, tool: str, argv: list[str], env: dict[str, str] | None
 ) -> None:
-    checked: list[Callable[[], str]] = []
+    checked: list[Callable[[], str | Checked]] = []
     row.sample(
         "round",
         tool,
@@ -385,7 +482,7 @@ def round_peer(
 
 def one_round_peer(
     lay: sandbox.Layout, argv: list[str], env: dict[str, str] | None = None
-) -> Callable[[], str]:
+) -> Callable[[], str | Checked]:
     """Run the round; the checker of its end state (every node answered) comes back."""
     out = run(argv, bound(lay.count), env=env)
     answered = stats.answered(out.stdout, names(lay))
@@ -397,20 +494,25 @@ def one_round_peer(
     return lambda: f"all {lay.count} nodes answered"
 
 
-def meshkit_ops(row: Row, opt: Options, repeat: int) -> None:
+def meshkit_ops(row: Row, opt: Options, repeat: int, meshed: sandbox.Layout | None = None) -> None:
+    """The operations on one meshed cluster: ``meshed`` (the mesh variant's, meshed by
+    ``mesh --no-verify`` and checked), else a fresh one meshed here, untimed."""
     n = row.nodes
     small = n <= opt.peers_max
-    lay = up(n)
+    lay = meshed or up(n)
     hostfile = str(lay.hostfile)
     workdir = lay.shared / "bench"
     workdir.mkdir(exist_ok=True)
     shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir / "example_train.py")
-    try:
-        must([*MESHKIT, "mesh", "--hostfile", hostfile, "--no-verify"], bound(n))
-    except StepFailed as exc:
-        row.failures.setdefault("setup", []).append(f"mesh for the ops cluster: {exc}")
-        return
+    if meshed is None:
+        try:
+            must([*MESHKIT, "mesh", "--hostfile", hostfile, "--no-verify"], bound(n))
+        except StepFailed as exc:
+            row.failures.setdefault("setup", []).append(f"mesh for the ops cluster: {exc}")
+            return
+    row.on(lay, f"r{repeat + 1}/ops")
     row.sample("round", "floor", lambda: floor(lay))
+    count_floor_shells(row, lay)
     if opt.launch_only:
         launches(row, lay, workdir, opt, repeat)
         return
@@ -489,10 +591,9 @@ def launches(row: Row, lay: sandbox.Layout, workdir: Path, opt: Options, repeat:
         why = f"launch until done up to --launch-max {opt.launch_max}"
         for tool in ("meshkit", "pdsh_torchrun", "torchrunx"):
             row.skip("train_done", tool, why)
-        for tool, asked in (("meshkit_warm", opt.warm), ("meshkit_spawn", opt.spawn)):
-            if asked:  # the light command's launch is the same with warm start or --spawn
-                row.skip("train_running", tool, why)
-                row.skip("train_done", tool, why)
+        if opt.spawn:  # the light command's launch is the same with --spawn
+            row.skip("train_running", "meshkit_spawn", why)
+            row.skip("train_done", "meshkit_spawn", why)
         time.sleep(1.0)  # the echo is in every log
         return job
     session = f"bex{repeat}"
@@ -502,10 +603,6 @@ def launches(row: Row, lay: sandbox.Layout, workdir: Path, opt: Options, repeat:
         lambda: launch_pdsh(row, lay, workdir, opt),
         lambda: launch_torchrunx(row, lay, workdir, opt),
     ]
-    if opt.warm:
-        warm_job = ["--hostfile", hostfile, "--session", f"bwx{repeat}", "--workdir", str(workdir)]
-        order.append(lambda: launch_meshkit(row, lay, workdir, warm_job, f"bwx{repeat}", True))
-        start_warm_server(workdir, job)
     if opt.spawn:
         spawn_job = ["--hostfile", hostfile, "--session", f"bsx{repeat}", "--workdir", str(workdir)]
         order.append(
@@ -517,29 +614,8 @@ def launches(row: Row, lay: sandbox.Layout, workdir: Path, opt: Options, repeat:
     return job
 
 
-# Every meshkit command of the benchmark runs without warm start (a server left by one would
-# serve the others), except the warm launch, which sets this.
-WARM_ON = {"MESHKIT_WARM_START": "600"}
-
-
-def start_warm_server(workdir: Path, job: list[str]) -> None:
-    """Before the warm launch: one warm command, which starts the server for the next ones (the
-    launch measures a warm start, not the first command that starts a server)."""
-    run([*MESHKIT, "status", *job], 60, env={**os.environ, **WARM_ON}, cwd=workdir)
-    time.sleep(2.0)  # the server imports what the tasks import: ~0.3 s here
-
-
-def end_warm_servers() -> None:
-    """The warm servers this run's meshkit started (their pid files name them)."""
-    for pid_file in Path(f"/tmp/meshkit-{os.getuid()}/warm").glob("*.pid"):
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(pid_file.read_text())
-            if PYTHON.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(pid, signal.SIGTERM)
-
-
 LAUNCH_ORDERS = list(itertools.permutations(range(3)))
-# Four launches (with --warm): a Williams square, each launch in each place once and right after
+# Four launches (with --spawn): a Williams square, each launch in each place once and right after
 # each other launch once in every four repeats (all 24 orders would take 24 repeats).
 LAUNCH_ORDERS_4 = [(0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1)]
 
@@ -551,6 +627,14 @@ def launch_order(repeat: int, count: int = 3) -> tuple[int, ...]:
     after torchrunx and pdsh+torchrun right after meshkit.) Four launches: LAUNCH_ORDERS_4."""
     orders = LAUNCH_ORDERS_4 if count == 4 else LAUNCH_ORDERS
     return orders[repeat % len(orders)]
+
+
+def cpu_steal() -> float:
+    """CPU seconds this machine's cores have had stolen by the hypervisor since boot: other
+    tenants' work on the same physical cores (recorded per run, start and end)."""
+    with open("/proc/stat") as handle:
+        fields = [int(v) for v in handle.readline().split()[1:9]]
+    return fields[7] / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy() -> float:
@@ -581,19 +665,17 @@ def launch_meshkit(
     workdir: Path,
     job: list[str],
     session: str,
-    warm: bool = False,
     spawn: bool = False,
 ) -> None:
     """``meshkit train`` of the example: torchrun on every node, or (``spawn``) each node's ranks
     started by meshkit itself, the same script without torchrun."""
     n = row.nodes
-    tool = "meshkit_warm" if warm else "meshkit_spawn" if spawn else "meshkit"
+    tool = "meshkit_spawn" if spawn else "meshkit"
     how = (
         ["--spawn", "--cmd", "python example_train.py"]
         if spawn
         else ["--cmd", "torchrun example_train.py"]
     )
-    env = {**os.environ, **WARM_ON} if warm else None
     before = job_dirs(lay)
     start = time.perf_counter()
 
@@ -608,7 +690,6 @@ def launch_meshkit(
                 *how,
             ],
             bound(n, base=240),
-            env=env,
         )
 
     row.sample("train_running", tool, train)
@@ -618,14 +699,14 @@ def launch_meshkit(
         codes = wait_exits(lay, before, bound(n, base=300, per_node=10))
         if any(c != "0" for c in codes.values()):
             raise StepFailed(f"exit codes {codes}")
-        row.raw.setdefault(f"train_done/{tool}", []).append(round(time.perf_counter() - start, 4))
+        row.add(f"train_done/{tool}", round(time.perf_counter() - start, 4))
         text = "".join(p.read_text() for p in (workdir / ".meshkit" / session).glob("node*.log"))
         check_launch(text, n)
         row.end_state.setdefault(f"train_done/{tool}", []).append(
             f"{n * PER_NODE} ranks, right sum"
         )
     except StepFailed as exc:
-        row.raw.setdefault(f"train_done/{tool}", []).append(None)
+        row.add(f"train_done/{tool}", None)
         row.failures.setdefault(f"train_done/{tool}", []).append(str(exc))
 
 
@@ -715,12 +796,13 @@ def measure_n(n: int, repeats: int, opt: Options) -> dict[str, object]:
     row = Row(n)
     for r in range(repeats):
         print(f"N={n} repeat {r + 1}/{repeats}", file=sys.stderr)
+        meshed = None
         for part in ("ops",) if opt.launch_only else ("mesh", "ops"):
             try:
                 if part == "mesh":
-                    mesh_variants(row, opt)
+                    meshed = mesh_variants(row, opt, r)
                 else:
-                    meshkit_ops(row, opt, r)
+                    meshkit_ops(row, opt, r, meshed)
             except (StepFailed, SandboxError) as exc:
                 # A broken setup step loses this repeat's remaining samples, not the sweep.
                 row.failures.setdefault("setup", []).append(f"repeat {r + 1}: {exc}"[:400])
@@ -729,24 +811,56 @@ def measure_n(n: int, repeats: int, opt: Options) -> dict[str, object]:
     return row.as_json()
 
 
+# Timed inside a node: ``meshkit env`` as every node runs it at every launch (the hostfile matched
+# against the node's own addresses), beside a bare interpreter that imports netifaces, interleaved.
+ENV_TIMER = r"""
+import json, subprocess, sys, time
+python, meshkit, hostfile, repeats = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+cases = {
+    "bare": [python, "-c", "import netifaces"],
+    "hostfile": [meshkit, "env", "--hostfile", hostfile],
+    "node_rank": [meshkit, "env", "--hostfile", hostfile, "--node-rank", "1"],
+}
+took = {k: [] for k in cases}
+for _ in range(repeats):
+    for k, argv in cases.items():
+        start = time.perf_counter()
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        took[k].append(round(time.perf_counter() - start, 4))
+        if out.returncode != 0:
+            sys.exit(f"{argv}: exit {out.returncode}: {out.stderr[-300:]}")
+        if k == "hostfile" and "NODE_RANK=1" not in out.stdout:
+            sys.exit(f"env on node1 did not say NODE_RANK=1: {out.stdout[-300:]}")
+print(json.dumps(took))
+"""
+
+
 def measure_env(repeats: int) -> dict[str, object]:
-    with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "hostfile").write_text("10.255.0.1\n10.255.0.2\n")
-
-        def timed(argv: list[str]) -> float:
-            start = time.perf_counter()
-            must(argv, 60, cwd=Path(tmp))
-            return time.perf_counter() - start
-
-        bare = [timed([PYTHON, "-c", "import netifaces"]) for _ in range(repeats)]
-        env = [timed([*MESHKIT, "env", "--node-rank", "1"]) for _ in range(repeats)]
-    b, e = stats.median(bare), stats.median(env)
-    assert b is not None and e is not None
+    """``meshkit env`` inside node1 of a 2-node sandbox: on the hostfile-matching path users run
+    (the hostfile's addresses against the node's interfaces), and with ``--node-rank``, each
+    against a bare ``python -c "import netifaces"`` timed the same way."""
+    lay = up(2)
+    try:
+        res = sandbox.node_exec(
+            lay.nodes[1],
+            [PYTHON, "-c", ENV_TIMER, PYTHON, MESHKIT[0], str(lay.hostfile), str(repeats)],
+            timeout=300,
+        )
+    finally:
+        sandbox.down(DIR, NAME)
+    if res.returncode != 0:
+        raise StepFailed(f"env timing in node1: {res.stderr.strip()[-400:]}")
+    took = json.loads(res.stdout)
+    b, e, r = (stats.median(took[k]) for k in ("bare", "hostfile", "node_rank"))
+    assert b is not None and e is not None and r is not None
     return {
+        "where": "inside node1 of a 2-node sandbox, interleaved, each a fresh process",
         "bare_import_netifaces_s": round(b, 4),
         "meshkit_env_s": round(e, 4),
         "env/bare": round(e / b, 2),
-        "raw_s": {"bare": bare, "meshkit_env": env},
+        "meshkit_env_node_rank_s": round(r, 4),
+        "env_node_rank/bare": round(r / b, 2),
+        "raw_s": took,
     }
 
 
@@ -786,13 +900,43 @@ def install_peers() -> tuple[dict[str, Path], dict[str, str], dict[str, str]]:
     return bins, unavailable, versions
 
 
-def login_shell_note() -> str:
+def node_shell() -> dict[str, object]:
     """Every remote command runs the user's bash, which reads ~/.bashrc: what it costs is part of
-    every login of every tool here, so the results name it."""
-    return (
-        "sandbox nodes read a one-line ~/.bashrc (the sandbox binds it over this machine's, "
-        "whose pyenv init would run at every login)"
-    )
+    every login of every tool here, so the results name it and carry its text."""
+    return {
+        "bashrc": BASHRC,
+        "about": sandbox.BASHRCS[BASHRC],
+        "text": sandbox.CONDA_BASHRC if BASHRC == "conda" else sandbox.NODE_BASHRC,
+    }
+
+
+def commit() -> dict[str, object]:
+    """The commit measured (this checkout's HEAD) and whether the tree differed from it."""
+
+    def git(*args: str) -> str:
+        out = run(["git", "-C", str(REPO), *args], 30)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    return {
+        "commit": git("rev-parse", "HEAD") or "unknown",
+        "subject": git("log", "-1", "--format=%s")[:200],
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
+
+
+def sizes_arg(text: str, repeats: int) -> list[tuple[int, int]]:
+    """``--nodes``: a comma list of N, each optionally ``NxR`` (R repeats at that N instead of
+    --repeats), e.g. ``2,4,8,16,64x2,244x1``."""
+    out = []
+    for word in text.split(","):
+        n, sep, r = word.strip().partition("x")
+        if not (n.isascii() and n.isdigit()) or (sep and not (r.isascii() and r.isdigit())):
+            raise SystemExit(f"--nodes {text!r}: {word!r} is not N or NxR")
+        size, reps = int(n), int(r) if r else repeats
+        if not 1 <= size <= sandbox.MAX_NODES or reps < 1:
+            raise SystemExit(f"--nodes {word!r}: N is 1..{sandbox.MAX_NODES}, R at least 1")
+        out.append((size, reps))
+    return out
 
 
 def machine() -> dict[str, object]:
@@ -823,19 +967,22 @@ def machine() -> dict[str, object]:
         "openssh": ssh_v,
         "kernel": platform.release(),
         "machine": platform.machine(),
-        "login_shell": login_shell_note(),
         "quiet_machine": "UNSET: the person running the sweep states here whether nothing else ran",
     }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    global TORCHRUN, PYTHON, NAME, DIR, SUBNET, BASHRC
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--nodes", default="2,4,8,16", help="comma list of cluster sizes (at most 64)"
+        "--nodes",
+        default="2,4,8,16",
+        help=f"comma list of cluster sizes (at most {sandbox.MAX_NODES}), each N or NxR (R repeats "
+        "at that N)",
     )
     parser.add_argument("--repeats", type=int, default=3)
     for flag, text in (
@@ -857,15 +1004,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         "orders of the three over six repeats); use with --results elsewhere, beside a full sweep",
     )
     parser.add_argument(
-        "--warm",
-        action="store_true",
-        help="with --launch-only: a fourth launch, meshkit with warm start (warm_start: 600)",
-    )
-    parser.add_argument(
         "--spawn",
         action="store_true",
         help="with --launch-only: a fourth launch, meshkit train --spawn (each node's ranks "
-        "started by meshkit, no torchrun); not with --warm",
+        "started by meshkit, no torchrun)",
+    )
+    parser.add_argument(
+        "--bashrc",
+        default="conda",
+        choices=sorted(sandbox.BASHRCS),
+        help="the nodes' ~/.bashrc: conda (default: about 0.1 s of CPU per shell, as conda init "
+        "leaves it, and every shell counted) or minimal (one line, no shells counted)",
+    )
+    parser.add_argument(
+        "--name",
+        default=NAME,
+        help="the benchmark sandbox's name (1-8 lowercase letters or digits): two checkouts "
+        "benchmarking on one machine use different ones",
     )
     parser.add_argument(
         "--quiet-machine", default=None, help="note stored in results.json: was the machine quiet?"
@@ -890,14 +1045,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"--render-only: {path} is not this benchmark's results (no 'sizes')")
         print(render.render(stored, out_dir))
         return
-    if args.warm and args.spawn:
-        raise SystemExit(
-            "--warm and --spawn: one fourth launch at a time (the orders are for four)"
-        )
     if os.geteuid() != 0:
         raise SystemExit("benchmarks build sandbox clusters: run as root")
-    sizes = [int(x) for x in args.nodes.split(",")]
-    global TORCHRUN, PYTHON
+    sizes = sizes_arg(args.nodes, args.repeats)
+    try:
+        NAME = sandbox.check_name(args.name)
+    except SandboxError as exc:
+        raise SystemExit(str(exc)) from None
+    DIR = default_dir("/var/tmp/meshkit-bench-sandbox", NAME)
+    SUBNET = default_subnet("10.77.0.0/24", NAME)
+    BASHRC = args.bashrc
     product = peers.install_meshkit(REPO)
     PYTHON = str(product / "python")
     MESHKIT[:] = [str(product / "meshkit")]
@@ -911,38 +1068,51 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.seed_max,
         args.launch_max,
         args.launch_only,
-        args.warm,
         args.spawn,
     )
     for peer, why in unavailable.items():
         print(f"peer {peer} not measured: {why}", file=sys.stderr)
     doc: dict[str, object] = {
+        "measured": {
+            **commit(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
         "machine": machine(),
+        "node_shell": node_shell(),
         "settings": {
-            "nodes": sizes,
-            "repeats": args.repeats,
+            "nodes": [n for n, _ in sizes],
+            "repeats": {str(n): r for n, r in sizes},
             "peers_max": args.peers_max,
             "n2_max": args.n2_max,
             "seed_max": args.seed_max,
             "launch_max": args.launch_max,
             "launch_only": args.launch_only,
-            "warm": args.warm,
             "spawn": args.spawn,
+            "sandbox": NAME,
             "meshkit": f"this checkout's wheel, installed (not editable) into {product.parent}",
             "processes_per_node": PER_NODE,
+            "ratios": "each sample over the floor of its own cluster, then the median of those",
         },
         "peers": {"versions": versions, "unavailable": unavailable},
     }
     if args.quiet_machine is not None:
         doc["machine"] = {**machine(), "quiet_machine": args.quiet_machine}
-    os.environ["MESHKIT_WARM_START"] = "off"  # WARM_ON
-    try:
-        doc["sizes"] = [measure_n(n, args.repeats, opt) for n in sizes]
-    finally:
-        end_warm_servers()
-    if not args.launch_only:
-        doc["env"] = measure_env(max(5, args.repeats * 3))
     out_dir.mkdir(parents=True, exist_ok=True)
+    steal_before = cpu_steal()
+    if not args.launch_only:  # first: it takes seconds, and a sweep cut short keeps it
+        try:
+            doc["env"] = measure_env(max(5, args.repeats * 3))
+        except (StepFailed, SandboxError) as exc:
+            doc["env"] = {"failed": str(exc)[:400]}
+    rows: list[dict[str, object]] = []
+    for n, r in sizes:
+        rows.append(measure_n(n, r, opt))
+        # Written after every N, in order of N whatever order they ran in: a sweep cut short
+        # still leaves every N it finished.
+        doc["sizes"] = sorted(rows, key=lambda row: int(str(row["nodes"])))
+        (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    doc["measured"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())  # type: ignore[index]
+    doc["measured"]["cpu_steal_s"] = round(cpu_steal() - steal_before, 1)  # type: ignore[index]
     (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(render.render(doc, out_dir))
 

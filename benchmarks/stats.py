@@ -18,6 +18,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("mesh", "meshkit_no_verify", "mesh --no-verify"),
     ("mesh", "meshkit", "mesh (verify)"),
     ("mesh", "ansible", "Ansible mesh"),
+    ("mesh", "ansible_check", "Ansible mesh + check"),
     ("mesh", "bash_controlmaster", "bash+ControlMaster mesh"),
     ("mesh", "seed", "seed script"),
     ("check", "meshkit", "check"),
@@ -30,8 +31,6 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("doctor", "meshkit", "doctor"),
     ("train_running", "meshkit", "train: sessions up"),
     ("train_done", "meshkit", "train: ranks done"),
-    ("train_running", "meshkit_warm", "train, warm: sessions up"),
-    ("train_done", "meshkit_warm", "train, warm: ranks done"),
     ("train_running", "meshkit_spawn", "train --spawn: sessions up"),
     ("train_done", "meshkit_spawn", "train --spawn: ranks done"),
     ("train_done", "pdsh_torchrun", "pdsh+torchrun done"),
@@ -63,13 +62,71 @@ def key(op: str, tool: str) -> str:
     return f"{op}/{tool}"
 
 
+FLOOR = key("round", "floor")
+ANSIBLE_CHECK = key("mesh", "ansible_check")  # Ansible's mesh + meshkit check on its cluster
+# The operations whose work is per node (one round of logins, whatever N): their ratio to the
+# floor is the figure the sweep takes to the largest N.
+PER_NODE_OPS = (
+    key("mesh", "meshkit_no_verify"),
+    key("train_running", "meshkit"),
+    key("round", "meshkit_status"),
+    key("round", "meshkit_stop"),
+    key("doctor", "meshkit_quick"),
+)
+
+
 def summarize(
     raw: Mapping[str, Sequence[Sample]],
+    cluster: Mapping[str, Sequence[str]] | None = None,
+    floors: Mapping[str, float | None] | None = None,
 ) -> tuple[dict[str, float | None], dict[str, float | None]]:
-    """Medians per ``op/tool`` and each one's ratio to the floor (``round/floor``) of the same N."""
+    """Medians per ``op/tool`` and their ratios to the floor. With ``cluster`` (each sample's
+    cluster) and ``floors`` (each cluster's floor), a ratio is the median of each sample over
+    its own cluster's floor, measured in the same repeat: a fresh cluster and a meshed one
+    differ, so a pooled floor misstates both. Without them (results from before), the ratio of
+    the medians."""
     medians = {k: (None if (m := median(v)) is None else round(m, 3)) for k, v in raw.items()}
-    floor = medians.get(key("round", "floor"))
-    return medians, {k: ratio(m, floor) for k, m in medians.items()}
+    if cluster is None or floors is None:
+        floor = medians.get(FLOOR)
+        return medians, {k: ratio(m, floor) for k, m in medians.items()}
+    ratios: dict[str, float | None] = {}
+    for k, samples in raw.items():
+        if k == FLOOR:
+            ratios[k] = 1.0 if medians.get(k) is not None else None
+            continue
+        paired = [
+            r
+            for s, c in zip(samples, cluster.get(k, ()))
+            if (r := ratio(s, floors.get(c))) is not None
+        ]
+        ratios[k] = None if not paired else round(statistics.median(paired), 2)
+    return medians, ratios
+
+
+def shells_summary(shells: Mapping[str, Sequence[Sequence[int]]]) -> dict[str, dict[str, float]]:
+    """Shells started per node by each operation: the median over samples of the mean over nodes,
+    and the most any node started in any sample."""
+    out = {}
+    for k, samples in shells.items():
+        means = [sum(s) / len(s) for s in samples if s]
+        if means:
+            out[k] = {
+                "mean": round(statistics.median(means), 2),
+                "max": max(max(s) for s in samples if s),
+            }
+    return out
+
+
+def sampled_pairs(row: Mapping[str, object], k: str) -> tuple[int, int] | None:
+    """(pairs checked, pairs in the cluster) when ``k``'s end-state check covered only a sample
+    of the cluster's pairs (above --n2-max); None when it covered them all or there was none."""
+    checked = row.get("pairs_checked")
+    if not isinstance(checked, Mapping):
+        return None
+    for pairs, of in checked.get(k, []):
+        if pairs < of:
+            return pairs, of
+    return None
 
 
 def _cell(seconds: float | None, r: float | None, skipped: str | None) -> str:
@@ -78,20 +135,83 @@ def _cell(seconds: float | None, r: float | None, skipped: str | None) -> str:
     return f"{seconds:.2f}" if r is None else f"{seconds:.2f} ({r:.2f}×)"
 
 
-def table(results: Mapping[str, object]) -> str:
-    """The README table from a results.json document: one row per N, one column per measured
-    (operation, tool), each cell "median s (ratio to the floor x)"; a dash where skipped."""
+SAMPLED = "ˢ"  # beside a figure whose end state was checked on a sample of the pairs
+
+
+def table(results: Mapping[str, object], columns: Sequence[tuple[str, str, str]] = COLUMNS) -> str:
+    """The table from a results.json document: one row per N, one column per measured
+    (operation, tool), each cell "median s (ratio to the floor x)"; a dash where skipped, and
+    ``ˢ`` where the end-state check covered only a sample of the pairs (a note under the table
+    says how many)."""
     rows = results.get("sizes")
     assert isinstance(rows, list)
-    present = [c for c in COLUMNS if any(key(c[0], c[1]) in r.get("median_s", {}) for r in rows)]
+    present = [c for c in columns if any(key(c[0], c[1]) in r.get("median_s", {}) for r in rows)]
     head = ["N", *(label for _, _, label in present)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    notes: dict[int, tuple[int, int]] = {}
     for r in rows:
         med, rat, skip = r.get("median_s", {}), r.get("ratio_to_floor", {}), r.get("skipped", {})
         cells = [str(r["nodes"])]
         for op, tool, _ in present:
             k = key(op, tool)
-            cells.append(_cell(med.get(k), rat.get(k) if tool != "floor" else None, skip.get(k)))
+            cell = _cell(med.get(k), rat.get(k) if tool != "floor" else None, skip.get(k))
+            sample = sampled_pairs(r, k)
+            if sample is not None and med.get(k) is not None:
+                cell += SAMPLED
+                notes[int(r["nodes"])] = sample
+            cells.append(cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    if notes:
+        lines.append("")
+        lines.append(
+            f"{SAMPLED} end state checked on a sample of the pairs (above --n2-max): "
+            + "; ".join(f"N={n}: {p} of {of} pairs" for n, (p, of) in sorted(notes.items()))
+            + "."
+        )
+    return "\n".join(lines)
+
+
+# The headline: what a user compares, in few columns.
+HEADLINE: tuple[tuple[str, str, str], ...] = (
+    ("round", "floor", "floor (ssh true ×N), s"),
+    ("mesh", "meshkit_no_verify", "mesh --no-verify"),
+    ("mesh", "meshkit", "mesh (verify)"),
+    ("mesh", "ansible_check", "Ansible mesh + check"),
+    ("train_running", "meshkit", "train: sessions up"),
+    ("round", "meshkit_status", "status"),
+    ("round", "meshkit_stop", "stop"),
+    ("doctor", "meshkit_quick", "doctor --quick"),
+)
+
+
+def headline(results: Mapping[str, object]) -> str:
+    """The short table for the project README: the per-node operations and the mesh against
+    Ansible's, each "median s (ratio to its own cluster's floor x)"."""
+    return table(results, HEADLINE)
+
+
+def shells_table(results: Mapping[str, object]) -> str:
+    """Shells each node started per operation (mean over nodes, median over samples; the most
+    any node started in brackets where it differs): what a conda-like ~/.bashrc is paid for."""
+    rows = results.get("sizes")
+    assert isinstance(rows, list)
+    present = [
+        c for c in COLUMNS if any(key(c[0], c[1]) in r.get("shells_per_node", {}) for r in rows)
+    ]
+    if not present:
+        return ""
+    head = ["N", *(label for _, _, label in present)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        got = r.get("shells_per_node", {})
+        cells = [str(r["nodes"])]
+        for op, tool, _ in present:
+            s = got.get(key(op, tool))
+            if s is None:
+                cells.append("–")
+            else:
+                mean, most = s["mean"], s["max"]
+                cells.append(f"{mean:g}" + ("" if most == mean else f" ({most:g})"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's benchmarks/ package
 
 from benchmarks import peers, render, stats
@@ -83,6 +85,67 @@ def test_render_only_draws_both_plots_from_a_document(tmp_path):
     assert (tmp_path / "ratio_to_floor.png").stat().st_size > 0
     assert "N=2 mesh/ansible FAILED: exit 2: unreachable" in text
     assert "2.33×" in text
+
+
+def test_each_ratio_uses_the_floor_of_its_own_cluster_not_a_pooled_one():
+    """A fresh cluster's floor and a meshed one's differ: pooled, the median floor of the round
+    would pair a mesh with another cluster's floor."""
+    raw = {
+        "round/floor": [1.0, 2.0, 2.0],
+        "mesh/meshkit_no_verify": [1.2],
+        "round/meshkit_status": [1.0, None],
+    }
+    cluster = {
+        "round/floor": ["r1/mesh/meshkit_no_verify", "r1/ops", "r2/ops"],
+        "mesh/meshkit_no_verify": ["r1/mesh/meshkit_no_verify"],
+        "round/meshkit_status": ["r1/ops", "r2/ops"],
+    }
+    floors = {"r1/mesh/meshkit_no_verify": 1.0, "r1/ops": 2.0, "r2/ops": 2.0}
+    medians, ratios = stats.summarize(raw, cluster, floors)
+    assert medians["round/floor"] == 2.0
+    assert ratios == {
+        "round/floor": 1.0,
+        "mesh/meshkit_no_verify": 1.2,  # pooled: 0.6
+        "round/meshkit_status": 0.5,
+    }
+    # a sample whose cluster's floor failed has no ratio
+    _, ratios = stats.summarize(raw, cluster, {**floors, "r1/mesh/meshkit_no_verify": None})
+    assert ratios["mesh/meshkit_no_verify"] is None
+
+
+def test_shells_per_node_are_the_median_of_means_and_the_most_on_any_node():
+    got = stats.shells_summary({"mesh/meshkit_no_verify": [[3, 3, 5], [3, 3, 3], [4, 4, 4]]})
+    assert got == {"mesh/meshkit_no_verify": {"mean": 3.67, "max": 5}}
+    assert stats.shells_summary({"x": [[]]}) == {}
+
+
+def test_a_figure_checked_on_a_sample_of_the_pairs_says_so():
+    d = doc()
+    rows = d["sizes"]
+    assert isinstance(rows, list)
+    rows[1]["pairs_checked"] = {"mesh/meshkit_no_verify": [[16, 16 * 16]]}
+    rows[0]["pairs_checked"] = {"mesh/meshkit_no_verify": [[4, 4]]}
+    lines = stats.table(d).splitlines()
+    assert lines[2].split(" | ")[2] == "0.75 (1.50×)"
+    assert lines[3].split(" | ")[2] == "1.20 (1.50×)ˢ"
+    assert lines[-1] == (
+        "ˢ end state checked on a sample of the pairs (above --n2-max): N=4: 16 of 256 pairs."
+    )
+    assert (
+        render.sampled_note(d)
+        == "open marks: end state checked on a sample of pairs (N=4: 16 of 256)"
+    )
+    head = stats.headline(d).splitlines()[0]
+    assert head == "| N | floor (ssh true ×N), s | mesh --no-verify |"
+
+
+def test_sizes_take_repeats_per_n():
+    from benchmarks.run import sizes_arg
+
+    assert sizes_arg("2,4,64x2,244x1", 3) == [(2, 3), (4, 3), (64, 2), (244, 1)]
+    for bad in ("245", "0", "8x0", "²", "8x", "x2"):
+        with pytest.raises(SystemExit):
+            sizes_arg(bad, 3)
 
 
 def test_series_skips_missing_values():
@@ -194,7 +257,7 @@ def test_settle_returns_once_the_machine_is_idle_and_never_waits_past_its_limit(
 
 
 def test_four_launch_orders_are_a_williams_square():
-    """With --warm: each launch in each place once, and right after each other launch once,
+    """With --spawn: each launch in each place once, and right after each other launch once,
     in every four repeats."""
     from benchmarks.run import launch_order
 

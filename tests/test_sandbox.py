@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
+import ipaddress
 import json
 import subprocess
 import sys
 
-from conftest import meshkit, ssh
+import pytest
+from conftest import meshkit, named, need_root, sandbox_dir, ssh
 
 from meshkit import sandbox
+from meshkit.sandbox import networks
 
 SANDBOX_NODES = 4
 
@@ -157,3 +161,65 @@ def test_neighbour_table_is_only_ever_raised(tmp_path):
     ]
     assert (tmp_path / "ipv4" / "neigh" / "default" / "gc_thresh2").read_text() == "999999\n"
     assert neighbour_room(8, tmp_path) == []  # already room
+
+
+def test_a_24_holds_244_nodes_and_every_interface_name_fits():
+    """Node i is subnet + 11 + i up to .254 (.255 is the broadcast); Linux interface names are at
+    most 15 characters, and the longest is a veth of the longest sandbox name at the last node."""
+    from meshkit.errors import SandboxError
+
+    L = importlib.import_module("meshkit.sandbox.layout")  # the package's `layout` is a function
+
+    assert L.MAX_NODES == 244
+    assert L.max_nodes(ipaddress.IPv4Network("10.77.3.0/24")) == 244
+    assert L.max_nodes(ipaddress.IPv4Network("10.77.3.0/25")) == 116  # .11 .. .126
+    longest = "a" * L.NAME_MAX
+    for name in (longest, "default", "b"):
+        lay = L.layout("/nonexistent", "10.77.3.0/24", 244, name, networks.Options.all())
+        assert lay.nodes[-1].address == "10.77.3.254"
+        assert max(len(n) for n in L.ifnames(lay)) <= L.IFNAME_MAX
+    lay = L.layout("/nonexistent", "10.77.3.0/24", 244, longest, networks.Options.all())
+    assert lay.nodes[-1].veth == "mkaaaaaaaa-243" and len(lay.nodes[-1].veth) == 14
+    assert lay.nodes[-1].netns == "meshkit-aaaaaaaa-n243"
+    for count, subnet, why in (
+        (245, "10.77.3.0/24", "expected 1..244"),
+        (0, "10.77.3.0/24", "expected 1..244"),
+        (117, "10.77.3.0/25", "holds 116"),
+    ):
+        with pytest.raises(SandboxError, match=why):
+            L.layout("/nonexistent", subnet, count, "b")
+    with pytest.raises(SandboxError, match="use 1-8"):
+        L.layout("/nonexistent", "10.77.3.0/24", 2, "a" * (L.NAME_MAX + 1))
+    with pytest.raises(SandboxError, match="--bashrc"):
+        L.layout("/nonexistent", "10.77.3.0/24", 2, "b", bashrc="fish")
+
+
+def test_the_conda_bashrc_costs_a_hook_and_counts_every_shell():
+    """The realistic node shell: every shell sshd starts (an exec channel, the SFTP server) runs
+    the hook and is counted with the command it ran; the bashrc is in state.json, so load and
+    the counters see it."""
+    need_root()
+    name = named("conda")
+    lay = sandbox.up(sandbox_dir(name), sandbox.default_subnet("", name), 2, name, bashrc="conda")
+    try:
+        assert sandbox.load(lay.root).bashrc == "conda"
+        sandbox.reset_shells(lay)
+        out = ssh(lay, "node1", "echo shlvl=$CONDA_SHLVL")
+        assert out.returncode == 0 and "shlvl=1" in out.stdout, out.stderr
+        sftp = subprocess.run(
+            ["sftp", "-F", str(lay.ssh_config), "-b", "-", "node0"],
+            input="ls /tmp\n",
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert sftp.returncode == 0, sftp.stderr
+        assert sandbox.shells(lay) == [
+            ["/usr/lib/openssh/sftp-server"],
+            ["echo shlvl=$CONDA_SHLVL"],
+        ]
+        sandbox.reset_shells(lay)
+        assert sandbox.shells(lay) == [[], []]
+    finally:
+        sandbox.down(sandbox_dir(name), name)

@@ -27,13 +27,25 @@ from pathlib import Path
 
 from ..errors import SandboxError
 from . import networks as netopts
-from .layout import DEFAULT, Layout, Node, check_name, default_dir, default_subnet, layout
+from .layout import (
+    BASHRCS,
+    DEFAULT,
+    MAX_NODES,
+    Layout,
+    Node,
+    check_name,
+    default_dir,
+    default_subnet,
+    layout,
+)
 from .networks import Options, cut, mend
 from .system import COMMAND_TIMEOUT
 from .system import run as _run
 
 __all__ = [
+    "BASHRCS",
     "DEFAULT",
+    "MAX_NODES",
     "Layout",
     "Node",
     "Options",
@@ -47,6 +59,8 @@ __all__ = [
     "mend",
     "node_exec",
     "reboot",
+    "reset_shells",
+    "shells",
     "status",
     "up",
 ]
@@ -60,7 +74,8 @@ PROGRAMS = {
     "unshare": "util-linux",
     "nsenter": "util-linux",
 }
-READY_TIMEOUT = 10.0
+READY_TIMEOUT = 10.0  # plus READY_PER_NODE for each node booting at once
+READY_PER_NODE = 0.1
 SSHD = "/usr/sbin/sshd"
 
 # Runs inside a node's fresh mount+UTS namespace; its data arrives as positional arguments only.
@@ -88,6 +103,33 @@ exec /usr/sbin/sshd -D -f /etc/ssh/sshd_config -E "$hide/logs/$name.sshd.log"
 
 NODE_BASHRC = "# meshkit sandbox node: the host's ~/.bashrc does not run on the nodes\n"
 
+# Where the conda-like bashrc counts shells: one line per shell, the command it was started for.
+SHELLS_FILE = ".meshkit-shells"  # in the node's own /tmp
+# What `conda init` leaves in ~/.bashrc, in cost: a Python process per shell (conda's hook is
+# `conda shell.bash hook`; pyenv's `pyenv init -`), with no `case $- in *i*` guard, so every
+# shell sshd starts for an exec channel pays it. The hook burns a fixed 0.09 s of its own CPU
+# (plus the interpreter's start-up, about 0.1 s in all), the same on a busy machine as on an
+# idle one; its output is eval'ed as conda's is.
+CONDA_BASHRC = r"""# meshkit sandbox node: a conda-init-like ~/.bashrc (no interactive guard)
+__mk_cmd=${BASH_EXECUTION_STRING:-interactive}
+__mk_cmd=${__mk_cmd//$'\n'/ }
+printf '%s\n' "${__mk_cmd:0:200}" >> /tmp/.meshkit-shells 2>/dev/null
+unset __mk_cmd
+# >>> conda initialize >>>
+__conda_setup="$(/usr/bin/python3 -c '
+import time
+start = time.process_time()
+while time.process_time() - start < 0.09:
+    pass
+print("export CONDA_SHLVL=1")
+' 2>/dev/null)"
+if [ $? -eq 0 ]; then
+    eval "$__conda_setup"
+fi
+unset __conda_setup
+# <<< conda initialize <<<
+"""
+
 SSHD_CONFIG = """\
 # meshkit sandbox node {name}
 ListenAddress {address}
@@ -107,8 +149,11 @@ MaxSessions 64
 X11Forwarding no
 PrintMotd no
 AcceptEnv LANG LC_*
-Subsystem sftp internal-sftp
+Subsystem sftp {sftp}
 """
+# A stock Debian node's SFTP server: sshd starts it through the user's shell (which reads
+# ~/.bashrc); internal-sftp, the minimal nodes' one, starts no shell.
+SFTP_SERVER = "/usr/lib/openssh/sftp-server"
 
 
 def preflight() -> None:
@@ -178,6 +223,9 @@ def _keygen(path: Path, kind: str, comment: str) -> subprocess.Popen[bytes]:
 
 def _prepare_files(lay: Layout) -> None:
     nodes = lay.nodes
+    conda = lay.bashrc == "conda"
+    bashrc = CONDA_BASHRC if conda else NODE_BASHRC
+    sftp = SFTP_SERVER if conda and Path(SFTP_SERVER).exists() else "internal-sftp"
     for sub in ("controller", "nodes", "logs", "shared"):
         (lay.root / sub).mkdir(parents=True, exist_ok=True)
     (lay.root / "controller").chmod(0o700)
@@ -194,10 +242,11 @@ def _prepare_files(lay: Layout) -> None:
             if Path("/etc/ssh", name).exists():
                 shutil.copy(Path("/etc/ssh", name), d / "etc_ssh" / name)
         _write(
-            d / "etc_ssh" / "sshd_config", SSHD_CONFIG.format(name=node.name, address=node.address)
+            d / "etc_ssh" / "sshd_config",
+            SSHD_CONFIG.format(name=node.name, address=node.address, sftp=sftp),
         )
         _write(d / "hosts", netopts.hosts_text(lay, node) if lay.networks.any else hosts)
-        _write(d / "bashrc", NODE_BASHRC)
+        _write(d / "bashrc", bashrc)
         for kind in ("ed25519", "ecdsa"):
             keygens.append(
                 _keygen(d / "etc_ssh" / f"ssh_host_{kind}_key", kind, f"root@{node.name}")
@@ -317,8 +366,10 @@ def start_node(lay: Layout, node: Node) -> None:
 
 
 def wait_ready(lay: Layout, nodes: Sequence[Node]) -> None:
-    """Until every node's sshd accepts TCP (bounded by READY_TIMEOUT)."""
-    deadline = time.monotonic() + READY_TIMEOUT
+    """Until every node's sshd accepts TCP (bounded by READY_TIMEOUT and READY_PER_NODE: 244
+    nodes booting at once on two cores take longer than 4)."""
+    limit = READY_TIMEOUT + READY_PER_NODE * len(nodes)
+    deadline = time.monotonic() + limit
     waiting = list(nodes)
     while waiting:
         for node in list(waiting):
@@ -330,7 +381,7 @@ def wait_ready(lay: Layout, nodes: Sequence[Node]) -> None:
         if waiting and time.monotonic() > deadline:
             names = ", ".join(n.name for n in waiting)
             raise SandboxError(
-                f"sshd did not come up on {names} in {READY_TIMEOUT:.0f}s; see {lay.root}/logs/*.boot.log"
+                f"sshd did not come up on {names} in {limit:.0f}s; see {lay.root}/logs/*.boot.log"
             )
         if waiting:
             time.sleep(0.05)
@@ -415,16 +466,18 @@ def up(
     name: str = DEFAULT,
     networks: Options | None = None,
     slurm: bool = False,
+    bashrc: str = "minimal",
 ) -> Layout:
     """Create (or re-create) the sandbox ``name`` of ``count`` nodes and wait until every sshd
     answers. ``networks`` adds real-world network features (see networks.Options); ``slurm``
-    also a private SLURM cluster on the nodes (see ``sandbox.slurm``)."""
+    also a private SLURM cluster on the nodes (see ``sandbox.slurm``); ``bashrc`` the nodes'
+    ~/.bashrc (a key of BASHRCS: ``conda`` costs what conda's does and counts shells)."""
     from . import slurm as slurm_cluster
 
     preflight()
     if slurm:
         slurm_cluster.preflight()
-    lay = layout(root, subnet, count, name, networks)
+    lay = layout(root, subnet, count, name, networks, bashrc)
     down(lay.root, name)
     check_subnet(lay)
     netopts.check_second_subnet(lay)
@@ -442,6 +495,7 @@ def up(
                 "created_root_ssh": created_root_ssh,
                 "slurm": slurm,
                 "networks": lay.networks.as_state(),
+                "bashrc": lay.bashrc,
             }
         ),
     )
@@ -470,6 +524,7 @@ def load(root: str | os.PathLike[str]) -> Layout:
         int(str(state["nodes"])),
         str(state.get("name", DEFAULT)),
         Options.from_state(state.get("networks")),
+        str(state.get("bashrc", "minimal")),
     )
 
 
@@ -494,6 +549,32 @@ def reboot(lay: Layout, index: int) -> Node:
         slurm.start_daemons(lay, node)
         slurm.wait_idle(lay, [node])
     return node
+
+
+def shells_path(lay: Layout, node: Node) -> Path:
+    """The node's shell counter (the ``conda`` bashrc's), read from the controller."""
+    return lay.node_dir(node) / "tmp" / SHELLS_FILE
+
+
+def reset_shells(lay: Layout) -> None:
+    """Empty every node's shell counter (a reboot empties it too)."""
+    for node in lay.nodes:
+        with contextlib.suppress(FileNotFoundError):
+            shells_path(lay, node).unlink()
+
+
+def shells(lay: Layout) -> list[list[str]]:
+    """Per node, in rank order: the shells started since ``reset_shells``, each as the command
+    it was started for (``interactive`` for a login shell such as tmux's). Only the ``conda``
+    bashrc counts; a ``minimal`` sandbox gives empty lists."""
+    found = []
+    for node in lay.nodes:
+        try:
+            text = shells_path(lay, node).read_text(errors="replace")
+        except FileNotFoundError:
+            text = ""
+        found.append(text.splitlines())
+    return found
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SandboxError
-from .networks import Options
+from .networks import Options, second_bridge, second_veth
 
 DEFAULT = "default"
-MAX_NODES = 64
 FIRST_HOST = 11  # node i is subnet + 11 + i; the controller (bridge) is subnet + 1
-# Linux interface names are at most 15 characters: "mk" + name + "-" + two digits must fit.
-_NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+# A /24 holds nodes .11 to .254 (.255 is the broadcast address): 244 nodes.
+MAX_NODES = 256 - FIRST_HOST - 1
+NAME_MAX = 8
+# Linux interface names are at most 15 characters (IFNAMSIZ 16 with the NUL): the longest
+# sandbox-owned name is a veth's, "mk" + name + "-" + node index, i.e. 2 + 8 + 1 + 3 = 14 at
+# MAX_NODES; ``ifnames`` checks every name a layout would create.
+IFNAME_MAX = 15
+_NAME = re.compile(rf"^[a-z][a-z0-9]{{0,{NAME_MAX - 1}}}$")
 
 
 def check_name(name: str) -> str:
@@ -63,6 +68,7 @@ class Layout:
     count: int
     name: str = DEFAULT
     networks: Options = field(default_factory=Options)  # real-world network options (networks.py)
+    bashrc: str = "minimal"  # the nodes' ~/.bashrc: a key of BASHRCS
 
     @property
     def bridge(self) -> str:
@@ -129,14 +135,49 @@ class Layout:
         return self.root / "logs" / f"{node.name}.sshd.log"
 
 
+# The nodes' ~/.bashrc. sshd starts the user's shell for every exec channel (and for an external
+# SFTP server), and bash reads ~/.bashrc there, interactive or not.
+BASHRCS = {
+    "minimal": "a one-line ~/.bashrc (the host's does not run on the nodes)",
+    "conda": (
+        "a conda-init-like ~/.bashrc: about 0.1 s of CPU per shell (a Python hook, as `conda "
+        "init` and `pyenv init` leave on ML nodes, with no interactive guard), every shell "
+        "counted in the node's /tmp/.meshkit-shells; sshd runs the Debian sftp-server (a shell "
+        "too), as a stock node does"
+    ),
+}
+
+
+def check_bashrc(kind: str) -> str:
+    if kind not in BASHRCS:
+        raise SandboxError(f"--bashrc {kind[:40]!r}: expected one of {', '.join(BASHRCS)}")
+    return kind
+
+
+def max_nodes(subnet: ipaddress.IPv4Network) -> int:
+    """How many nodes fit: addresses from FIRST_HOST up to the one before the broadcast."""
+    return min(MAX_NODES, subnet.num_addresses - FIRST_HOST - 1)
+
+
+def ifnames(lay: Layout) -> list[str]:
+    """Every interface name the layout creates on the host (bridges, veths); each must fit
+    IFNAME_MAX (``layout`` refuses one that would not, rather than ``ip`` failing mid-up)."""
+    names = [lay.bridge, *(n.veth for n in lay.nodes)]
+    if lay.networks.second:
+        names += [second_bridge(lay), *(second_veth(lay, n) for n in lay.nodes)]
+    return names
+
+
 def layout(
     root: str | os.PathLike[str],
     subnet: str,
     count: int,
     name: str = DEFAULT,
     networks: Options | None = None,
+    bashrc: str = "minimal",
 ) -> Layout:
     check_name(name)
+    check_bashrc(bashrc)
     try:
         net = ipaddress.IPv4Network(subnet, strict=True)
     except ValueError as exc:
@@ -145,6 +186,16 @@ def layout(
         ) from None
     if not 1 <= count <= MAX_NODES:
         raise SandboxError(f"--nodes {count}: expected 1..{MAX_NODES}")
-    if net.num_addresses < FIRST_HOST + count + 1:
-        raise SandboxError(f"subnet {net} is too small for {count} nodes; use a /24")
-    return Layout(Path(root).resolve(), net, count, name, networks or Options())
+    if count > max_nodes(net):
+        raise SandboxError(
+            f"subnet {net} is too small for {count} nodes (it holds {max(0, max_nodes(net))}); "
+            "use a /24"
+        )
+    lay = Layout(Path(root).resolve(), net, count, name, networks or Options(), bashrc)
+    long = [n for n in ifnames(lay) if len(n) > IFNAME_MAX]
+    if long:
+        raise SandboxError(
+            f"interface name {long[0]!r} is longer than {IFNAME_MAX} characters; "
+            "use a shorter sandbox name or fewer nodes"
+        )
+    return lay
