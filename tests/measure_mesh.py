@@ -94,6 +94,47 @@ def mesh(lay: sandbox.Layout, *args: str, tree: str = "") -> tuple[float, dict[s
     return took, phases
 
 
+ANSIBLE = Path("/var/tmp/meshkit-bench-peers/ansible-core/venv/bin/ansible-playbook")
+
+
+def ansible_and_check(lay: sandbox.Layout) -> tuple[float, float]:
+    """The benchmark's Ansible mesh (its playbook, unchanged), then a separate all-pairs check:
+    from every node at once, OpenSSH to every node by the hostfile spelling (BatchMode, strict
+    host keys). Both times."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from benchmarks import peers
+    from meshkit.discovery import read_hosts
+    from meshkit.meshplan import parse_verify, verify_script
+
+    with tempfile.TemporaryDirectory(prefix="measure-ansible-") as tmp:
+        work = Path(tmp)
+        playbook = peers.ansible_files(
+            work, [n.name for n in lay.nodes], [n.address for n in lay.nodes]
+        )
+        start = time.monotonic()
+        subprocess.run(
+            [str(ANSIBLE), "-i", str(work / "inventory.ini"), str(playbook)],
+            env=peers.ansible_env(work, lay.ssh_config, lay.count),
+            capture_output=True,
+            check=True,
+        )
+        mid = time.monotonic()
+    hosts = read_hosts(lay.hostfile)
+
+    def one(i: int) -> list[object]:
+        argv = ["ssh", "-F", str(lay.ssh_config), "-o", "BatchMode=yes", lay.nodes[i].name, "sh"]
+        script = verify_script(hosts, 10, i, {})
+        out = subprocess.run(argv, input=script, capture_output=True, text=True, check=False)
+        return list(parse_verify(hosts[i], hosts, out.stdout, {}))
+
+    with ThreadPoolExecutor(len(lay.nodes)) as pool:
+        failures = [f for got in pool.map(one, range(len(lay.nodes))) for f in got]
+    assert not failures, failures[:3]
+    return mid - start, time.monotonic() - mid
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=8)
@@ -107,6 +148,11 @@ def main() -> None:
         "its mesh runs in the same rounds, right after this checkout's",
     )
     ap.add_argument("--no-verify-only", action="store_true")
+    ap.add_argument(
+        "--ansible",
+        action="store_true",
+        help="also the benchmark's Ansible mesh plus a separate all-pairs check, on fresh ~/.ssh",
+    )
     opts = ap.parse_args()
     name = named("shell")
     lay = sandbox.up(sandbox_dir(name), sandbox.default_subnet("", name), opts.nodes, name)
@@ -132,6 +178,13 @@ def main() -> None:
             rows.setdefault("floor", []).append(floor(lay))
             counted["floor"] = shells(lay)
             base = rows["floor"][-1]
+            if opts.ansible:
+                reset(lay, bootstrap)
+                meshed, checked = ansible_and_check(lay)
+                rows.setdefault("ansible mesh + all-pairs check", []).append(meshed + checked)
+                rows.setdefault("  ansible mesh", []).append(meshed)
+                rows.setdefault("  all-pairs check", []).append(checked)
+                counted["ansible mesh + all-pairs check"] = shells(lay)
             for tag, tree in (("", ""), (" [compared]", opts.compare)):
                 if tag and not tree:
                     continue
