@@ -73,10 +73,17 @@ def floor(lay: sandbox.Layout) -> float:
     return took
 
 
-def mesh(lay: sandbox.Layout, *args: str) -> tuple[float, dict[str, float]]:
+def mesh(lay: sandbox.Layout, *args: str, tree: str = "") -> tuple[float, dict[str, float]]:
+    """``meshkit mesh``: this checkout's, or with ``tree`` the package under that directory."""
     argv = [str(Path(sys.executable).parent / "meshkit"), "mesh", "--hostfile", str(lay.hostfile)]
+    env = dict(os.environ)
+    if tree:
+        argv[0:1] = [sys.executable, "-m", "meshkit"]
+        env["PYTHONPATH"] = tree
     start = time.monotonic()
-    done = subprocess.run([*argv, *args], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [*argv, *args], capture_output=True, text=True, check=False, env=env, cwd=tree or None
+    )
     took = time.monotonic() - start
     if done.returncode != 0:
         raise SystemExit(done.stdout + done.stderr)
@@ -87,12 +94,65 @@ def mesh(lay: sandbox.Layout, *args: str) -> tuple[float, dict[str, float]]:
     return took, phases
 
 
+ANSIBLE = Path("/var/tmp/meshkit-bench-peers/ansible-core/venv/bin/ansible-playbook")
+
+
+def ansible_and_check(lay: sandbox.Layout) -> tuple[float, float]:
+    """The benchmark's Ansible mesh (its playbook, unchanged), then a separate all-pairs check:
+    from every node at once, OpenSSH to every node by the hostfile spelling (BatchMode, strict
+    host keys). Both times."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from benchmarks import peers
+    from meshkit.discovery import read_hosts
+    from meshkit.meshplan import parse_verify, verify_script
+
+    with tempfile.TemporaryDirectory(prefix="measure-ansible-") as tmp:
+        work = Path(tmp)
+        playbook = peers.ansible_files(
+            work, [n.name for n in lay.nodes], [n.address for n in lay.nodes]
+        )
+        start = time.monotonic()
+        subprocess.run(
+            [str(ANSIBLE), "-i", str(work / "inventory.ini"), str(playbook)],
+            env=peers.ansible_env(work, lay.ssh_config, lay.count),
+            capture_output=True,
+            check=True,
+        )
+        mid = time.monotonic()
+    hosts = read_hosts(lay.hostfile)
+
+    def one(i: int) -> list[object]:
+        argv = ["ssh", "-F", str(lay.ssh_config), "-o", "BatchMode=yes", lay.nodes[i].name, "sh"]
+        script = verify_script(hosts, 10, i, {})
+        out = subprocess.run(argv, input=script, capture_output=True, text=True, check=False)
+        return list(parse_verify(hosts[i], hosts, out.stdout, {}))
+
+    with ThreadPoolExecutor(len(lay.nodes)) as pool:
+        failures = [f for got in pool.map(one, range(len(lay.nodes))) for f in got]
+    assert not failures, failures[:3]
+    return mid - start, time.monotonic() - mid
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--slow-bashrc", action="store_true")
     ap.add_argument("--sftp-server", action="store_true")
+    ap.add_argument(
+        "--compare",
+        default="",
+        help="a directory holding another meshkit package (e.g. `git archive OLD meshkit`): "
+        "its mesh runs in the same rounds, right after this checkout's",
+    )
+    ap.add_argument("--no-verify-only", action="store_true")
+    ap.add_argument(
+        "--ansible",
+        action="store_true",
+        help="also the benchmark's Ansible mesh plus a separate all-pairs check, on fresh ~/.ssh",
+    )
     opts = ap.parse_args()
     name = named("shell")
     lay = sandbox.up(sandbox_dir(name), sandbox.default_subnet("", name), opts.nodes, name)
@@ -117,25 +177,42 @@ def main() -> None:
             reset(lay, bootstrap)
             rows.setdefault("floor", []).append(floor(lay))
             counted["floor"] = shells(lay)
-            reset(lay, bootstrap)
-            took, phases = mesh(lay, "--no-verify")
-            counted["mesh --no-verify"] = shells(lay)
-            rows.setdefault("mesh --no-verify", []).append(took)
-            for k, v in phases.items():
-                rows.setdefault(f"  {k}", []).append(v)
-            reset(lay, bootstrap)
-            took, phases = mesh(lay)
-            counted["mesh"] = shells(lay)
-            rows.setdefault("mesh", []).append(took)
-            rows.setdefault("  verify", []).append(phases.get("verify", 0.0))
-            took, _ = mesh(lay, "--no-verify")
-            rows.setdefault("mesh --no-verify (meshed)", []).append(took)
+            base = rows["floor"][-1]
+            if opts.ansible:
+                reset(lay, bootstrap)
+                meshed, checked = ansible_and_check(lay)
+                rows.setdefault("ansible mesh + all-pairs check", []).append(meshed + checked)
+                rows.setdefault("  ansible mesh", []).append(meshed)
+                rows.setdefault("  all-pairs check", []).append(checked)
+                counted["ansible mesh + all-pairs check"] = shells(lay)
+            for tag, tree in (("", ""), (" [compared]", opts.compare)):
+                if tag and not tree:
+                    continue
+                reset(lay, bootstrap)
+                took, phases = mesh(lay, "--no-verify", tree=tree)
+                counted["mesh --no-verify" + tag] = shells(lay)
+                rows.setdefault("mesh --no-verify" + tag, []).append(took)
+                rows.setdefault("  ratio to floor" + tag, []).append(took / base)
+                for k, v in phases.items():
+                    rows.setdefault(f"  {k}{tag}", []).append(v)
+                if opts.no_verify_only:
+                    continue
+                reset(lay, bootstrap)
+                took, phases = mesh(lay, tree=tree)
+                counted["mesh" + tag] = shells(lay)
+                rows.setdefault("mesh" + tag, []).append(took)
+                rows.setdefault("  verify" + tag, []).append(phases.get("verify", 0.0))
+                took, _ = mesh(lay, "--no-verify", tree=tree)
+                rows.setdefault("mesh --no-verify (meshed)" + tag, []).append(took)
         print(
             f"N={opts.nodes} bashrc={'slow (0.1 s CPU)' if opts.slow_bashrc else 'empty'} "
             f"sftp={'sftp-server' if opts.sftp_server else 'internal-sftp'}; medians of {opts.rounds}"
         )
         for k, v in rows.items():
-            print(f"  {k:<28} {statistics.median(v):6.2f}s   {' '.join(f'{x:.2f}' for x in v)}")
+            unit = "x" if "ratio" in k else "s"
+            print(
+                f"  {k:<40} {statistics.median(v):6.2f}{unit}   {' '.join(f'{x:.2f}' for x in v)}"
+            )
         for k, (counts, kinds) in counted.items():
             print(f"  shells per node, {k}: {counts}  by command: {kinds}")
     finally:

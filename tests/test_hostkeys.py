@@ -152,3 +152,16 @@ def test_served_host_keys_are_proven_in_the_connection_or_by_the_fallback(node, 
         assert any("(ssh-rsa) does not verify; not trusted" in n for n in notes), notes
     else:
         assert ecdsa in blobs and rsa in blobs, notes
+
+
+def test_the_mesh_output_says_which_nodes_proved_their_keys_how(capsys):
+    from meshkit.cli.tasks.mesh import _show
+    from meshkit.ops.mesh import MeshReport
+
+    a, b, c = Host("a"), Host("b"), Host("c")
+    report = MeshReport([a, b, c], "0123456789", False)
+    report.host_keys_by = {a: IN_CONNECTION, b: FALLBACK, c: IN_CONNECTION}
+    _show(report)
+    out = capsys.readouterr().out
+    assert f"host keys {IN_CONNECTION}: a, c" in out
+    assert f"host keys {FALLBACK}: b" in out

@@ -1,10 +1,12 @@
-"""mesh, check and unmesh over the nodes: phases over one connection (one login) per node.
+"""mesh, check and unmesh over the nodes: phases over one connection (one login) and one shell
+(one exec channel running a small sh loop, ``NodeShell``) per node.
 
-inspect (read only, SFTP) -> plan (pure, meshkit.meshplan) -> keys (create or derive missing user
-keys) -> install (under the node's ~/.ssh flock: re-read, re-merge if changed, atomic rename) ->
-verify (N x N from the nodes themselves). Nothing is written anywhere unless every node passed
-inspection (or --skip-unreachable leaves the failed ones out) and no name conflicts. Functions
-return dataclasses and print nothing; domain errors are raised for the CLI to report.
+inspect (read only; host keys proven by sshd in the connection) -> plan (pure, meshkit.meshplan)
+-> keys (create or derive missing user keys) -> install (under the node's ~/.ssh flock: re-read,
+re-merge if changed, atomic rename) -> verify (N x N from the nodes themselves). Nothing is
+written anywhere unless every node passed inspection (or --skip-unreachable leaves the failed
+ones out) and no name conflicts. Functions return dataclasses and print nothing; domain errors
+are raised for the CLI to report.
 """
 
 from __future__ import annotations

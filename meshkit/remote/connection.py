@@ -1,5 +1,7 @@
-"""One node's single SSH connection (fabric over paramiko): strict host keys, a timeout on every
-call, atomic SFTP writes (temp file + rename, explicit modes)."""
+"""One node's single SSH connection (fabric over paramiko): strict host keys, the host keys sshd
+announces after authentication, a timeout on every call, atomic SFTP writes (temp file + rename,
+explicit modes) for the agent's files, and ``NodeShell``: the one shell per node that mesh and
+unmesh do all their node-side work through."""
 
 from __future__ import annotations
 

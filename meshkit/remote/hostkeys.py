@@ -25,7 +25,7 @@ from .connection import Remote
 
 PROVE = "hostkeys-prove-00@openssh.com"
 IN_CONNECTION = "proven in the connection (hostkeys-prove-00@openssh.com)"
-FALLBACK = "sshd did not prove them in the connection: one key exchange per key type instead"
+FALLBACK = "proven by one key exchange per key type (sshd did not prove them in the connection)"
 
 # What paramiko offers for each public key type (RSA keys sign with the SHA-2 algorithms).
 ALGORITHMS = {
