@@ -114,7 +114,7 @@ def ssh_checks(hosts: Sequence[Host], failures: Sequence[PairFailure]) -> list[C
                 Check("ssh", source.label, None, True, f"logs in to all {len(hosts)} nodes")
             )
         for target, errors in broken.items():
-            # verify tries each pair by the hostfile spelling and by hostname: one row per pair
+            # verify logs in by the hostfile spelling and checks the host key by hostname: one row a pair
             detail = "; ".join(dict.fromkeys(errors))[:300]
             checks.append(Check("ssh", source.label, target.label, False, detail, ssh_fix(detail)))
     return checks
