@@ -11,6 +11,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from .api import Cluster
     from .distenv import NodeEnv
 
 __version__ = "0.1.0"
@@ -23,4 +24,13 @@ def discover(hostfile: str | None = "hostfile", **kwargs: Any) -> NodeEnv:
     return _discover(hostfile, **kwargs)
 
 
-__all__ = ["__version__", "discover"]
+def __getattr__(name: str) -> type[Cluster]:
+    """``meshkit.Cluster``, imported on first use: ``meshkit env`` never imports SSH."""
+    if name == "Cluster":
+        from .api import Cluster
+
+        return Cluster
+    raise AttributeError(f"module 'meshkit' has no attribute {name!r}")
+
+
+__all__ = ["Cluster", "__version__", "discover"]

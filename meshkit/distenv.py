@@ -98,9 +98,6 @@ def rank_variables(env: NodeEnv, local_rank: int) -> dict[str, str]:
     return {k: str(v) for k, v in values.items()}
 
 
-ENV_FIELDS = ("source", "matched", "interface_source")  # what `env --json` adds to the variables
-
-
 def log_target(pattern: str, node_rank: str | int) -> str:
     """The node's log file: ``{rank}`` is replaced in the file name only (a directory may hold
     any characters)."""
@@ -159,7 +156,7 @@ LOCAL_RANK_VARIABLES = {
 
 def _index(environ: Mapping[str, str], name: str) -> int:
     value = environ[name].strip()
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise DistEnvError(f"{name}={environ[name]!r} is not a whole number >= 0")
     return int(value)
 

@@ -114,7 +114,7 @@ def _split_spec(spec: str) -> tuple[str | None, str, str | None]:
 
 
 def _number(text: str, what: str, low: int, high: int) -> int:
-    if not text.isdigit() or not low <= int(text) <= high:
+    if not (text.isascii() and text.isdigit()) or not low <= int(text) <= high:
         raise ValueError(f"bad {what} {text!r}: expected a whole number {low}..{high}")
     return int(text)
 

@@ -21,7 +21,7 @@ from .record import asdict, field, record
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 
 if TYPE_CHECKING:
-    from .protocol import NodeJob
+    from .protocol import EnvRequest, NodeJob
 
 # tmux renames sessions containing '.' or ':' (my.job -> my_job), so neither is allowed.
 _SESSION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")
@@ -160,6 +160,20 @@ class Job:
             setup=list(self.setup),
         )
 
+    def env_request(self) -> EnvRequest:
+        """Rank discovery on a node, with the flags the job's ``meshkit run`` gets there."""
+        from .protocol import EnvRequest
+
+        return EnvRequest(
+            self.workdir,
+            self.node_hostfile,
+            self.session,
+            self.master_port,
+            self.nproc_per_node,
+            self.include,
+            self.exclude,
+        )
+
     def to_json(self) -> str:
         data = asdict(self)
         data["setup"] = list(self.setup)
@@ -220,7 +234,7 @@ def parse_restart_on(text: str | None) -> tuple[int, ...]:
     codes = []
     for part in str(text).split(","):
         part = part.strip()
-        if not part.isdigit() or not 1 <= int(part) <= 255:
+        if not (part.isascii() and part.isdigit()) or not 1 <= int(part) <= 255:
             raise UsageError(
                 f"--restart-on {str(text)[:60]!r}: {part[:20]!r} is not an exit code 1..255 "
                 "(give a comma list, e.g. 1,137)"

@@ -135,12 +135,6 @@ def _retag(fields: list[str], at: int, ids: Sequence[str]) -> str:
     return " ".join(fields[: at + 2]) + " " + _tag(fields[at + 2], ids) + "\n"
 
 
-def check_mesh_id(mesh_id: str) -> str:
-    if not re.fullmatch(r"[a-z0-9]{1,32}", mesh_id):
-        raise KeyFormatError(f"mesh id {mesh_id[:40]!r}: expected 1-32 lowercase letters or digits")
-    return mesh_id
-
-
 @record
 class Merge:
     """A merged file: its new text, the lines added, and how many of meshkit's existing lines now

@@ -90,27 +90,6 @@ def choose_user_key(slots: Sequence[KeySlot], node: str) -> UserKey:
     )
 
 
-def keygen_command(user: UserKey, node: str) -> str:
-    """The one shell command of the keys phase (data enters only through shlex.quote). Under the
-    ~/.ssh flock, it creates or derives nothing when a file is there already (set -C: never
-    overwrite), then prints the public half."""
-    path = shlex.quote(user.path)
-    pub = shlex.quote(user.path + ".pub")
-    if user.action == "derive":
-        body = f"if [ ! -e {pub} ]; then set -C; ssh-keygen -y -f {path} > {pub}; fi; cat {pub}"
-    else:
-        kind = GENERATE[user.path]
-        comment = shlex.quote(keys.GENERATED_COMMENT + keys.check_label(node))
-        body = (
-            f"if [ ! -e {path} ] && [ ! -e {pub} ]; then "
-            f"ssh-keygen -q -t {kind} -N '' -C {comment} -f {path} </dev/null; fi; cat {pub}"
-        )
-    return (
-        "umask 077; [ -d .ssh ] || mkdir -m 700 .ssh; "
-        f"exec flock -w 30 .ssh sh -c {shlex.quote(body)}"
-    )
-
-
 # ---------------------------------------------------------------- files sshd would refuse
 
 
@@ -353,6 +332,10 @@ class NodeFacts:
     hostname: str = ""
     stale: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    home: str = ""
+    host_keys_by: str = (
+        ""  # how sshd proved its host keys (remote.hostkeys.IN_CONNECTION or FALLBACK)
+    )
 
 
 @dataclass
@@ -484,7 +467,8 @@ class PairFailure:
 
 @dataclass(frozen=True)
 class Target:
-    """One way to reach a node from the others: by the hostfile spelling, or by its hostname."""
+    """One way to reach a node from the others: by the hostfile spelling (a full login: it proves
+    the user keys and the host key), or by its hostname (its host-key check alone)."""
 
     index: int
     name: str
@@ -501,20 +485,29 @@ def targets(hosts: Sequence[Host], own_hostnames: Mapping[Host, str]) -> list[Ta
     return out
 
 
+# A login ("check"), and a host-key check alone ("keycheck"): a key exchange, then the "none"
+# authentication, which sshd refuses; OpenSSH says "Permission denied" only after the host key
+# passed StrictHostKeyChecking, so that refusal is the proof (and no shell starts on the target).
+VERIFY_FUNCTIONS = (
+    'check() { i=$1; shift; if out=$("$@" 2>&1 </dev/null); then echo "ok $i"; '
+    'else echo "fail $i $(printf %s "$out" | tr "\\n" " " | cut -c1-300)"; fi; }\n'
+    'keycheck() { i=$1; shift; out=$("$@" 2>&1 </dev/null) && { echo "ok $i"; return; }; '
+    'case $out in *"Permission denied ("*) echo "ok $i" ;; '
+    '*) echo "fail $i $(printf %s "$out" | tr "\\n" " " | cut -c1-300)" ;; esac; }'
+)
+
+
 def verify_script(
     hosts: Sequence[Host],
     connect_timeout: float,
     start: int = 0,
     own_hostnames: Mapping[Host, str] | None = None,
 ) -> str:
-    """From one node to every node, by the hostfile spelling and by the node's hostname: plain
-    OpenSSH, BatchMode, strict host keys. Host data enters the script only through shlex.join.
-    Node ``start`` begins with target ``start``, so each target gets about one batch of logins at
-    a time, not all N."""
-    lines = [
-        'check() { i=$1; shift; if out=$("$@" 2>&1 </dev/null); then echo "ok $i"; '
-        'else echo "fail $i $(printf %s "$out" | tr "\\n" " " | cut -c1-300)"; fi; }'
-    ]
+    """From one node to every node: a full login by the hostfile spelling, and a host-key check
+    by the node's hostname; plain OpenSSH, BatchMode, strict host keys. Host data enters the
+    script only through shlex.join. Node ``start`` begins with target ``start``, so each target
+    gets about one batch of connections at a time, not all N."""
+    lines = [VERIFY_FUNCTIONS]
     every = targets(hosts, own_hostnames or {})
     order = sorted(every, key=lambda t: ((t.index - start) % len(hosts), t.by))
     for k, t in enumerate(order):
@@ -530,12 +523,15 @@ def verify_script(
             "-o",
             "LogLevel=ERROR",
         ]
+        if t.by == "hostname":
+            argv += ["-o", "PreferredAuthentications=none"]
         if target.port:
             argv += ["-p", str(target.port)]
         if target.user:
             argv += ["-l", target.user]
         argv += ["--", t.name, "true"]
-        lines.append(f"check {t.index}{'h' if t.by == 'hostname' else ''} {shlex.join(argv)} &")
+        how = "keycheck" if t.by == "hostname" else "check"
+        lines.append(f"{how} {t.index}{'h' if t.by == 'hostname' else ''} {shlex.join(argv)} &")
         if (k + 1) % VERIFY_BATCH == 0:
             lines.append("wait")
     lines.append("wait")
@@ -560,7 +556,7 @@ def parse_verify(
         key = f"{t.index}{'h' if t.by == 'hostname' else ''}"
         result = seen.get(key, "no result")
         if result is not None:
-            how = f" (by hostname {t.name})" if t.by == "hostname" else ""
+            how = f" (host key by hostname {t.name})" if t.by == "hostname" else ""
             errors.setdefault(t.index, []).append(f"{result}{how}")
     # One failure per pair, whichever names failed.
     return [PairFailure(source, hosts[i], "; ".join(e)) for i, e in sorted(errors.items())]

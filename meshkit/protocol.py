@@ -3,28 +3,28 @@ object per line over the stdin/stdout of a single exec channel.
 
 Standard library only: the node side imports this too. Both sides bound what they read (a line is
 at most ``MAX_LINE`` bytes) and check every field's type, so a reply from a node is data, never
-trusted structure. Adding an op = a request class, a reply class and an entry in ``OPS``.
+trusted structure. ``OPS`` is the one table of operations: op -> request, reply and the handler
+(a function of ``meshkit.node``); adding an op is a request class, a reply class and a row there.
 """
 
 from __future__ import annotations
 
 import json
 
-from .record import MISSING, Field, asdict, field, fields, is_record, record
+from .record import Invalid, asdict, build, field, record
 
 TYPE_CHECKING = False  # no runtime `typing`: every agent imports this module (see record.py)
 if TYPE_CHECKING:
-    from typing import Any, TypeVar, Union
+    from typing import Any, Literal, Union
 
-    T = TypeVar("T")
+    JobState = Literal["running", "exited", "absent"]
 
 VERSION = 1
 MAX_LINE = 1 << 20  # bytes in one request or reply line
 MAX_LOG_BYTES = 256 * 1024  # log bytes one `logs` reply carries
 
 
-class ProtocolViolation(ValueError):
-    """A line that is not a well-formed request or reply."""
+ProtocolViolation = Invalid  # a line that is not a well-formed request or reply
 
 
 # ---- requests and replies ---------------------------------------------------------------------
@@ -32,17 +32,28 @@ class ProtocolViolation(ValueError):
 
 @record
 class EnvRequest:
-    """Run ``meshkit env --json ...`` (``argv``) in ``cwd``, as a login there would."""
+    """Rank discovery on the node for a job in ``cwd`` (its workdir), as ``meshkit run`` will do
+    it there (``cwd``'s meshkit.yaml included); the fields are ``meshkit env``'s flags."""
 
     cwd: str
-    argv: list[str]
+    hostfile: str
+    session: str
+    master_port: int
+    nproc_per_node: int | None = None
+    include: str | None = None
+    exclude: str | None = None
 
 
 @record
 class EnvReply:
-    code: int
-    out: str
-    err: str
+    """The variables the node would export, and where they came from; or why discovery failed
+    there (``error``, the message ``meshkit env`` prints; the other fields are then empty)."""
+
+    variables: dict[str, str]
+    source: str
+    matched: str | None
+    interface_source: str
+    error: str | None = None
 
 
 @record
@@ -67,8 +78,10 @@ class PortsReply:
 
 @record
 class NodeJob:
-    """What a node needs to run its part of a job (the same on every node: each node discovers
-    its own rank). ``argv`` is ``meshkit run ...``; ``env`` and ``setup`` come from config."""
+    """The one record of a job on a node: what the controller sends (``StartRequest``), what the
+    agent saves in the job's state directory (``spec.json``) and what the keeper runs. The same on
+    every node: each node discovers its own rank. ``argv`` is ``meshkit run ...``; ``env`` and
+    ``setup`` come from config."""
 
     job_id: str
     session: str
@@ -78,6 +91,12 @@ class NodeJob:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     setup: list[str] = field(default_factory=list)
+
+    def script(self) -> str:
+        """What the keeper gives ``bash -c``: the setup lines, then the quoted ``argv``."""
+        import shlex  # the agent's start does not need it; json has imported re already
+
+        return "\n".join([*self.setup, shlex.join(self.argv)]) + "\n"
 
 
 @record
@@ -95,7 +114,7 @@ class StartRequest:
 @record
 class StartReply:
     started: bool
-    state: str  # "running" | "exited" | "absent"
+    state: Literal["running", "exited", "absent"]
     replaced: list[RunningJob]
     conflicts: list[RunningJob]
     error: str | None = None
@@ -119,7 +138,7 @@ class StatusRequest:
 
 @record
 class StatusReply:
-    state: str  # "running" | "exited" | "absent"
+    state: Literal["running", "exited", "absent"]
     exit_code: int | None
     started: float | None
     last_line: str | None
@@ -179,7 +198,7 @@ class FactsReply:
     gpus: int
     clock: float  # time.time() on the node when it answered
     writable: str | None  # None: the workdir is writable; else why not
-    marker: str  # "written" | "seen" | why not
+    marker: str  # "written" | "seen" | why not (the marker is how "is the workdir shared" is told)
 
 
 @record
@@ -248,23 +267,14 @@ class ProbeRequest:
     seconds: float
 
 
-OPS: dict[str, tuple[type[Any], type[Any]]] = {
-    "env": (EnvRequest, EnvReply),
-    "ports": (PortsRequest, PortsReply),
-    "start": (StartRequest, StartReply),
-    "jobs": (JobsRequest, JobsReply),
-    "status": (StatusRequest, StatusReply),
-    "stop": (StopRequest, StopReply),
-    "logs": (LogsRequest, LogsReply),
-    "doctor_facts": (FactsRequest, FactsReply),
-    "doctor_listen": (ListenRequest, ListenReply),
-    "doctor_connect": (ConnectRequest, ConnectReply),
-    "doctor_done": (DoneRequest, DoneReply),
-    "doctor_probe": (ProbeRequest, EnvReply),
-}
+@record
+class ProbeReply:
+    code: int
+    out: str
+    err: str
 
 
-# ---- supervision and sync (issue 13) ----------------------------------------------------------
+# ---- supervision and sync -----------------------------------------------------------------------
 
 
 @record
@@ -322,13 +332,28 @@ class PutReply:
     written: int
 
 
-SUPERVISE_OPS: dict[str, tuple[type[Any], type[Any]]] = {
-    "unsupervise": (UnsuperviseRequest, UnsuperviseReply),
-    "manifest": (ManifestRequest, ManifestReply),
-    "put": (PutRequest, PutReply),
+# ---- the table ----------------------------------------------------------------------------------
+
+# op -> (request, reply, handler): the handler is "module.function" of meshkit.node, imported on
+# first use (a status round needs none of doctor, sync or supervise).
+OPS: dict[str, tuple[type[Any], type[Any], str]] = {
+    "env": (EnvRequest, EnvReply, "agent.env"),
+    "ports": (PortsRequest, PortsReply, "agent.ports"),
+    "start": (StartRequest, StartReply, "jobs.start"),
+    "jobs": (JobsRequest, JobsReply, "jobs.jobs"),
+    "status": (StatusRequest, StatusReply, "jobs.status"),
+    "stop": (StopRequest, StopReply, "jobs.stop"),
+    "logs": (LogsRequest, LogsReply, "jobs.logs"),
+    "doctor_facts": (FactsRequest, FactsReply, "doctor.facts"),
+    "doctor_listen": (ListenRequest, ListenReply, "doctor.listen"),
+    "doctor_connect": (ConnectRequest, ConnectReply, "doctor.connect"),
+    "doctor_done": (DoneRequest, DoneReply, "doctor.done"),
+    "doctor_probe": (ProbeRequest, ProbeReply, "doctor.probe"),
+    "unsupervise": (UnsuperviseRequest, UnsuperviseReply, "supervise.unsupervise"),
+    "manifest": (ManifestRequest, ManifestReply, "sync.manifest"),
+    "put": (PutRequest, PutReply, "sync.put"),
 }
-OPS.update(SUPERVISE_OPS)
-_OP_OF = {req: op for op, (req, _) in OPS.items()}
+_OP_OF = {request: op for op, (request, _, _) in OPS.items()}
 
 if TYPE_CHECKING:
     Request = Union[
@@ -344,9 +369,9 @@ if TYPE_CHECKING:
         ConnectRequest,
         DoneRequest,
         ProbeRequest,
-        "UnsuperviseRequest",
-        "ManifestRequest",
-        "PutRequest",
+        UnsuperviseRequest,
+        ManifestRequest,
+        PutRequest,
     ]
     Reply = Union[
         EnvReply,
@@ -360,9 +385,10 @@ if TYPE_CHECKING:
         ListenReply,
         ConnectReply,
         DoneReply,
-        "UnsuperviseReply",
-        "ManifestReply",
-        "PutReply",
+        ProbeReply,
+        UnsuperviseReply,
+        ManifestReply,
+        PutReply,
     ]
 else:  # the aliases only annotate; at runtime any name will do
     Request = Reply = object
@@ -425,106 +451,3 @@ def _load(line: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ProtocolViolation("not a JSON object")
     return data
-
-
-def build(cls: type[T], data: object, where: str) -> T:
-    """A record from JSON, checking every field against its annotation."""
-    if not isinstance(data, dict):
-        raise ProtocolViolation(f"{where}: expected an object")
-    values = {}
-    for f, shape in _fields_of(cls):
-        if f.name in data:
-            values[f.name] = _check(shape, data[f.name], f"{where}.{f.name}")
-        elif f.default is MISSING and f.default_factory is MISSING:
-            raise ProtocolViolation(f"{where}.{f.name}: missing")
-    return cls(**values)
-
-
-class _Shape:
-    """A field's annotation, parsed once: ``tag`` is a scalar type's name, ``list``, ``dict``,
-    ``union`` or ``record`` (then ``record`` is the class)."""
-
-    __slots__ = ("args", "record", "tag")
-
-    def __init__(self, tag: str, args: tuple[_Shape, ...] = (), record: type | None = None) -> None:
-        self.tag = tag
-        self.args = args
-        self.record = record
-
-
-_SHAPES: dict[type, tuple[tuple[Field, _Shape], ...]] = {}
-_SCALARS = ("str", "int", "float", "bool", "None")
-
-
-def _fields_of(cls: type) -> tuple[tuple[Field, _Shape], ...]:
-    found = _SHAPES.get(cls)
-    if found is None:
-        found = _SHAPES[cls] = tuple((f, _shape(f.type)) for f in fields(cls))
-    return found
-
-
-def _shape(text: str) -> _Shape:
-    """The shape of an annotation string (``list[int]``, ``str | None``, ``dict[str, str]``, a
-    record of this module); the protocol's annotations use nothing else (a test parses them all)."""
-    options = _split(text, "|")
-    if len(options) > 1:
-        return _Shape("union", tuple(_shape(option) for option in options))
-    text = text.strip()
-    if text.endswith("]"):
-        head, _, inner = text[:-1].partition("[")
-        args = tuple(_shape(arg) for arg in _split(inner, ","))
-        if (head, len(args)) in (("list", 1), ("dict", 2)):
-            return _Shape(head, args)
-    elif text in _SCALARS:
-        return _Shape(text)
-    else:
-        found = globals().get(text)
-        if isinstance(found, type) and is_record(found):
-            return _Shape("record", record=found)
-    raise TypeError(f"protocol: unsupported annotation {text!r}")
-
-
-def _split(text: str, sep: str) -> list[str]:
-    """``text`` cut at ``sep`` outside brackets."""
-    parts, depth, start = [], 0, 0
-    for at, char in enumerate(text):
-        depth += (char == "[") - (char == "]")
-        if char == sep and depth == 0:
-            parts.append(text[start:at])
-            start = at + 1
-    parts.append(text[start:])
-    return parts
-
-
-def _check(shape: _Shape, value: object, where: str) -> object:
-    tag = shape.tag
-    if tag == "union":
-        for option in shape.args:
-            try:
-                return _check(option, value, where)
-            except ProtocolViolation:
-                continue
-        raise ProtocolViolation(f"{where}: unexpected {type(value).__name__}")
-    if tag == "None":
-        if value is None:
-            return None
-    elif tag == "list":
-        if isinstance(value, list):
-            (item,) = shape.args
-            return [_check(item, v, f"{where}[]") for v in value]
-    elif tag == "dict":
-        if isinstance(value, dict):
-            key, val = shape.args
-            return {_check(key, k, where): _check(val, v, where) for k, v in value.items()}
-    elif tag == "record":
-        assert shape.record is not None
-        return build(shape.record, value, where)
-    elif tag == "float":
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tag == "int":
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif (tag == "str" and isinstance(value, str)) or (tag == "bool" and isinstance(value, bool)):
-        return value
-    raise ProtocolViolation(f"{where}: unexpected {type(value).__name__}")

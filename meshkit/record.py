@@ -204,3 +204,144 @@ def _plain(value: object) -> object:
     if isinstance(value, dict):
         return {_plain(k): _plain(v) for k, v in value.items()}
     return value
+
+
+# ---- building records from untrusted data ---------------------------------------------------------
+# The one checker of the tree: the protocol builds every request and reply with it (bytes read from
+# a node are data, never trusted structure) and the settings build the configuration with it.
+
+
+class Invalid(ValueError):
+    """Data that does not fit a record's annotations; the message names where (``args.job.env``)."""
+
+
+def build(cls: type[T], data: object, where: str) -> T:
+    """A ``cls`` record from JSON-like ``data``, every field checked against its annotation."""
+    if not isinstance(data, dict):
+        raise Invalid(f"{where}: expected an object")
+    values = {}
+    for f, shape in _fields_of(cls):
+        if f.name in data:
+            values[f.name] = _check(shape, data[f.name], f"{where}.{f.name}")
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise Invalid(f"{where}.{f.name}: missing")
+    return cls(**values)
+
+
+def check(cls: type, name: str, value: object, where: str) -> object:
+    """``value`` checked against the annotation of ``cls``'s field ``name``."""
+    for f, shape in _fields_of(cls):
+        if f.name == name:
+            return _check(shape, value, where)
+    raise KeyError(name)
+
+
+class _Shape:
+    """An annotation, parsed once: ``tag`` is a scalar type's name, ``list``, ``tuple``, ``dict``,
+    ``literal`` (``values``), ``union`` or ``record`` (then ``record`` is the class)."""
+
+    __slots__ = ("args", "record", "tag", "values")
+
+    def __init__(
+        self,
+        tag: str,
+        args: tuple[_Shape, ...] = (),
+        record: type | None = None,
+        values: tuple[str, ...] = (),
+    ) -> None:
+        self.tag = tag
+        self.args = args
+        self.record = record
+        self.values = values
+
+
+_SHAPES: dict[type, tuple[tuple[Field, _Shape], ...]] = {}
+_SCALARS = ("str", "int", "float", "bool", "None")
+
+
+def _fields_of(cls: type) -> tuple[tuple[Field, _Shape], ...]:
+    found = _SHAPES.get(cls)
+    if found is None:
+        import sys  # already loaded: only to find the names the annotations use
+
+        names = sys.modules[cls.__module__].__dict__
+        found = _SHAPES[cls] = tuple((f, _shape(f.type, names)) for f in fields(cls))
+    return found
+
+
+def _shape(text: str, names: dict[str, object]) -> _Shape:
+    """The shape of an annotation string: ``list[int]``, ``tuple[str, ...]``, ``str | None``,
+    ``dict[str, str]``, ``Literal['a', 'b']``, or a record class of the module that uses it. The
+    tree's records use nothing else (a test parses them all)."""
+    options = _split(text, "|")
+    if len(options) > 1:
+        return _Shape("union", tuple(_shape(option, names) for option in options))
+    text = text.strip()
+    if text.endswith("]"):
+        head, _, inner = text[:-1].partition("[")
+        parts = _split(inner, ",")
+        if head == "Literal":
+            return _Shape("literal", values=tuple(p.strip().strip("'\"") for p in parts))
+        if head == "tuple" and len(parts) == 2 and parts[1].strip() == "...":
+            return _Shape("tuple", (_shape(parts[0], names),))
+        args = tuple(_shape(arg, names) for arg in parts)
+        if (head, len(args)) in (("list", 1), ("dict", 2)):
+            return _Shape(head, args)
+    elif text in _SCALARS:
+        return _Shape(text)
+    else:
+        found = names.get(text)
+        if isinstance(found, type) and is_record(found):
+            return _Shape("record", record=found)
+    raise TypeError(f"record: unsupported annotation {text!r}")
+
+
+def _split(text: str, sep: str) -> list[str]:
+    """``text`` cut at ``sep`` outside brackets."""
+    parts, depth, start = [], 0, 0
+    for at, char in enumerate(text):
+        depth += (char == "[") - (char == "]")
+        if char == sep and depth == 0:
+            parts.append(text[start:at])
+            start = at + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _check(shape: _Shape, value: object, where: str) -> object:
+    tag = shape.tag
+    if tag == "union":
+        for option in shape.args:
+            try:
+                return _check(option, value, where)
+            except Invalid:
+                continue
+        raise Invalid(f"{where}: unexpected {type(value).__name__}")
+    if tag == "None":
+        if value is None:
+            return None
+    elif tag in ("list", "tuple"):
+        if isinstance(value, (list, tuple)):
+            (item,) = shape.args
+            items = [_check(item, v, f"{where}[]") for v in value]
+            return items if tag == "list" else tuple(items)
+    elif tag == "dict":
+        if isinstance(value, dict):
+            key, val = shape.args
+            return {_check(key, k, where): _check(val, v, where) for k, v in value.items()}
+    elif tag == "record":
+        assert shape.record is not None
+        return build(shape.record, value, where)
+    elif tag == "literal":
+        if isinstance(value, str) and value in shape.values:
+            return value
+        raise Invalid(f"{where}: {str(value)[:40]!r} is not one of {', '.join(shape.values)}")
+    elif tag == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tag == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif (tag == "str" and isinstance(value, str)) or (tag == "bool" and isinstance(value, bool)):
+        return value
+    raise Invalid(f"{where}: unexpected {type(value).__name__}")

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 
 from .errors import ConfigError
-from .record import field, fields, record
+from .record import Invalid, asdict, build, field, fields, record
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 if TYPE_CHECKING:
@@ -22,34 +22,8 @@ LEVELS = ("/etc/meshkit", "~/.meshkit", "./meshkit")  # system, user, project
 SUFFIXES = ("yaml", "yml", "json")  # the first file found at a level wins
 MAX_CONFIG_BYTES = 1 << 20
 
-DEFAULTS: dict[str, Any] = {
-    "hostfile": "hostfile",  # relative to the working directory
-    "include": None,  # comma list of names, patterns or ranges to keep
-    "exclude": None,  # ... and to drop
-    "user": None,  # login user when the hostfile line names none (else ssh config, else $USER)
-    "port": None,  # SSH port when the hostfile line names none (else ssh config, else 22)
-    "identity": None,  # private key for the controller's logins (a bootstrap key)
-    "ssh_config": None,  # extra ssh_config file; an ``ssh_config`` beside the hostfile is read too
-    "connect_timeout": 10.0,  # seconds for TCP connect + SSH handshake + auth, per node
-    "command_timeout": 120.0,  # seconds for any one remote command
-    "parallel": 32,  # nodes contacted at once
-    "session": "meshkit",  # job name (tmux session prefix), also salts the derived master port
-    "workdir": None,  # where the job runs and keeps its logs (shared storage); default: cwd
-    "python": None,  # node-side interpreter path; default: the one running meshkit
-    "nproc_per_node": None,  # processes per node; default: hostfile slots, else GPUs, else 1
-    "master_port": None,  # default: derived from the hostfile and session
-    "setup": [],  # shell lines run before the job on every node (e.g. activate a venv)
-    "env": {},  # extra environment variables for the job
-    "sync_exclude": [],  # names `train --sync` never copies (besides .git and __pycache__)
-    "warm_start": None,  # seconds a warm server idles before it ends; unset or off: none
-    "sandbox": {
-        "dir": "/var/tmp/meshkit-sandbox",  # state of the local test cluster (shared "storage")
-        "subnet": "10.77.0.0/24",  # its private network; checked against the host's routes
-        "nodes": 3,
-    },
-}
 
-
+# The defaults are the records' own (DEFAULTS below is derived from them).
 @record
 class SandboxConfig:
     dir: str = "/var/tmp/meshkit-sandbox"
@@ -59,29 +33,50 @@ class SandboxConfig:
 
 @record
 class Config:
-    hostfile: str = "hostfile"
-    include: str | None = None
-    exclude: str | None = None
-    user: str | None = None
-    port: int | None = None
-    identity: str | None = None
-    ssh_config: str | None = None
-    connect_timeout: float = 10.0
-    command_timeout: float = 120.0
-    parallel: int = 32
-    session: str = "meshkit"
-    workdir: str | None = None
-    python: str | None = None
-    nproc_per_node: int | None = None
-    master_port: int | None = None
-    setup: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
-    sync_exclude: tuple[str, ...] = ()
-    warm_start: float | None = None
+    hostfile: str = "hostfile"  # relative to the working directory
+    include: str | None = None  # comma list of names, patterns or ranges to keep
+    exclude: str | None = None  # ... and to drop
+    user: str | None = None  # login user when the hostfile line names none (else ssh config)
+    port: int | None = None  # SSH port when the hostfile line names none (else ssh config, 22)
+    identity: str | None = None  # private key for the controller's logins (a bootstrap key)
+    ssh_config: str | None = None  # extra ssh_config; an ``ssh_config`` beside the hostfile too
+    connect_timeout: float = 10.0  # seconds for TCP connect + SSH handshake + auth, per node
+    command_timeout: float = 120.0  # seconds for any one remote command
+    parallel: int = 32  # nodes contacted at once
+    session: str = "meshkit"  # job name (tmux session prefix); salts the derived master port
+    workdir: str | None = None  # where the job runs and keeps its logs; default: cwd
+    python: str | None = None  # node-side interpreter path; default: the one running meshkit
+    nproc_per_node: int | None = None  # default: hostfile slots, else GPUs, else 1
+    master_port: int | None = None  # default: derived from the hostfile and session
+    setup: tuple[str, ...] = ()  # shell lines run before the job on every node
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the job
+    sync_exclude: tuple[str, ...] = ()  # names train --sync never copies
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def get(self, name: str) -> Any:
         return getattr(self, name)
+
+
+def _plain_defaults() -> dict[str, Any]:
+    """The defaults, from the ``Config`` record itself: lists where it holds tuples (a file or
+    a MESHKIT_* variable gives lists)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return {k: plain(v) for k, v in asdict(Config()).items()}
+
+
+DEFAULTS: dict[str, Any] = _plain_defaults()
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes '²', which ``int`` then refuses."""
+    return text.isascii() and text.isdigit()
 
 
 def _read_file(base: str) -> tuple[str, dict[str, Any]] | None:
@@ -139,11 +134,16 @@ def _copied(value: Any) -> Any:
     return value
 
 
-def raw(environ: Mapping[str, str] | None = None) -> dict[str, tuple[Any, str]]:
-    """Each key's value and where it came from (for error messages), before checking."""
+def raw(
+    environ: Mapping[str, str] | None = None, cwd: str | None = None
+) -> dict[str, tuple[Any, str]]:
+    """Each key's value and where it came from (for error messages), before checking. ``cwd``:
+    the directory whose ``./meshkit.yaml`` counts (default: the working directory)."""
     environ = os.environ if environ is None else environ
     merged: dict[str, tuple[Any, str]] = {k: (_copied(v), "default") for k, v in DEFAULTS.items()}
     for base in LEVELS:
+        if cwd is not None and base.startswith("./"):
+            base = os.path.join(cwd, base[2:])
         found = _read_file(base)
         if found is None:
             continue
@@ -182,7 +182,7 @@ def _check(name: str, kind: Any, value: Any, where: str) -> Any:
             raise bad("seconds between 0 and 86400")
         return number
     if "int" in text:
-        if isinstance(value, bool) or not str(value).strip().isdigit():
+        if isinstance(value, bool) or not _digits(str(value).strip()):
             raise bad("a whole number")
         number = int(str(value).strip())
         limits = {"port": (1, 65535), "master_port": (1, 65535), "parallel": (1, 1024)}
@@ -214,9 +214,9 @@ def _check(name: str, kind: Any, value: Any, where: str) -> Any:
     return str(value)
 
 
-def load(environ: Mapping[str, str] | None = None) -> Config:
-    """The checked configuration, from every level."""
-    merged = raw(environ)
+def load(environ: Mapping[str, str] | None = None, cwd: str | None = None) -> Config:
+    """The checked configuration, from every level (``cwd``: see ``raw``)."""
+    merged = raw(environ, cwd)
     hints = {f.name: f.type for f in fields(Config)}
     values: dict[str, Any] = {}
     for key, (value, where) in merged.items():
@@ -226,21 +226,21 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
             unknown = set(value) - {"dir", "subnet", "nodes"}
             if unknown:
                 raise ConfigError(f"{where}: sandbox: unknown keys {sorted(unknown)}")
-            values[key] = SandboxConfig(
-                str(value.get("dir") or SandboxConfig.dir),
-                str(value.get("subnet") or SandboxConfig.subnet),
-                _check("sandbox.nodes", "int", value.get("nodes", 3), where),
-            )
+            values[key] = {
+                "dir": str(value.get("dir") or SandboxConfig.dir),
+                "subnet": str(value.get("subnet") or SandboxConfig.subnet),
+                "nodes": _check("sandbox.nodes", "int", value.get("nodes", 3), where),
+            }
         elif key == "sync_exclude":
             values[key] = _check_names(value, where)
-        elif key == "warm_start" and str(value).strip().lower() in OFF:
-            values[key] = None
         else:
             values[key] = _check(key, hints[key], value, where)
-    return Config(**values)
-
-
-OFF = ("0", "off", "false", "no")  # warm_start: none (also honoured by cli/warm.py's client)
+    # The same checker as the protocol's, over the converted values: what reaches the rest of
+    # meshkit has exactly the record's types.
+    try:
+        return build(Config, values, "config")
+    except Invalid as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_names(value: Any, where: str) -> tuple[str, ...]:

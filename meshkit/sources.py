@@ -39,7 +39,7 @@ def _int(env: Mapping[str, str], name: str, low: int = 0) -> int | None:
     if name not in env:
         return None
     value = env[name].strip()
-    if not value.isdigit() or int(value) < low:
+    if not (value.isascii() and value.isdigit()) or int(value) < low:
         raise SourceError(f"{name}={env[name]!r} is not a whole number >= {low}; fix or unset it")
     return int(value)
 

@@ -17,7 +17,8 @@ from conftest import meshkit, named, need_root, sandbox_dir
 from meshkit import sandbox
 from meshkit.hostfile import Host, parse
 from meshkit.ops import doctor
-from meshkit.protocol import ConnectReply, ConnectResult, EnvReply, FactsReply, ListenReply
+from meshkit.ops.sync import Facts
+from meshkit.protocol import ConnectReply, ConnectResult, FactsReply, ListenReply, ProbeReply
 from meshkit.remote.group import Outcome
 from meshkit.sandbox import networks
 
@@ -72,7 +73,7 @@ def test_versions_gpus_workdir_and_clock_verdicts():
         HOSTS[2]: Outcome(facts(marker="/w/.meshkit/doctor-x is not there", gpus=4)),
     }
     timing = {h: (1000.0, 1000.2) for h in HOSTS}
-    checks = doctor.fact_checks(HOSTS, replies, {}, timing, slots=2)
+    checks = doctor.fact_checks(HOSTS, Facts(replies, timing, "/w/.meshkit/x"), {}, slots=2)
     bad = {(c.check, c.node): c for c in checks if not c.ok}
     assert set(bad) == {
         ("versions", "10.0.0.2"),
@@ -114,9 +115,9 @@ def test_busy_port_unreachable_peer_and_probe_lines():
         "meshkit-probe rank=0 world_size=3 backend=gloo ifname=eth0 host=a sum=6 expected=6 ok=True"
     )
     probes = {
-        HOSTS[0]: Outcome(EnvReply(0, line + "\n", "")),
-        HOSTS[1]: Outcome(EnvReply(4, "meshkit-probe rank=1 error=RuntimeError: timeout\n", "")),
-        HOSTS[2]: Outcome(EnvReply(124, "", "the collective probe took longer than 60s")),
+        HOSTS[0]: Outcome(ProbeReply(0, line + "\n", "")),
+        HOSTS[1]: Outcome(ProbeReply(4, "meshkit-probe rank=1 error=RuntimeError: timeout\n", "")),
+        HOSTS[2]: Outcome(ProbeReply(124, "", "the collective probe took longer than 60s")),
     }
     got = doctor.collective_checks(HOSTS, probes, {})
     assert [c.ok for c in got] == [True, False, False]

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from meshkit import envrun as fastcli
 from meshkit import settings
-from meshkit.cli import fast as fastcli
 from meshkit.cli.tasks import ns
 from meshkit.errors import ConfigError
 
@@ -125,7 +125,7 @@ def test_the_fast_parser_takes_only_what_it_is_sure_of():
         ["hostfile"],  # a positional
         ["--cmd", "x"],  # not an env flag
     ):
-        with pytest.raises(fastcli._Fallback):
+        with pytest.raises(fastcli.Fallback):
             fastcli.parse("env", args)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import marshal
 import os
 import shlex
 import subprocess
@@ -19,9 +18,9 @@ from meshkit import job as jobs
 from meshkit import protocol
 from meshkit.errors import JobError, UsageError
 from meshkit.job import Job
-from meshkit.node import agent, inprocess, procs
+from meshkit.node import agent, procs, tmux
 from meshkit.node import jobs as node_jobs
-from meshkit.ops.jobs import find_job
+from meshkit.ops.lookup import find_job
 
 HOSTILE = """echo "it's $NODE_RANK"; echo `date` $(whoami) && exit 3 # ; rm -rf /"""
 
@@ -117,8 +116,8 @@ def test_agent_answers_and_survives_bad_requests(tmp_path):
     lines = [
         protocol.encode_request(protocol.PortsRequest("0" * 16, [1])),
         '{"v": 1, "op": "nosuch", "args": {}}\n',
-        protocol.encode_request(protocol.EnvRequest(str(tmp_path / "missing"), ["x"])),
-        protocol.encode_request(protocol.EnvRequest(str(tmp_path), ["/nonexistent/python3"])),
+        protocol.encode_request(protocol.EnvRequest(str(tmp_path / "missing"), "hostfile", "s", 1)),
+        protocol.encode_request(protocol.EnvRequest(str(tmp_path), "no-such-hostfile", "s", 1)),
         "x" * (protocol.MAX_LINE + 10) + "\n",
         protocol.encode_request(protocol.JobsRequest()),
     ]
@@ -127,7 +126,8 @@ def test_agent_answers_and_survives_bad_requests(tmp_path):
     got = [json.loads(line) for line in replies.getvalue().splitlines()]
     assert got[0]["ok"] and got[0]["result"]["ports"][0]["port"] == 1
     assert not got[1]["ok"] and "nosuch" in got[1]["error"]
-    assert got[2]["result"]["err"].startswith("cd: ") and got[3]["result"]["code"] == 127
+    assert "workdir" in got[2]["result"]["error"] and "missing" in got[2]["result"]["error"]
+    assert "no such hostfile" in got[3]["result"]["error"] and got[3]["result"]["variables"] == {}
     assert not got[4]["ok"] and "longer than" in got[4]["error"]
     assert got[-1]["ok"]  # still serving after all of that
 
@@ -163,12 +163,12 @@ def wait_for(predicate, timeout: float = 15.0):
 
 
 def test_kill_session_asks_tmux_only_when_its_server_is_there(private_tmux, tmp_path):
-    assert not node_jobs.tmux_server_may_run()
-    node_jobs.kill_session("none")  # no server, no socket: nothing to ask and no error
+    assert not tmux.server_may_run()
+    tmux.kill_session("none")  # no server, no socket: nothing to ask and no error
     subprocess.run(["tmux", "new-session", "-d", "-s", "k1", "sleep 60"], check=True, timeout=10)
     subprocess.run(["tmux", "new-session", "-d", "-s", "k10", "sleep 60"], check=True, timeout=10)
-    assert node_jobs.tmux_server_may_run()
-    node_jobs.kill_session("k1")  # exactly that name, not k10
+    assert tmux.server_may_run()
+    tmux.kill_session("k1")  # exactly that name, not k10
     has = [
         subprocess.run(["tmux", "has-session", "-t", f"={s}"], capture_output=True, timeout=10)
         for s in ("k1", "k10")
@@ -176,7 +176,7 @@ def test_kill_session_asks_tmux_only_when_its_server_is_there(private_tmux, tmp_
     assert [h.returncode == 0 for h in has] == [False, True]
     subprocess.run(["tmux", "kill-server"], check=True, timeout=10)
     socket_file = tmp_path / f"tmux-{os.getuid()}" / "default"
-    wait_for(lambda: not node_jobs.tmux_server_may_run())  # the server takes a moment to go
+    wait_for(lambda: not tmux.server_may_run())  # the server takes a moment to go
     assert socket_file.exists()  # tmux leaves it behind; nothing listens on it
 
 
@@ -272,50 +272,39 @@ def test_every_op_has_a_handler_and_status_imports_only_what_it_needs():
 
 
 @pytest.mark.parametrize("case", ["ok", "error"])
-def test_env_in_a_fork_of_the_agent_prints_what_a_new_interpreter_prints(tmp_path, case):
-    """The preflight's `meshkit env` runs in a fork of the agent when it names the agent's own
-    interpreter: same output, same exit code, same error text, in the workdir given."""
+def test_the_agents_env_answer_is_what_meshkit_env_prints_there(tmp_path, case):
+    """The preflight's discovery runs in the agent itself, in the workdir given (its meshkit.yaml
+    counts): the same variables `meshkit env --json` prints there, or its error, as typed data."""
     (tmp_path / "hostfile").write_text("10.9.9.1\n10.9.9.2\n")
-    (tmp_path / "meshkit.yaml").write_text("meshkit:\n  master_port: 23456\n")
-    hostfile = "hostfile" if case == "ok" else "missing-hostfile"
+    (tmp_path / "meshkit.yaml").write_text("meshkit:\n  nproc_per_node: 3\n")
+    hostfile = str(tmp_path / ("hostfile" if case == "ok" else "missing-hostfile"))
     argv = [sys.executable, "-m", "meshkit", "env", "--json", "--hostfile", hostfile]
-    argv += ["--node-rank", "1"]
-    assert inprocess.this_interpreter(argv)
-    forked = agent.env(protocol.EnvRequest(str(tmp_path), argv))
-    fresh = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, check=False)
-    assert (forked.code, forked.out, forked.err) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    argv += ["--session", "s", "--master-port", "23456"]
+    env = {**os.environ, "MESHKIT_NODE_RANK": "1"}
+    fresh = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, check=False, env=env)
+    os.environ["MESHKIT_NODE_RANK"] = "1"
+    try:
+        reply = agent.env(protocol.EnvRequest(str(tmp_path), hostfile, "s", 23456))
+    finally:
+        del os.environ["MESHKIT_NODE_RANK"]
     if case == "ok":
-        data = json.loads(forked.out)
-        assert data["NODE_RANK"] == "1" and data["MASTER_PORT"] == "23456"
+        data = json.loads(fresh.stdout)
+        assert reply.error is None and reply.source == data.pop("source") == "explicit"
+        assert reply.matched == data.pop("matched")
+        assert reply.interface_source == data.pop("interface_source")
+        assert reply.variables == data and data["NPROC_PER_NODE"] == "3"
     else:
-        assert forked.code != 0 and "hostfile" in forked.err
+        assert fresh.returncode != 0 and reply.variables == {}
+        assert f"meshkit: {reply.error}" == fresh.stderr.strip()
 
 
-def test_the_keeper_runs_meshkit_in_a_fork_only_for_its_own_interpreter_and_no_setup():
-    def keeper_spec(**kw: object) -> dict[str, object]:
-        return node_jobs.keeper_spec(
-            make_job(**{"python": sys.executable, "setup": (), **kw}).node_job()
-        )
-
-    plain = keeper_spec(env={"A": "x y"})
-    assert plain["meshkit"] == make_job(python=sys.executable).node_job().argv[3:]
-    assert plain["meshkit"][0] == "run"  # type: ignore[index]
-    for kw in (
-        {"python": "/other/venv/bin/python"},
-        {"setup": ("source /venv/bin/activate",)},
-        {"env": {"PYTHONPATH": "/elsewhere"}},
-    ):
-        assert "meshkit" not in keeper_spec(**kw), kw
-        assert keeper_spec(**kw)["script"]  # bash runs it as before
-
-
-@pytest.mark.parametrize("forked", [True, False])
-def test_meshkit_run_under_the_keeper_gives_the_command_the_same_either_way(
-    private_tmux, tmp_path, forked
+@pytest.mark.parametrize("setup", [False, True])
+def test_meshkit_run_under_the_keeper_gives_the_command_its_variables(
+    private_tmux, tmp_path, setup
 ):
-    """In a fork of the keeper or through bash and a new interpreter: the node's variables, the
-    job's tag and environment, its exit code, and SIGPIPE/SIGXFSZ at their defaults (`yes | head`
-    ends quietly: Python ignores SIGPIPE, and an ignored signal would survive the exec)."""
+    """With or without setup lines: the node's variables, the job's tag and environment, its exit
+    code, and SIGPIPE/SIGXFSZ at their defaults (`yes | head` ends quietly: Python ignores
+    SIGPIPE, and an ignored signal would survive the exec)."""
     work = tmp_path / "w"
     work.mkdir()
     (work / "hostfile").write_text("10.9.9.1\n10.9.9.2\n")
@@ -326,9 +315,8 @@ def test_meshkit_run_under_the_keeper_gives_the_command_the_same_either_way(
     argv = [sys.executable, "-m", "meshkit", "run", "--hostfile", "hostfile", "--node-rank", "1"]
     base = spec(work, cmd)
     job = protocol.NodeJob(
-        **{**base.__dict__, "argv": [*argv, "--cmd", cmd], "setup": [] if forked else ["true"]}
+        **{**base.__dict__, "argv": [*argv, "--cmd", cmd], "setup": ["true"] if setup else []}
     )
-    assert ("meshkit" in node_jobs.keeper_spec(job)) is forked
     assert node_jobs.start(protocol.StartRequest(job)).started
     wait_for(lambda: node_jobs._state(job.job_id)[0] == "exited")
     assert node_jobs._state(job.job_id) == ("exited", 5)
@@ -344,10 +332,10 @@ def test_meshkit_run_under_the_keeper_gives_the_command_the_same_either_way(
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\xff\x00garbage", marshal.dumps({"job_id": "x", "env": {"A": 1}})],
+    [b"", b"\xff\x00garbage", json.dumps({"job_id": "x", "env": {"A": 1}}).encode()],
 )
 def test_keeper_refuses_a_spec_it_cannot_trust(tmp_path, data):
-    (tmp_path / "spec.marshal").write_bytes(data)
+    (tmp_path / "spec.json").write_bytes(data)
     keep = [sys.executable, "-m", "meshkit.node", "keep", str(tmp_path)]
     done = subprocess.run(keep, capture_output=True, text=True, timeout=30)
     assert done.returncode == 2

@@ -220,3 +220,41 @@ def test_shared_home_ends_correct(lay):
     auth = (shared / "authorized_keys").read_text()
     assert auth.count(" meshkit:") == NODES - 1  # node1 and node2 share one user key
     assert mesh(lay).returncode == 0 and "unchanged" in mesh(lay).stdout
+
+
+def test_one_shell_per_node_and_host_keys_proven_in_the_connection(lay):
+    """Every shell sshd starts for a node (exec channels and, with sftp-server, the SFTP
+    subsystem) runs the user's ~/.bashrc: conda or pyenv init costs ~0.1 s of CPU each on many
+    ML nodes. mesh --no-verify starts one per node, as one `ssh node true` does; mesh's verify
+    adds one login per ordered pair (its other names get a host-key check, with no shell)."""
+    for n in lay.nodes:
+        conf = lay.node_dir(n) / "etc_ssh" / "sshd_config"
+        conf.write_text(conf.read_text().replace("internal-sftp", "/usr/lib/openssh/sftp-server"))
+        sandbox.reboot(lay, n.index)
+        (lay.node_dir(n) / "bashrc").write_text(
+            'printf "%s\\n" "${BASH_EXECUTION_STRING%%[[:space:]]*}" >> /tmp/shells\n'
+        )
+
+    def shells() -> list[int]:
+        counts = []
+        for n in lay.nodes:
+            path = lay.node_dir(n) / "tmp" / "shells"
+            counts.append(len(path.read_text().splitlines()) if path.exists() else 0)
+            path.write_text("")
+        return counts
+
+    out = mesh(lay, "--no-verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert shells() == [1] * NODES
+    assert re.search(
+        r"host keys proven in the connection \(hostkeys-prove-00@openssh.com\): "
+        + ", ".join(re.escape(n.address) for n in lay.nodes),
+        out.stdout,
+    ), out.stdout
+    out = mesh(lay)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert shells() == [1 + NODES] * NODES
+    assert "pass the host-key check by hostname (key exchange only" in out.stdout
+    out = meshkit("unmesh", "--hostfile", str(lay.hostfile))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert shells() == [1] * NODES

@@ -57,10 +57,6 @@ def test_user_key_choice_derives_and_never_overwrites():
         mp.choose_user_key(
             [mp.KeySlot(p, False, line(k)) for p in (".ssh/id_ed25519", ".ssh/id_ecdsa")], "n"
         )
-    cmd = mp.keygen_command(lone, "n1")
-    assert "set -C" not in cmd and "[ ! -e .ssh/id_ecdsa ]" in cmd and "-t ecdsa" in cmd
-    assert "ssh-keygen -y" in mp.keygen_command(derive, "n1")
-    assert "flock" in cmd
 
 
 def test_names_addresses_and_hostnames():
@@ -201,7 +197,10 @@ def test_verify_script_by_both_names_and_one_failure_per_pair():
     own = {hosts[0]: "a", hosts[1]: "nodeb", hosts[2]: "nodec"}
     script = mp.verify_script(hosts, 5, start=1, own_hostnames=own)
     assert "check 1 ssh" in script and "-p 2200 -l u -- b true" in script
-    assert "check 1h ssh" in script and "-- nodeb true" in script
+    assert "keycheck 1h ssh" in script and "-- nodeb true" in script
+    # one full login per pair (by the hostfile spelling); by hostname the host key alone
+    assert script.count("PreferredAuthentications=none") == 2
+    assert "PreferredAuthentications=none -p 2200 -l u -- nodeb" in script
     assert "-- a true" in script and "check 0h" not in script  # hostname == hostfile spelling
     assert script.index("-- b true") < script.index("-- c true") < script.index("-- a true")
     out = (
@@ -209,8 +208,11 @@ def test_verify_script_by_both_names_and_one_failure_per_pair():
     )
     failures = mp.parse_verify(hosts[0], hosts, out, own)
     assert [(f.target.host, f.error) for f in failures] == [
-        ("b", "Permission denied (publickey).; Host key verification failed. (by hostname nodeb)"),
-        ("c", "no result (by hostname nodec)"),
+        (
+            "b",
+            "Permission denied (publickey).; Host key verification failed. (host key by hostname nodeb)",
+        ),
+        ("c", "no result (host key by hostname nodec)"),
     ]
     grid = mp.matrix(hosts, failures)
     assert grid.splitlines()[1].split()[-3:] == [".", "X", "X"]

@@ -21,8 +21,8 @@ HOSTS = [Host("10.0.0.1", lineno=1), Host("10.0.0.2", lineno=2), Host("10.0.0.3"
 
 def env_ok(rank: int, port: int = 25000, master: str = "10.0.0.1") -> p.EnvReply:
     data = {"NODE_RANK": str(rank), "NNODES": "3", "MASTER_ADDR": master}
-    data |= {"MASTER_PORT": str(port), "matched": f"10.0.0.{rank + 1} on eth0"}
-    return p.EnvReply(0, json.dumps(data), "")
+    data |= {"MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "eth0"}
+    return p.EnvReply(data, "hostfile", f"10.0.0.{rank + 1} on eth0", "hostfile: eth0")
 
 
 class FakePool:
@@ -90,19 +90,25 @@ def test_launch_saves_the_job_and_its_index_through_the_master_then_starts_every
 
 
 @pytest.mark.parametrize(
-    "out",
+    "result",
     [
-        '{"NODE_RANK": "0", "NNODES": "3", "MASTER_ADDR": "a", "MASTER_PORT": "1", "X;rm": "y"}',
-        '{"NODE_RANK": "0", "NNODES": "3", "MASTER_ADDR": "a", "MASTER_PORT": 1}',
-        '{"NODE_RANK": "0", "NNODES": "3", "MASTER_ADDR": "a"}',
-        '["NODE_RANK"]',
+        {"variables": {"NODE_RANK": 0}, "source": "x", "matched": None, "interface_source": ""},
+        {"variables": ["NODE_RANK"], "source": "x", "matched": None, "interface_source": ""},
+        {"variables": {}, "source": 1, "matched": None, "interface_source": ""},
+        {"variables": {}},
     ],
 )
-def test_env_output_that_is_not_plain_variables_is_refused(out):
+def test_an_env_reply_that_is_not_plain_variables_is_refused(result):
+    line = json.dumps({"ok": True, "result": result})
+    with pytest.raises(p.ProtocolViolation, match=r"result\."):
+        p.decode_reply("env", line)
+
+
+def test_a_node_whose_discovery_failed_is_named_with_its_reason():
     envs = {h: Outcome(env_ok(i)) for i, h in enumerate(HOSTS)}
-    envs[HOSTS[0]] = Outcome(p.EnvReply(0, out, ""))
+    envs[HOSTS[0]] = Outcome(p.EnvReply({}, "", None, "", "hostfile: no such hostfile"))
     problems = ops.env_verdicts(job(), HOSTS, envs, {})
-    assert problems == [f"10.0.0.1: meshkit env printed no usable JSON: {out[:200]!r}"]
+    assert problems == ["10.0.0.1: hostfile: no such hostfile"]
 
 
 def test_preflight_problems_start_nothing_anywhere():
@@ -110,7 +116,10 @@ def test_preflight_problems_start_nothing_anywhere():
         env={
             HOSTS[0]: env_ok(0),
             HOSTS[1]: env_ok(2),  # discovers the wrong rank
-            HOSTS[2]: p.EnvReply(127, "", "bash: /venv/bin/python: No such file or directory"),
+            HOSTS[2]: RemoteError(
+                "interpreter /venv/bin/python not found on the node; install meshkit at the same "
+                "path there or set meshkit.python"
+            ),
         }
     )
     pool = FakePool(bad, failures={})

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import meshkit
 
-from meshkit.cli.envcmd import check_spawn_cmd
 from meshkit.distenv import DistEnvError, NodeEnv, process_place, rank_variables
+from meshkit.envrun import check_spawn_cmd
 from meshkit.errors import UsageError
 from meshkit.job import Job, from_json
 from meshkit.sources import torchrun

@@ -8,6 +8,7 @@ import pytest
 from meshkit.errors import UsageError
 from meshkit.job import Job, from_json, parse_restart_on
 from meshkit.ops import jobs as ops
+from meshkit.ops import supervise as sup
 from meshkit.ops.supervise import (
     DONE,
     GAVE_UP,
@@ -81,12 +82,12 @@ def test_record_round_trip_and_status_fields():
     assert record_from_json("{}") is None and record_from_json(None) is None
     job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
     rows = [ops.StatusRow(0, "a", "exited", 1, None, None)]
-    out = ops.with_supervision(job, rows, rec.to_json())[0].as_json()
+    out = sup.with_supervision(job, rows, rec.to_json())[0].as_json()
     assert (out["supervisor"], out["attempt"], out["restarts_left"]) == (GAVE_UP, 3, 0)
     assert out["exit_code"] == 1 and out["last_restart_reason"] == "node 1 exited with code 1"
     plain = Job("x", "/w", "s", "/h", "/p", 1)
-    assert "supervisor" not in ops.with_supervision(plain, rows, None)[0].as_json()
-    assert ops.with_supervision(job, rows, "{}")[0].as_json()["supervisor"] is None
+    assert "supervisor" not in sup.with_supervision(plain, rows, None)[0].as_json()
+    assert sup.with_supervision(job, rows, "{}")[0].as_json()["supervisor"] is None
 
 
 def test_a_running_record_not_rewritten_for_long_is_not_responding():
@@ -97,7 +98,7 @@ def test_a_running_record_not_rewritten_for_long_is_not_responding():
     now = 1_000_000.0
 
     def shown(record: Record) -> dict:
-        return ops.with_supervision(job, rows, record.to_json(), now)[0].as_json()
+        return sup.with_supervision(job, rows, record.to_json(), now)[0].as_json()
 
     fresh = Record(RUNNING, 1, 2, None, "ctl", heartbeat=now - 20)
     assert shown(fresh)["supervisor"] == RUNNING

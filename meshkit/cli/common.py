@@ -14,8 +14,8 @@ from invoke.tasks import Task
 from invoke.tasks import task as invoke_task
 
 from .. import settings
+from ..envrun import pick
 from ..errors import MeshkitError
-from .envcmd import pick, pick_int
 
 if TYPE_CHECKING:
     from ..remote import PhaseEvent
@@ -72,10 +72,6 @@ def reported() -> Iterator[None]:
 def option(name: str, flag: Any) -> Any:
     """A flag when given, else the configured value (flags are the last config level)."""
     return pick(conf(), name, flag)
-
-
-def int_option(name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
-    return pick_int(conf(), name, flag, allow_auto=allow_auto)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

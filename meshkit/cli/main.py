@@ -1,7 +1,8 @@
 """The ``meshkit`` console script: an invoke Program over the package's task collection.
 
-``env`` and ``run`` take a fast path that never imports invoke (they run on every node at every
-launch); everything else, and anything unusual about those two, goes to the Program.
+``env`` and ``run`` go straight to ``meshkit.envrun``, which never imports invoke (they run on
+every node at every launch); everything else, and anything unusual about those two (help, a flag
+it does not know), goes to the Program.
 """
 
 from __future__ import annotations
@@ -73,22 +74,14 @@ def _names(flags: str, wanted: tuple[str, ...]) -> bool:
 
 
 def main() -> None:
-    from .fast import run_fast
+    from ..envrun import main as envrun
 
     argv = sys.argv[1:]
     try:
-        if run_fast(argv):
+        if envrun(argv):
             return
         _watch_interrupts()
-        idle = _warm(argv)
-        try:
-            program().run()
-        except SystemExit as exc:
-            if idle and exc.code != INTERRUPTED_EXIT:
-                _start_warm(idle)
-            raise
-        if idle:
-            _start_warm(idle)
+        program().run()
     except KeyboardInterrupt:
         print("meshkit: interrupted", file=sys.stderr)
         _leave(INTERRUPTED_EXIT)
@@ -121,62 +114,6 @@ def _watch_interrupts() -> None:
         raise KeyboardInterrupt
 
     signal(SIGINT, interrupt)
-
-
-def _warm(argv: list[str]) -> float | None:
-    """Run the command through the warm server when there is one (and leave with its status);
-    otherwise the configured ``warm_start`` (start one after this command), or None."""
-    from . import warm
-
-    if warm.in_server:
-        _warm_still_wanted()
-        return None
-    if not warm.eligible(argv):
-        return None
-    try:
-        code = warm.run_via_server(argv)
-    except warm.WarmError as exc:
-        print(f"meshkit: warm start: {exc}", file=sys.stderr)
-        _leave(1)
-    if code is not None:
-        _leave(code)
-    from .. import settings
-    from ..errors import MeshkitError
-
-    try:
-        return settings.load().warm_start
-    except MeshkitError:
-        return None  # the command itself reports it
-
-
-def _warm_still_wanted() -> None:
-    """In the warm server's child: when this command's configuration has no ``warm_start``
-    (a file turned it off since the server started, say), the server takes no more commands
-    and ends once the running ones are done: the next command runs inline, starting none."""
-    from .. import settings
-    from ..errors import MeshkitError
-    from . import warm
-
-    try:
-        wanted = settings.load().warm_start
-    except MeshkitError:
-        return  # the command itself reports it
-    if wanted is None:
-        warm.stop_serving()
-
-
-def _start_warm(idle: float) -> None:
-    """After the command: its output is complete, so what is left to print (paramiko's threads
-    report connections still failing as the interpreter ends) goes nowhere, as it would have
-    had the process ended at once."""
-    from . import warm
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)
-    os.dup2(null, 2)
-    warm.start_server(idle)
 
 
 def _leave(code: int) -> None:

@@ -10,7 +10,7 @@ import os
 import select
 import time
 
-from .signals import RESET_FOR_EXEC, SIGKILL
+from .signals import RESET_FOR_EXEC, SIGKILL, exit_code
 
 MAX_STDERR = 65536
 
@@ -52,4 +52,4 @@ def run(argv: list[str], timeout: float) -> tuple[int, str]:
     finally:
         os.close(read_end)
     _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), err.decode(errors="replace")
+    return exit_code(status), err.decode(errors="replace")

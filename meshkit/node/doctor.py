@@ -28,11 +28,11 @@ from ..protocol import (
     ConnectResult,
     DoneReply,
     DoneRequest,
-    EnvReply,
     FactsReply,
     FactsRequest,
     ListenReply,
     ListenRequest,
+    ProbeReply,
     ProbeRequest,
     ProbeTarget,
 )
@@ -324,9 +324,9 @@ def connect(request: ConnectRequest) -> ConnectReply:
 # ---- the collective probe ---------------------------------------------------------------------
 
 
-def probe(request: ProbeRequest) -> EnvReply:
+def probe(request: ProbeRequest) -> ProbeReply:
     if not os.path.isdir(request.cwd):
-        return EnvReply(1, "", f"cd: {request.cwd}: No such file or directory")
+        return ProbeReply(1, "", f"cd: {request.cwd}: No such file or directory")
     import subprocess  # the full doctor's collective probe only
 
     seconds = min(max(request.seconds, 1.0), MAX_SECONDS * 2)
@@ -342,12 +342,14 @@ def probe(request: ProbeRequest) -> EnvReply:
             start_new_session=True,
         )
     except FileNotFoundError:
-        return EnvReply(127, "", f"{request.argv[0]}: No such file or directory")
+        return ProbeReply(127, "", f"{request.argv[0]}: No such file or directory")
     try:
         out, err = child.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)
         out, err = child.communicate()
-        return EnvReply(124, out[-65536:], f"the collective probe took longer than {seconds:.0f}s")
-    return EnvReply(child.returncode, out[-65536:], err[-65536:])
+        return ProbeReply(
+            124, out[-65536:], f"the collective probe took longer than {seconds:.0f}s"
+        )
+    return ProbeReply(child.returncode, out[-65536:], err[-65536:])

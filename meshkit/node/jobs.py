@@ -2,18 +2,17 @@
 and log reads. Standard library only.
 
 Each job has a state directory in this node's own /tmp (so a reboot forgets it: the job then
-reads ``absent``): ``spec.json`` (what to run), ``spec.marshal`` (the same for the keeper, see
-``keeper.Spec``), ``keeper.pid``, ``started`` and ``exit``.
+reads ``absent``): ``spec.json`` (the job's one record, ``protocol.NodeJob``, which the keeper
+runs), ``keeper.pid``, ``started``, ``exit`` and, when the keeper could not start the job,
+``error``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import marshal
 import os
 import re
-import shlex
 import sys
 import time
 
@@ -23,7 +22,6 @@ from ..protocol import (
     JobsRequest,
     LogsReply,
     LogsRequest,
-    NodeJob,
     RunningJob,
     StartReply,
     StartRequest,
@@ -32,11 +30,15 @@ from ..protocol import (
     StopReply,
     StopRequest,
 )
-from . import command, keeper, procs
+from ..record import asdict
+from . import procs, tmux
 from .files import read_text, write_atomic
-from .inprocess import this_interpreter
+from .keeper import SPEC
 
-TMUX_TIMEOUT = 10.0
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ..protocol import JobState
+
 KEEPER_START_TIMEOUT = 10.0  # the keeper writes keeper.pid within this after tmux starts it
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
 
@@ -81,7 +83,7 @@ def keeper_pid(job_id: str) -> int | None:
 
 
 def _label(job_id: str) -> str:
-    text = _read(f"{state_dir(job_id)}/spec.json")
+    text = _read(f"{state_dir(job_id)}/{SPEC}")
     try:
         return str(json.loads(text or "{}").get("label") or job_id)
     except ValueError:
@@ -98,15 +100,11 @@ def running_jobs() -> list[RunningJob]:
     return [RunningJob(i, _label(i)) for i in ids if _state(i)[0] == "running"]
 
 
-def jobs() -> JobsReply:
+def jobs(request: JobsRequest) -> JobsReply:
     return JobsReply(running_jobs())
 
 
-def jobs_request(request: JobsRequest) -> JobsReply:
-    return jobs()
-
-
-def _state(job_id: str) -> tuple[str, int | None]:
+def _state(job_id: str) -> tuple[JobState, int | None]:
     d = state_dir(job_id)
     code = _read_int(f"{d}/exit")
     if code is not None:
@@ -116,50 +114,14 @@ def _state(job_id: str) -> tuple[str, int | None]:
     return "absent", None
 
 
-def tmux_server_may_run() -> bool:
-    """Whether this user's default tmux server may be up: something accepts on its socket. tmux
-    leaves the socket file behind when its server exits, so the file alone says little; without
-    a server there is no session to kill, and asking tmux would cost every node a process, twice
-    at every launch. Anything but a refused connection counts as "may run"."""
-    base = os.environ.get("TMUX_TMPDIR") or "/tmp"
-    path = f"{base}/tmux-{os.getuid()}/default"
-    if not os.path.exists(path):
-        return False
-    import _socket  # socket's C core: `socket` itself imports enum and selectors for this
-
-    probe = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-    try:
-        probe.settimeout(TMUX_TIMEOUT)
-        probe.connect(path)  # tmux drops a client that closes before identifying itself
-    except ConnectionRefusedError:
-        return False
-    except OSError:
-        return True
-    finally:
-        probe.close()
-    return True
-
-
-def kill_session(name: str) -> None:
-    """End tmux session ``name`` (exactly that name) if it exists."""
-    if tmux_server_may_run():
-        with contextlib.suppress(OSError):  # TimeoutError included
-            _tmux("kill-session", "-t", f"={name}")
-
-
-def _tmux(*args: str) -> tuple[int, str]:
-    """tmux's exit status and stderr; start and stop only (a status round never runs one)."""
-    return command.run(["tmux", *args], TMUX_TIMEOUT)
-
-
 def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
     """End a job's whole tree: its descendants first (while the keeper still holds them), then
     the keeper, then whatever still carries the tag; then look again."""
     keeper = keeper_pid(job_id)
     d = state_dir(job_id)
     tmux_session = ""
-    with contextlib.suppress(ValueError, TypeError):
-        tmux_session = str(json.loads(_read(f"{d}/spec.json") or "{}").get("tmux_session") or "")
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        tmux_session = str(json.loads(_read(f"{d}/{SPEC}") or "{}").get("tmux_session") or "")
 
     def below() -> list[int]:
         return procs.descendants(keeper) if keeper else []
@@ -169,7 +131,7 @@ def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
         more, _ = procs.end(lambda: [keeper] if procs.alive(keeper) else [])
         signalled += more
     if tmux_session:
-        kill_session(tmux_session)
+        tmux.kill_session(tmux_session)
     left = [p for p in procs.tagged(job_id) + ([keeper] if keeper else []) if procs.alive(p)]
     found = keeper is not None or signalled > 0
     if not left:
@@ -211,26 +173,12 @@ def start(request: StartRequest) -> StartReply:
     for name in ("exit", "started", "keeper.pid", "error"):
         with contextlib.suppress(OSError):
             os.unlink(f"{d}/{name}")
-    write_atomic(f"{d}/spec.json", json.dumps(_spec(job)))
-    write_atomic(f"{d}/{keeper.SPEC}", marshal.dumps(keeper_spec(job)))
-    kill_session(job.tmux_session)  # a stale one whose keeper is gone
-    # Nothing the user wrote passes through tmux: no -c (tmux expands formats there); the keeper
-    # reads the spec and changes directory itself.
-    done = _tmux(
-        "new-session",
-        "-d",
-        "-s",
-        job.tmux_session,
-        "--",
-        sys.executable,
-        "-m",
-        "meshkit.node",
-        "keep",
-        d,
-    )
-    code, err = done
-    if code != 0:
-        return StartReply(False, "absent", replaced, [], err.strip()[-300:] or "tmux failed")
+    write_atomic(f"{d}/{SPEC}", json.dumps(asdict(job)))
+    tmux.kill_session(job.tmux_session)  # a stale one whose keeper is gone
+    try:
+        tmux.new_session(job.tmux_session, [sys.executable, "-m", "meshkit.node", "keep", d])
+    except tmux.TmuxError as exc:
+        return StartReply(False, "absent", replaced, [], str(exc))
     deadline = time.monotonic() + KEEPER_START_TIMEOUT
     while time.monotonic() < deadline:
         state, _ = _state(job.job_id)
@@ -245,41 +193,6 @@ def start(request: StartRequest) -> StartReply:
         [],
         f"the job's keeper did not start in {KEEPER_START_TIMEOUT:.0f}s",
     )
-
-
-def keeper_spec(job: NodeJob) -> dict[str, object]:
-    """What the keeper reads (``keeper.Spec``): the script bash runs, built here with shlex; and,
-    when that script is only ``THIS_PYTHON -m meshkit ...`` (no setup lines, and no variable in
-    the job's environment that changes how an interpreter starts), those arguments, which the
-    keeper then runs in a fork of itself rather than in bash and a new interpreter."""
-    script = "\n".join([*job.setup, shlex.join(job.argv)]) + "\n"
-    spec: dict[str, object] = {
-        "job_id": job.job_id,
-        "session": job.session,
-        "workdir": job.workdir,
-        "script": script,
-        "env": job.env,
-    }
-    if (
-        not job.setup
-        and this_interpreter(job.argv)
-        and not any(k.startswith("PYTHON") for k in job.env)
-    ):
-        spec["meshkit"] = job.argv[3:]
-    return spec
-
-
-def _spec(job: NodeJob) -> dict[str, object]:
-    return {
-        "job_id": job.job_id,
-        "session": job.session,
-        "label": job.label,
-        "workdir": job.workdir,
-        "tmux_session": job.tmux_session,
-        "argv": job.argv,
-        "env": job.env,
-        "setup": job.setup,
-    }
 
 
 def status(request: StatusRequest) -> StatusReply:

@@ -22,12 +22,6 @@ GRACE = 10.0  # seconds the other ranks get after a TERM before they are killed
 FORWARDED = (signals.SIGTERM, signals.SIGINT, signals.SIGHUP)
 
 
-def exit_code(status: int) -> int:
-    """A wait status as a shell reports it: killed by signal N is 128+N."""
-    code = os.waitstatus_to_exitcode(status)
-    return 128 - code if code < 0 else code
-
-
 class Ranks:
     """The node's rank processes: started together, signalled together, waited for together.
     ``spawn`` and ``signal_group`` are the only calls that touch processes."""
@@ -96,7 +90,7 @@ class Ranks:
                     continue
             if self.running.pop(pid, None) is None:
                 continue  # not a rank (nothing else is this process's child)
-            rank_code = exit_code(status)
+            rank_code = signals.exit_code(status)
             if rank_code and not code:
                 code = rank_code
                 # The others would wait on it in their next collective until their timeout.

@@ -20,6 +20,7 @@ __all__ = [
     "SIGTERM",
     "SIG_DFL",
     "SIG_IGN",
+    "exit_code",
     "signal",
 ]
 
@@ -33,3 +34,11 @@ def reset_for_exec() -> None:
     """Before this process execs a command: give it SIGPIPE and SIGXFSZ at their defaults."""
     for number in RESET_FOR_EXEC:
         signal(number, SIG_DFL)
+
+
+def exit_code(status: int) -> int:
+    """A wait status as a shell reports it: the exit code, or 128 + N when signal N ended it."""
+    import os  # already loaded everywhere this runs
+
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code

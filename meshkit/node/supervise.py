@@ -7,7 +7,7 @@ import contextlib
 import os
 
 from ..protocol import UnsuperviseReply, UnsuperviseRequest
-from . import jobs, procs
+from . import jobs, procs, tmux
 from .files import read_text, write_atomic
 
 
@@ -47,7 +47,7 @@ def unsupervise(request: UnsuperviseRequest) -> UnsuperviseReply:
     if pid is not None:
         _, left = procs.end(lambda: [pid] if procs.alive(pid) else [])
     if request.tmux_session:
-        jobs.kill_session(request.tmux_session)
+        tmux.kill_session(request.tmux_session)
     if not left:
         with contextlib.suppress(OSError, ValueError):
             os.unlink(pid_file(request.job_id))

@@ -7,10 +7,7 @@ nothing; the verdicts are pure functions of the replies (unit-tested with plain 
 
 from __future__ import annotations
 
-import json
-import secrets
 import shlex
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,16 +21,17 @@ from ..protocol import (
     DoneReply,
     DoneRequest,
     EnvReply,
-    EnvRequest,
     FactsReply,
-    FactsRequest,
     ListenReply,
     ListenRequest,
+    ProbeReply,
     ProbeRequest,
     ProbeTarget,
 )
 from ..remote.group import Outcome
-from .jobs import NodePool, explain_env_failure
+from .jobs import Envs, env_error, env_round
+from .pool import NodePool
+from .sync import Facts, facts_round
 
 # the order of the table: what a training job hits first comes first (a stable sort keeps nodes
 # in rank order within each check)
@@ -116,7 +114,7 @@ def ssh_checks(hosts: Sequence[Host], failures: Sequence[PairFailure]) -> list[C
                 Check("ssh", source.label, None, True, f"logs in to all {len(hosts)} nodes")
             )
         for target, errors in broken.items():
-            # verify tries each pair by the hostfile spelling and by hostname: one row per pair
+            # verify logs in by the hostfile spelling and checks the host key by hostname: one row a pair
             detail = "; ".join(dict.fromkeys(errors))[:300]
             checks.append(Check("ssh", source.label, target.label, False, detail, ssh_fix(detail)))
     return checks
@@ -142,24 +140,19 @@ class NodeView:
     error: str | None
 
 
-def read_env(job: Job, outcome: Outcome[EnvReply] | None, failure: str | None) -> NodeView:
-    if outcome is None or outcome.value is None:
-        why = outcome.error if outcome else f"unreachable: {failure or 'unknown'}"
-        return NodeView(None, None, None, "", why)
-    reply = outcome.value
-    if reply.code != 0:
-        return NodeView(None, None, None, "", explain_env_failure(reply.code, reply.err, job))
-    try:
-        data = json.loads(reply.out)
-        rank = int(data["NODE_RANK"])
-        master = str(data["MASTER_ADDR"])
-    except (ValueError, KeyError, TypeError):
-        return NodeView(
-            None, None, None, "", f"meshkit env printed no usable JSON: {reply.out[:200]!r}"
-        )
-    ifname = data.get("GLOO_SOCKET_IFNAME")
+def read_env(outcome: Outcome[EnvReply] | None, failure: str | None) -> NodeView:
+    """One node's env reply as the checks read it."""
+    error = env_error(outcome, failure)
+    if error is not None or outcome is None or outcome.value is None:
+        return NodeView(None, None, None, "", error)
+    found = outcome.value.variables
+    rank = found.get("NODE_RANK", "")
     return NodeView(
-        rank, master, str(ifname) if ifname else None, str(data.get("interface_source", "")), None
+        int(rank) if rank.isascii() and rank.isdigit() else None,
+        found.get("MASTER_ADDR"),
+        found.get("GLOO_SOCKET_IFNAME") or None,
+        outcome.value.interface_source,
+        None,
     )
 
 
@@ -215,9 +208,8 @@ def env_checks(hosts: Sequence[Host], views: dict[Host, NodeView]) -> list[Check
 
 def fact_checks(
     hosts: Sequence[Host],
-    facts: dict[Host, Outcome[FactsReply]],
+    round_: Facts,
     failures: dict[Host, str],
-    timing: dict[Host, tuple[float, float]],
     slots: int | None,
     synced: bool = False,
 ) -> list[Check]:
@@ -226,6 +218,7 @@ def fact_checks(
     CLOCK_SKEW of the controller's (``timing``: when each request left and its reply came back,
     controller time)."""
     checks: list[Check] = []
+    facts, timing = round_.replies, round_.timing
     master = facts.get(hosts[0])
     reference = master.value if master is not None else None
     for host in hosts:
@@ -385,7 +378,7 @@ def reach_checks(
 
 
 def collective_checks(
-    hosts: Sequence[Host], replies: dict[Host, Outcome[EnvReply]], failures: dict[Host, str]
+    hosts: Sequence[Host], replies: dict[Host, Outcome[ProbeReply]], failures: dict[Host, str]
 ) -> list[Check]:
     checks = []
     for host in hosts:
@@ -427,39 +420,29 @@ def run(
     collective: bool = True,
     probe_seconds: float = PROBE_SECONDS,
     port_may_move: bool = False,
+    envs: Envs | None = None,
+    facts: Facts | None = None,
 ) -> Report:
     """Every check, in the order a training job would hit them. ``verify`` (the SSH N x N check)
-    and ``collective`` are the slow parts; ``quick`` (train --doctor) leaves both out."""
+    and ``collective`` are the slow parts; ``quick`` (train --doctor) leaves both out. ``envs``
+    and ``facts``: rounds the caller ran already (train runs each once)."""
     report = Report([h.label for h in hosts])
     checks = report.checks
     if verify is not None:
         checks += ssh_checks(hosts, verify())
 
-    argv = job.meshkit_argv("env", "--json")
-    envs = pool.call_all("env", lambda h: EnvRequest(job.workdir, argv), EnvReply)
-    views = {h: read_env(job, envs.get(h), pool.failures.get(h)) for h in hosts}
+    if envs is None:
+        envs = env_round(pool, job)
+    views = {h: read_env(envs.get(h), pool.failures.get(h)) for h in hosts}
     checks += env_checks(hosts, views)
 
-    # facts: the master writes the shared-workdir marker, then the others look for it
-    token = secrets.token_hex(8)
-    marker = f"{job.workdir.rstrip('/')}/.meshkit/doctor-{token}"
-    # Each node's clock is compared with the middle of [request sent, phase over]: the allowance
-    # grows with that window, so a slow phase never makes a false skew.
-    timing: dict[Host, tuple[float, float]] = {}
-    facts: dict[Host, Outcome[FactsReply]] = {}
-    for write, chosen in ((True, hosts[:1]), (False, hosts[1:])):
-        sent: dict[Host, float] = {}
-
-        def request(
-            host: Host, write: bool = write, sent: dict[Host, float] = sent
-        ) -> FactsRequest:
-            sent[host] = time.time()
-            return FactsRequest(job.workdir, marker, token, write)
-
-        facts.update(pool.call_all("facts", request, FactsReply, chosen))
-        back = time.time()
-        timing.update({h: (t, back) for h, t in sent.items()})
-    checks += fact_checks(hosts, facts, pool.failures, timing, hosts[0].slots, job.sync)
+    # facts: the master writes the shared-workdir marker, then the others look for it (unless
+    # the caller's round did: train's, with the marker written by the machine it runs on)
+    own = facts is None
+    if facts is None:
+        facts = facts_round(pool, job.workdir, hosts, hosts[0])
+    checks += fact_checks(hosts, facts, pool.failures, hosts[0].slots, job.sync)
+    marker = facts.marker if own else None
 
     try:
         checks += network_checks(pool, job, hosts, views, port_may_move)
@@ -492,7 +475,7 @@ def run(
             replies = pool.call_all(
                 "collective",
                 lambda h: ProbeRequest(job.workdir, run_argv, probe_seconds + 30),
-                EnvReply,
+                ProbeReply,
                 timeout=probe_seconds + 60,
             )
             checks += collective_checks(hosts, replies, pool.failures)
@@ -500,11 +483,26 @@ def run(
     return report
 
 
-def quick(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Report:
+def quick(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    envs: Envs | None = None,
+    facts: Facts | None = None,
+) -> Report:
     """The quick parts, for ``train --doctor``: everything but the N x N SSH check (the train
     connections just proved the controller's side) and the collective probe; a busy master port
     is only a note, since train then moves to a free one."""
-    return run(pool, job, hosts, verify=None, collective=False, port_may_move=True)
+    return run(
+        pool,
+        job,
+        hosts,
+        verify=None,
+        collective=False,
+        port_may_move=True,
+        envs=envs,
+        facts=facts,
+    )
 
 
 def network_checks(

@@ -1,42 +1,29 @@
-"""Jobs over a cluster: find the saved job, preflight, launch, status, stop and logs. Every node
+"""Jobs over a cluster: the env round, preflight, launch, status, stop and logs. Every node
 operation goes through the node agent (``NodePool``); these functions print nothing and return
-dataclasses for the CLI to render. The verdicts (preflight problems, port choice, status rows)
-are pure functions of the replies, unit-tested with a fake pool.
+dataclasses for the CLI (or a script, through ``meshkit.Cluster``) to render. The verdicts
+(preflight problems, port choice, status rows) are pure functions of the replies, unit-tested
+with a fake pool.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Literal
 
-from ..distenv import ENV_FIELDS
-from ..errors import JobError, LaunchError
+from ..errors import LaunchError
 from ..hostfile import Host
-from ..job import (
-    ENV_NAME,
-    MAX_ENV_VALUE,
-    Job,
-    check_session,
-    from_json,
-    job_file,
-    workdir_from_index,
-)
+from ..job import Job
 from ..protocol import (
     EnvReply,
-    EnvRequest,
     JobsReply,
     JobsRequest,
     LogsReply,
     LogsRequest,
     PortsReply,
     PortsRequest,
-    Reply,
-    Request,
     RunningJob,
     StartReply,
     StartRequest,
@@ -47,84 +34,14 @@ from ..protocol import (
 )
 from ..record import replace
 from ..remote.group import Outcome
+from .pool import NodePool
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
-R = TypeVar("R", bound=Reply)
-
-
-class NodePool(Protocol):
-    """One agent per node (``remote.AgentPool``, or a test double)."""
-
-    @property
-    def failures(self) -> dict[Host, str]: ...
-
-    def call_all(
-        self,
-        phase: str,
-        request_for: Callable[[Host], Request | None],
-        expect: type[R],
-        hosts: Sequence[Host] | None = None,
-        timeout: float | None = None,
-    ) -> dict[Host, Outcome[R]]: ...
-
-    def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None: ...
-
-
-# ---- finding the saved job ------------------------------------------------------------------
-
-
-def read_local(path: str, limit: int = 1 << 20) -> str | None:
-    try:
-        with open(path, "rb") as handle:
-            return handle.read(limit).decode(errors="replace")
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise JobError(f"{path}: cannot read: {exc.strerror or exc}") from None
-
-
-def find_job(
-    session: str,
-    *,
-    workdir: str | None,
-    hostfile: str | None,
-    cwd: str,
-    read: Callable[[str], str | None] = read_local,
-) -> Job:
-    """The saved job: in ``--workdir`` if given; else through the index beside the hostfile;
-    else in the current directory. The error says everywhere it looked."""
-    check_session(session)
-    looked: list[str] = []
-
-    def load(directory: str) -> Job | None:
-        path = str(job_file(directory, session))
-        looked.append(path)
-        text = read(path)
-        return None if text is None else from_json(text, path)
-
-    if workdir:
-        job = load(str(Path(workdir).absolute()))
-    else:
-        job = None
-        if hostfile:
-            from ..job import index_file
-
-            index = str(index_file(str(Path(hostfile).absolute()), session))
-            looked.append(index)
-            text = read(index)
-            if text is not None:
-                job = load(workdir_from_index(text, index))
-        if job is None:
-            job = load(cwd)
-    if job is None:
-        raise JobError(
-            [
-                f"no saved job {session!r}; looked in:",
-                *(f"  {p}" for p in dict.fromkeys(looked)),
-                "start one with: meshkit train --cmd CMD (or pass --hostfile/--workdir/--session)",
-            ]
-        )
-    return job
+JobState = Literal["running", "exited", "absent"]
+# A supervisor's (ops.supervise): RUNNING, then GAVE_UP or DONE; "not responding" is what status
+# shows for a running record gone stale.
+SupervisorState = Literal["running", "gave up", "done", "not responding"]
+Envs = dict[Host, Outcome[EnvReply]]
 
 
 # ---- preflight ----------------------------------------------------------------------------
@@ -138,71 +55,46 @@ class Preflight:
     running: dict[Host, list[RunningJob]] = field(default_factory=dict)
 
 
-def explain_env_failure(code: int, err: str, job: Job) -> str:
-    text = err.strip().splitlines()[-1] if err.strip() else f"exit {code}"
-    if code == 127 or (job.python in text and "No such file" in text):
-        return (
-            f"interpreter {job.python} not found; install meshkit at the same path there or set "
-            "meshkit.python"
-        )
-    if "cd:" in text:
-        return f"workdir {job.workdir} is missing (it must be on storage every node shares)"
-    return text.removeprefix("meshkit: ")
+def env_round(pool: NodePool, job: Job, phase: str = "env") -> Envs:
+    """Rank discovery on every node, as the job's ``meshkit run`` will do it there."""
+    request = job.env_request()
+    return pool.call_all(phase, lambda h: request, EnvReply)
 
 
-def node_variables(data: object) -> dict[str, str]:
-    """The variables in what ``meshkit env --json`` printed on a node, checked: names as a shell
-    takes them, values strings of bounded size; else ``ValueError``."""
-    if not isinstance(data, dict) or len(data) > 256:
-        raise ValueError("not an object of at most 256 entries")
-    found: dict[str, str] = {}
-    for name, value in data.items():
-        if name in ENV_FIELDS:
-            continue
-        if not ENV_NAME.match(name) or not isinstance(value, str) or len(value) > MAX_ENV_VALUE:
-            raise ValueError(f"entry {name[:60]!r}")
-        found[name] = value
-    for required in ("NODE_RANK", "NNODES", "MASTER_ADDR", "MASTER_PORT"):
-        if required not in found:
-            raise ValueError(f"no {required}")
-    return found
+def env_error(outcome: Outcome[EnvReply] | None, failure: str | None) -> str | None:
+    """Why a node has no usable discovery: unreachable, its agent failed, or discovery there
+    failed (its own message); None when it has one."""
+    if outcome is None:
+        return f"cannot connect: {failure or 'unknown'}"
+    if outcome.value is None:
+        return str(outcome.error)
+    return outcome.value.error
 
 
 def env_verdicts(
-    job: Job, hosts: Sequence[Host], envs: dict[Host, Outcome[EnvReply]], failures: dict[Host, str]
+    job: Job, hosts: Sequence[Host], envs: Envs, failures: dict[Host, str]
 ) -> list[str]:
     """Pure: every node must discover exactly its hostfile rank, and all must agree on the node
     count, master and port."""
     problems = [f"{h.label}: cannot connect: {e}" for h, e in failures.items()]
     seen: dict[tuple[str, str, str], list[str]] = {}
     for rank, host in enumerate(hosts):
-        outcome = envs.get(host)
-        if outcome is None:
+        if host not in envs:
+            continue  # not reached (named above)
+        error = env_error(envs[host], None)
+        reply = envs[host].value
+        if error is not None or reply is None:
+            problems.append(f"{host.label}: {error}")
             continue
-        if outcome.value is None:
-            problems.append(f"{host.label}: {outcome.error}")
-            continue
-        reply = outcome.value
-        if reply.code != 0:
-            problems.append(f"{host.label}: {explain_env_failure(reply.code, reply.err, job)}")
-            continue
-        try:
-            raw = json.loads(reply.out)
-            data = node_variables(raw)
-            found = (data["NODE_RANK"], str(raw.get("matched")))
-            key = (data["NNODES"], data["MASTER_ADDR"], data["MASTER_PORT"])
-        except ValueError:
-            problems.append(
-                f"{host.label}: meshkit env printed no usable JSON: {reply.out[:200]!r}"
-            )
-            continue
-        if found[0] != str(rank):
+        found = reply.variables.get("NODE_RANK")
+        key = tuple(reply.variables.get(k, "?") for k in ("NNODES", "MASTER_ADDR", "MASTER_PORT"))
+        if found != str(rank):
             problems.append(
                 f"{host.label}: is line {host.lineno} of {job.hostfile} (rank {rank}) but discovers "
-                f"NODE_RANK={found[0]} via {found[1]}; the hostfile does not name this node as it "
-                "sees itself"
+                f"NODE_RANK={found} via {reply.matched}; the hostfile does not name this node as "
+                "it sees itself"
             )
-        seen.setdefault(key, []).append(host.label)
+        seen.setdefault((key[0], key[1], key[2]), []).append(host.label)
     if len(seen) > 1:
         problems.append(
             "nodes disagree on NNODES/MASTER_ADDR/MASTER_PORT: "
@@ -241,12 +133,13 @@ def pick_port(probe: PortsReply, job: Job, master: Host) -> tuple[int, str | Non
     ], f"master port {job.master_port} is busy on {master.label}; using {free[0]} on every node"
 
 
-def preflight(pool: NodePool, job: Job, hosts: Sequence[Host], replace: bool = False) -> Preflight:
-    """Read-only, on every node: `meshkit env` there gives exactly its hostfile rank and the same
-    master; which meshkit jobs run there; and on the master, which ports are free."""
-    argv = job.meshkit_argv("env", "--json")
-    envs = pool.call_all("preflight", lambda h: EnvRequest(job.workdir, argv), EnvReply)
-    ok = [h for h in hosts if h in envs and envs[h].ok]
+def preflight(
+    pool: NodePool, job: Job, hosts: Sequence[Host], envs: Envs, replace: bool = False
+) -> Preflight:
+    """Read-only, on every node, given the env round (``envs``): each node discovers exactly its
+    hostfile rank and the same master; which meshkit jobs run there; and on the master, which
+    ports are free."""
+    ok = [h for h in hosts if env_error(envs.get(h), pool.failures.get(h)) is None]
     jobs = pool.call_all("jobs", lambda h: JobsRequest(), JobsReply, ok)
     running = {h: o.value.running for h, o in jobs.items() if o.value is not None}
     problems = env_verdicts(job, hosts, envs, pool.failures)
@@ -273,7 +166,7 @@ def preflight(pool: NodePool, job: Job, hosts: Sequence[Host], replace: bool = F
 class StartRow:
     node_rank: int
     host: str
-    state: str  # running | exited | absent
+    state: JobState
     error: str | None
     replaced: list[str]
 
@@ -303,34 +196,30 @@ def launch(
     replace: bool = False,
     dry_run: bool = False,
     attempt: int = 1,
+    envs: Envs | None = None,
     synced: dict[str, int] | None = None,
 ) -> Launch:
     """Preflight everywhere (read-only; any problem starts nothing anywhere), save the job and
     its index through the master (every node when the workdir is synced), then start it on every
     node. A synced job's workdir is copied first (only what changed), unless the caller just did
-    (``synced``: what it copied)."""
+    (``synced``: what it copied). ``envs``: the env round when the caller has it already (it
+    runs once per command, after any copy)."""
     if job.sync and not dry_run and synced is None:
         from .sync import sync_workdir
 
         synced = sync_workdir(pool, job, hosts).nodes
-    checked = preflight(pool, job, hosts, replace)
+    checked = preflight(pool, job, hosts, env_round(pool, job) if envs is None else envs, replace)
     if checked.problems:
         raise LaunchError([*checked.problems, "train: preflight failed; nothing was started"])
     job = replace_port(job, checked.port)
     if dry_run:
-        return Launch(job, [], checked.note, True)
+        return Launch(job, [], checked.note, True, synced)
     for where in hosts if job.sync else hosts[:1]:
         pool.write_file(where, str(job.file), job.to_json())
         pool.write_file(where, str(job.index), job.index_json())
     spec = job.node_job(attempt)
     started = pool.call_all("start", lambda h: StartRequest(spec, replace), StartReply)
     return Launch(job, start_rows(hosts, started, pool.failures), checked.note, False, synced)
-
-
-def hostfile_text(job: Job) -> str:
-    """The hostfile as saved with a synced job (a node without the hostfile's path still has
-    this copy beside the job file)."""
-    return read_local(job.hostfile) or ""
 
 
 def replace_port(job: Job, port: int) -> Job:
@@ -362,7 +251,7 @@ def start_rows(
 class StatusRow:
     node_rank: int
     host: str
-    state: str  # running | exited | absent
+    state: JobState
     exit_code: int | None
     started: str | None  # ISO 8601, UTC
     last_line: str | None
@@ -371,7 +260,7 @@ class StatusRow:
     attempt: int | None = None
     restarts_left: int | None = None
     last_restart_reason: str | None = None
-    supervisor: str | None = None  # running | gave up | done | not responding | None (no record)
+    supervisor: SupervisorState | None = None  # None: no record (e.g. after stop)
 
     def as_json(self) -> dict[str, object]:
         data: dict[str, object] = {
@@ -420,33 +309,6 @@ def status(
         phase, lambda h: StatusRequest(job.id, job.log(hosts.index(h))), StatusReply
     )
     return status_rows(hosts, replies, pool.failures)
-
-
-def with_supervision(
-    job: Job, rows: list[StatusRow], record_text: str | None, now: float | None = None
-) -> list[StatusRow]:
-    """Pure (given ``now``): a supervised job's rows carry its supervisor's record (all null when
-    there is none, e.g. after ``stop``); a running record gone stale says "not responding"."""
-    if not job.restarts:
-        return rows
-    from .supervise import record_from_json, seen_alive
-
-    record = record_from_json(record_text)
-    if record is not None and now is not None:
-        record = seen_alive(record, now)
-    if record is None:
-        return [replace(r, supervised=True) for r in rows]
-    return [
-        replace(
-            r,
-            supervised=True,
-            attempt=record.attempt,
-            restarts_left=record.restarts_left,
-            last_restart_reason=record.last_restart_reason,
-            supervisor=record.supervisor,
-        )
-        for r in rows
-    ]
 
 
 def wait_done(

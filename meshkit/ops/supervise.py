@@ -6,17 +6,20 @@ it reports through ``say`` and records its state through ``save``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
+from typing import Final, Literal
 
-from ..errors import LaunchError, RemoteError
+from ..errors import LaunchError, MeshkitError, RemoteError
 from ..hostfile import Host
 from ..job import Job
 from ..record import replace
 from . import jobs as ops
+from .pool import NodePool
 
 POLL_INTERVAL = 2.0  # seconds between status polls of every node
 MISSES = 2  # consecutive unanswered polls before a node counts as gone (one blip is no failure)
@@ -28,8 +31,13 @@ GIVE_UP_GRACE = 30.0  # seconds the nodes still running get to end by themselves
 HEARTBEAT = 15.0  # seconds between the running supervisor's record writes while it waits
 STALE = 120.0  # a running record older than this: its supervisor is gone (clocks may differ)
 
-RUNNING, GAVE_UP, DONE = "running", "gave up", "done"
-NOT_RESPONDING = "not responding"  # shown by status only; never written by a supervisor
+# A supervisor's states. It starts RUNNING and ends in GAVE_UP or DONE (each written to its
+# record); NOT_RESPONDING is what status shows for a RUNNING record gone stale, never written.
+State = ops.SupervisorState
+RUNNING: Final = "running"
+GAVE_UP: Final = "gave up"
+DONE: Final = "done"
+NOT_RESPONDING: Final = "not responding"
 
 
 # ---- the policy (pure) ----------------------------------------------------------------------
@@ -41,14 +49,14 @@ class NodeView:
 
     rank: int
     host: str
-    state: str  # running | exited | absent | unreachable
+    state: Literal["running", "exited", "absent", "unreachable"]
     exit_code: int | None = None
     started: float | None = None
 
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # wait | done | restart | give up
+    action: Literal["wait", "done", "restart", "gave up"]
     reason: str | None = None
 
 
@@ -105,8 +113,8 @@ def views(rows: Sequence[ops.StatusRow], misses: dict[int, int]) -> list[NodeVie
     for r in rows:
         if r.error:
             misses[r.node_rank] = misses.get(r.node_rank, 0) + 1
-            state = "unreachable" if misses[r.node_rank] >= MISSES else RUNNING
-            out.append(NodeView(r.node_rank, r.host, state))
+            gone = misses[r.node_rank] >= MISSES
+            out.append(NodeView(r.node_rank, r.host, "unreachable" if gone else RUNNING))
             continue
         misses.pop(r.node_rank, None)
         stamp = None
@@ -125,7 +133,7 @@ def views(rows: Sequence[ops.StatusRow], misses: dict[int, int]) -> list[NodeVie
 class Record:
     """What ``status`` shows about supervision (``supervisor.json`` beside the job file)."""
 
-    supervisor: str  # running | gave up | done
+    supervisor: State
     attempt: int
     restarts_left: int
     last_restart_reason: str | None = None
@@ -143,8 +151,11 @@ def record_from_json(text: str | None) -> Record | None:
         return None
     try:
         data = json.loads(text)
+        state = data["supervisor"]
+        if state not in (RUNNING, GAVE_UP, DONE):
+            return None
         record = Record(
-            supervisor=str(data["supervisor"]),
+            supervisor=state,
             attempt=int(data["attempt"]),
             restarts_left=int(data["restarts_left"]),
             last_restart_reason=(
@@ -158,7 +169,7 @@ def record_from_json(text: str | None) -> Record | None:
         )
     except (ValueError, TypeError, KeyError):
         return None
-    return record if record.supervisor in (RUNNING, GAVE_UP, DONE) else None
+    return record
 
 
 def seen_alive(record: Record, now: float) -> Record:
@@ -184,7 +195,7 @@ def seen_alive(record: Record, now: float) -> Record:
 # ---- the loop -------------------------------------------------------------------------------
 
 
-Connect = Callable[[float], AbstractContextManager[ops.NodePool]]
+Connect = Callable[[float], AbstractContextManager[NodePool]]
 
 
 def supervise(
@@ -192,13 +203,13 @@ def supervise(
     job: Job,
     hosts: Sequence[Host],
     *,
-    save: Callable[[ops.NodePool, Record], None],
+    save: Callable[[NodePool, Record], None],
     say: Callable[[str], None],
     host: str,
     interval: float = POLL_INTERVAL,
     come_back: float = COME_BACK,
     base_backoff: float = BACKOFF,
-    relaunch: Callable[[ops.NodePool, Job, int], ops.Launch] | None = None,
+    relaunch: Callable[[NodePool, Job, int], ops.Launch] | None = None,
 ) -> Record:
     """Watch attempt 1 (already started) and relaunch on failure; returns the final record.
 
@@ -247,11 +258,11 @@ def supervise(
 
 
 def _watch(
-    pool: ops.NodePool,
+    pool: NodePool,
     job: Job,
     hosts: Sequence[Host],
     record: Record,
-    save: Callable[[ops.NodePool, Record], None],
+    save: Callable[[NodePool, Record], None],
     say: Callable[[str], None],
     interval: float,
 ) -> Record:
@@ -304,9 +315,7 @@ def _watch(
         return replace(record, last_restart_reason=decision.reason, exit_codes=codes)
 
 
-def _beat(
-    pool: ops.NodePool, record: Record, save: Callable[[ops.NodePool, Record], None]
-) -> Record:
+def _beat(pool: NodePool, record: Record, save: Callable[[NodePool, Record], None]) -> Record:
     """Write the running record with a fresh heartbeat (status takes a stale one as gone)."""
     record = replace(record, heartbeat=time.time())
     save(pool, record)
@@ -337,41 +346,24 @@ def start_local(job: Job, log: str) -> str | None:
     """Start the supervisor detached in its own tmux session on this machine (it outlives the
     user's login), its output appended to ``log``. Returns an error, or None."""
     import os
-    import subprocess
+
+    from ..node import tmux
 
     os.makedirs(os.path.dirname(log), exist_ok=True)
-    subprocess.run(
-        ["tmux", "kill-session", "-t", f"={job.supervisor_tmux}"],
-        capture_output=True,
-        timeout=10,
-        check=False,
-    )
+    tmux.kill_session(job.supervisor_tmux)
     try:
-        done = subprocess.run(
-            # No shell in between: the supervisor opens its log itself (--log).
-            [
-                "tmux",
-                "new-session",
-                "-d",
-                "-s",
-                job.supervisor_tmux,
-                "--",
-                *supervisor_argv(job, log),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"cannot start tmux here: {exc}"
-    return None if done.returncode == 0 else (done.stderr.strip()[-300:] or "tmux failed")
+        # No shell in between: the supervisor opens its log itself (--log).
+        tmux.new_session(job.supervisor_tmux, supervisor_argv(job, log))
+    except tmux.TmuxError as exc:
+        return str(exc)
+    return None
 
 
-def end_supervisor(pool: ops.NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
+def end_supervisor(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
     """End the job's supervisor wherever it runs (this machine or any node), before the job
     itself is touched (it would otherwise take a stop for a failure and relaunch). Returns the
-    nodes where it could not be verified gone."""
+    nodes where it could not be verified gone. This machine's is ended by the node side's own
+    handler, called here: the controller is a machine like the nodes."""
     from ..node.supervise import unsupervise
     from ..protocol import UnsuperviseReply, UnsuperviseRequest
 
@@ -390,3 +382,103 @@ def end_supervisor(pool: ops.NodePool, job: Job, hosts: Sequence[Host]) -> list[
 def record_hosts(job: Job, hosts: Sequence[Host]) -> list[Host]:
     """Where the supervisor's record is written: the master (shared storage), or every node."""
     return list(hosts) if job.sync else list(hosts[:1])
+
+
+# ---- what status shows ------------------------------------------------------------------------
+
+
+def with_supervision(
+    job: Job, rows: list[ops.StatusRow], record_text: str | None, now: float | None = None
+) -> list[ops.StatusRow]:
+    """Pure (given ``now``): a supervised job's rows carry its supervisor's record (all null when
+    there is none, e.g. after ``stop``); a running record gone stale says "not responding"."""
+    if not job.restarts:
+        return rows
+    record = record_from_json(record_text)
+    if record is not None and now is not None:
+        record = seen_alive(record, now)
+    if record is None:
+        return [replace(r, supervised=True) for r in rows]
+    return [
+        replace(
+            r,
+            supervised=True,
+            attempt=record.attempt,
+            restarts_left=record.restarts_left,
+            last_restart_reason=record.last_restart_reason,
+            supervisor=record.supervisor,
+        )
+        for r in rows
+    ]
+
+
+def status(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[ops.StatusRow]:
+    """``meshkit status``: each node's row, with the supervisor's record when supervised."""
+    from .lookup import read_local
+
+    rows = ops.status(pool, job, hosts)
+    return with_supervision(job, rows, read_local(str(job.supervisor_file)), time.time())
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """``meshkit stop``: each node's row, and the supervisors that could not be ended (then the
+    job was still stopped, and their records were left as they were)."""
+
+    rows: list[ops.StopRow]
+    supervisor_left: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.supervisor_left and all(r.ok for r in self.rows)
+
+
+def stop(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Stopped:
+    """End the supervisor first (wherever it runs: it would take the stop for a failure and
+    relaunch), then the job on every node; then clear the supervisor's record."""
+    left = end_supervisor(pool, job, hosts) if job.restarts else []
+    rows = ops.stop(pool, job, hosts)
+    if job.restarts and not left:
+        for h in record_hosts(job, hosts):
+            with contextlib.suppress(MeshkitError):
+                pool.write_file(h, str(job.supervisor_file), "{}\n")
+    return Stopped(rows, left)
+
+
+def run(connect: Connect, job: Job, hosts: Sequence[Host], say: Callable[[str], None]) -> Record:
+    """``meshkit supervise`` (what ``train --restarts`` starts in tmux): register here, supervise,
+    and write every record where status reads it. When the supervisor itself fails, it says so
+    in its record (``gave up``, with why) before the error goes on."""
+    import socket
+
+    from ..node.supervise import register
+    from .lookup import read_local
+
+    register(job.id)
+    host = socket.gethostname()
+
+    def save(pool: NodePool, record: Record) -> None:
+        for h in record_hosts(job, hosts):
+            try:
+                pool.write_file(h, str(job.supervisor_file), record.to_json())
+            except Exception as exc:  # one node's record: say so, keep supervising
+                say(f"{h.label}: cannot write the supervisor record: {exc}")
+
+    say(f"supervising {job.label} on {len(hosts)} nodes, restarts {job.restarts}")
+    try:
+        return supervise(connect, job, hosts, save=save, say=say, host=host)
+    except Exception as exc:
+        last = None
+        with contextlib.suppress(MeshkitError):
+            last = record_from_json(read_local(str(job.supervisor_file)))
+        record = Record(
+            GAVE_UP,
+            last.attempt if last else 1,
+            last.restarts_left if last else job.restarts,
+            f"the supervisor failed: {type(exc).__name__}: {exc}",
+            host,
+        )
+        say(f"gave up: {record.last_restart_reason}")
+        with connect(0.0) as pool:
+            save(pool, record)
+        raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,15 +16,17 @@ from ..errors import LaunchError
 from ..hostfile import Host
 from ..job import Job
 from ..protocol import (
+    FactsReply,
+    FactsRequest,
     FileState,
-    LogsReply,
-    LogsRequest,
     ManifestReply,
     ManifestRequest,
     PutReply,
     PutRequest,
 )
-from .jobs import NodePool, hostfile_text
+from ..remote.group import Outcome
+from .lookup import hostfile_text
+from .pool import NodePool
 
 ALWAYS_EXCLUDED = (".meshkit",)  # each node's logs and job state live there: never overwritten
 DEFAULT_EXCLUDE = (".git", "__pycache__")
@@ -32,31 +35,70 @@ MAX_FILES = 100000
 MTIME_SLACK = 0.002  # seconds: filesystems keep mtimes at different resolutions
 
 
-def unshared(pool: NodePool, workdir: str, hosts: Sequence[Host]) -> list[Host]:
-    """The nodes that do not see this machine's ``workdir`` (a marker written here is absent or
-    different there); ``LaunchError`` when a node cannot be asked."""
-    marker = Path(workdir) / ".meshkit" / f".shared-{secrets.token_hex(8)}"
+@dataclass(frozen=True)
+class Facts:
+    """One facts round (``FactsRequest``): each node's reply, and when each request left and its
+    reply came back (this machine's clock, for the doctor's clock check)."""
+
+    replies: dict[Host, Outcome[FactsReply]]
+    timing: dict[Host, tuple[float, float]]
+    marker: str
+
+    def shared(self, host: Host) -> bool:
+        """The one test of "does ``host`` see the workdir": it saw the marker."""
+        outcome = self.replies.get(host)
+        return outcome is not None and outcome.value is not None and outcome.value.marker == "seen"
+
+
+def facts_round(pool: NodePool, workdir: str, hosts: Sequence[Host], writer: Host | None) -> Facts:
+    """Versions, GPUs, clocks and the workdir of every node, with a marker in the workdir: written
+    by ``writer``'s agent first (the doctor's: the master), or by this machine (``None``: the
+    workdir here is what train would copy); every other node then looks for it. The marker is
+    removed afterwards only when this machine wrote it; the doctor's ``DoneRequest`` removes the
+    writer's."""
     token = secrets.token_hex(16)
+    marker = f"{workdir.rstrip('/')}/.meshkit/.shared-{token[:16]}"
+    local = Path(marker)
+    if writer is None:
+        try:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(token)
+        except OSError as exc:
+            raise LaunchError(f"{workdir}: cannot write the shared-storage marker: {exc}") from None
+    timing: dict[Host, tuple[float, float]] = {}
+    replies: dict[Host, Outcome[FactsReply]] = {}
+    others = [h for h in hosts if h != writer]
+    rounds = [(True, [writer]), (False, others)] if writer is not None else [(False, others)]
     try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(token + "\n")
-    except OSError as exc:
-        raise LaunchError(f"{workdir}: cannot write the shared-storage marker: {exc}") from None
-    try:
-        seen = pool.call_all("shared?", lambda h: LogsRequest(str(marker), 1), LogsReply, hosts)
+        for write, chosen in rounds:
+            sent: dict[Host, float] = {}
+
+            def request(
+                host: Host, write: bool = write, sent: dict[Host, float] = sent
+            ) -> FactsRequest:
+                sent[host] = time.time()
+                return FactsRequest(workdir, marker, token, write)
+
+            replies.update(pool.call_all("facts", request, FactsReply, chosen))
+            back = time.time()
+            timing.update({h: (t, back) for h, t in sent.items()})
     finally:
-        marker.unlink(missing_ok=True)
+        if writer is None:
+            local.unlink(missing_ok=True)
+    return Facts(replies, timing, marker)
+
+
+def unshared(pool: NodePool, workdir: str, hosts: Sequence[Host]) -> tuple[list[Host], Facts]:
+    """The nodes that do not see this machine's ``workdir``, and the facts round that told;
+    ``LaunchError`` when a node cannot be asked."""
+    facts = facts_round(pool, workdir, hosts, None)
     # The first request to each node's agent: one that cannot answer (a missing interpreter,
     # say) stops the launch here, with the agent's own reason, as preflight would.
     problems = [f"{h.label}: cannot connect: {e}" for h, e in pool.failures.items()]
-    problems += [f"{h.label}: {o.error}" for h, o in seen.items() if o.error]
+    problems += [f"{h.label}: {o.error}" for h, o in facts.replies.items() if o.error]
     if problems:
         raise LaunchError([*problems, "train: preflight failed; nothing was started"])
-    return [
-        h
-        for h in hosts
-        if (o := seen.get(h)) is not None and o.value is not None and o.value.lines != [token]
-    ]
+    return [h for h in hosts if not facts.shared(h)], facts
 
 
 @dataclass(frozen=True)
@@ -98,13 +140,16 @@ class SyncReport:
     shared: list[str]  # nodes that already see the workdir
 
 
-def sync_workdir(pool: NodePool, job: Job, hosts: Sequence[Host]) -> SyncReport:
-    """Copy the workdir to every node that does not see it, then the job's hostfile copy (which
-    the nodes run with) to every node."""
+def sync_workdir(
+    pool: NodePool, job: Job, hosts: Sequence[Host], lacking: Sequence[Host] | None = None
+) -> SyncReport:
+    """Copy the workdir to every node that does not see it (``lacking``, when the caller has just
+    asked), then the job's hostfile copy (which the nodes run with) to every node."""
     text = hostfile_text(job)
     if not text:
         raise LaunchError(f"{job.hostfile}: cannot read the hostfile to store it with the job")
-    lacking = unshared(pool, job.workdir, hosts)
+    if lacking is None:
+        lacking, _ = unshared(pool, job.workdir, hosts)
     exclude = [*DEFAULT_EXCLUDE, *job.sync_exclude]
     local = local_files(job.workdir, exclude)
     manifests = pool.call_all(

@@ -1,5 +1,7 @@
-"""One node's single SSH connection (fabric over paramiko): strict host keys, a timeout on every
-call, atomic SFTP writes (temp file + rename, explicit modes)."""
+"""One node's single SSH connection (fabric over paramiko): strict host keys, the host keys sshd
+announces after authentication, a timeout on every call, atomic SFTP writes (temp file + rename,
+explicit modes) for the agent's files, and ``NodeShell``: the one shell per node that mesh and
+unmesh do all their node-side work through."""
 
 from __future__ import annotations
 
@@ -41,6 +43,34 @@ class UnknownHostKey(paramiko.SSHException):
 
 def fingerprint(key: paramiko.PKey) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
+
+
+HOSTKEYS = "hostkeys-00@openssh.com"
+MAX_ANNOUNCED = 64  # host keys one sshd may announce: more is not a host
+
+
+class HostKeysTransport(paramiko.Transport):
+    """A client transport that keeps the host keys sshd announces after authentication
+    (``hostkeys-00@openssh.com``, OpenSSH's PROTOCOL, "Host key rotation"): paramiko's client
+    refuses every global request a server sends, and so drops them. ``announced`` stays None when
+    sshd announces nothing (an sshd older than 6.8, or not OpenSSH)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.announced: list[bytes] | None = None
+        table: dict[int, Any] = self._handler_table  # type: ignore[attr-defined]
+        self._refuse = table[paramiko.common.MSG_GLOBAL_REQUEST]
+        table[paramiko.common.MSG_GLOBAL_REQUEST] = self._server_request
+
+    def _server_request(self, m: paramiko.Message) -> None:
+        if m.get_text() == HOSTKEYS:
+            m.get_boolean()
+            blobs: list[bytes] = []
+            while m.get_remainder() and len(blobs) < MAX_ANNOUNCED:
+                blobs.append(m.get_binary())
+            self.announced = blobs
+        m.rewind()
+        self._refuse(m)  # answered as paramiko answers any server request (no reply wanted)
 
 
 class StrictPolicy(paramiko.MissingHostKeyPolicy):
@@ -166,6 +196,8 @@ class Remote:
             connect_timeout=settings.connect_timeout,
             connect_kwargs=_connect_kwargs(settings),
         )
+        # Only the node's own connection: a gateway's announcements are not the node's keys.
+        self.conn.connect_kwargs["transport_factory"] = HostKeysTransport
         self.revoked: set[tuple[str, str]] = set()
         # Every hop (ProxyJump gateways included) gets the strict policy and our known_hosts:
         # fabric opens gateways with AutoAddPolicy, which would trust any jump host.
@@ -234,6 +266,37 @@ class Remote:
     def server_key(self) -> tuple[str, str]:
         key = self.conn.transport.get_remote_server_key()
         return key.get_name(), key.get_base64()
+
+    @property
+    def session_id(self) -> bytes:
+        """The exchange hash of the connection's first key exchange (what host key proofs sign)."""
+        return bytes(self.conn.transport.session_id)
+
+    def global_request(self, kind: str, data: Sequence[Any] = ()) -> paramiko.Message | None:
+        """A global request that wants a reply: the reply's data, or None when sshd refuses it.
+        Bounded by the phase's deadline (paramiko's own ``global_request`` waits forever)."""
+        transport: Any = self.conn.transport
+        done = threading.Event()
+        transport.completion_event = done  # paramiko sets it on the reply, success or failure
+        m = paramiko.Message()
+        m.add_byte(paramiko.common.cMSG_GLOBAL_REQUEST)
+        m.add_string(kind)
+        m.add_boolean(True)
+        m.add(*data)
+        transport._send_user_message(m)
+        if not done.wait(self.remaining()):
+            raise TimeoutError(f"no answer to {kind}")
+        reply: paramiko.Message | None = transport.global_response
+        return reply
+
+    def announced_host_keys(self) -> list[bytes] | None:
+        """The host key blobs sshd announced after authentication, or None when it announced
+        none. sshd sends them before it reads any request of ours, so once one request of ours
+        has been answered, an announcement not here was never sent."""
+        transport: Any = self.conn.transport
+        if getattr(transport, "announced", None) is None:
+            self.global_request("keepalive@openssh.com")  # refused; only the round trip matters
+        return getattr(transport, "announced", None)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -333,43 +396,6 @@ class Remote:
             raise MeshkitError(f"{path} is larger than {limit} bytes; meshkit will not read it")
         return data.decode(errors="replace")
 
-    def lstat(self, path: str) -> tuple[int | None, int | None, str]:
-        """``(st_mode, uid, link target)`` without following a link; st_mode None when missing."""
-        try:
-            st = self.sftp.lstat(path)
-        except FileNotFoundError:
-            return None, None, ""
-        target = ""
-        if stat.S_ISLNK(st.st_mode or 0):
-            with contextlib.suppress(OSError):
-                target = self.sftp.readlink(path) or ""
-        return st.st_mode, st.st_uid, target
-
-    def home(self) -> str:
-        return str(self.sftp.normalize("."))
-
-    def exists(self, path: str) -> bool:
-        try:
-            self.sftp.lstat(path)
-            return True
-        except FileNotFoundError:
-            return False
-
-    def listdir(self, path: str) -> list[str]:
-        try:
-            return list(self.sftp.listdir(path))
-        except FileNotFoundError:
-            return []
-
-    def ensure_dir(self, path: str, mode: int = 0o700) -> None:
-        """Create ``path`` with ``mode`` if missing; an existing one is left exactly as it is."""
-        try:
-            self.sftp.mkdir(path, mode)
-            self.sftp.chmod(path, mode)  # mkdir's mode is subject to the server's umask
-        except OSError:
-            if not self._is_dir(path):
-                raise
-
     def makedirs(self, path: str, mode: int = 0o755) -> None:
         """``mkdir -p``: create the missing directories (existing ones keep their mode)."""
         missing = []
@@ -421,50 +447,199 @@ class Remote:
         """Write a temp file beside ``path`` (mode set before any data), then rename over it."""
         self.rename(self.write_temp(path, text, mode), path)
 
-    def remove(self, path: str) -> bool:
-        try:
-            self.sftp.remove(path)
-            return True
-        except FileNotFoundError:
-            return False
-
-    # ------------------------------------------------------------ the ~/.ssh lock
-
-    @contextlib.contextmanager
-    def locked(self, directory: str = ".ssh") -> Iterator[None]:
-        """Hold ``flock`` on ``directory`` on the node while the body runs: one more channel on
-        this connection (not a login) runs ``flock DIR`` around a process that waits for us to
-        say we are done. The node lets go by itself if we vanish (EOF) or after the phase's
-        time (``timeout``), so a dropped link never leaves the lock held."""
-        hold = max(1, int(self.remaining()) + 1)
-        command = (
-            f"exec flock -w {hold} {shlex.quote(directory)} "
-            f"sh -c 'echo locked; exec timeout {hold} head -c 1 >/dev/null'"
-        )
-        channel = self.conn.transport.open_session(timeout=self.remaining())
-        try:
-            channel.settimeout(self.remaining())
-            channel.exec_command(command)
-            got = b""
-            while b"\n" not in got:
-                chunk = channel.recv(64)
-                if not chunk:
-                    err = channel.recv_stderr(500).decode(errors="replace").strip()
-                    raise MeshkitError(
-                        f"could not lock ~/{directory} (flock): {err or 'no answer'}; "
-                        "is another meshkit run holding it, or is flock (util-linux) missing?"
-                    )
-                got += chunk
-            if not got.startswith(b"locked"):
-                raise MeshkitError(f"could not lock ~/{directory}: {got[:100]!r}")
-            yield
-        finally:
-            with contextlib.suppress(Exception):
-                channel.shutdown_write()  # head sees EOF: the lock is released
-                channel.close()
-
     def close(self) -> None:
         if self._sftp is not None:
             with contextlib.suppress(Exception):
                 self._sftp.close()
         self.conn.close()
+
+
+# ---------------------------------------------------------------- one shell per node
+
+# The node side of NodeShell: POSIX sh, started once per node by the user's login shell (so its
+# ~/.bashrc runs once). It answers one request per line, in order; every answer is a status line
+# ("=ok", "=none", "=denied", "=err ...", "=changed"), data lines (base64, or text lines each
+# after a "|"), and a line ".". Request data (paths, sizes) is read with `read`, never evaluated;
+# file contents travel as counted bytes; each request line starts with this run's token, so a
+# shell that ever lost count of the bytes ends (releasing its lock) instead of reading data as
+# requests. Text files are read with shell builtins and most answers need no fork: the node's CPU
+# goes to sshd and the user's shell, as for any login.
+NODE_SHELL = r"""
+exec 2>/dev/null
+umask 077
+set -C
+T=$1 w=
+trap '[ -z "$w" ] || kill "$w"' EXIT
+txt() {
+  n=0
+  while [ "$n" -lt "$2" ] && { IFS= read -r l || [ -n "$l" ]; }; do
+    n=$((n + 1)); printf '|%s\n' "$l"
+  done < "$1"
+}
+fin() { case $2 in -) ;; !) rm -f -- "$1" ;; *) mv -f -- "$2" "$1" ;; esac; }
+drop() { case $1 in -|!) ;; *) rm -f -- "$1" ;; esac; }
+echo =meshkit-ready
+while read -r t op a b; do
+  [ "$t" = "$T" ] || exit 1
+  case $op in
+  cat|txt)
+    if [ ! -e "$b" ]; then echo =none
+    elif [ ! -r "$b" ]; then echo =denied
+    elif [ "$op" = txt ]; then echo =ok; txt "$b" "$a"
+    else echo =ok; head -c "$a" -- "$b" </dev/null | base64; fi ;;
+  stat)
+    echo =ok; set -f
+    if [ "$a" = -L ]; then stat -L -c '|%f %u %n' -- $b; else stat -c '|%f %u %n' -- $b; fi
+    set +f ;;
+  link) echo =ok; printf '|%s\n' "$(readlink -- "$b")" ;;
+  ls)
+    if [ -d "$b" ]; then
+      echo =ok
+      for f in "$b"/* "$b"/.[!.]* "$b"/..?*; do
+        if [ -e "$f" ] || [ -L "$f" ]; then printf '|%s\n' "${f##*/}"; fi
+      done
+    else echo =none; fi ;;
+  home) cd -P . && echo "=ok $PWD" ;;
+  keygen)
+    k=${a%%:*} c=${a#*:} r=0 out=
+    [ -d .ssh ] || mkdir -m 700 .ssh
+    exec 8<.ssh
+    if flock -w 30 8; then
+      if [ "$k" = derive ]; then
+        if [ ! -e "$b.pub" ]; then
+          out=$(ssh-keygen -y -f "$b" 2>&1 >"$b.pub" </dev/null) || { r=$?; rm -f -- "$b.pub"; }
+        fi
+      elif [ ! -e "$b" ] && [ ! -e "$b.pub" ]; then
+        out=$(ssh-keygen -q -t "$k" -N '' -C "$c" -f "$b" 2>&1 </dev/null) || r=$?
+      fi
+      exec 8<&-
+      if [ "$r" = 0 ] && [ -r "$b.pub" ]; then echo =ok; txt "$b.pub" 4
+      else echo "=err $r"; printf '%s\n' "$out" | head -c 300 | base64; fi
+    else exec 8<&-; echo "=err lock"; fi ;;
+  lock)
+    [ -d .ssh ] || mkdir -m 700 .ssh
+    exec 9<.ssh
+    if flock -w "$a" 9; then
+      (exec 8<&- 9<&-; trap 'kill $s; exit' TERM; sleep "$a" & s=$!; wait $s; kill -TERM $$) \
+        </dev/null >/dev/null &
+      w=$!
+      echo =ok
+    else exec 9<&-; echo =err; fi ;;
+  unlock) exec 9<&-; [ -z "$w" ] || kill "$w"; w=; echo =ok ;;
+  put) if head -c "$a" > "$b"; then echo =ok; else exit 1; fi ;;
+  commit)
+    read -r ta tk
+    ha=none hk=none p=
+    for x in $(sha256sum -- .ssh/authorized_keys .ssh/known_hosts); do
+      case $x in .ssh/authorized_keys) ha=$p ;; .ssh/known_hosts) hk=$p ;; esac
+      p=$x
+    done
+    if [ "$ha" = "$a" ] && [ "$hk" = "$b" ]; then
+      if fin .ssh/authorized_keys "$ta" && fin .ssh/known_hosts "$tk"; then echo =ok
+      else echo =err; fi
+    else drop "$ta"; drop "$tk"; echo =changed; fi ;;
+  rm) rm -f -- "$b"; echo =ok ;;
+  sh) s=$(head -c "$a"); echo =ok; sh -c "$s" </dev/null 2>&1 | base64 ;;
+  *) echo =err ;;
+  esac
+  echo .
+done
+"""
+MAX_NOISE = 1 << 20  # what a chatty ~/.bashrc may print before the node shell starts
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One answer of the node shell: its status, the rest of the status line, the data."""
+
+    status: str
+    text: str
+    body: bytes
+
+
+class NodeShell:
+    """One exec channel on a node's connection, running NODE_SHELL: every file read, key, lock,
+    write and rename the mesh needs, without SFTP and without another channel, so the user's
+    shell and its ~/.bashrc (conda or pyenv init, 0.1 s of CPU on many ML nodes) start once per
+    node. Requests are pipelined: ``ask`` sends them all, then reads every answer in order.
+    Every wait is bounded by the Remote's phase deadline."""
+
+    def __init__(self, remote: Remote, *first: str | tuple[str, bytes]) -> None:
+        """Start the node shell and send it the ``first`` requests at once, without waiting
+        (their replies are ``receive``'s): started as each connection opens, the shell's
+        start-up and that first round overlap the other nodes' connects."""
+        self.remote = remote
+        self.channel = remote.conn.transport.open_session(timeout=remote.remaining())
+        self._buf = b""
+        self._ready = False
+        self.token = uuid.uuid4().hex
+        self.channel.settimeout(remote.remaining())
+        self.channel.exec_command(f"exec sh -c {shlex.quote(NODE_SHELL)} meshkit {self.token}")
+        if first:
+            self.send(*first)
+
+    def _wait_ready(self) -> None:
+        seen = 0
+        while (line := self._line()) != b"=meshkit-ready":
+            seen += len(line)
+            if seen > MAX_NOISE:
+                raise MeshkitError("the node's shell printed too much before starting")
+        self._ready = True
+
+    def _line(self) -> bytes:
+        while b"\n" not in self._buf:
+            self.channel.settimeout(self.remote.remaining())
+            chunk = self.channel.recv(1 << 16)
+            if not chunk:
+                raise MeshkitError(
+                    "the node's shell ended unexpectedly (sh, head, base64, stat and flock are "
+                    "needed on the node)"
+                )
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line
+
+    def send(self, *requests: str | tuple[str, bytes]) -> None:
+        """Send each request (a line, or a line and the bytes it announces)."""
+        out = b""
+        for request in requests:
+            line, data = (request, b"") if isinstance(request, str) else request
+            if "\n" in line:
+                raise ValueError(f"a request is one line: {line!r}")
+            out += f"{self.token} {line}\n".encode() + data
+        self.channel.settimeout(self.remote.remaining())
+        self.channel.sendall(out)
+
+    def receive(self, count: int) -> list[Reply]:
+        """The replies to the next ``count`` requests sent, in order."""
+        if not self._ready:
+            self._wait_ready()
+        replies = []
+        for _ in range(count):
+            head = self._line().decode(errors="replace")
+            if not head.startswith("="):
+                raise MeshkitError(f"the node's shell answered {head[:80]!r}")
+            status, _, text = head[1:].partition(" ")
+            lines: list[bytes] = []
+            encoded: list[bytes] = []
+            while (body := self._line()) != b".":
+                if body.startswith(b"|"):
+                    lines.append(body[1:] + b"\n")
+                else:
+                    encoded.append(body)
+            data = b"".join(lines) + base64.b64decode(b"".join(encoded))
+            replies.append(Reply(status, text, data))
+        return replies
+
+    def ask(self, *requests: str | tuple[str, bytes]) -> list[Reply]:
+        """Send the requests, then read every reply in order (pipelined: one round trip)."""
+        self.send(*requests)
+        return self.receive(len(requests))
+
+    def one(self, request: str | tuple[str, bytes]) -> Reply:
+        return self.ask(request)[0]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.channel.shutdown_write()  # the node shell reads EOF, lets go of a lock, ends
+            self.channel.close()

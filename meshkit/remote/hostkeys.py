@@ -2,20 +2,30 @@
 
 A ``/etc/ssh/ssh_host_*_key.pub`` proves nothing: sshd may not load it (no ``HostKey`` line), and
 trusting it lets an impostor serving only that key pass StrictHostKeyChecking. The key the
-controller's own connection was shown is proven by that connection; every other key type is
-proven by a key-exchange-only handshake that offers sshd just that type (paramiko's
-``get_security_options().key_types``): sshd must sign the exchange with it, and nobody logs in
-(the transport is closed right after the key exchange).
+controller's own connection was shown is proven by that connection's key exchange. The others are
+proven inside the same connection, as OpenSSH's ``UpdateHostKeys`` does (PROTOCOL, "Host key
+rotation"): after authentication sshd announces its keys (``hostkeys-00@openssh.com``), and on
+request (``hostkeys-prove-00@openssh.com``) signs each one together with this connection's
+session id; every signature is verified here, and an announced key whose signature does not
+verify is not trusted. Only when sshd announces nothing or refuses to prove (an sshd older than
+OpenSSH 6.8, or not OpenSSH) does each claimed key type get a key-exchange-only handshake that
+offers sshd just that type (paramiko's ``get_security_options().key_types``): sshd must sign the
+exchange with it, and nobody logs in (the transport is closed right after the key exchange).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 
 import paramiko
 
 from ..keys import PublicKey
 from .connection import Remote
+
+PROVE = "hostkeys-prove-00@openssh.com"
+IN_CONNECTION = "proven in the connection (hostkeys-prove-00@openssh.com)"
+FALLBACK = "proven by one key exchange per key type (sshd did not prove them in the connection)"
 
 # What paramiko offers for each public key type (RSA keys sign with the SHA-2 algorithms).
 ALGORITHMS = {
@@ -60,16 +70,78 @@ def served_key(remote: Remote, kind: str) -> PublicKey | None:
             sock.close()
 
 
-def proven_host_keys(remote: Remote, claimed: list[PublicKey]) -> tuple[list[PublicKey], list[str]]:
-    """The connection's own key, plus each claimed key (from /etc/ssh) that sshd proves it serves;
-    and a note for each claimed key that it does not."""
+def _blob_kind(blob: bytes) -> str:
+    m = paramiko.Message(blob)
+    return m.get_text()
+
+
+def prove_in_connection(remote: Remote) -> tuple[list[PublicKey], list[str]] | None:
+    """The keys sshd announced whose signature over (request name, session id, key) verifies,
+    and a note for each that did not; None when sshd announced none or refused to prove them."""
+    blobs = remote.announced_host_keys()
+    if not blobs:
+        return None
+    reply = remote.global_request(PROVE, blobs)
+    if reply is None:
+        return None
+    session = remote.session_id
+    proven, notes = [], []
+    for blob in blobs:
+        signature = reply.get_binary() if reply.get_remainder() else b""
+        try:
+            kind = _blob_kind(blob)
+            key = paramiko.PKey.from_type_string(kind, blob)
+        except Exception:  # a key type this paramiko cannot check (security keys, certificates)
+            notes.append("sshd announced a host key of a type meshkit cannot check; not trusted")
+            continue
+        public = PublicKey(kind, base64.b64encode(blob).decode())
+        signed = paramiko.Message()
+        signed.add_string(PROVE)
+        signed.add_string(session)
+        signed.add_string(blob)
+        algorithm = paramiko.Message(signature).get_text() if signature else ""
+        ok = bool(signature) and algorithm in ALGORITHMS.get(kind, ())
+        try:
+            ok = ok and bool(key.verify_ssh_sig(signed.asbytes(), paramiko.Message(signature)))
+        except Exception:
+            ok = False
+        if ok:
+            proven.append(public)
+        else:
+            notes.append(
+                f"{kind} key {public.fingerprint()}: sshd's proof ({algorithm or 'none'}) does not "
+                "verify; not trusted"
+            )
+    return proven, notes
+
+
+def proven_host_keys(
+    remote: Remote, claimed: list[PublicKey]
+) -> tuple[list[PublicKey], list[str], str]:
+    """The connection's own key and the keys sshd proves it serves (in the connection, or by the
+    fallback handshakes); a note for each claimed key (from /etc/ssh) that it does not serve; and
+    how they were proven (IN_CONNECTION or FALLBACK)."""
     kind, blob = remote.server_key
     proven = [PublicKey(kind, blob)]
+    found = prove_in_connection(remote)
+    if found is not None:
+        keys, notes = found
+        proven += [k for k in keys if k.blob != blob]
+        for key in claimed:
+            if not any(k.blob == key.blob for k in proven):
+                notes.append(
+                    f"{key.kind} key {key.fingerprint()} in /etc/ssh is not the one sshd serves; "
+                    "not trusted"
+                )
+        return proven, notes, IN_CONNECTION
     notes = []
     for key in claimed:
         if (key.kind, key.blob) == (kind, blob) or any(k.kind == key.kind for k in proven):
             if not any(k.blob == key.blob for k in proven):
-                notes.append(f"{key.kind} key {key.fingerprint()} in /etc/ssh is not served")
+                notes.append(
+                    f"{key.kind} key {key.fingerprint()} in /etc/ssh is not the one sshd serves; "
+                    "not trusted"
+                )
             continue
         got = served_key(remote, key.kind)
         if got is not None and got.blob == key.blob:
@@ -79,4 +151,4 @@ def proven_host_keys(remote: Remote, claimed: list[PublicKey]) -> tuple[list[Pub
                 f"{key.kind} key {key.fingerprint()} in /etc/ssh is not the one sshd serves; "
                 "not trusted"
             )
-    return proven, notes
+    return proven, notes, FALLBACK

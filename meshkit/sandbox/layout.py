@@ -11,11 +11,11 @@ import hashlib
 import ipaddress
 import os
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..errors import SandboxError
-from .networks import Options, second_bridge, second_veth
 
 DEFAULT = "default"
 FIRST_HOST = 11  # node i is subnet + 11 + i; the controller (bridge) is subnet + 1
@@ -50,6 +50,50 @@ def default_subnet(base: str, name: str) -> str:
         return base
     third = 1 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") % 250
     return f"10.77.{third}.0/24"
+
+
+@dataclass(frozen=True)
+class Options:
+    second: bool = False
+    ifnames: bool = False
+    docker: bool = False
+    debian_hosts: bool = False
+
+    @classmethod
+    def all(cls) -> Options:
+        return cls(second=True, ifnames=True, docker=True, debian_hosts=True)
+
+    @classmethod
+    def parse(cls, text: str) -> Options:
+        """``--networks`` text: a comma list of option names (``-`` or ``_``), or ``all``."""
+        words = [w.strip().replace("-", "_") for w in text.split(",") if w.strip()]
+        if words == ["all"]:
+            return cls.all()
+        known = {f.name: f.name for f in fields(cls)} | {"docker0": "docker"}
+        unknown = [w for w in words if w not in known]
+        if unknown:
+            raise SandboxError(
+                f"--networks {text!r}: unknown {', '.join(unknown)}; expected a comma list of "
+                "second, ifnames, docker0, debian-hosts, or all"
+            )
+        return cls(**{known[w]: True for w in words})
+
+    @classmethod
+    def from_state(cls, data: object) -> Options:
+        if not isinstance(data, Mapping):
+            return cls()
+        return cls(**{f.name: bool(data.get(f.name, False)) for f in fields(cls)})
+
+    def as_state(self) -> dict[str, bool]:
+        return asdict(self)
+
+    @property
+    def any(self) -> bool:
+        return any(asdict(self).values())
+
+    def describe(self) -> str:
+        on = [f.name for f in fields(self) if getattr(self, f.name)]
+        return ", ".join(on) or "plain"
 
 
 @dataclass(frozen=True)
@@ -199,3 +243,24 @@ def layout(
             "use a shorter sandbox name or fewer nodes"
         )
     return lay
+
+
+# -- the second network's names (pure; networks.py builds it) --------------------------------
+
+
+def second_bridge(lay: Layout) -> str:
+    return "mkbr1" if lay.name == "default" else f"mkc-{lay.name}"
+
+
+def second_veth_prefix(lay: Layout) -> str:
+    # Distinct from the first network's prefix ("mkv"/"mk<name>-") so ownership tests stay exact.
+    return "mkw" if lay.name == "default" else f"mn{lay.name}-"
+
+
+def second_veth(lay: Layout, node: Node) -> str:
+    return f"{second_veth_prefix(lay)}{node.index}"
+
+
+def owns_second_veth(lay: Layout, link: str) -> bool:
+    prefix = second_veth_prefix(lay)
+    return link.startswith(prefix) and link[len(prefix) :].isdigit()

@@ -19,64 +19,20 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from ..errors import SandboxError
+from .layout import Layout, Node, Options, owns_second_veth, second_bridge, second_veth
 from .system import run
 
-if TYPE_CHECKING:
-    from .layout import Layout, Node
+# Options and the second network's names live in layout.py (pure naming; it imports nothing of this
+# module, so there is no import circle); they are named here too, where callers look for them.
+__all__ = ["Options", "owns_second_veth", "second_bridge", "second_veth"]
 
 DOCKER_BRIDGE = "docker0"
 DOCKER_ADDRESS = "172.17.0.1/16"
 PRIMARY_NAMES = ("eth0", "ens3", "eno1")
 SECOND_NAMES = ("eth1", "ens4", "eno2")
-
-
-@dataclass(frozen=True)
-class Options:
-    second: bool = False
-    ifnames: bool = False
-    docker: bool = False
-    debian_hosts: bool = False
-
-    @classmethod
-    def all(cls) -> Options:
-        return cls(second=True, ifnames=True, docker=True, debian_hosts=True)
-
-    @classmethod
-    def parse(cls, text: str) -> Options:
-        """``--networks`` text: a comma list of option names (``-`` or ``_``), or ``all``."""
-        words = [w.strip().replace("-", "_") for w in text.split(",") if w.strip()]
-        if words == ["all"]:
-            return cls.all()
-        known = {f.name: f.name for f in fields(cls)} | {"docker0": "docker"}
-        unknown = [w for w in words if w not in known]
-        if unknown:
-            raise SandboxError(
-                f"--networks {text!r}: unknown {', '.join(unknown)}; expected a comma list of "
-                "second, ifnames, docker0, debian-hosts, or all"
-            )
-        return cls(**{known[w]: True for w in words})
-
-    @classmethod
-    def from_state(cls, data: object) -> Options:
-        if not isinstance(data, Mapping):
-            return cls()
-        return cls(**{f.name: bool(data.get(f.name, False)) for f in fields(cls)})
-
-    def as_state(self) -> dict[str, bool]:
-        return asdict(self)
-
-    @property
-    def any(self) -> bool:
-        return any(asdict(self).values())
-
-    def describe(self) -> str:
-        on = [f.name for f in fields(self) if getattr(self, f.name)]
-        return ", ".join(on) or "plain"
 
 
 # -- naming (pure) -------------------------------------------------------------------------------
@@ -89,24 +45,6 @@ def primary_ifname(opts: Options, index: int) -> str:
 
 def second_ifname(opts: Options, index: int) -> str:
     return SECOND_NAMES[index % len(SECOND_NAMES)] if opts.ifnames else "eth1"
-
-
-def second_bridge(lay: Layout) -> str:
-    return "mkbr1" if lay.name == "default" else f"mkc-{lay.name}"
-
-
-def second_veth_prefix(lay: Layout) -> str:
-    # Distinct from the first network's prefix ("mkv"/"mk<name>-") so ownership tests stay exact.
-    return "mkw" if lay.name == "default" else f"mn{lay.name}-"
-
-
-def second_veth(lay: Layout, node: Node) -> str:
-    return f"{second_veth_prefix(lay)}{node.index}"
-
-
-def owns_second_veth(lay: Layout, link: str) -> bool:
-    prefix = second_veth_prefix(lay)
-    return link.startswith(prefix) and link[len(prefix) :].isdigit()
 
 
 def second_subnet(lay: Layout) -> ipaddress.IPv4Network:

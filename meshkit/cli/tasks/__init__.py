@@ -14,19 +14,20 @@ from invoke.context import Context
 if TYPE_CHECKING:
     from ...distenv import NodeEnv
 
+from ...envrun import DISCOVERY_FLAGS
+from ...errors import UsageError
 from ..common import conf, helps, reported, task
-from ..fast import DISCOVERY_FLAGS
 from . import doctor as tasks_doctor
 from . import jobs as tasks_train
 from . import mesh as tasks_mesh
 from . import sandbox as tasks_sandbox
 
-DISCOVERY = DISCOVERY_FLAGS  # the fast path's flags: tests/test_fastcli.py keeps them equal
+DISCOVERY = DISCOVERY_FLAGS  # envrun's own parser's flags: tests/test_fastcli.py keeps them equal
 
 
 def _node(c: Context, flags: dict[str, Any]) -> NodeEnv:
     """Discovery with this task's flags (those named in DISCOVERY) over the configuration."""
-    from ..envcmd import node_env
+    from ...envrun import node_env
 
     return node_env(conf(), **{name: flags[name] for name in DISCOVERY})
 
@@ -48,7 +49,7 @@ def env(
     Sources, first match wins: --node-rank/MESHKIT_NODE_RANK, torchrun, SLURM, OpenMPI, PBS, then
     the hostfile matched against this machine's addresses. Use: eval "$(meshkit env)".
     """
-    from ..envcmd import print_env
+    from ...envrun import print_env
 
     with reported():
         node = _node(c, locals())
@@ -65,7 +66,7 @@ def env(
 )
 def run(
     c: Context,
-    cmd: str,
+    cmd: str | None = None,
     hostfile: str | None = None,
     node_rank: str | None = None,
     session: str | None = None,
@@ -81,9 +82,11 @@ def run(
     This is what every node runs inside tmux for `meshkit train`. With --spawn, CMD runs
     NPROC_PER_NODE times, each with its rank's variables, as torchrun would start it.
     """
-    from ..envcmd import exec_run, spawn_run
+    from ...envrun import exec_run, spawn_run
 
     with reported():
+        if cmd is None:  # a flag, not a positional: `meshkit run -h` is help
+            raise UsageError("run: give the command: meshkit run --cmd CMD")
         node = _node(c, locals())
         if spawn:
             spawn_run(node, cmd, log)

@@ -2,101 +2,35 @@
 
 from __future__ import annotations
 
-import contextlib
 import json as jsonlib
 import os
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from invoke.context import Context
 from invoke.exceptions import Exit
 
-from ...errors import LaunchError, MeshkitError, UsageError
+from ...errors import LaunchError, UsageError
 from ...hostfile import Host
-from ...job import Job, check_env, check_session
+from ...job import Job
 from ...ops import jobs as ops
-from ...record import replace as changed  # `replace` is a flag here
-from ..common import HELP, conf, helps, int_option, option, progress, reported, table, task
-from .mesh import ssh_settings
+from ...ops import lookup
+from ...ops.pool import NodePool, connect
+from ..common import HELP, conf, helps, progress, reported, table, task
 
 JOB_FLAGS = ("hostfile", "session", "workdir")
 
 
-def _hosts_of(job: Job) -> list[Host]:
-    """The job's nodes, from its hostfile; a synced job's copy when this machine lacks the path."""
-    from ...discovery import read_hosts
-
-    path = job.hostfile
-    if job.sync and not os.path.exists(path) and os.path.exists(job.node_hostfile):
-        path = job.node_hostfile
-    return read_hosts(path, job.include, job.exclude)
-
-
-def _session(flag: str | None) -> str:
-    return check_session(str(option("session", flag)))
-
-
-def _hostfile(flag: str | None) -> str:
-    return os.path.abspath(str(option("hostfile", flag)))
-
-
-def _find(hostfile: str | None, session: str | None, workdir: str | None) -> Job:
-    """The saved job, from any node and any directory (see ops.jobs.find_job)."""
-    return ops.find_job(
-        _session(session),
-        workdir=option("workdir", workdir),
-        hostfile=_hostfile(hostfile),
-        cwd=os.getcwd(),
-    )
-
-
-def _new_job(
-    cmd: str,
-    workdir: str | None,
-    session: str | None,
-    hostfile: str | None,
-    nproc_per_node: str | None,
-    master_port: str | None,
-    include: str | None,
-    exclude: str | None,
-) -> tuple[Job, list[Host]]:
-    """A job from flags and config, with the hosts it runs on (read once, also for the port)."""
-    from ...discovery import read_hosts
-    from ...topology import derive_master_port
-
-    cfg = conf()
-    name = _session(session)
-    path = _hostfile(hostfile)
-    chosen = (option("include", include), option("exclude", exclude))
-    hosts = read_hosts(path, *chosen)
-    if not cmd.strip():
-        raise UsageError("--cmd is empty: give the command every node should run")
-    job = Job(
-        cmd=cmd,
-        workdir=os.path.abspath(option("workdir", workdir) or os.getcwd()),
-        session=name,
-        hostfile=path,
-        python=str(cfg.python or sys.executable),
-        master_port=int_option("master_port", master_port) or derive_master_port(hosts, name),
-        nproc_per_node=int_option("nproc_per_node", nproc_per_node, allow_auto=True),
-        include=chosen[0],
-        exclude=chosen[1],
-        setup=tuple(cfg.setup),
-        env=check_env(dict(cfg.env)),
-    )
-    return job, hosts
+def _find(hostfile: str | None, session: str | None, workdir: str | None) -> tuple[Job, list[Host]]:
+    """The saved job and its nodes, from any node and any directory (see ops.lookup)."""
+    return lookup.saved(conf(), hostfile, session, workdir)
 
 
 @contextmanager
-def _pool(job: Job, hosts: Sequence[Host], wait: float = 0.0) -> Iterator[ops.NodePool]:
-    """One connection and one node agent per node for the whole command, closed on the way out
-    (Ctrl-C included)."""
-    from ...remote import AgentPool
-
-    settings = ssh_settings(Context(), job.hostfile)
-    with AgentPool.connect(hosts, settings, job.python, progress, wait) as pool:
+def _pool(job: Job, hosts: Sequence[Host], wait: float = 0.0) -> Iterator[NodePool]:
+    """One connection and one node agent per node for the whole command."""
+    with connect(conf(), job.hostfile, hosts, job.python, progress, wait) as pool:
         yield pool
 
 
@@ -192,60 +126,57 @@ def train(
     one master and port, no other meshkit job running): any failure starts nothing. After a reboot,
     `meshkit train` alone relaunches the saved job from any node and any directory.
     """
+    from ...ops import train as op
+    from .doctor import render
+
     with reported():
         if not 0 <= float(wait) <= 86400:
             raise UsageError(f"--wait {wait}: expected seconds between 0 and 86400")
-        from ...job import parse_restart_on
-
-        policy = (_restarts(restarts), parse_restart_on(restart_on))  # usage errors first
-        if cmd is None:
-            job = _find(hostfile, session, workdir)
-            hosts = _hosts_of(job)
-            print(f"relaunching saved job {job.label}: {job.cmd}")
-        else:
-            job, hosts = _new_job(
-                cmd, workdir, session, hostfile, nproc_per_node, master_port, include, exclude
-            )
-            job = changed(job, sync_exclude=tuple(conf().sync_exclude), spawn=spawn)
-        if spawn:
-            from ..envcmd import check_spawn_cmd
-
-            check_spawn_cmd(job.cmd)
-            job = changed(job, spawn=True)
-        job = _supervision(
-            job, policy, restarts is not None, restart_on is not None, cmd is not None
+        job, hosts = op.plan(
+            conf(),
+            cmd,
+            workdir=workdir,
+            session=session,
+            hostfile=hostfile,
+            nproc_per_node=nproc_per_node,
+            master_port=master_port,
+            include=include,
+            exclude=exclude,
+            restarts=restarts,
+            restart_on=restart_on,
+            spawn=spawn,
         )
+        if cmd is None:
+            print(f"relaunching saved job {job.label}: {job.cmd}")
         with _pool(job, hosts, float(wait)) as pool:
-            if cmd is not None and not job.sync and not dry_run:
-                from ...ops.sync import unshared
-
-                lacking = unshared(pool, job.workdir, hosts)
-                if sync or lacking:
-                    if lacking:
-                        names = ", ".join(h.label for h in lacking)
-                        print(f"workdir {job.workdir} is not shared with {names}: syncing it")
-                    job = changed(job, sync=True)
-            elif sync:
-                job = changed(job, sync=True)
-            if not dry_run:
-                from ...ops import supervise as sup
-
-                left = sup.end_supervisor(pool, job, hosts)
-                if left:
-                    raise LaunchError([*left, "train: the old supervisor did not end"])
-            copied = None
-            if doctor:
-                from .doctor import train_preflight
-
-                if job.sync and not dry_run:
-                    # The doctor runs `meshkit env` in the workdir on every node: copy it first.
-                    from ...ops.sync import sync_workdir
-
-                    copied = sync_workdir(pool, job, hosts).nodes
-                train_preflight(pool, job, hosts)
-            launch = ops.launch(pool, job, hosts, replace=replace, dry_run=dry_run, synced=copied)
-            if launch.ok and not launch.dry_run and launch.job.restarts:
-                _start_supervisor(pool, launch.job, hosts)
+            result = op.train(
+                pool,
+                job,
+                hosts,
+                fresh=cmd is not None,
+                sync=sync,
+                replace_others=replace,
+                dry_run=dry_run,
+                check=doctor,
+            )
+        if result.lacking:
+            print(
+                f"workdir {job.workdir} is not shared with {', '.join(result.lacking)}: syncing it"
+            )
+        if result.doctor is not None:
+            if not result.doctor.ok:
+                print(render(result.doctor))
+                raise LaunchError(
+                    [
+                        f"{c.node}{' -> ' + c.peer if c.peer else ''}: {c.check}: {c.detail}; "
+                        f"fix: {c.fix}"
+                        for c in result.doctor.failures
+                    ]
+                    + ["train --doctor: checks failed; nothing was started"]
+                )
+            print(f"doctor: {len(result.doctor.checks)} quick checks passed")
+        launch = result.launch
+        assert launch is not None  # only None when the doctor failed, above
         if launch.synced:
             for host, count in launch.synced.items():
                 print(f"synced {count} changed files to {host}")
@@ -263,53 +194,11 @@ def train(
             raise LaunchError(
                 "train: some nodes did not start (see above); `meshkit stop` ends the others"
             )
-        where = f"--hostfile {job.hostfile} --session {job.session}"
+        if result.supervisor is not None:
+            sup = result.supervisor
+            print(f"supervisor: tmux session {sup.tmux_session} on {sup.host}, log {sup.log}")
+        where = f"--hostfile {launch.job.hostfile} --session {launch.job.session}"
         print(f"\nstatus: meshkit status {where}   logs: meshkit logs {where}")
-
-
-def _restarts(flag: str | None) -> int | None:
-    if flag is None:
-        return None
-    text = str(flag).strip()
-    if not text.isdigit() or not 0 <= int(text) <= 1000:
-        raise UsageError(f"--restarts {str(flag)[:40]!r}: expected a whole number 0..1000")
-    return int(text)
-
-
-def _supervision(
-    job: Job,
-    policy: tuple[int | None, tuple[int, ...]],
-    restarts_given: bool,
-    codes_given: bool,
-    fresh: bool,
-) -> Job:
-    """``--restarts``/``--restart-on`` over the saved job's (a bare relaunch keeps the saved
-    policy unless told otherwise; a new job is unsupervised unless told)."""
-    restarts, codes = policy
-    if fresh:
-        return changed(job, restarts=restarts or 0, restart_on=codes)
-    return changed(
-        job,
-        restarts=restarts if restarts_given and restarts is not None else job.restarts,
-        restart_on=codes if codes_given else job.restart_on,
-    )
-
-
-def _start_supervisor(pool: ops.NodePool, job: Job, hosts: Sequence[Host]) -> None:
-    import socket
-
-    from ...ops import supervise as sup
-
-    record = sup.Record(sup.RUNNING, 1, job.restarts, None, socket.gethostname())
-    for h in sup.record_hosts(job, hosts):
-        pool.write_file(h, str(job.supervisor_file), record.to_json())
-    log = str(job.home / "supervisor.log")
-    error = sup.start_local(job, log)
-    if error:
-        raise LaunchError(
-            f"the job started but its supervisor did not: {error}; `meshkit stop` ends the job"
-        )
-    print(f"supervisor: tmux session {job.supervisor_tmux} on {record.host}, log {log}")
 
 
 @task(help=helps(*JOB_FLAGS, log="append output to this file"))
@@ -323,9 +212,7 @@ def supervise(
     """(Started by `train --restarts`, in tmux.) Watch the saved job on every node and relaunch
     it on failure, as `train --restarts` describes."""
     import datetime
-    import socket
 
-    from ...node.supervise import register
     from ...ops import supervise as sup
 
     if log:
@@ -333,47 +220,14 @@ def supervise(
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+
+    def say(message: str) -> None:
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        print(f"{now} {message}", flush=True)
+
     with reported():
-        job = _find(hostfile, session, workdir)
-        hosts = _hosts_of(job)
-        register(job.id)
-
-        def say(message: str) -> None:
-            now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-            print(f"{now} {message}", flush=True)
-
-        def save(pool: ops.NodePool, record: sup.Record) -> None:
-            for h in sup.record_hosts(job, hosts):
-                try:
-                    pool.write_file(h, str(job.supervisor_file), record.to_json())
-                except Exception as exc:  # one node's record: say so, keep supervising
-                    say(f"{h.label}: cannot write the supervisor record: {exc}")
-
-        say(f"supervising {job.label} on {len(hosts)} nodes, restarts {job.restarts}")
-        try:
-            record = sup.supervise(
-                lambda wait: _pool(job, hosts, wait),
-                job,
-                hosts,
-                save=save,
-                say=say,
-                host=socket.gethostname(),
-            )
-        except Exception as exc:  # the supervisor itself failed: say so where status looks
-            last = None
-            with contextlib.suppress(MeshkitError):
-                last = sup.record_from_json(ops.read_local(str(job.supervisor_file)))
-            record = sup.Record(
-                sup.GAVE_UP,
-                last.attempt if last else 1,
-                last.restarts_left if last else job.restarts,
-                f"the supervisor failed: {type(exc).__name__}: {exc}",
-                socket.gethostname(),
-            )
-            say(f"gave up: {record.last_restart_reason}")
-            with _pool(job, hosts) as pool:
-                save(pool, record)
-            raise
+        job, hosts = _find(hostfile, session, workdir)
+        record = sup.run(lambda wait: _pool(job, hosts, wait), job, hosts, say)
     if record.supervisor != sup.DONE:
         raise Exit(code=1)
 
@@ -388,14 +242,12 @@ def status(
 ) -> None:
     """Per node: rank, host, state (running / exited / absent), exit code, start time, last log
     line. Works from any node and any directory (the job is found through the hostfile)."""
+    from ...ops import supervise as sup
+
     with reported():
-        job = _find(hostfile, session, workdir)
-        hosts = _hosts_of(job)
+        job, hosts = _find(hostfile, session, workdir)
         with _pool(job, hosts) as pool:
-            rows = ops.status(pool, job, hosts)
-        rows = ops.with_supervision(
-            job, rows, ops.read_local(str(job.supervisor_file)), time.time()
-        )
+            rows = sup.status(pool, job, hosts)
     if json:
         print(jsonlib.dumps([r.as_json() for r in rows]))
     else:
@@ -423,8 +275,7 @@ def logs(
 ) -> None:
     """Each node's log, every line prefixed with the node's rank."""
     with reported():
-        job = _find(hostfile, session, workdir)
-        hosts = _hosts_of(job)
+        job, hosts = _find(hostfile, session, workdir)
         if node is not None and not 0 <= int(node) < len(hosts):
             raise UsageError(f"--node {node}: the job has ranks 0..{len(hosts) - 1}")
         if not 0 <= int(lines) <= 100000:
@@ -456,20 +307,13 @@ def stop(
     """End the job on every node: its tmux session and every process it started (torchrun, its
     workers, anything they detached), TERM then KILL; then check on each node that nothing of it
     is left."""
-    with reported():
-        job = _find(hostfile, session, workdir)
-        hosts = _hosts_of(job)
-        with _pool(job, hosts) as pool:
-            left = []
-            if job.restarts:
-                from ...ops import supervise as sup
+    from ...ops import supervise as sup
 
-                left = sup.end_supervisor(pool, job, hosts)
-            rows = ops.stop(pool, job, hosts)
-            if job.restarts and not left:
-                for h in sup.record_hosts(job, hosts):
-                    with contextlib.suppress(MeshkitError):
-                        pool.write_file(h, str(job.supervisor_file), "{}\n")
+    with reported():
+        job, hosts = _find(hostfile, session, workdir)
+        with _pool(job, hosts) as pool:
+            stopped = sup.stop(pool, job, hosts)
+    rows, left = stopped.rows, stopped.supervisor_left
     for problem in left:
         print(f"meshkit: {problem}", file=sys.stderr)
     print(
@@ -528,15 +372,13 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
         print(
             f"\n== train (torchrun example_train.py, {nproc_per_node} per node, gloo) in {workdir}"
         )
-        job, hosts = _new_job(
+        job, hosts = lookup.new_job(
+            conf(),
             "torchrun example_train.py",
-            str(workdir),
-            "demo",
-            str(lay.hostfile),
-            str(nproc_per_node),
-            None,
-            None,
-            None,
+            workdir=str(workdir),
+            session="demo",
+            hostfile=str(lay.hostfile),
+            nproc_per_node=str(nproc_per_node),
         )
         with _pool(job, hosts) as pool:
             launch = ops.launch(pool, job, hosts, replace=True)

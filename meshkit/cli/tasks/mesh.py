@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import getpass
 import json as jsonlib
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from invoke.context import Context
@@ -43,27 +41,10 @@ def ssh_settings(
     password: bool = False,
     accept_new: bool = False,
 ) -> Settings:
-    """Connection settings from config and flags; the ssh_config beside the hostfile is read too."""
-    from ...remote import Settings
+    """Connection settings from config and flags (see ``ops.pool.ssh_settings``)."""
+    from ...ops.pool import ssh_settings as settings
 
-    cfg = conf()
-    configs = [
-        str(p)
-        for p in (cfg.ssh_config, Path(hostfile).parent / "ssh_config")
-        if p and Path(p).is_file()
-    ]
-    secret = getpass.getpass("SSH password for all nodes: ") if password else None
-    return Settings(
-        connect_timeout=float(cfg.connect_timeout),
-        command_timeout=float(cfg.command_timeout),
-        identity=identity or cfg.identity,
-        password=secret,
-        accept_new=accept_new,
-        ssh_configs=tuple(configs),
-        user=cfg.user,
-        port=int(cfg.port) if cfg.port else None,
-        parallel=int(cfg.parallel),
-    )
+    return settings(conf(), hostfile, identity, password, accept_new)
 
 
 def _mesh_id(c: Context, hostfile: str | None) -> str:
@@ -80,8 +61,9 @@ def _verify_report(result: VerifyResult) -> int:
     hosts, failures = result.hosts, result.failures
     pairs = len(hosts) ** 2
     print(
-        f"verify: {result.ok_pairs}/{pairs} pairs log in by hostfile name and by hostname "
-        "(BatchMode, StrictHostKeyChecking=yes)"
+        f"verify: {result.ok_pairs}/{pairs} pairs log in by hostfile name (BatchMode, "
+        "StrictHostKeyChecking=yes) and pass the host-key check by hostname (key exchange only, "
+        "PreferredAuthentications=none)"
     )
     if failures:
         print(matrix(hosts, failures))
@@ -172,6 +154,11 @@ def _show(report: MeshReport) -> None:
     )
     for note in report.notes:
         print(f"  note: {note}")
+    by: dict[str, list[str]] = {}
+    for h, how in report.host_keys_by.items():
+        by.setdefault(how, []).append(h.label)
+    for how, labels in by.items():
+        print(f"  host keys {how}: {', '.join(labels)}")
     for h, names in report.names.items():
         print(f"  {h.label} answers to: " + ", ".join(f"{n} ({why})" for n, why in names))
     for n in report.nodes:
@@ -195,8 +182,8 @@ def check(
     include: str | None = None,
     exclude: str | None = None,
 ) -> None:
-    """Check all N x N pairs: from every node, ssh to every node (by the hostfile spelling and by
-    its hostname) with BatchMode and strict host keys."""
+    """Check all N x N pairs: from every node, ssh to every node by the hostfile spelling with
+    BatchMode and strict host keys, and check each node's host key by its hostname."""
     from ...ops import mesh as ops
 
     with reported():

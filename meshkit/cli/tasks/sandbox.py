@@ -141,7 +141,11 @@ PAIR_HELP = {
 
 
 def _pair(node: object, peer: object) -> tuple[int, int]:
-    if node is None or peer is None or not str(node).isdigit() or not str(peer).isdigit():
+    if (
+        node is None
+        or peer is None
+        or not all(str(v).isascii() and str(v).isdigit() for v in (node, peer))
+    ):
         raise UsageError("give both nodes by index: --node I --peer J (e.g. --node 0 --peer 2)")
     return int(str(node)), int(str(peer))
 

@@ -1,0 +1,167 @@
+"""The Python API: what a notebook or a script calls, over the same ops the CLI renders.
+
+    from meshkit import Cluster
+
+    cluster = Cluster("hostfile")
+    cluster.mesh()
+    cluster.train("torchrun train.py", nproc_per_node=2)
+    for row in cluster.status():
+        print(row.node_rank, row.host, row.state)
+    cluster.stop()
+
+Every method prints nothing, returns the typed records the CLI shows, and raises
+``meshkit.errors.MeshkitError`` (with the same message the CLI prints) on bad input or a failure
+it cannot report per node. Each call opens one connection and one agent per node and closes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from . import settings
+from .errors import UsageError
+from .hostfile import Host
+from .job import Job
+from .ops import doctor as doctor_op
+from .ops import jobs, lookup, supervise
+from .ops import mesh as mesh_op
+from .ops import train as train_op
+from .ops.pool import NodePool, connect, ssh_settings
+
+
+class Cluster:
+    """The nodes of one hostfile, and the jobs (sessions) run on them."""
+
+    def __init__(
+        self,
+        hostfile: str = "hostfile",
+        *,
+        session: str | None = None,
+        workdir: str | None = None,
+        conf: settings.Config | None = None,
+    ) -> None:
+        self.hostfile = hostfile
+        self.session = session
+        self.workdir = workdir
+        self.conf = conf if conf is not None else settings.load()
+
+    # ---- the mesh ----------------------------------------------------------------------------
+
+    def mesh(
+        self,
+        *,
+        identity: str | None = None,
+        accept_new_host_keys: bool = False,
+        skip_unreachable: bool = False,
+        dry_run: bool = False,
+        verify: bool = True,
+    ) -> mesh_op.MeshReport:
+        """``meshkit mesh``: every node can SSH to every node by every name, strictly verified."""
+        from .discovery import read_hosts
+        from .meshplan import mesh_id
+
+        every = read_hosts(self.hostfile, None, None)  # the mesh's id: --include does not change it
+        hosts = read_hosts(self.hostfile, self.conf.include, self.conf.exclude)
+        connection = ssh_settings(
+            self.conf, self.hostfile, identity, accept_new=accept_new_host_keys
+        )
+        return mesh_op.mesh(
+            hosts,
+            connection,
+            mesh_id(every),
+            skip_unreachable=skip_unreachable,
+            dry_run=dry_run,
+            check=verify,
+        )
+
+    # ---- jobs --------------------------------------------------------------------------------
+
+    def train(
+        self,
+        cmd: str | None = None,
+        *,
+        nproc_per_node: int | str | None = None,
+        master_port: int | None = None,
+        spawn: bool = False,
+        restarts: int | None = None,
+        restart_on: str | None = None,
+        sync: bool = False,
+        replace: bool = False,
+        doctor: bool = False,
+        dry_run: bool = False,
+        wait: float = 0.0,
+    ) -> train_op.TrainResult:
+        """``meshkit train``: start ``cmd`` on every node (None: relaunch the saved job)."""
+        if not 0 <= wait <= 86400:
+            raise UsageError(f"wait={wait}: expected seconds between 0 and 86400")
+        job, hosts = train_op.plan(
+            self.conf,
+            cmd,
+            workdir=self.workdir,
+            session=self.session,
+            hostfile=self.hostfile,
+            nproc_per_node=nproc_per_node,
+            master_port=master_port,
+            restarts=restarts,
+            restart_on=restart_on,
+            spawn=spawn,
+        )
+        with self._pool(job, hosts, wait) as pool:
+            return train_op.train(
+                pool,
+                job,
+                hosts,
+                fresh=cmd is not None,
+                sync=sync,
+                replace_others=replace,
+                dry_run=dry_run,
+                check=doctor,
+            )
+
+    def job(self) -> Job:
+        """The saved job of this session (found from any node and any directory)."""
+        return lookup.saved(self.conf, self.hostfile, self.session, self.workdir)[0]
+
+    def status(self) -> list[jobs.StatusRow]:
+        """``meshkit status``: one row per node (a node that cannot be asked has ``error``)."""
+        job, hosts = lookup.saved(self.conf, self.hostfile, self.session, self.workdir)
+        with self._pool(job, hosts) as pool:
+            return supervise.status(pool, job, hosts)
+
+    def logs(self, lines: int = 20, node: int | None = None) -> list[jobs.LogChunk]:
+        """``meshkit logs``: the last ``lines`` lines of each node's log (or one node's)."""
+        job, hosts = lookup.saved(self.conf, self.hostfile, self.session, self.workdir)
+        if node is not None and not 0 <= node < len(hosts):
+            raise UsageError(f"node={node}: the job has ranks 0..{len(hosts) - 1}")
+        if not 0 <= lines <= 100000:
+            raise UsageError(f"lines={lines}: expected 0..100000")
+        ranks = [node] if node is not None else list(range(len(hosts)))
+        with self._pool(job, [hosts[r] for r in ranks]) as pool:
+            return jobs.logs(pool, job, hosts, ranks, lines)
+
+    def stop(self) -> supervise.Stopped:
+        """``meshkit stop``: the supervisor, then the job's whole tree on every node; verified."""
+        job, hosts = lookup.saved(self.conf, self.hostfile, self.session, self.workdir)
+        with self._pool(job, hosts) as pool:
+            return supervise.stop(pool, job, hosts)
+
+    def doctor(self, *, quick: bool = False, timeout: float = 30.0) -> doctor_op.Report:
+        """``meshkit doctor``: can this cluster train? Every check, each with its fix."""
+        if not 1 <= timeout <= 600:
+            raise UsageError(f"timeout={timeout}: expected seconds between 1 and 600")
+        job, hosts, _ = lookup.saved_or_new(self.conf, self.hostfile, self.session, self.workdir)
+        with connect(self.conf, job.hostfile, hosts, job.python) as pool:
+            return doctor_op.run(
+                pool,
+                job,
+                hosts,
+                verify=None if quick else (lambda: mesh_op.verify(pool.cluster, hosts).failures),
+                collective=not quick,
+                probe_seconds=timeout,
+            )
+
+    @contextmanager
+    def _pool(self, job: Job, hosts: list[Host], wait: float = 0.0) -> Iterator[NodePool]:
+        with connect(self.conf, job.hostfile, hosts, job.python, None, wait) as pool:
+            yield pool

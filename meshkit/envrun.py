@@ -1,0 +1,226 @@
+"""``meshkit env`` and ``meshkit run``: discover this node's place, then print it or exec the
+command. The one implementation, called by the console script, the invoke tasks and the node side
+(the agent answers the controller's env request with ``discover_here``; the keeper runs ``main``).
+
+Standard library only, and no invoke: this runs on every node at every launch. Flags are parsed
+here without argparse; anything unusual (help, a flag it does not know) goes to the invoke Program,
+which reports it as usual. ``conf`` is the checked configuration (``meshkit.settings.Config``);
+flags win over it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from .distenv import NodeEnv, as_json, export_lines, log_target, logged, rank_variables, variables
+from .errors import MeshkitError, UsageError
+from .node.signals import reset_for_exec
+from .settings import Config
+
+TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
+
+DISCOVERY_FLAGS = (
+    "hostfile",
+    "node_rank",
+    "session",
+    "master_port",
+    "nproc_per_node",
+    "include",
+    "exclude",
+)
+FLAGS: dict[str, tuple[str, ...]] = {
+    "env": ("json", *DISCOVERY_FLAGS),
+    "run": ("cmd", *DISCOVERY_FLAGS, "log", "spawn"),
+}
+BOOLEAN = {"json", "spawn"}
+
+
+# ---- flags over configuration -------------------------------------------------------------------
+
+
+def pick(conf: Config, name: str, flag: Any) -> Any:
+    """A flag when given, else the configured value (flags are the last config level)."""
+    return flag if flag is not None else conf.get(name)
+
+
+def whole(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes '²', which ``int`` then refuses."""
+    return text.isascii() and text.isdigit()
+
+
+def pick_int(conf: Config, name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
+    value = pick(conf, name, flag)
+    if value is None or value == "" or (allow_auto and str(value) == "auto"):
+        return None
+    text = str(value)
+    if not whole(text) or int(text) < 1:
+        hint = " or 'auto'" if allow_auto else ""
+        raise UsageError(
+            f"--{name.replace('_', '-')} {text[:40]!r}: expected a whole number >= 1{hint}"
+        )
+    return int(text)
+
+
+def node_env(
+    conf: Config,
+    *,
+    hostfile: str | None = None,
+    node_rank: str | None = None,
+    session: str | None = None,
+    master_port: str | None = None,
+    nproc_per_node: str | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+) -> NodeEnv:
+    """This node's place, from the flags over ``conf``."""
+    from .discovery import discover
+
+    rank = None
+    if node_rank is not None:
+        if not whole(str(node_rank)):
+            raise UsageError(f"--node-rank {str(node_rank)[:40]!r}: expected a whole number >= 0")
+        rank = int(node_rank)
+    return discover(
+        pick(conf, "hostfile", hostfile),
+        session=pick(conf, "session", session),
+        node_rank=rank,
+        master_port=pick_int(conf, "master_port", master_port),
+        nproc_per_node=pick_int(conf, "nproc_per_node", nproc_per_node, allow_auto=True),
+        include=pick(conf, "include", include),
+        exclude=pick(conf, "exclude", exclude),
+    )
+
+
+# ---- env ------------------------------------------------------------------------------------------
+
+
+def print_env(node: NodeEnv, as_json_output: bool) -> None:
+    if as_json_output:
+        import json  # only for --json
+
+        print(json.dumps(as_json(node)))
+    else:
+        print(export_lines(node))
+
+
+# ---- run ------------------------------------------------------------------------------------------
+
+
+def _script(node: NodeEnv, cmd: str, log: str | None) -> str:
+    if not log:
+        return cmd
+    target = log_target(log, node.node_rank)
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    return logged(cmd, target)
+
+
+def _environment(node: NodeEnv) -> dict[str, str]:
+    # Nodes share the venv path: make its tools (torchrun) reachable as if it were activated.
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    return {**os.environ, **variables(node), "PATH": path}
+
+
+def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
+    """Replace this process with ``bash -c CMD`` carrying the node's variables."""
+    script = _script(node, cmd, log)
+    sys.stdout.flush()
+    reset_for_exec()  # not Python's SIG_IGN for SIGPIPE: `yes | head` in the command must end quietly
+    os.execvpe("bash", ["bash", "-c", script], _environment(node))
+
+
+SPAWN_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")  # as python -m
+
+
+def check_spawn_cmd(cmd: str) -> None:
+    """``--spawn`` starts every rank itself: a launcher in CMD would start NPROC_PER_NODE
+    launchers per node, each starting its own ranks, and the job would hang in rendezvous."""
+    words = cmd.split()
+    for i, word in enumerate(words[:8]):
+        if word.rsplit("/", 1)[-1] == "torchrun" or (
+            i and words[i - 1] == "-m" and word in SPAWN_LAUNCHERS
+        ):
+            raise UsageError(
+                f"--spawn with {word[:60]!r} in --cmd: --spawn starts the node's ranks itself; run the "
+                "script (python train.py), or drop --spawn and let the launcher start them"
+            )
+
+
+def spawn_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
+    """NPROC_PER_NODE processes of ``bash -c CMD``, each with the node's variables and torchrun's
+    worker variables (RANK, LOCAL_RANK, ...); exit with the first failure's code, else 0."""
+    from .node.ranks import run_ranks
+
+    check_spawn_cmd(cmd)
+    script = _script(node, cmd, log)
+    base = _environment(node)
+    if node.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
+        base["OMP_NUM_THREADS"] = "1"  # what torchrun sets: N ranks x all cores would oversubscribe
+    envs = [{**base, **rank_variables(node, i)} for i in range(node.nproc_per_node)]
+    sys.stdout.flush()
+    raise SystemExit(run_ranks(script, envs))
+
+
+# ---- the command line -----------------------------------------------------------------------------
+
+
+class Fallback(Exception):
+    """Not something this parser handles: let the invoke Program do it (and report it)."""
+
+
+def parse(task: str, args: Sequence[str]) -> tuple[dict[str, str | None], set[str]]:
+    """``--name value``, ``--name=value`` and the booleans (``--json``, ``--spawn``): (values,
+    the booleans given). Anything else (help, a positional, an unknown or abbreviated flag, a
+    missing value, a value that looks like a flag) is ``Fallback``. Not argparse: that is about
+    5 ms of imports at every ``meshkit env`` on every node."""
+    values: dict[str, str | None] = {name: None for name in FLAGS[task] if name not in BOOLEAN}
+    given: set[str] = set()
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
+        raw, eq, value = arg[2:].partition("=")
+        name = raw.replace("-", "_")
+        if not arg.startswith("--") or "_" in raw or name not in FLAGS[task]:
+            raise Fallback
+        if name in BOOLEAN:
+            if eq:
+                raise Fallback
+            given.add(name)
+            continue
+        if not eq:
+            if not rest or rest[0].startswith("-"):
+                raise Fallback
+            value = rest.pop(0)
+        values[name] = value
+    if task == "run" and values["cmd"] is None:
+        raise Fallback
+    return values, given
+
+
+def main(argv: Sequence[str]) -> bool:
+    """``env``/``run`` with ``argv`` (task first): handle it and return True (``run`` never
+    returns); False when it is not ours to handle. A meshkit error is printed and exits."""
+    if not argv or argv[0] not in FLAGS:
+        return False
+    try:
+        flags, given = parse(argv[0], argv[1:])
+    except Fallback:
+        return False
+    from . import settings
+
+    try:
+        conf = settings.load()
+        node = node_env(conf, **{name: flags[name] for name in DISCOVERY_FLAGS})
+        if argv[0] == "env":
+            print_env(node, "json" in given)
+        elif "spawn" in given:
+            spawn_run(node, str(flags["cmd"]), flags["log"])
+        else:
+            exec_run(node, str(flags["cmd"]), flags["log"])
+    except MeshkitError as exc:
+        print(f"meshkit: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
+    return True

@@ -1,0 +1,170 @@
+"""Which job a command is about: a new one from flags over the configuration, or the saved one,
+found from any node and any directory (``--workdir``, else the index beside the hostfile, else the
+current directory), and the nodes it runs on."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ..envrun import pick, pick_int
+from ..errors import JobError, UsageError
+from ..hostfile import Host
+from ..job import Job, check_env, check_session, from_json, index_file, job_file, workdir_from_index
+from ..record import replace
+from ..settings import Config
+
+
+def read_local(path: str, limit: int = 1 << 20) -> str | None:
+    """A file of this machine, at most ``limit`` bytes; None when it is not there."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(limit).decode(errors="replace")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise JobError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def find_job(
+    session: str,
+    *,
+    workdir: str | None,
+    hostfile: str | None,
+    cwd: str,
+    read: Callable[[str], str | None] = read_local,
+) -> Job:
+    """The saved job: in ``--workdir`` if given; else through the index beside the hostfile;
+    else in the current directory. The error says everywhere it looked."""
+    check_session(session)
+    looked: list[str] = []
+
+    def load(directory: str) -> Job | None:
+        path = str(job_file(directory, session))
+        looked.append(path)
+        text = read(path)
+        return None if text is None else from_json(text, path)
+
+    if workdir:
+        job = load(str(Path(workdir).absolute()))
+    else:
+        job = None
+        if hostfile:
+            index = str(index_file(str(Path(hostfile).absolute()), session))
+            looked.append(index)
+            text = read(index)
+            if text is not None:
+                job = load(workdir_from_index(text, index))
+        if job is None:
+            job = load(cwd)
+    if job is None:
+        raise JobError(
+            [
+                f"no saved job {session!r}; looked in:",
+                *(f"  {p}" for p in dict.fromkeys(looked)),
+                "start one with: meshkit train --cmd CMD (or pass --hostfile/--workdir/--session)",
+            ]
+        )
+    return job
+
+
+def saved(
+    conf: Config, hostfile: str | None, session: str | None, workdir: str | None
+) -> tuple[Job, list[Host]]:
+    """The saved job of these flags (over the configuration) and its nodes."""
+    job = find_job(
+        check_session(str(pick(conf, "session", session))),
+        workdir=pick(conf, "workdir", workdir),
+        hostfile=os.path.abspath(str(pick(conf, "hostfile", hostfile))),
+        cwd=os.getcwd(),
+    )
+    return job, hosts_of(job)
+
+
+def hosts_of(job: Job) -> list[Host]:
+    """The job's nodes, from its hostfile; a synced job's copy when this machine lacks the path."""
+    from ..discovery import read_hosts
+
+    path = job.hostfile
+    if job.sync and not os.path.exists(path) and os.path.exists(job.node_hostfile):
+        path = job.node_hostfile
+    return read_hosts(path, job.include, job.exclude)
+
+
+def new_job(
+    conf: Config,
+    cmd: str,
+    *,
+    workdir: str | None = None,
+    session: str | None = None,
+    hostfile: str | None = None,
+    nproc_per_node: str | int | None = None,
+    master_port: str | int | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+) -> tuple[Job, list[Host]]:
+    """A job from flags over the configuration, with the nodes it runs on (read once, also for
+    the derived port)."""
+    from ..discovery import read_hosts
+    from ..topology import derive_master_port
+
+    name = check_session(str(pick(conf, "session", session)))
+    path = os.path.abspath(str(pick(conf, "hostfile", hostfile)))
+    chosen = (pick(conf, "include", include), pick(conf, "exclude", exclude))
+    hosts = read_hosts(path, *chosen)
+    if not cmd.strip():
+        raise UsageError("--cmd is empty: give the command every node should run")
+    job = Job(
+        cmd=cmd,
+        workdir=os.path.abspath(pick(conf, "workdir", workdir) or os.getcwd()),
+        session=name,
+        hostfile=path,
+        python=str(conf.python or sys.executable),
+        master_port=pick_int(conf, "master_port", master_port) or derive_master_port(hosts, name),
+        nproc_per_node=pick_int(conf, "nproc_per_node", nproc_per_node, allow_auto=True),
+        include=chosen[0],
+        exclude=chosen[1],
+        setup=tuple(conf.setup),
+        env=check_env(dict(conf.env)),
+        sync_exclude=tuple(conf.sync_exclude),
+    )
+    return job, hosts
+
+
+def saved_or_new(
+    conf: Config,
+    hostfile: str | None,
+    session: str | None,
+    workdir: str | None,
+    master_port: str | int | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+) -> tuple[Job, list[Host], str]:
+    """The saved job of ``session`` when there is one (its port, workdir, interpreter), else what
+    ``train`` would start with these flags; and which of the two, in words (the doctor's)."""
+    try:
+        job, hosts = saved(conf, hostfile, session, workdir)
+    except JobError:
+        job, hosts = new_job(
+            conf,
+            "meshkit doctor",
+            workdir=workdir,
+            session=session,
+            hostfile=hostfile,
+            master_port=master_port,
+            include=include,
+            exclude=exclude,
+        )
+        return job, hosts, f"session {job.session!r} (no saved job; port derived)"
+    port = pick_int(conf, "master_port", master_port)
+    if port and port != job.master_port:
+        job = replace(job, master_port=port)
+    return job, hosts, f"saved job {job.label}"
+
+
+def hostfile_text(job: Job) -> str:
+    """The hostfile as saved with a synced job (a node without the hostfile's path still has
+    this copy beside the job file)."""
+    return read_local(job.hostfile) or ""

@@ -1,0 +1,87 @@
+"""What every op talks to: one agent per node (``NodePool``, the protocol the ops are written
+against; ``remote.AgentPool`` is the real one, tests pass a double), and how it is opened from the
+configuration (``connect``)."""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from ..hostfile import Host
+from ..protocol import Reply, Request
+from ..remote.group import Outcome, ProgressFn
+from ..settings import Config
+
+if TYPE_CHECKING:  # importing remote.connection pulls in paramiko: only where it connects
+    from ..remote.agent import AgentPool
+    from ..remote.connection import Settings
+
+R = TypeVar("R", bound=Reply)
+
+
+class NodePool(Protocol):
+    """One agent per node (``remote.AgentPool``, or a test double)."""
+
+    @property
+    def failures(self) -> dict[Host, str]: ...
+
+    def call_all(
+        self,
+        phase: str,
+        request_for: Callable[[Host], Request | None],
+        expect: type[R],
+        hosts: Sequence[Host] | None = None,
+        timeout: float | None = None,
+    ) -> dict[Host, Outcome[R]]: ...
+
+    def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None: ...
+
+
+def ssh_settings(
+    conf: Config,
+    hostfile: str,
+    identity: str | None = None,
+    password: bool = False,
+    accept_new: bool = False,
+) -> Settings:
+    """Connection settings from config and flags; the ssh_config beside the hostfile is read too.
+    ``password``: ask for one on the terminal (``mesh --password``)."""
+    from ..remote import Settings
+
+    configs = [
+        str(p)
+        for p in (conf.ssh_config, Path(hostfile).parent / "ssh_config")
+        if p and Path(p).is_file()
+    ]
+    secret = getpass.getpass("SSH password for all nodes: ") if password else None
+    return Settings(
+        connect_timeout=float(conf.connect_timeout),
+        command_timeout=float(conf.command_timeout),
+        identity=identity or conf.identity,
+        password=secret,
+        accept_new=accept_new,
+        ssh_configs=tuple(configs),
+        user=conf.user,
+        port=int(conf.port) if conf.port else None,
+        parallel=int(conf.parallel),
+    )
+
+
+@contextlib.contextmanager
+def connect(
+    conf: Config,
+    hostfile: str,
+    hosts: Sequence[Host],
+    python: str,
+    progress: ProgressFn | None = None,
+    wait: float = 0.0,
+) -> Iterator[AgentPool]:
+    """One connection and one node agent per node for the whole command, closed on the way out
+    (Ctrl-C included). ``wait``: seconds to keep retrying nodes that do not answer yet."""
+    from ..remote import AgentPool
+
+    with AgentPool.connect(hosts, ssh_settings(conf, hostfile), python, progress, wait) as pool:
+        yield pool

@@ -1,0 +1,163 @@
+"""``train`` as one op: everything ``meshkit train`` decides, in order, returning data. Shared
+workdir or sync, ending an old supervisor, the doctor's quick checks, the preflight and the
+launch, then supervision. Each node round runs once: the env round feeds both the doctor and the
+preflight; the facts round that tells whether the workdir is shared feeds the doctor too.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from ..envrun import check_spawn_cmd, whole
+from ..errors import LaunchError, UsageError
+from ..hostfile import Host
+from ..job import Job, parse_restart_on
+from ..record import replace
+from ..settings import Config
+from . import doctor, supervise
+from .jobs import Launch, env_round, launch
+from .lookup import new_job, saved
+from .pool import NodePool
+from .sync import Facts, sync_workdir, unshared
+
+
+@dataclass(frozen=True)
+class Supervisor:
+    """Where ``train --restarts`` started the job's supervisor."""
+
+    tmux_session: str
+    host: str
+    log: str
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What ``train`` did. ``launch`` is None when the doctor's checks failed (``doctor`` says
+    which): nothing was started then."""
+
+    job: Job
+    launch: Launch | None
+    lacking: list[str]  # nodes that did not see the workdir (so it was synced)
+    doctor: doctor.Report | None = None
+    supervisor: Supervisor | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.launch is not None and self.launch.ok
+
+
+def restarts_flag(flag: str | int | None) -> int | None:
+    if flag is None:
+        return None
+    text = str(flag).strip()
+    if not whole(text) or not 0 <= int(text) <= 1000:
+        raise UsageError(f"--restarts {str(flag)[:40]!r}: expected a whole number 0..1000")
+    return int(text)
+
+
+def plan(
+    conf: Config,
+    cmd: str | None,
+    *,
+    workdir: str | None = None,
+    session: str | None = None,
+    hostfile: str | None = None,
+    nproc_per_node: str | int | None = None,
+    master_port: str | int | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+    restarts: str | int | None = None,
+    restart_on: str | None = None,
+    spawn: bool = False,
+) -> tuple[Job, list[Host]]:
+    """The job ``train`` starts: a new one from ``cmd`` and the flags over the configuration, or
+    (``cmd`` None) the saved one, keeping its ``--restarts``/``--restart-on``/``--spawn`` unless
+    told otherwise. Usage errors first, before anything is read from a node."""
+    count, codes = restarts_flag(restarts), parse_restart_on(restart_on)
+    if cmd is None:
+        job, hosts = saved(conf, hostfile, session, workdir)
+        job = replace(
+            job,
+            restarts=job.restarts if count is None else count,
+            restart_on=job.restart_on if restart_on is None else codes,
+        )
+    else:
+        job, hosts = new_job(
+            conf,
+            cmd,
+            workdir=workdir,
+            session=session,
+            hostfile=hostfile,
+            nproc_per_node=nproc_per_node,
+            master_port=master_port,
+            include=include,
+            exclude=exclude,
+        )
+        job = replace(job, restarts=count or 0, restart_on=codes, spawn=spawn)
+    if spawn:
+        check_spawn_cmd(job.cmd)
+        job = replace(job, spawn=True)
+    return job, hosts
+
+
+def train(
+    pool: NodePool,
+    job: Job,
+    hosts: list[Host],
+    *,
+    fresh: bool,
+    sync: bool = False,
+    replace_others: bool = False,
+    dry_run: bool = False,
+    check: bool = False,
+) -> TrainResult:
+    """Start (``fresh``: a new job) or relaunch ``job`` on every node. ``sync``: copy the workdir
+    even where it is shared; ``check``: the doctor's quick checks first (any failure starts
+    nothing); ``replace_others``: end other meshkit jobs on the nodes."""
+    lacking: list[Host] = []
+    facts: Facts | None = None
+    if fresh and not job.sync and not dry_run:
+        lacking, facts = unshared(pool, job.workdir, hosts)
+        if sync or lacking:
+            job = replace(job, sync=True)
+    elif sync:
+        job = replace(job, sync=True)
+    if not dry_run:
+        left = supervise.end_supervisor(pool, job, hosts)
+        if left:
+            raise LaunchError([*left, "train: the old supervisor did not end"])
+    copied = None
+    if job.sync and not dry_run:
+        # before the env round: discovery runs in the workdir on every node
+        copied = sync_workdir(pool, job, hosts, lacking if facts is not None else None).nodes
+    envs = env_round(pool, job)
+    report = None
+    if check:
+        # a copy made since the facts round changed what it saw: the doctor looks again
+        reuse = facts if copied is None else None
+        report = doctor.quick(pool, job, hosts, envs, reuse)
+        if not report.ok:
+            return TrainResult(job, None, [h.label for h in lacking], report)
+    launched = launch(
+        pool, job, hosts, replace=replace_others, dry_run=dry_run, envs=envs, synced=copied
+    )
+    started = None
+    if launched.ok and not launched.dry_run and launched.job.restarts:
+        started = start_supervisor(pool, launched.job, hosts)
+    return TrainResult(launched.job, launched, [h.label for h in lacking], report, started)
+
+
+def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> Supervisor:
+    """The job's supervisor, in its own tmux session on this machine, with its first record
+    written where status reads it."""
+    record = supervise.Record(supervise.RUNNING, 1, job.restarts, None, socket.gethostname())
+    for h in supervise.record_hosts(job, hosts):
+        pool.write_file(h, str(job.supervisor_file), record.to_json())
+    log = str(job.home / "supervisor.log")
+    error = supervise.start_local(job, log)
+    if error:
+        raise LaunchError(
+            f"the job started but its supervisor did not: {error}; `meshkit stop` ends the job"
+        )
+    return Supervisor(job.supervisor_tmux, record.host or "?", log)

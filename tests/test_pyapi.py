@@ -1,0 +1,58 @@
+"""The Python API (``meshkit.Cluster``) on the sandbox: mesh, train, status, logs, stop and
+doctor from a script, returning the records the CLI renders and printing nothing."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from meshkit import Cluster
+from meshkit.errors import JobError, UsageError
+
+SANDBOX_NODES = 3
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_a_script_meshes_trains_watches_and_stops_a_job(cluster, capsys):
+    api = Cluster(str(cluster.hostfile), session="api", workdir=str(cluster.shared / "api"))
+    report = api.mesh(verify=False)
+    assert report.ok and len(report.nodes) == SANDBOX_NODES
+
+    workdir = cluster.shared / "api"
+    workdir.mkdir()
+    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir)
+    started = api.train("torchrun example_train.py", nproc_per_node=1)
+    assert started.ok and started.launch is not None
+    assert [r.state for r in started.launch.rows] in (["running"] * 3, ["exited"] * 3) or all(
+        r.ok for r in started.launch.rows
+    )
+    deadline = time.monotonic() + 180
+    while True:
+        rows = api.status()
+        if all(r.state == "exited" for r in rows) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert [(r.node_rank, r.state, r.exit_code) for r in rows] == [
+        (i, "exited", 0) for i in range(SANDBOX_NODES)
+    ]
+    chunks = api.logs(lines=50)
+    assert [c.rank for c in chunks] == list(range(SANDBOX_NODES))
+    assert all(any("ok=True" in line for line in c.lines) for c in chunks)
+    stopped = api.stop()
+    assert stopped.ok and all(r.left == [] for r in stopped.rows)
+
+    report = api.doctor(quick=True)
+    assert report.ok, [c for c in report.checks if not c.ok]
+    assert capsys.readouterr().out == ""  # the API prints nothing
+
+
+def test_bad_input_raises_the_clis_errors(cluster):
+    with pytest.raises(JobError, match="no saved job 'nosuch'"):
+        Cluster(str(cluster.hostfile), session="nosuch").status()
+    with pytest.raises(UsageError, match="session name"):
+        Cluster(str(cluster.hostfile), session="a.b").status()
+    with pytest.raises(UsageError, match="nproc-per-node"):
+        Cluster(str(cluster.hostfile), session="api2").train("true", nproc_per_node="²")
