@@ -154,7 +154,9 @@ def table(results: Mapping[str, object], columns: Sequence[tuple[str, str, str]]
         cells = [str(r["nodes"])]
         for op, tool, _ in present:
             k = key(op, tool)
-            cell = _cell(med.get(k), rat.get(k) if tool != "floor" else None, skip.get(k))
+            # Not measured at this N at all (skipped with its variant): a dash, not "failed".
+            why = skip.get(k) or ("not measured" if k not in med else None)
+            cell = _cell(med.get(k), rat.get(k) if tool != "floor" else None, why)
             sample = sampled_pairs(r, k)
             if sample is not None and med.get(k) is not None:
                 cell += SAMPLED
