@@ -290,3 +290,20 @@ def test_train_doctor_runs_the_quick_checks_in_preflight(meshed):
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines()[0].endswith(f"master port {saved['master_port']}")
     assert "saved job 'doc' in " in out.stdout.splitlines()[0]
+
+
+def test_a_connect_probe_started_after_its_deadline_still_tries_once():
+    """At 244 nodes some probe threads started after the round's deadline and reported "no
+    attempt": a verdict nobody looked at. Each target now gets at least one bounded attempt."""
+    import socket
+    import time
+
+    from meshkit.node.doctor import _connect
+    from meshkit.protocol import ProbeTarget
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        late = time.monotonic() - 1.0
+        assert _connect(ProbeTarget("up", "127.0.0.1", port), late).ok
+    closed = _connect(ProbeTarget("down", "127.0.0.1", port), time.monotonic() - 1.0)
+    assert not closed.ok and "no attempt" not in closed.detail and "refused" in closed.detail

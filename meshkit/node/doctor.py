@@ -275,18 +275,24 @@ def done(request: DoneRequest) -> DoneReply:
 # ---- connect probes ---------------------------------------------------------------------------
 
 
+ATTEMPT = 2.0  # seconds one connect attempt may take
+
+
 def _connect(target: ProbeTarget, deadline: float) -> ConnectResult:
-    """Retry until the deadline: the peer's listener may open a moment after we start."""
+    """Retry until the deadline: the peer's listener may open a moment after we start. At least
+    one attempt is made (of up to ATTEMPT seconds), even when this thread started after the
+    deadline: on a loaded node, with hundreds of peers, a probe that never tried is no verdict."""
     started = time.monotonic()
-    last = "no attempt"
+    last = ""
     while True:
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 and last:
             return ConnectResult(
                 target.label, target.port, False, f"{target.host}:{target.port}: {last}"
             )
         try:
-            socket.create_connection((target.host, target.port), timeout=min(left, 2.0)).close()
+            timeout = min(left, ATTEMPT) if left > 0 else ATTEMPT
+            socket.create_connection((target.host, target.port), timeout=timeout).close()
             took = (time.monotonic() - started) * 1000
             return ConnectResult(
                 target.label, target.port, True, f"{target.host}:{target.port} in {took:.0f} ms"
