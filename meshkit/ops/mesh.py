@@ -391,12 +391,7 @@ def install(
         inspected = (fact.authorized, fact.known)
         current = planned
         for attempt in range(WRITE_ATTEMPTS):
-            if attempt:
-                files = shell.ask(_cat(AUTHORIZED), _cat(KNOWN))
-            now = (
-                _text(files[0], AUTHORIZED, MAX_READ, True),
-                _text(files[1], KNOWN, MAX_READ, True),
-            )
+            files, now = _reread(shell, files, attempt)
             if now != inspected or attempt:
                 auth, known = wanted.merge(now[0] or "", now[1] or "")
                 if known.conflicts:
@@ -417,6 +412,18 @@ def install(
         )
 
 
+def _reread(
+    shell: NodeShell, files: list[Reply], attempt: int
+) -> tuple[list[Reply], tuple[str | None, str | None]]:
+    """Both files as the lock's first read gave them, or (a later attempt) read again."""
+    if attempt:
+        files = shell.ask(_cat(AUTHORIZED), _cat(KNOWN))
+    return files, (
+        _text(files[0], AUTHORIZED, MAX_READ, True),
+        _text(files[1], KNOWN, MAX_READ, True),
+    )
+
+
 def apply_unmesh(
     remote: Remote, shell: NodeShell, change: UnmeshPlan, fact: NodeFacts, mesh: str
 ) -> UnmeshPlan:
@@ -426,12 +433,7 @@ def apply_unmesh(
         files = got[3:5]
         result = change
         for attempt in range(WRITE_ATTEMPTS):
-            if attempt:
-                files = shell.ask(_cat(AUTHORIZED), _cat(KNOWN))
-            now = (
-                _text(files[0], AUTHORIZED, MAX_READ, True),
-                _text(files[1], KNOWN, MAX_READ, True),
-            )
+            files, now = _reread(shell, files, attempt)
             if now != (fact.authorized, fact.known):
                 auth, a_n, known, k_n = unmesh_texts(now[0], now[1], mesh)
                 result = replace(
