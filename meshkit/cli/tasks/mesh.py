@@ -14,7 +14,6 @@ from ...hostfile import Host
 if TYPE_CHECKING:
     from ...meshplan import VerifyResult
     from ...ops.mesh import MeshReport
-    from ...remote import Settings
 
 from ..common import conf, helps, option, progress, reported, table, task
 
@@ -32,19 +31,6 @@ def _hosts(
 
     path = option("hostfile", hostfile)
     return read_hosts(path, option("include", include), option("exclude", exclude)), str(path)
-
-
-def ssh_settings(
-    c: Context,
-    hostfile: str,
-    identity: str | None = None,
-    password: bool = False,
-    accept_new: bool = False,
-) -> Settings:
-    """Connection settings from config and flags (see ``ops.pool.ssh_settings``)."""
-    from ...ops.pool import ssh_settings as settings
-
-    return settings(conf(), hostfile, identity, password, accept_new)
 
 
 def _mesh_id(c: Context, hostfile: str | None) -> str:
@@ -103,10 +89,11 @@ def mesh(
     then checks all N x N pairs. Rerunning changes nothing; `meshkit unmesh` undoes it.
     """
     from ...ops import mesh as ops
+    from ...ops.pool import ssh_settings
 
     with reported():
         hosts, path = _hosts(c, hostfile, include, exclude)
-        st = ssh_settings(c, path, identity, password, accept_new_host_keys)
+        st = ssh_settings(conf(), path, identity, password, accept_new_host_keys)
         print(f"mesh: {len(hosts)} nodes from {path}{' (dry run)' if dry_run else ''}")
         report = ops.mesh(
             hosts,
@@ -185,10 +172,11 @@ def check(
     """Check all N x N pairs: from every node, ssh to every node by the hostfile spelling with
     BatchMode and strict host keys, and check each node's host key by its hostname."""
     from ...ops import mesh as ops
+    from ...ops.pool import ssh_settings
 
     with reported():
         hosts, path = _hosts(c, hostfile, include, exclude)
-        result = ops.check(hosts, ssh_settings(c, path, identity), progress=progress)
+        result = ops.check(hosts, ssh_settings(conf(), path, identity), progress=progress)
         if not json:
             if _verify_report(result):
                 raise Exit("meshkit: check failed; run `meshkit mesh` to fix", 1)
@@ -232,12 +220,13 @@ def unmesh(
     lines (lines another mesh also relies on stay) and the user keys it created that no other mesh
     lists. Every other line stays byte for byte."""
     from ...ops import mesh as ops
+    from ...ops.pool import ssh_settings
 
     with reported():
         hosts, path = _hosts(c, hostfile, include, exclude)
         report = ops.unmesh(
             hosts,
-            ssh_settings(c, path, identity),
+            ssh_settings(conf(), path, identity),
             _mesh_id(c, hostfile),
             keep_keys=keep_keys,
             dry_run=dry_run,
