@@ -47,7 +47,8 @@ def manifest(request: ManifestRequest) -> ManifestReply:
 
 
 def _partial(path: Path) -> Path:
-    return path.with_name(f".{path.name}.meshkit-sync")
+    # One agent sends every chunk of a file; two controllers writing one file do not share it.
+    return path.with_name(f".{path.name}.meshkit-{os.getpid()}")
 
 
 def put(request: PutRequest) -> PutReply:

@@ -272,7 +272,8 @@ def _claimed_host_keys(
 
 def own_hostname(remote: Remote) -> str:
     try:
-        return (remote.read_text("/proc/sys/kernel/hostname", 4096) or "").strip()
+        code, out, _ = remote.run("head -c 256 /proc/sys/kernel/hostname")
+        return out.strip() if code == 0 else ""
     except (OSError, MeshkitError):
         return ""
 

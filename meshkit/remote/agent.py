@@ -3,11 +3,12 @@ channel per node, each reply read with a bound on its size and on the time it ta
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import shlex
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import PurePosixPath
 from typing import TypeVar
 
 import paramiko
@@ -18,6 +19,8 @@ from ..protocol import (
     MAX_LINE,
     NodeFailure,
     ProtocolViolation,
+    PutReply,
+    PutRequest,
     Reply,
     Request,
     decode_reply,
@@ -172,21 +175,25 @@ class AgentPool:
             request = request_for(remote.host)
             if request is None:
                 raise _Skipped
-            agent = self._agents.get(remote.host)
-            if agent is None:
-                agent = self._agents[remote.host] = Agent(remote, self.python)
-            return agent.call(request, expect, timeout)
+            return self._agent(remote).call(request, expect, timeout)
 
         results = self.cluster.each(phase, one, hosts)
         return {h: o for h, o in results.items() if not isinstance(o.exc, _Skipped)}
 
     def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
-        """Write a file on ``host`` through SFTP (parents created, temp file then rename)."""
+        """Write a file on ``host`` through its agent (parents created, a temporary beside it,
+        then renamed): no SFTP subsystem, which would start the user's shell once more."""
         remote = self.cluster.remotes.get(host)
         if remote is None:
             raise RemoteError(f"{host.label}: not connected: {self.failures.get(host, '?')}")
-        remote.makedirs(str(PurePosixPath(path).parent), 0o755)
-        remote.write_atomic(path, text, mode)
+        data = base64.b64encode(text.encode()).decode()
+        self._agent(remote).call(PutRequest(path, data, 0, True, mode, time.time()), PutReply)
+
+    def _agent(self, remote: Remote) -> Agent:
+        agent = self._agents.get(remote.host)
+        if agent is None:
+            agent = self._agents[remote.host] = Agent(remote, self.python)
+        return agent
 
     def close(self) -> None:
         for agent in self._agents.values():

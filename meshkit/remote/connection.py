@@ -12,7 +12,6 @@ import logging
 import os
 import shlex
 import socket
-import stat
 import threading
 import time
 import uuid
@@ -205,7 +204,6 @@ class Remote:
         while isinstance(hop, Connection):
             self._harden(hop)
             hop = hop.gateway
-        self._sftp: paramiko.SFTPClient | None = None
         self._deadline: float | None = None
 
     def _harden(self, conn: Connection) -> None:
@@ -374,83 +372,7 @@ class Remote:
         )
         return result.exited, result.stdout, result.stderr
 
-    @property
-    def sftp(self) -> paramiko.SFTPClient:
-        if self._sftp is None:
-            self._sftp = self.conn.sftp()
-        channel = self._sftp.get_channel()
-        if channel is not None:
-            channel.settimeout(self.remaining())
-        return self._sftp
-
-    # ------------------------------------------------------------ files (paths relative to home)
-
-    def read_text(self, path: str, limit: int = MAX_READ) -> str | None:
-        """A file's text, or None when it does not exist; more than ``limit`` bytes is an error."""
-        try:
-            with self.sftp.open(path, "r") as handle:
-                data = handle.read(limit + 1)
-        except FileNotFoundError:
-            return None
-        if len(data) > limit:
-            raise MeshkitError(f"{path} is larger than {limit} bytes; meshkit will not read it")
-        return data.decode(errors="replace")
-
-    def makedirs(self, path: str, mode: int = 0o755) -> None:
-        """``mkdir -p``: create the missing directories (existing ones keep their mode)."""
-        missing = []
-        current = path.rstrip("/") or "/"
-        while current not in ("", "/") and not self._is_dir(current):
-            missing.append(current)
-            current = current.rsplit("/", 1)[0] or "/"
-        for directory in reversed(missing):
-            try:
-                self.sftp.mkdir(directory, mode)
-            except OSError:
-                if not self._is_dir(directory):
-                    raise
-
-    def _is_dir(self, path: str) -> bool:
-        try:
-            return stat.S_ISDIR(self.sftp.stat(path).st_mode or 0)
-        except OSError:
-            return False
-
-    def write_temp(self, path: str, text: str, mode: int = 0o600) -> str:
-        """A temp file beside ``path`` (mode set before any data), for ``rename`` to put in place."""
-        head, _, name = path.rpartition("/")
-        tmp = f"{head + '/' if head else ''}.{name}.meshkit-{uuid.uuid4().hex[:12]}"
-        try:
-            with self.sftp.open(tmp, "wx") as handle:
-                self.sftp.chmod(tmp, mode)
-                handle.write(text.encode())
-        except BaseException:
-            self.discard(tmp)
-            raise
-        return tmp
-
-    def rename(self, tmp: str, path: str) -> None:
-        try:
-            self.sftp.posix_rename(tmp, path)
-        except BaseException:
-            self.discard(tmp)
-            raise
-
-    def discard(self, tmp: str) -> None:
-        """Best effort, never waiting on a dead link: the next run cleans what is left."""
-        if self.conn.transport is None or not self.conn.transport.is_active():
-            return
-        with contextlib.suppress(Exception):
-            self.sftp.remove(tmp)
-
-    def write_atomic(self, path: str, text: str, mode: int = 0o600) -> None:
-        """Write a temp file beside ``path`` (mode set before any data), then rename over it."""
-        self.rename(self.write_temp(path, text, mode), path)
-
     def close(self) -> None:
-        if self._sftp is not None:
-            with contextlib.suppress(Exception):
-                self._sftp.close()
         self.conn.close()
 
 
