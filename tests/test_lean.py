@@ -14,7 +14,7 @@ import pytest
 from meshkit.digest import sha256, sha256_hex
 from meshkit.node import gpus
 
-HEAVY = {"dataclasses", "typing", "inspect", "hashlib", "shutil", "copy", "pathlib"}
+HEAVY = {"typing", "hashlib", "shutil", "pathlib"}
 
 
 def env_imports(cwd: Path, args: list[str], watched: set[str]) -> tuple[str, list[str]]:
