@@ -23,6 +23,7 @@ from . import settings
 from .errors import UsageError
 from .hostfile import Host
 from .job import Job
+from .ops import diagnose as diagnose_op
 from .ops import doctor as doctor_op
 from .ops import jobs, lookup, supervise
 from .ops import mesh as mesh_op
@@ -84,6 +85,8 @@ class Cluster:
         nproc_per_node: int | str | None = None,
         master_port: int | None = None,
         spawn: bool = False,
+        stall_after: str | None = None,
+        restart_on_stall: bool | None = None,
         restarts: int | None = None,
         restart_on: str | None = None,
         sync: bool = False,
@@ -106,6 +109,8 @@ class Cluster:
             restarts=restarts,
             restart_on=restart_on,
             spawn=spawn,
+            stall_after=stall_after,
+            restart_on_stall=restart_on_stall,
         )
         with self._pool(job, hosts, wait) as pool:
             return train_op.train(
@@ -128,6 +133,12 @@ class Cluster:
         job, hosts = lookup.saved(self.conf, self.hostfile, self.session, self.workdir)
         with self._pool(job, hosts) as pool:
             return supervise.status(pool, job, hosts)
+
+    def diagnose(self) -> diagnose_op.Diagnosis:
+        """``meshkit diagnose``: every rank's live stack, grouped; the outliers; the first failure."""
+        job, hosts = lookup.saved(self.conf, self.hostfile, self.session, self.workdir)
+        with self._pool(job, hosts) as pool:
+            return diagnose_op.diagnose(pool, job, hosts)
 
     def logs(self, lines: int = 20, node: int | None = None) -> list[jobs.LogChunk]:
         """``meshkit logs``: the last ``lines`` lines of each node's log (or one node's)."""

@@ -118,10 +118,15 @@ def _script(node: NodeEnv, cmd: str, log: str | None) -> str:
     return logged(cmd, target)
 
 
-def _environment(node: NodeEnv) -> dict[str, str]:
+def _environment(node: NodeEnv, log: str | None) -> dict[str, str]:
     # Nodes share the venv path: make its tools (torchrun) reachable as if it were activated.
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    return {**os.environ, **variables(node), "PATH": path}
+    env = {**os.environ, **variables(node), "PATH": path}
+    if log:  # a job's: its ranks get the hook that `meshkit diagnose` reads (node/hook)
+        hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node", "hook")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (hook, env.get("PYTHONPATH")) if p)
+        env["MESHKIT_ERRORS"] = os.path.join(os.path.dirname(os.path.abspath(log)), "errors")
+    return env
 
 
 def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
@@ -129,7 +134,7 @@ def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
     script = _script(node, cmd, log)
     sys.stdout.flush()
     reset_for_exec()  # not Python's SIG_IGN for SIGPIPE: `yes | head` in the command must end quietly
-    os.execvpe("bash", ["bash", "-c", script], _environment(node))
+    os.execvpe("bash", ["bash", "-c", script], _environment(node, log))
 
 
 SPAWN_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")  # as python -m
@@ -156,7 +161,7 @@ def spawn_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
 
     check_spawn_cmd(cmd)
     script = _script(node, cmd, log)
-    base = _environment(node)
+    base = _environment(node, log)
     if node.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
         base["OMP_NUM_THREADS"] = "1"  # what torchrun sets: N ranks x all cores would oversubscribe
     envs = [{**base, **rank_variables(node, i)} for i in range(node.nproc_per_node)]

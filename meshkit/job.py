@@ -75,6 +75,8 @@ class Job:
     sync: bool = False  # the workdir is copied to every node (no shared storage)
     sync_exclude: tuple[str, ...] = ()  # names never copied (besides .git and __pycache__)
     spawn: bool = False  # train --spawn: `meshkit run --spawn` starts each node's ranks itself
+    stall_after: float | None = 1800.0  # seconds with no output from any node: stalled (None: off)
+    restart_on_stall: bool = False  # train --restart-on-stall: a supervisor restarts a stall
 
     @property
     def id(self) -> str:
@@ -241,3 +243,24 @@ def parse_restart_on(text: str | None) -> tuple[int, ...]:
             )
         codes.append(int(part))
     return tuple(sorted(set(codes)))
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def parse_duration(text: str | float, where: str = "--stall-after") -> float | None:
+    """``90s``, ``30m``, ``1h``, a number of seconds, or ``off`` (None)."""
+    raw = str(text).strip().lower()
+    if raw == "off":
+        return None
+    number, unit = (raw[:-1], raw[-1]) if raw[-1:] in _UNITS else (raw, "s")
+    try:
+        seconds = float(number) * _UNITS[unit]
+    except ValueError:
+        seconds = -1.0
+    if not 1 <= seconds <= 30 * 86400:
+        raise UsageError(
+            f"{where} {str(text)[:40]!r}: expected a duration (90s, 30m, 1h, seconds) of 1 s to "
+            "30 days, or off"
+        )
+    return seconds

@@ -142,6 +142,7 @@ class StatusReply:
     exit_code: int | None
     started: float | None
     last_line: str | None
+    idle: float | None = None  # seconds since the log was last written (the node's own clock)
 
 
 @record
@@ -274,6 +275,52 @@ class ProbeReply:
     err: str
 
 
+# ---- diagnose: every rank's stack and error (meshkit/node/diagnose.py) -----------------------
+
+
+@record
+class DiagnoseRequest:
+    """The job's ranks on this node (Python processes in its keeper's tree carrying ``RANK``):
+    each one's stack (py-spy, at most ``seconds`` per rank), and the error files its ranks left in
+    ``home`` (the job's directory); ``log`` is read for a traceback when there are none."""
+
+    job_id: str
+    home: str
+    log: str
+    seconds: float = 5.0
+
+
+@record
+class RankStack:
+    rank: int
+    pid: int
+    frames: list[str]  # the main thread, innermost last: "function (file:line)"
+    threads: list[list[str]]  # the other threads' innermost frames
+    error: str | None = None  # why the stack could not be read (and what to change)
+
+
+@record
+class RankError:
+    """What a rank left when it raised (``errors/rank<R>.json``, torchelastic's error-file shape)."""
+
+    rank: int
+    node_rank: int | None  # the node the rank ran on (shared storage: every node sees every file)
+    time: float
+    error: str  # the exception's last line
+    traceback: list[str]
+
+
+@record
+class DiagnoseReply:
+    state: Literal["running", "exited", "absent"]
+    exit_code: int | None
+    idle: float | None
+    ranks: list[RankStack]
+    errors: list[RankError]
+    log_traceback: list[str]  # the log's last traceback, when no rank left an error file
+    problem: str | None = None  # why no stack could be read at all (py-spy missing, say)
+
+
 # ---- supervision and sync -----------------------------------------------------------------------
 
 
@@ -344,6 +391,7 @@ OPS: dict[str, tuple[type[Any], type[Any], str]] = {
     "status": (StatusRequest, StatusReply, "jobs.status"),
     "stop": (StopRequest, StopReply, "jobs.stop"),
     "logs": (LogsRequest, LogsReply, "jobs.logs"),
+    "diagnose": (DiagnoseRequest, DiagnoseReply, "diagnose.diagnose"),
     "doctor_facts": (FactsRequest, FactsReply, "doctor.facts"),
     "doctor_listen": (ListenRequest, ListenReply, "doctor.listen"),
     "doctor_connect": (ConnectRequest, ConnectReply, "doctor.connect"),
@@ -364,6 +412,7 @@ if TYPE_CHECKING:
         StatusRequest,
         StopRequest,
         LogsRequest,
+        DiagnoseRequest,
         FactsRequest,
         ListenRequest,
         ConnectRequest,
@@ -381,6 +430,7 @@ if TYPE_CHECKING:
         StatusReply,
         StopReply,
         LogsReply,
+        DiagnoseReply,
         FactsReply,
         ListenReply,
         ConnectReply,

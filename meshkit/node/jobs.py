@@ -198,7 +198,15 @@ def start(request: StartRequest) -> StartReply:
 def status(request: StatusRequest) -> StatusReply:
     state, code = _state(request.job_id)
     started = _read_float(f"{state_dir(request.job_id)}/started") if state != "absent" else None
-    return StatusReply(state, code, started, last_line(request.log))
+    return StatusReply(state, code, started, last_line(request.log), idle(request.log))
+
+
+def idle(path: str) -> float | None:
+    """Seconds since ``path`` was last written, by this node's clock (None: no log yet)."""
+    try:
+        return max(0.0, time.time() - os.stat(path).st_mtime)
+    except OSError:
+        return None
 
 
 def last_line(path: str, window: int = 8192) -> str | None:

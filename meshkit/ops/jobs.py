@@ -261,6 +261,9 @@ class StatusRow:
     restarts_left: int | None = None
     last_restart_reason: str | None = None
     supervisor: SupervisorState | None = None  # None: no record (e.g. after stop)
+    idle_s: float | None = None  # seconds since the node's log was last written
+    stalled: bool = False  # the job's: running, and no node has written output for stall_after
+    diagnosis: str | None = None  # the diagnosis the supervisor saved before a stall restart
 
     def as_json(self) -> dict[str, object]:
         data: dict[str, object] = {
@@ -270,6 +273,8 @@ class StatusRow:
             "exit_code": self.exit_code,
             "started": self.started,
             "last_line": self.last_line,
+            "stalled": self.stalled,
+            "idle_s": None if self.idle_s is None else round(self.idle_s, 1),
         }
         if self.supervised:
             data |= {
@@ -277,14 +282,30 @@ class StatusRow:
                 "restarts_left": self.restarts_left,
                 "last_restart_reason": self.last_restart_reason,
                 "supervisor": self.supervisor,
+                "diagnosis": self.diagnosis,
             }
         return data
 
 
+def is_stalled(stall_after: float | None, nodes: Sequence[tuple[str, float | None]]) -> bool:
+    """Pure: a running job none of whose running nodes has written output for ``stall_after``
+    seconds (each node's log, by its own clock). ``nodes``: (state, idle seconds)."""
+    running = [idle for state, idle in nodes if state == "running"]
+    return (
+        stall_after is not None
+        and bool(running)
+        and all(i is not None and i >= stall_after for i in running)
+    )
+
+
 def status_rows(
-    hosts: Sequence[Host], replies: dict[Host, Outcome[StatusReply]], failures: dict[Host, str]
+    hosts: Sequence[Host],
+    replies: dict[Host, Outcome[StatusReply]],
+    failures: dict[Host, str],
+    stall_after: float | None = None,
 ) -> list[StatusRow]:
-    """Pure: one row per node; a node that cannot be asked is ``absent`` with the reason."""
+    """Pure: one row per node; a node that cannot be asked is ``absent`` with the reason. Every
+    row says whether the job is stalled."""
     rows = []
     for rank, h in enumerate(hosts):
         outcome = replies.get(h)
@@ -298,8 +319,11 @@ def status_rows(
             if r.started
             else None
         )
-        rows.append(StatusRow(rank, h.label, r.state, r.exit_code, started, r.last_line))
-    return rows
+        rows.append(
+            StatusRow(rank, h.label, r.state, r.exit_code, started, r.last_line, idle_s=r.idle)
+        )
+    stalled = is_stalled(stall_after, [(r.state, r.idle_s) for r in rows if not r.error])
+    return [replace(r, stalled=stalled) for r in rows] if stalled else rows
 
 
 def status(
@@ -308,7 +332,7 @@ def status(
     replies = pool.call_all(
         phase, lambda h: StatusRequest(job.id, job.log(hosts.index(h))), StatusReply
     )
-    return status_rows(hosts, replies, pool.failures)
+    return status_rows(hosts, replies, pool.failures, job.stall_after)
 
 
 def wait_done(

@@ -12,7 +12,16 @@ from pathlib import Path
 from ..envrun import pick, pick_int
 from ..errors import JobError, UsageError
 from ..hostfile import Host
-from ..job import Job, check_env, check_session, from_json, index_file, job_file, workdir_from_index
+from ..job import (
+    Job,
+    check_env,
+    check_session,
+    from_json,
+    index_file,
+    job_file,
+    parse_duration,
+    workdir_from_index,
+)
 from ..record import replace
 from ..settings import Config
 
@@ -129,6 +138,7 @@ def new_job(
         setup=tuple(conf.setup),
         env=check_env(dict(conf.env)),
         sync_exclude=tuple(conf.sync_exclude),
+        stall_after=parse_duration(conf.stall_after, "config stall_after"),
     )
     return job, hosts
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..envrun import check_spawn_cmd, whole
 from ..errors import LaunchError, UsageError
 from ..hostfile import Host
-from ..job import Job, parse_restart_on
+from ..job import Job, parse_duration, parse_restart_on
 from ..record import replace
 from ..settings import Config
 from . import doctor, supervise
@@ -70,11 +70,14 @@ def plan(
     restarts: str | int | None = None,
     restart_on: str | None = None,
     spawn: bool = False,
+    stall_after: str | None = None,
+    restart_on_stall: bool | None = None,
 ) -> tuple[Job, list[Host]]:
     """The job ``train`` starts: a new one from ``cmd`` and the flags over the configuration, or
     (``cmd`` None) the saved one, keeping its ``--restarts``/``--restart-on``/``--spawn`` unless
     told otherwise. Usage errors first, before anything is read from a node."""
     count, codes = restarts_flag(restarts), parse_restart_on(restart_on)
+    stall = None if stall_after is None else parse_duration(stall_after)
     if cmd is None:
         job, hosts = saved(conf, hostfile, session, workdir)
         job = replace(
@@ -98,6 +101,12 @@ def plan(
     if spawn:
         check_spawn_cmd(job.cmd)
         job = replace(job, spawn=True)
+    if stall_after is not None:
+        job = replace(job, stall_after=stall)
+    if restart_on_stall is not None:
+        job = replace(job, restart_on_stall=restart_on_stall)
+    if job.restart_on_stall and (not job.restarts or job.stall_after is None):
+        raise UsageError("--restart-on-stall needs --restarts N and a --stall-after (not off)")
     return job, hosts
 
 

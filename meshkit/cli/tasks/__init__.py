@@ -101,6 +101,7 @@ ns = Collection(
     tasks_mesh.unmesh,
     tasks_train.train,
     tasks_train.status,
+    tasks_train.diagnose,
     tasks_train.logs,
     tasks_train.stop,
     tasks_train.supervise,

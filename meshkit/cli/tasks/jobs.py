@@ -16,6 +16,7 @@ from ...hostfile import Host
 from ...job import Job
 from ...ops import jobs as ops
 from ...ops import lookup
+from ...ops.diagnose import Diagnosis
 from ...ops.pool import NodePool, connect
 from ..common import HELP, conf, helps, progress, reported, table, task
 
@@ -58,7 +59,7 @@ def _print_status(rows: Sequence[ops.StatusRow], job: Job) -> None:
             )
     print(
         table(
-            ["rank", "host", "state", "exit", "started", "last line"],
+            ["rank", "host", "state", "exit", "started", "stalled", "last line"],
             [
                 (
                     r.node_rank,
@@ -66,12 +67,15 @@ def _print_status(rows: Sequence[ops.StatusRow], job: Job) -> None:
                     r.state,
                     r.exit_code,
                     (r.started or "")[:19],
+                    f"yes ({r.idle_s:.0f}s quiet)" if r.stalled and r.idle_s else "no",
                     (r.last_line or "")[:70],
                 )
                 for r in rows
             ],
         )
     )
+    if rows and rows[0].diagnosis:
+        print(f"diagnosis saved before the stall restart: {rows[0].diagnosis}")
 
 
 TRAIN_HELP = helps(
@@ -90,6 +94,9 @@ TRAIN_HELP = helps(
     "stops answering or reboots (a supervisor runs in tmux on this machine)",
     restart_on="only these exit codes restart (comma list; default any non-zero; torchrun "
     "exits 1 for any worker failure)",
+    stall_after="no output from any rank for this long is a stall (90s, 30m, 1h; default config "
+    "stall_after, 30m; off)",
+    restart_on_stall="with --restarts: a stall restarts the job (its diagnosis is saved first)",
     sync="copy the workdir to every node (default: when some node does not see it)",
     spawn=HELP["spawn"] + " (a bare relaunch keeps it)",
     replace="end any other meshkit job running on the nodes (never done without this flag)",
@@ -118,6 +125,8 @@ def train(
     restart_on: str | None = None,
     sync: bool = False,
     spawn: bool = False,
+    stall_after: str | None = None,
+    restart_on_stall: bool = False,
 ) -> None:
     """Start CMD detached in tmux on every node, each with its rank variables; or relaunch the
     saved job.
@@ -145,6 +154,8 @@ def train(
             restarts=restarts,
             restart_on=restart_on,
             spawn=spawn,
+            stall_after=stall_after,
+            restart_on_stall=restart_on_stall or None,
         )
         if cmd is None:
             print(f"relaunching saved job {job.label}: {job.cmd}")
@@ -254,6 +265,64 @@ def status(
         _print_status(rows, job)
     if any(r.error for r in rows):
         raise Exit(code=1)
+
+
+@task(help=helps(*JOB_FLAGS, "json"))
+def diagnose(
+    c: Context,
+    hostfile: str | None = None,
+    session: str | None = None,
+    workdir: str | None = None,
+    json: bool = False,
+) -> None:
+    """Where every rank of the job is: its live Python stack (py-spy), ranks grouped by where they
+    stand, the outliers first; for a failed job, the rank that failed first and its traceback."""
+    from ...ops import diagnose as op
+
+    with reported():
+        job, hosts = _find(hostfile, session, workdir)
+        with _pool(job, hosts) as pool:
+            found = op.diagnose(pool, job, hosts)
+    if json:
+        print(jsonlib.dumps(found.as_json()))
+    else:
+        print(render_diagnosis(found, job))
+    if not found.ok:
+        raise Exit(code=1)
+
+
+def _ranks(numbers: Sequence[int]) -> str:
+    """[0, 1, 2, 4, 5] -> "0-2,4-5"."""
+    spans: list[list[int]] = []
+    for n in sorted(numbers):
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def render_diagnosis(d: Diagnosis, job: Job) -> str:
+    """What a person reads at 3 a.m.: the state, one line per group (the outliers first, with
+    their innermost frames), the ranks that could not be read, the first failure's traceback."""
+    quiet = [n.idle_s for n in d.nodes if n.state == "running" and n.idle_s is not None]
+    state = d.state + (f" (no output for {min(quiet):.0f}s)" if d.state == "stalled" else "")
+    out = [f"job {job.label}: {state}"]
+    for g in d.groups:
+        odd = set(g.ranks) <= set(d.outliers)
+        word = "rank" if len(g.ranks) == 1 else "ranks"
+        out.append(f"{'OUTLIER ' if odd else ''}{word} {_ranks(g.ranks)} in {g.where}")
+        out += [f"    {f}" for f in g.frames[-6:]] if odd else []
+    out += [f"rank {r.rank} on {r.node}: {r.error}" for r in d.ranks if r.error]
+    out += [f"{n.host}: {n.error}" for n in d.nodes if n.error]
+    f = d.first_failure
+    if f is not None:
+        who = "rank ?" if f.rank is None else f"rank {f.rank}"
+        out.append(f"first failure: {who} on {f.node} (exit {f.exit_code}): {f.error}")
+        out += [f"    {line}" for line in f.traceback]
+    if not d.ranks and not f:
+        out.append("no rank is running (meshkit status, meshkit logs)")
+    return "\n".join(out)
 
 
 @task(

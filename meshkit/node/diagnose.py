@@ -1,0 +1,148 @@
+"""A node's side of ``meshkit diagnose``: the job's ranks here and their live Python stacks, and
+the errors its ranks left. Standard library only (py-spy is a program, run as one).
+
+The ranks are the Python processes in the job's keeper tree whose environment carries ``RANK``
+(torchrun's workers, ``--spawn``'s ranks), the topmost of each rank (a data loader's workers carry
+the same ``RANK``). Their errors are the files the rank hook (``node/hook``) wrote when a rank
+raised, newer than this attempt's start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from ..protocol import DiagnoseReply, DiagnoseRequest, RankError, RankStack
+from . import jobs, procs
+
+MAX_FRAMES = 100  # of the main thread, innermost kept
+MAX_THREADS, MAX_THREAD_FRAMES = 16, 8  # other threads: where they are, not how they got there
+MAX_ERRORS = 8  # the earliest error files (the first failure is among them)
+MAX_TRACE = 40  # lines of a traceback
+YAMA = "/proc/sys/kernel/yama/ptrace_scope"
+
+
+def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
+    state, code = jobs._state(request.job_id)
+    started = jobs._read_float(f"{jobs.state_dir(request.job_id)}/started")
+    keeper = jobs.keeper_pid(request.job_id)
+    found = rank_processes(keeper) if keeper else {}
+    stacks: list[RankStack] = []
+    problem = None
+    if found:
+        spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+        if not os.access(spy, os.X_OK):
+            import shutil
+
+            spy = shutil.which("py-spy") or ""
+        if not spy:
+            problem = f"py-spy is not installed: {sys.executable} -m pip install py-spy"
+        else:
+            with ThreadPoolExecutor(len(found)) as pool:
+                stacks = list(
+                    pool.map(lambda r: dump(spy, r, found[r], request.seconds), sorted(found))
+                )
+    errors = read_errors(os.path.join(request.home, "errors"), started)
+    tail = log_traceback(request.log) if state == "exited" and code and not errors else []
+    return DiagnoseReply(state, code, jobs.idle(request.log), stacks, errors, tail, problem)
+
+
+def rank_processes(keeper: int) -> dict[int, int]:
+    """rank -> pid: the job's Python processes carrying ``RANK``, the topmost of each rank."""
+    table = procs.parents()
+    found: dict[int, int] = {}
+    for pid in procs.descendants(keeper, table):
+        try:
+            if "python" not in os.path.basename(os.readlink(f"/proc/{pid}/exe")):
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                env = dict(v.partition(b"=")[::2] for v in handle.read().split(b"\0"))
+        except OSError:
+            continue
+        rank = env.get(b"RANK", b"")
+        if rank.isdigit():
+            found[pid] = int(rank)
+    return {r: p for p, r in found.items() if found.get(table.get(p, 0)) != r}
+
+
+def dump(spy: str, rank: int, pid: int, seconds: float) -> RankStack:
+    """One rank's stack by ``py-spy dump`` (the rank is paused for the read), bounded in time."""
+    try:
+        done = subprocess.run(
+            [spy, "dump", "--pid", str(pid), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=seconds,
+            check=False,
+        )
+        threads = json.loads(done.stdout) if done.returncode == 0 else None
+    except subprocess.TimeoutExpired:
+        return RankStack(rank, pid, [], [], f"py-spy did not answer within {seconds:.0f}s")
+    except (OSError, ValueError) as exc:
+        return RankStack(rank, pid, [], [], f"py-spy failed: {exc}")
+    if not isinstance(threads, list):
+        why = (done.stderr.strip().splitlines() or ["no output"])[0][:300]
+        if "ermission" in why or "not permitted" in why:
+            scope = jobs._read(YAMA, 8) or "absent"
+            why += (
+                f" (Yama ptrace_scope {scope.strip()}): run the job and meshkit as root, or "
+                f"`sysctl kernel.yama.ptrace_scope=0`, or `setcap cap_sys_ptrace+ep {spy}`"
+            )
+        return RankStack(rank, pid, [], [], f"cannot read its stack: {why}")
+    threads.sort(key=lambda t: t.get("os_thread_id") != pid)  # the main thread first
+    frames = [_frames(t, MAX_FRAMES) for t in threads]
+    return RankStack(rank, pid, frames[0] if frames else [], frames[1 : MAX_THREADS + 1])
+
+
+def _frames(thread: dict[str, list[dict[str, object]]], keep: int) -> list[str]:
+    """py-spy lists innermost first; innermost last here: "function (file:line)"."""
+    out = [f"{f.get('name')} ({f.get('filename')}:{f.get('line')})" for f in thread["frames"]]
+    return [line[:300] for line in reversed(out[:keep])]
+
+
+def read_errors(directory: str, started: float | None) -> list[RankError]:
+    """The errors ranks left in this attempt (files written since it started), earliest first."""
+    found = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith("rank") and n.endswith(".json")]
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if started is not None and os.stat(path).st_mtime < started - 1:
+                continue  # an earlier attempt's
+            data = json.loads(jobs._read(path, 1 << 18) or "")
+            message = data["message"]
+            ours = data.get("meshkit") or {}
+            when = float(ours.get("time") or message["extraInfo"]["timestamp"])
+            trace = str(message["extraInfo"].get("py_callstack") or "").splitlines()
+            last = str(message["message"]).strip().splitlines() or ["?"]
+            rank = int(ours.get("rank", name[4:-5]))
+            node = None if ours.get("node_rank") is None else int(ours["node_rank"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        found.append(
+            RankError(rank, node, when, last[-1][:500], [t[:300] for t in trace[-MAX_TRACE:]])
+        )
+    return sorted(found, key=lambda e: e.time)[:MAX_ERRORS]
+
+
+def log_traceback(path: str) -> list[str]:
+    """The log's last Python traceback, through its exception line (a rank killed before its
+    hook could write, or a script run with ``python -I``)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - 65536))
+            lines = handle.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+    if not starts:
+        return []
+    block = lines[starts[-1] :]
+    end = next((i for i, line in enumerate(block[1:], 1) if line[:1] not in (" ", "\t")), None)
+    return [t[:300] for t in block[: None if end is None else end + 1][-MAX_TRACE:]]

@@ -1,0 +1,78 @@
+"""meshkit's rank hook. ``meshkit run --log`` puts this directory first on the job's PYTHONPATH,
+so every Python process of the job imports it at start (as ``sitecustomize``). In a rank (``RANK``
+set) it:
+- lets the node's agent read its stack when Yama's ``ptrace_scope`` is 1, where only an ancestor
+  could (``PR_SET_PTRACER_ANY``): ``meshkit diagnose`` runs py-spy from the agent;
+- records an uncaught exception in ``$MESHKIT_ERRORS/rank<R>.json``, torchelastic's error-file
+  shape plus the time to the microsecond, so ``diagnose`` names the rank that raised first (with
+  torchrun or ``--spawn``, with torch's ``@record`` or without).
+Then the next ``sitecustomize`` on the path (a venv's, a distribution's) is imported as if this one
+were not there. Standard library only."""
+
+import os
+import sys
+
+
+def _install(rank: str, errors: str) -> None:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as handle:
+            scope = handle.read().strip()
+    except OSError:
+        scope = "0"  # no Yama: the same user may trace
+    if scope == "1":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, ANY
+    previous = sys.excepthook
+
+    def record(kind, value, tb):  # type: ignore[no-untyped-def]
+        try:
+            import json
+            import time
+            import traceback
+
+            now = time.time()
+            data = {
+                "message": {
+                    "message": "".join(traceback.format_exception_only(kind, value)).strip(),
+                    "extraInfo": {
+                        "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
+                        "timestamp": str(int(now)),
+                    },
+                },
+                "meshkit": {
+                    "rank": int(rank),
+                    "node_rank": os.environ.get("NODE_RANK"),
+                    "time": now,
+                },
+            }
+            os.makedirs(errors, exist_ok=True)
+            path = f"{errors}/rank{rank}.json"
+            with open(f"{path}.{os.getpid()}", "w") as handle:
+                json.dump(data, handle)
+            os.replace(f"{path}.{os.getpid()}", path)
+        except Exception:  # the rank's own error must still be shown
+            pass
+        previous(kind, value, tb)
+
+    sys.excepthook = record
+
+
+def _chain() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    mine = sys.modules.pop("sitecustomize", None)
+    path = sys.path[:]
+    sys.path[:] = [p for p in path if os.path.abspath(p or ".") != here]
+    try:
+        import sitecustomize  # type: ignore[import-not-found]  # noqa: F401 - the next one
+    except ImportError as exc:
+        if exc.name != "sitecustomize":
+            raise
+    finally:
+        sys.path[:] = path
+        sys.modules.setdefault("sitecustomize", mine)  # type: ignore[arg-type]
+
+
+if os.environ.get("RANK", "").isdigit() and os.environ.get("MESHKIT_ERRORS"):
+    _install(os.environ["RANK"], os.environ["MESHKIT_ERRORS"])
+_chain()

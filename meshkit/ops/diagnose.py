@@ -1,0 +1,189 @@
+"""``meshkit diagnose``: where every rank of the job is (its live stack, grouped; the outliers
+whose stack differs from the majority's) and, for a job that failed, the rank that failed first
+with its error. ``diagnose`` asks every node once (``node/diagnose.py``); ``build`` is the verdict,
+pure, unit-tested with plain replies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from ..hostfile import Host
+from ..job import Job
+from ..protocol import DiagnoseReply, DiagnoseRequest, RankError
+from ..remote.group import Outcome
+from .jobs import is_stalled
+from .pool import NodePool
+
+State = Literal["running", "stalled", "failed", "done", "absent"]
+SECONDS = 5.0  # per rank, for py-spy; a node's ranks are read in parallel
+LIBRARY = ("/site-packages/", "/dist-packages/", "/lib/python")  # not the user's own frames
+
+
+@dataclass(frozen=True)
+class Rank:
+    rank: int
+    node: str  # as the hostfile spells it
+    pid: int
+    frames: list[str]  # the main thread, innermost last: "function (file:line)"
+    threads: list[list[str]]  # the other threads' innermost frames
+    error: str | None = None  # why its stack could not be read
+
+
+@dataclass(frozen=True)
+class Group:
+    """Ranks whose main threads stand in the same place."""
+
+    ranks: list[int]
+    frames: list[str]
+
+    @property
+    def where(self) -> str:
+        """ "all_reduce (train.py:42)": the innermost frame's function, at the innermost frame of
+        the user's own code."""
+        if not self.frames:
+            return "?"
+        inner = self.frames[-1].rpartition(" (")[0]
+        own = [f for f in self.frames if not any(part in f for part in LIBRARY)]
+        at = (own or self.frames)[-1].rpartition(" (")[2].rstrip(")")
+        return f"{inner} ({at.rsplit('/', 1)[-1]})"
+
+
+@dataclass(frozen=True)
+class Failure:
+    rank: int | None  # None: only the node's log said it (no rank's error file)
+    node: str
+    exit_code: int | None
+    error: str
+    traceback: list[str]
+    time: float | None = None
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    node_rank: int
+    host: str
+    state: str
+    exit_code: int | None
+    idle_s: float | None
+    error: str | None = None  # the node could not be asked, or no stack could be read there
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    state: State
+    first_failure: Failure | None
+    ranks: list[Rank]
+    outliers: list[int]
+    groups: list[Group]  # the outliers' first, then the largest
+    nodes: list[NodeRow]
+    stall_after: float | None
+
+    @property
+    def ok(self) -> bool:
+        """Every node answered."""
+        return not any(n.error for n in self.nodes)
+
+    def as_json(self) -> dict[str, object]:
+        data = asdict(self)
+        data["groups"] = [{**asdict(g), "where": g.where} for g in self.groups]
+        return data
+
+
+def diagnose(
+    pool: NodePool, job: Job, hosts: Sequence[Host], seconds: float = SECONDS
+) -> Diagnosis:
+    replies = pool.call_all(
+        "diagnose",
+        lambda h: DiagnoseRequest(job.id, str(job.home), job.log(hosts.index(h)), seconds),
+        DiagnoseReply,
+        timeout=seconds + 30,
+    )
+    return build(job, hosts, replies, pool.failures)
+
+
+def build(
+    job: Job,
+    hosts: Sequence[Host],
+    replies: dict[Host, Outcome[DiagnoseReply]],
+    failures: dict[Host, str],
+) -> Diagnosis:
+    """Pure: the replies as one diagnosis."""
+    nodes: list[NodeRow] = []
+    ranks: list[Rank] = []
+    errors: dict[int, tuple[int, RankError]] = {}
+    for number, h in enumerate(hosts):
+        outcome = replies.get(h)
+        if outcome is None or outcome.value is None:
+            why = outcome.error if outcome else f"unreachable: {failures.get(h, 'unknown')}"
+            nodes.append(NodeRow(number, h.label, "absent", None, None, str(why)))
+            continue
+        r = outcome.value
+        nodes.append(NodeRow(number, h.label, r.state, r.exit_code, r.idle, r.problem))
+        ranks += [Rank(s.rank, h.label, s.pid, s.frames, s.threads, s.error) for s in r.ranks]
+        for e in r.errors:  # shared storage: every node may return every file
+            if e.rank not in errors or e.time < errors[e.rank][1].time:
+                errors[e.rank] = (number, e)
+    ranks.sort(key=lambda r: r.rank)
+    answered = [n for n in nodes if n.error is None or n.state != "absent"]
+    state: State
+    if any(n.state == "exited" and n.exit_code for n in answered):
+        state = "failed"
+    elif any(n.state == "running" for n in answered):
+        stalled = is_stalled(job.stall_after, [(n.state, n.idle_s) for n in answered])
+        state = "stalled" if stalled else "running"
+    elif answered and all(n.state == "exited" for n in answered):
+        state = "done"
+    else:
+        state = "absent"
+    groups, outliers = group(ranks)
+    return Diagnosis(
+        state,
+        first_failure(hosts, nodes, errors, replies) if state == "failed" or errors else None,
+        ranks,
+        outliers,
+        groups,
+        nodes,
+        job.stall_after,
+    )
+
+
+def group(ranks: Sequence[Rank]) -> tuple[list[Group], list[int]]:
+    """Pure: ranks by identical main-thread stacks; the outliers are the ranks outside the
+    largest group (on a tie, the group waiting in torch.distributed is the majority: two ranks,
+    one in the all_reduce and one not, make the other one the outlier)."""
+    by: dict[tuple[str, ...], list[int]] = {}
+    for r in ranks:
+        if r.frames:
+            by.setdefault(tuple(r.frames), []).append(r.rank)
+    groups = [Group(v, list(k)) for k, v in by.items()]
+    if len(groups) < 2:
+        return groups, []
+    major = max(groups, key=lambda g: (len(g.ranks), any("distributed" in f for f in g.frames)))
+    groups.sort(key=lambda g: (g is major, -len(g.ranks), g.ranks))
+    return groups, sorted(r for g in groups if g is not major for r in g.ranks)
+
+
+def first_failure(
+    hosts: Sequence[Host],
+    nodes: Sequence[NodeRow],
+    errors: dict[int, tuple[int, RankError]],
+    replies: dict[Host, Outcome[DiagnoseReply]],
+) -> Failure | None:
+    """The rank that raised first (by its error file's time: a peer that died of the closed
+    connection raised later); without error files, the first failed node's log traceback."""
+    if errors:
+        number, e = min(errors.values(), key=lambda ne: ne[1].time)
+        if e.node_rank is not None and 0 <= e.node_rank < len(nodes):
+            number = e.node_rank
+        node = nodes[number]
+        return Failure(e.rank, node.host, node.exit_code, e.error, e.traceback, e.time)
+    for n in nodes:
+        if n.state == "exited" and n.exit_code:
+            outcome = replies.get(hosts[n.node_rank])
+            tail = outcome.value.log_traceback if outcome and outcome.value else []
+            error = tail[-1] if tail else f"exited with code {n.exit_code}; no traceback in its log"
+            return Failure(None, n.host, n.exit_code, error, tail)
+    return None
