@@ -51,7 +51,7 @@ class Config:
     setup: tuple[str, ...] = ()  # shell lines run before the job on every node
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the job
     sync_exclude: tuple[str, ...] = ()  # names train --sync never copies
-    stall_after: str | float = "30m"  # no output from any rank for this long: stalled ("off")
+    stall_after: str = "30m"  # no output from any rank for this long: stalled ("off")
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def get(self, name: str) -> Any:

@@ -161,7 +161,7 @@ def group(ranks: Sequence[Rank]) -> tuple[list[Group], list[int]]:
     groups = [Group(v, list(k)) for k, v in by.items()]
     if len(groups) < 2:
         return groups, []
-    major = max(groups, key=lambda g: (len(g.ranks), any("distributed" in f for f in g.frames)))
+    major = max(groups, key=lambda g: (len(g.ranks), any("torch/distributed" in f for f in g.frames)))
     groups.sort(key=lambda g: (g is major, -len(g.ranks), g.ranks))
     return groups, sorted(r for g in groups if g is not major for r in g.ranks)
 

@@ -1,0 +1,257 @@
+"""``meshkit diagnose`` and stall detection on the sandbox (real sshd, tmux, torch with gloo across
+3 nodes x 2 ranks), for torchrun and for ``--spawn``: a rank that sleeps before the all_reduce is
+the one outlier of a stalled job; a rank that raises is the first failure, not the peers that died
+of the closed connection; a stall restarts a supervised job once, its diagnosis saved. Plus the
+pure verdicts (grouping, outliers, first failure, stall), with plain replies."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import meshkit
+from test_train import on_node, wait_for
+
+from meshkit import sandbox
+from meshkit.hostfile import Host
+from meshkit.job import Job, parse_duration
+from meshkit.ops import diagnose as op
+from meshkit.ops.jobs import is_stalled
+from meshkit.protocol import DiagnoseReply, RankError, RankStack
+from meshkit.remote.group import Outcome
+
+SANDBOX_NODES = 3
+HANG = """\
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, mode, odd = dist.get_rank(), sys.argv[1], int(sys.argv[2])
+print(f"rank {rank} ready", flush=True)
+if rank == odd and (mode == "sleep" or (mode == "once" and not os.path.exists("slept"))):
+    open("slept", "w").close()
+    time.sleep(600)
+if rank == odd and mode == "raise":
+    time.sleep(2)
+    raise RuntimeError(f"boom on rank {rank}")
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"rank {rank} sum {t.item()}", flush=True)
+"""
+SLEEP_LINE = 8
+LAUNCHERS = {"torchrun": ("torchrun hang.py",), "spawn": ("--spawn", "python hang.py")}
+
+
+@pytest.fixture(scope="module")
+def meshed(cluster):
+    out = meshkit("mesh", "--hostfile", str(cluster.hostfile), "--no-verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+    workdir = cluster.shared / "work"
+    workdir.mkdir()
+    (workdir / "hang.py").write_text(HANG)
+    return cluster, workdir
+
+
+def train(lay, workdir: Path, session: str, launcher: str, args: str, *flags: str):
+    *spawn, cmd = LAUNCHERS[launcher]
+    out = on_node(
+        lay,
+        0,
+        workdir,
+        "train",
+        "--hostfile",
+        str(lay.hostfile),
+        "--session",
+        session,
+        "--nproc-per-node",
+        "2",
+        *spawn,
+        *flags,
+        "--cmd",
+        f"{cmd} {args}",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def from_home(lay, node: int, *args: str, timeout: float = 120):
+    """A meshkit task run inside node ``node``, from its home directory (not the workdir)."""
+    line = "cd ~ && " + shlex.join([sys.executable, "-m", "meshkit", *args])
+    return sandbox.node_exec(lay.nodes[node], ["bash", "-c", line], timeout=timeout)
+
+
+def task(lay, node: int, name: str, session: str, *args: str):
+    out = from_home(lay, node, name, "--hostfile", str(lay.hostfile), "--session", session, *args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def ready(workdir: Path, session: str) -> int:
+    logs = (workdir / ".meshkit" / session).glob("node*.log")
+    return sum(log.read_text().count(" ready") for log in logs)
+
+
+def status(lay, session: str, node: int = 1) -> list[dict[str, object]]:
+    return json.loads(task(lay, node, "status", session, "--json").stdout)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_sleeping_rank_is_the_one_outlier_of_a_stalled_job(meshed, launcher):
+    lay, workdir = meshed
+    session = f"stall-{launcher}"
+    train(lay, workdir, session, launcher, "sleep 3", "--stall-after", "4s")
+    wait_for(lambda: ready(workdir, session) == 6)  # (importing torch can take 4 s silently)
+    rows = wait_for(lambda: (r := status(lay, session)) and all(x["stalled"] for x in r) and r)
+    assert {r["state"] for r in rows} == {"running"}
+    assert all(float(str(r["idle_s"])) >= 4 for r in rows)
+    began = time.monotonic()
+    out = task(lay, 2, "diagnose", session, "--json")
+    took = time.monotonic() - began
+    print(f"diagnose --json on 3 nodes x 2 ranks ({launcher}): {took:.2f}s")
+    found = json.loads(out.stdout)
+    assert found["state"] == "stalled" and found["outliers"] == [3], found
+    ranks = {r["rank"]: r for r in found["ranks"]}
+    assert sorted(ranks) == list(range(6))
+    assert ranks[3]["node"] == lay.nodes[1].address
+    assert ranks[3]["frames"][-1].endswith(f"hang.py:{SLEEP_LINE})"), ranks[3]
+    for rank in (0, 1, 2, 4, 5):
+        assert any("all_reduce" in f for f in ranks[rank]["frames"]), ranks[rank]
+    text = task(lay, 1, "diagnose", session).stdout
+    assert "stalled" in text.splitlines()[0]
+    assert f"OUTLIER rank 3 in <module> (hang.py:{SLEEP_LINE})" in text, text
+    assert "ranks 0-2,4-5 in all_reduce (hang.py:13)" in text, text
+    rows = status(lay, session)
+    table = task(lay, 1, "status", session).stdout
+    assert "stalled" in table and "quiet" in table
+    task(lay, 0, "stop", session)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_the_first_failure_is_the_rank_that_raised(meshed, launcher):
+    lay, workdir = meshed
+    session = f"raise-{launcher}"
+    train(lay, workdir, session, launcher, "raise 4")
+    wait_for(lambda: all(r["state"] == "exited" for r in status(lay, session)), timeout=180)
+    found = json.loads(task(lay, 1, "diagnose", session, "--json").stdout)
+    assert found["state"] == "failed", found
+    first = found["first_failure"]
+    assert first["rank"] == 4 and first["node"] == lay.nodes[2].address, first
+    assert first["error"] == "RuntimeError: boom on rank 4" and first["exit_code"] != 0
+    assert any("hang.py" in line for line in first["traceback"])
+    text = task(lay, 0, "diagnose", session).stdout
+    assert f"first failure: rank 4 on {lay.nodes[2].address}" in text, text
+    assert "RuntimeError: boom on rank 4" in text
+
+
+def test_restart_on_stall_saves_the_diagnosis_then_completes(meshed):
+    lay, workdir = meshed
+    session = "restall"
+    (workdir / "slept").unlink(missing_ok=True)
+    # long enough for 6 ranks to import torch on a shared 2-core machine without a word
+    flags = ("--restarts", "1", "--restart-on-stall", "--stall-after", "25s")
+    train(lay, workdir, session, "torchrun", "once 3", *flags)
+    rows = wait_for(lambda: (r := status(lay, session)) and r[0]["supervisor"] == "done" and r, 240)
+    reason = str(rows[0]["last_restart_reason"])
+    assert "stalled" in reason and "outliers: rank 3" in reason, reason
+    saved = Path(str(rows[0]["diagnosis"]))
+    assert saved.parent == workdir / ".meshkit" / session
+    found = json.loads(saved.read_text())
+    assert found["state"] == "stalled" and found["outliers"] == [3]
+    assert "diagnosis saved" in task(lay, 2, "status", session).stdout
+    logs = "".join((workdir / ".meshkit" / session / f"node{i}.log").read_text() for i in range(3))
+    assert logs.count("sum 6.0") == 6
+
+
+def test_bad_input_no_such_job_and_a_node_down(meshed):
+    lay, workdir = meshed
+    out = from_home(lay, 1, "diagnose", "--hostfile", str(lay.hostfile), "--session", "nope")
+    assert out.returncode != 0 and "no saved job 'nope'" in out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    # A saved job whose hostfile names one more node, which does not answer.
+    down = lay.hostfile.parent / "hostfile-down"  # beside the ssh_config the nodes are known by
+    down.write_text(lay.hostfile.read_text() + "10.77.254.254\n")
+    job = json.loads((workdir / ".meshkit" / "raise-spawn" / "job.json").read_text())
+    home = workdir / ".meshkit" / "down"
+    home.mkdir()
+    (home / "job.json").write_text(json.dumps({**job, "hostfile": str(down), "session": "down"}))
+    out = meshkit(
+        "diagnose",
+        "--workdir",
+        str(workdir),
+        "--session",
+        "down",
+        "--json",
+        env={"MESHKIT_CONNECT_TIMEOUT": "2"},
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    nodes = json.loads(out.stdout)["nodes"]
+    assert nodes[-1]["host"] == "10.77.254.254" and nodes[-1]["error"]
+    assert [n["error"] for n in nodes[:-1]] == [None] * 3
+    assert "Traceback" not in out.stderr
+
+
+# ---- the pure verdicts --------------------------------------------------------------------------
+
+HOSTS = [Host(f"10.0.0.{i}") for i in range(3)]
+JOB = Job("x", "/w", "s", "/w/hostfile", "python", 29500, stall_after=60.0)
+WAIT = ["<module> (/w/t.py:9)", "all_reduce (/v/lib/python3.11/site-packages/torch/distributed/c10d.py:2)"]
+
+
+def reply(state="running", code=None, idle=1.0, ranks=(), errors=(), tail=()):
+    return Outcome(DiagnoseReply(state, code, idle, list(ranks), list(errors), list(tail)))
+
+
+def test_groups_outliers_and_a_tie_broken_by_the_collective():
+    replies = {
+        HOSTS[0]: reply(ranks=[RankStack(0, 10, WAIT, []), RankStack(1, 11, WAIT, [])]),
+        HOSTS[1]: reply(ranks=[RankStack(2, 12, ["<module> (/w/t.py:5)"], [])]),
+        HOSTS[2]: reply(ranks=[RankStack(3, 13, [], [], "cannot read its stack: denied")]),
+    }
+    d = op.build(JOB, HOSTS, replies, {})
+    assert d.state == "running" and d.outliers == [2] and d.first_failure is None
+    assert [g.ranks for g in d.groups] == [[2], [0, 1]]
+    assert d.groups[1].where == "all_reduce (t.py:9)"
+    two = {HOSTS[0]: reply(ranks=[RankStack(0, 1, ["f (/w/t.py:5)"], []), RankStack(1, 2, WAIT, [])])}
+    assert op.build(JOB, HOSTS[:1], two, {}).outliers == [0]
+
+
+def test_first_failure_by_time_and_states():
+    late = RankError(0, 0, 20.0, "RuntimeError: Connection closed by peer", [])
+    first = RankError(5, 2, 10.0, "ValueError: bad", ["Traceback", "ValueError: bad"])
+    replies = {
+        HOSTS[0]: reply("exited", 1, errors=[late, first]),  # shared storage: all files
+        HOSTS[1]: reply("exited", 143, errors=[late, first]),
+        HOSTS[2]: reply("exited", 1, errors=[first]),
+    }
+    d = op.build(JOB, HOSTS, replies, {})
+    assert d.state == "failed" and d.first_failure == op.Failure(
+        5, "10.0.0.2", 1, "ValueError: bad", ["Traceback", "ValueError: bad"], 10.0
+    )
+    logged = {HOSTS[0]: reply("exited", 0), HOSTS[1]: reply("exited", 137, tail=["Traceback", "E: x"])}
+    f = op.build(JOB, HOSTS[:2], logged, {}).first_failure
+    assert f is not None and (f.rank, f.node, f.error) == (None, "10.0.0.1", "E: x")
+    done = {h: reply("exited", 0) for h in HOSTS}
+    assert op.build(JOB, HOSTS, done, {}).state == "done"
+    quiet = {h: reply(idle=61.0) for h in HOSTS}
+    assert op.build(JOB, HOSTS, quiet, {}).state == "stalled"
+    down = op.build(JOB, HOSTS, {}, {h: "timed out" for h in HOSTS})
+    assert down.state == "absent" and not down.ok
+
+
+def test_stall_and_durations():
+    assert is_stalled(30.0, [("running", 31.0), ("exited", 1.0), ("running", 40.0)])
+    assert not is_stalled(30.0, [("running", 31.0), ("running", 2.0)])
+    assert not is_stalled(None, [("running", 1e9)])
+    assert not is_stalled(30.0, [("exited", 1e9)])
+    assert [parse_duration(t) for t in ("90s", "30m", "1h", "45", "off")] == [
+        90,
+        1800,
+        3600,
+        45,
+        None,
+    ]
+    for bad in ("0", "-1m", "soon", "1d", ""):
+        with pytest.raises(Exception, match="--stall-after"):
+            parse_duration(bad)
