@@ -196,7 +196,10 @@ def test_bad_input_no_such_job_and_a_node_down(meshed):
 
 HOSTS = [Host(f"10.0.0.{i}") for i in range(3)]
 JOB = Job("x", "/w", "s", "/w/hostfile", "python", 29500, stall_after=60.0)
-WAIT = ["<module> (/w/t.py:9)", "all_reduce (/v/lib/python3.11/site-packages/torch/distributed/c10d.py:2)"]
+WAIT = [
+    "<module> (/w/t.py:9)",
+    "all_reduce (/v/lib/python3.11/site-packages/torch/distributed/c10d.py:2)",
+]
 
 
 def reply(state="running", code=None, idle=1.0, ranks=(), errors=(), tail=()):
@@ -213,7 +216,9 @@ def test_groups_outliers_and_a_tie_broken_by_the_collective():
     assert d.state == "running" and d.outliers == [2] and d.first_failure is None
     assert [g.ranks for g in d.groups] == [[2], [0, 1]]
     assert d.groups[1].where == "all_reduce (t.py:9)"
-    two = {HOSTS[0]: reply(ranks=[RankStack(0, 1, ["f (/w/t.py:5)"], []), RankStack(1, 2, WAIT, [])])}
+    two = {
+        HOSTS[0]: reply(ranks=[RankStack(0, 1, ["f (/w/t.py:5)"], []), RankStack(1, 2, WAIT, [])])
+    }
     assert op.build(JOB, HOSTS[:1], two, {}).outliers == [0]
 
 
@@ -229,7 +234,10 @@ def test_first_failure_by_time_and_states():
     assert d.state == "failed" and d.first_failure == op.Failure(
         5, "10.0.0.2", 1, "ValueError: bad", ["Traceback", "ValueError: bad"], 10.0
     )
-    logged = {HOSTS[0]: reply("exited", 0), HOSTS[1]: reply("exited", 137, tail=["Traceback", "E: x"])}
+    logged = {
+        HOSTS[0]: reply("exited", 0),
+        HOSTS[1]: reply("exited", 137, tail=["Traceback", "E: x"]),
+    }
     f = op.build(JOB, HOSTS[:2], logged, {}).first_failure
     assert f is not None and (f.rank, f.node, f.error) == (None, "10.0.0.1", "E: x")
     done = {h: reply("exited", 0) for h in HOSTS}

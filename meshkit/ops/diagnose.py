@@ -161,7 +161,9 @@ def group(ranks: Sequence[Rank]) -> tuple[list[Group], list[int]]:
     groups = [Group(v, list(k)) for k, v in by.items()]
     if len(groups) < 2:
         return groups, []
-    major = max(groups, key=lambda g: (len(g.ranks), any("torch/distributed" in f for f in g.frames)))
+    major = max(
+        groups, key=lambda g: (len(g.ranks), any("torch/distributed" in f for f in g.frames))
+    )
     groups.sort(key=lambda g: (g is major, -len(g.ranks), g.ranks))
     return groups, sorted(r for g in groups if g is not major for r in g.ranks)
 
@@ -187,3 +189,14 @@ def first_failure(
             error = tail[-1] if tail else f"exited with code {n.exit_code}; no traceback in its log"
             return Failure(None, n.host, n.exit_code, error, tail)
     return None
+
+
+def spans(numbers: Sequence[int]) -> str:
+    """[0, 1, 2, 4, 5] -> "0-2,4-5"."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -70,10 +70,12 @@ def decide(
     started: dict[int, float],
     restart_on: Sequence[int],
     restarts_left: int,
+    stalled: str | None = None,
 ) -> Decision:
     """What to do after one poll. ``started`` is when each node's part of this attempt started
     (as first seen): a different start time means the node ran something else since (a reboot
-    and someone's relaunch, say)."""
+    and someone's relaunch, say). ``stalled``: why the job counts as stalled (--restart-on-stall),
+    a failure like any other."""
     if nodes and all(n.state == "exited" and n.exit_code == 0 for n in nodes):
         return Decision(DONE, "every node exited 0")
     problems: list[str] = []
@@ -91,6 +93,8 @@ def decide(
                 problems.append(f"{who} exited with code {n.exit_code}")
             else:
                 fatal.append(f"{who} exited with code {n.exit_code} (not in --restart-on)")
+    if stalled and not problems:
+        problems.append(stalled)
     if fatal:
         return Decision(GAVE_UP, "; ".join(fatal + problems))
     if not problems:
@@ -140,6 +144,7 @@ class Record:
     host: str | None = None  # where the supervisor runs (its tmux session is there)
     exit_codes: list[int | None] = field(default_factory=list)  # the last attempt's, per rank
     heartbeat: float | None = None  # when a running supervisor last wrote this (its clock)
+    diagnosis: str | None = None  # `diagnose --json` saved before the last stall restart
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -166,6 +171,7 @@ def record_from_json(text: str | None) -> Record | None:
             host=None if data.get("host") is None else str(data["host"]),
             exit_codes=[None if c is None else int(c) for c in data.get("exit_codes") or []],
             heartbeat=None if data.get("heartbeat") is None else float(data["heartbeat"]),
+            diagnosis=None if data.get("diagnosis") is None else str(data["diagnosis"]),
         )
     except (ValueError, TypeError, KeyError):
         return None
@@ -277,7 +283,10 @@ def _watch(
         for n in seen:
             if n.started is not None:
                 started.setdefault(n.rank, n.started)
-        decision = decide(seen, started, job.restart_on, record.restarts_left)
+        stalled = None
+        if job.restart_on_stall and any(r.stalled for r in rows):
+            stalled = f"the job stalled: no output for {job.stall_after:.0f}s (--stall-after)"
+        decision = decide(seen, started, job.restart_on, record.restarts_left, stalled)
         codes = [n.exit_code for n in seen]
         if decision.action == "wait":
             time.sleep(interval)
@@ -288,6 +297,8 @@ def _watch(
             say("done: every node exited 0")
             return record
         # A failure: end the job everywhere (keeping exit codes when giving up).
+        if stalled and stalled in str(decision.reason):
+            record, decision = _save_diagnosis(pool, job, hosts, record, decision, say)
         give_up = decision.action == GAVE_UP
         still = [hosts[n.rank] for n in seen if n.state == RUNNING]
         if give_up:
@@ -313,6 +324,30 @@ def _watch(
             return record
         ops.stop(pool, job, hosts)
         return replace(record, last_restart_reason=decision.reason, exit_codes=codes)
+
+
+def _save_diagnosis(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    record: Record,
+    decision: Decision,
+    say: Callable[[str], None],
+) -> tuple[Record, Decision]:
+    """Before a stalled job is stopped: its diagnosis (every rank's stack) into the job's
+    directory, where it outlives the restart; the reason names the outliers."""
+    from .diagnose import diagnose, spans
+
+    found = diagnose(pool, job, hosts)
+    path = str(job.home / f"diagnosis-{record.attempt}.json")
+    for h in record_hosts(job, hosts):
+        try:
+            pool.write_file(h, path, json.dumps(found.as_json(), indent=1) + "\n")
+        except MeshkitError as exc:
+            say(f"{h.label}: cannot save the diagnosis: {exc}")
+    odd = f"rank {spans(found.outliers)}" if found.outliers else "none"
+    reason = f"{decision.reason}; outliers: {odd} (diagnosis: {path})"
+    return replace(record, diagnosis=path), replace(decision, reason=reason)
 
 
 def _beat(pool: NodePool, record: Record, save: Callable[[NodePool, Record], None]) -> Record:
@@ -407,6 +442,7 @@ def with_supervision(
             restarts_left=record.restarts_left,
             last_restart_reason=record.last_restart_reason,
             supervisor=record.supervisor,
+            diagnosis=record.diagnosis,
         )
         for r in rows
     ]

@@ -16,7 +16,7 @@ from ...hostfile import Host
 from ...job import Job
 from ...ops import jobs as ops
 from ...ops import lookup
-from ...ops.diagnose import Diagnosis
+from ...ops.diagnose import Diagnosis, spans
 from ...ops.pool import NodePool, connect
 from ..common import HELP, conf, helps, progress, reported, table, task
 
@@ -291,17 +291,6 @@ def diagnose(
         raise Exit(code=1)
 
 
-def _ranks(numbers: Sequence[int]) -> str:
-    """[0, 1, 2, 4, 5] -> "0-2,4-5"."""
-    spans: list[list[int]] = []
-    for n in sorted(numbers):
-        if spans and n == spans[-1][1] + 1:
-            spans[-1][1] = n
-        else:
-            spans.append([n, n])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-
-
 def render_diagnosis(d: Diagnosis, job: Job) -> str:
     """What a person reads at 3 a.m.: the state, one line per group (the outliers first, with
     their innermost frames), the ranks that could not be read, the first failure's traceback."""
@@ -311,7 +300,7 @@ def render_diagnosis(d: Diagnosis, job: Job) -> str:
     for g in d.groups:
         odd = set(g.ranks) <= set(d.outliers)
         word = "rank" if len(g.ranks) == 1 else "ranks"
-        out.append(f"{'OUTLIER ' if odd else ''}{word} {_ranks(g.ranks)} in {g.where}")
+        out.append(f"{'OUTLIER ' if odd else ''}{word} {spans(g.ranks)} in {g.where}")
         out += [f"    {f}" for f in g.frames[-6:]] if odd else []
     out += [f"rank {r.rank} on {r.node}: {r.error}" for r in d.ranks if r.error]
     out += [f"{n.host}: {n.error}" for n in d.nodes if n.error]
