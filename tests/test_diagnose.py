@@ -8,20 +8,38 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
+import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from conftest import meshkit
+from conftest import meshkit, need_root
 from test_train import on_node, wait_for
 
 from meshkit import sandbox
 from meshkit.hostfile import Host
 from meshkit.job import Job, parse_duration
+from meshkit.node import diagnose as node_diagnose
 from meshkit.ops import diagnose as op
 from meshkit.ops.jobs import is_stalled
-from meshkit.protocol import DiagnoseReply, RankError, RankStack
+from meshkit.protocol import (
+    DiagnoseReply,
+    DiagnoseRequest,
+    RankError,
+    RankStack,
+    Reply,
+    Request,
+    StartReply,
+    StartRequest,
+    StopRequest,
+    decode_reply,
+    encode_request,
+    op_of,
+)
 from meshkit.remote.group import Outcome
 
 SANDBOX_NODES = 3
@@ -263,3 +281,144 @@ def test_stall_and_durations():
     for bad in ("0", "-1m", "soon", "1d", ""):
         with pytest.raises(Exception, match="--stall-after"):
             parse_duration(bad)
+
+
+# ---- the rank hook and the node side, on this machine ----------------------------------------
+
+HOOK = Path(__file__).resolve().parent.parent / "meshkit" / "node" / "hook"
+
+
+def test_the_rank_hook_records_the_error_and_chains_to_the_next_sitecustomize(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("print('the venv sitecustomize ran')\n")
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": f"{HOOK}:{other}",
+        "RANK": "3",
+        "NODE_RANK": "1",
+        "MESHKIT_ERRORS": str(tmp_path / "errors"),
+    }
+    script = "def f():\n    raise ValueError('bad batch')\nf()\n"
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 1 and "the venv sitecustomize ran" in out.stdout
+    assert out.stderr.rstrip().endswith("ValueError: bad batch")  # still shown as ever
+    data = json.loads((tmp_path / "errors" / "rank3.json").read_text())
+    assert data["message"]["message"] == "ValueError: bad batch"  # torchelastic's shape
+    assert "line 2, in f" in data["message"]["extraInfo"]["py_callstack"]
+    (found,) = node_diagnose.read_errors(str(tmp_path / "errors"), time.time() - 60)
+    assert (found.rank, found.node_rank, found.error) == (3, 1, "ValueError: bad batch")
+    assert found.traceback[-1] == "ValueError: bad batch"
+    assert node_diagnose.read_errors(str(tmp_path / "errors"), time.time() + 60) == []
+    # Not a rank, or no other sitecustomize: nothing written, nothing broken.
+    env |= {"PYTHONPATH": str(HOOK), "RANK": "", "MESHKIT_ERRORS": str(tmp_path / "none")}
+    out = subprocess.run(
+        [sys.executable, "-c", "import sitecustomize; print(sitecustomize.__name__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (
+        out.returncode == 0 and out.stdout == "sitecustomize\n" and not (tmp_path / "none").exists()
+    )
+
+
+def test_a_stack_that_cannot_be_read_says_what_to_change(tmp_path):
+    need_root()
+    spy = tmp_path / "py-spy"  # the real py-spy, run as nobody: it may not trace root's process
+    real = Path(sys.executable).parent / "py-spy"
+    spy.write_text(
+        f'#!/bin/sh\nexec setpriv --reuid 65534 --regid 65534 --clear-groups {real} "$@"\n'
+    )
+    spy.chmod(0o755)
+    target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)
+        stack = node_diagnose.dump(str(spy), 0, target.pid, 5.0)
+        assert stack.frames == [] and stack.error is not None
+        assert "cannot read its stack" in stack.error and "setcap cap_sys_ptrace+ep" in stack.error
+        readable = node_diagnose.dump(str(real), 0, target.pid, 5.0)
+        assert readable.error is None and readable.frames[-1].startswith("<module> (<string>:1)")
+    finally:
+        target.kill()
+        target.wait()
+
+
+def test_the_log_traceback_ends_at_the_exception_line(tmp_path):
+    log = tmp_path / "node0.log"
+    log.write_text(
+        "step 1\nTraceback (most recent call last):\n  File \"t.py\", line 3\n    x()\nKeyError: 'a'\nnoise after\n"
+    )
+    assert node_diagnose.log_traceback(str(log)) == [
+        "Traceback (most recent call last):",
+        '  File "t.py", line 3',
+        "    x()",
+        "KeyError: 'a'",
+    ]
+
+
+def test_a_job_run_as_a_non_root_user(tmp_path):
+    """The node side as the job's own user (nobody): the agent starts the job (keeper, tmux,
+    ``meshkit run --spawn``), then reads its ranks' stacks with py-spy and the error one left."""
+    need_root()
+    if not Path("/usr/bin/python3").exists() or sys.version_info[:2] != (3, 11):
+        pytest.skip("needs /usr/bin/python3 of this interpreter's version, outside root's home")
+    work = Path(tempfile.mkdtemp(prefix="meshkit-diag-"))  # nobody must be able to write there
+    work.chmod(0o777)
+    (work / "hostfile").write_text("127.0.0.1 slots=2\n")
+    (work / "r.py").write_text(
+        "import os, time\nif os.environ['RANK'] == '1':\n    time.sleep(4)\n"
+        "    raise KeyError('lost shard')\ntime.sleep(60)\n"
+    )
+    job = Job(
+        "python3 r.py",
+        str(work),
+        "nobody",
+        str(work / "hostfile"),
+        "/usr/bin/python3",  # this venv's interpreter sits in root's home (mode 700)
+        29999,
+        nproc_per_node=2,
+        spawn=True,
+        env={"MESHKIT_NODE_RANK": "0"},
+    )
+    as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    agent = subprocess.Popen(
+        [*as_nobody, "/usr/bin/python3", "-m", "meshkit.node", "serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={
+            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",  # py-spy, as installed
+            "HOME": str(work),
+            # this checkout and its venv's packages (same Python minor), for /usr/bin/python3
+            "PYTHONPATH": f"{HOOK.parent.parent.parent}:{sysconfig.get_paths()['purelib']}",
+        },
+        cwd=work,
+    )
+
+    def ask(request: Request) -> Reply:
+        assert agent.stdin is not None and agent.stdout is not None
+        agent.stdin.write(encode_request(request))
+        agent.stdin.flush()
+        return decode_reply(op_of(request), agent.stdout.readline())
+
+    try:
+        started = ask(StartRequest(job.node_job()))
+        assert isinstance(started, StartReply) and started.started, started
+        request = DiagnoseRequest(job.id, str(job.home), job.log(0))
+        found = wait_for(lambda: (r := ask(request)) and len(r.ranks) == 2 and r, 30, 0.2)
+        assert [(s.rank, s.error) for s in found.ranks] == [(0, None), (1, None)], found
+        assert found.ranks[0].frames[-1].endswith("r.py:5)"), found.ranks[0].frames
+        assert found.ranks[1].frames[-1].endswith("r.py:3)"), found.ranks[1].frames
+        # rank 1 raises; --spawn then ends rank 0 (TERM), which leaves no error of its own
+        found = wait_for(lambda: (r := ask(request)) and r.state == "exited" and r, 60)
+        assert [(e.rank, e.error) for e in found.errors] == [(1, "KeyError: 'lost shard'")]
+    finally:
+        ask(StopRequest(job.id))
+        assert agent.stdin is not None
+        agent.stdin.close()
+        agent.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
