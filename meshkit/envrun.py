@@ -118,6 +118,15 @@ def _script(node: NodeEnv, cmd: str, log: str | None) -> str:
     return logged(cmd, target)
 
 
+FLIGHT = {
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_FR_DUMP_TEMP_FILE": "HOME/flight/rank_",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "HOME/flight/rank_",
+}
+
+
 def _environment(node: NodeEnv, log: str | None) -> dict[str, str]:
     # Nodes share the venv path: make its tools (torchrun) reachable as if it were activated.
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
@@ -125,7 +134,12 @@ def _environment(node: NodeEnv, log: str | None) -> dict[str, str]:
     if log:  # a job's: its ranks get the hook that `meshkit diagnose` reads (node/hook)
         hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node", "hook")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (hook, env.get("PYTHONPATH")) if p)
-        env["MESHKIT_ERRORS"] = os.path.join(os.path.dirname(os.path.abspath(log)), "errors")
+        home = os.path.dirname(os.path.abspath(log))
+        env["MESHKIT_ERRORS"] = os.path.join(home, "errors")
+        # torch's flight recorder (gloo and NCCL in torch >= 2.7; NCCL's older name too): what
+        # each rank last entered, which diagnose reads; NCCL dumps it here on a timeout.
+        for name, value in FLIGHT.items():
+            env.setdefault(name, value.replace("HOME", home))
     return env
 
 

@@ -297,6 +297,8 @@ class RankStack:
     frames: list[str]  # the main thread, innermost last: "function (file:line)"
     threads: list[list[str]]  # the other threads' innermost frames
     error: str | None = None  # why the stack could not be read (and what to change)
+    seq: int | None = None  # flight recorder: the last collective it entered (0: none yet)
+    collective: str | None = None  # ... and what it was: "gloo:all_reduce (scheduled)"
 
 
 @record

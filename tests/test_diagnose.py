@@ -130,6 +130,9 @@ def test_a_sleeping_rank_is_the_one_outlier_of_a_stalled_job(meshed, launcher):
     print(f"diagnose --json on 3 nodes x 2 ranks ({launcher}): {took:.2f}s")
     found = json.loads(out.stdout)
     assert found["state"] == "stalled" and found["outliers"] == [3], found
+    print(found["flight"])
+    assert found["flight"].startswith("flight recorder: collective #1, gloo:all_reduce (")
+    assert found["flight"].endswith(": ranks 3 never joined it")
     ranks = {r["rank"]: r for r in found["ranks"]}
     assert sorted(ranks) == list(range(6))
     assert ranks[3]["node"] == lay.nodes[1].address
@@ -238,6 +241,18 @@ def test_groups_outliers_and_a_tie_broken_by_the_collective():
         HOSTS[0]: reply(ranks=[RankStack(0, 1, ["f (/w/t.py:5)"], []), RankStack(1, 2, WAIT, [])])
     }
     assert op.build(JOB, HOSTS[:1], two, {}).outliers == [0]
+
+
+def test_the_flight_recorder_names_the_ranks_that_never_joined():
+    def rank(n: int, seq: int | None) -> op.Rank:
+        return op.Rank(n, "h", n, WAIT, [], None, seq, "gloo:all_reduce (started)")
+
+    said = op.flight([rank(0, 7), rank(1, 6), rank(2, 7), rank(3, None)])
+    assert (
+        said == "flight recorder: collective #7, gloo:all_reduce (started): ranks 1 never joined it"
+    )
+    assert op.flight([rank(0, None)]) is None
+    assert op.flight([rank(0, 0)]) == "flight recorder: no rank has entered a collective yet"
 
 
 def test_first_failure_by_time_and_states():

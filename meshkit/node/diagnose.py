@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..protocol import DiagnoseReply, DiagnoseRequest, RankError, RankStack
@@ -69,7 +70,14 @@ def rank_processes(keeper: int) -> dict[int, int]:
 
 
 def dump(spy: str, rank: int, pid: int, seconds: float) -> RankStack:
-    """One rank's stack by ``py-spy dump`` (the rank is paused for the read), bounded in time."""
+    """One rank's stack by ``py-spy dump`` (the rank is paused for the read), bounded in time,
+    and what its flight recorder says (the rank hook's thread dumps it when asked)."""
+    fifo = f"/tmp/meshkit-{os.getuid()}/fr-{pid}"
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # its reader sees EOF: dump
+        asked = time.time()
+    except OSError:
+        asked = None  # no recorder thread (flight recorder off, or not started by meshkit run)
     try:
         done = subprocess.run(
             [spy, "dump", "--pid", str(pid), "--json"],
@@ -94,7 +102,30 @@ def dump(spy: str, rank: int, pid: int, seconds: float) -> RankStack:
         return RankStack(rank, pid, [], [], f"cannot read its stack: {why}")
     threads.sort(key=lambda t: t.get("os_thread_id") != pid)  # the main thread first
     frames = [_frames(t, MAX_FRAMES) for t in threads]
-    return RankStack(rank, pid, frames[0] if frames else [], frames[1 : MAX_THREADS + 1])
+    seq, collective = flight(f"{fifo}.json", asked, seconds) if asked else (None, None)
+    return RankStack(
+        rank, pid, frames[0] if frames else [], frames[1 : MAX_THREADS + 1], None, seq, collective
+    )
+
+
+def flight(path: str, asked: float, seconds: float) -> tuple[int | None, str | None]:
+    """The last collective in a flight-recorder dump written since ``asked``."""
+    while time.time() < asked + seconds:
+        try:
+            if os.stat(path).st_mtime >= asked - 0.01:
+                entries = json.loads(jobs._read(path, 1 << 24) or "{}").get("entries") or []
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    else:
+        return None, None
+    if not entries:
+        return 0, None
+    last = max(entries, key=lambda e: e.get("collective_seq_id", 0))
+    return int(
+        last.get("collective_seq_id", 0)
+    ), f"{last.get('profiling_name')} ({last.get('state')})"
 
 
 def _frames(thread: dict[str, list[dict[str, object]]], keep: int) -> list[str]:

@@ -30,6 +30,8 @@ class Rank:
     frames: list[str]  # the main thread, innermost last: "function (file:line)"
     threads: list[list[str]]  # the other threads' innermost frames
     error: str | None = None  # why its stack could not be read
+    seq: int | None = None  # flight recorder: the last collective it entered (None: no recorder)
+    collective: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Diagnosis:
     groups: list[Group]  # the outliers' first, then the largest
     nodes: list[NodeRow]
     stall_after: float | None
+    flight: str | None = None  # what torch's flight recorder says, where it is on
 
     @property
     def ok(self) -> bool:
@@ -122,7 +125,10 @@ def build(
             continue
         r = outcome.value
         nodes.append(NodeRow(number, h.label, r.state, r.exit_code, r.idle, r.problem))
-        ranks += [Rank(s.rank, h.label, s.pid, s.frames, s.threads, s.error) for s in r.ranks]
+        ranks += [
+            Rank(s.rank, h.label, s.pid, s.frames, s.threads, s.error, s.seq, s.collective)
+            for s in r.ranks
+        ]
         for e in r.errors:  # shared storage: every node may return every file
             if e.rank not in errors or e.time < errors[e.rank][1].time:
                 errors[e.rank] = (number, e)
@@ -147,7 +153,21 @@ def build(
         groups,
         nodes,
         job.stall_after,
+        flight(ranks),
     )
+
+
+def flight(ranks: Sequence[Rank]) -> str | None:
+    """Pure: the newest collective any rank entered, and the ranks that never joined it."""
+    seen = [r for r in ranks if r.seq is not None]
+    if not seen:
+        return None
+    top = max(seen, key=lambda r: r.seq or 0)
+    if not top.seq:
+        return "flight recorder: no rank has entered a collective yet"
+    behind = [r.rank for r in seen if (r.seq or 0) < top.seq]
+    joined = f"ranks {spans(behind)} never joined it" if behind else "every rank entered it"
+    return f"flight recorder: collective #{top.seq}, {top.collective}: {joined}"
 
 
 def group(ranks: Sequence[Rank]) -> tuple[list[Group], list[int]]:

@@ -302,6 +302,7 @@ def render_diagnosis(d: Diagnosis, job: Job) -> str:
         word = "rank" if len(g.ranks) == 1 else "ranks"
         out.append(f"{'OUTLIER ' if odd else ''}{word} {spans(g.ranks)} in {g.where}")
         out += [f"    {f}" for f in g.frames[-6:]] if odd else []
+    out += [d.flight] if d.flight else []
     out += [f"rank {r.rank} on {r.node}: {r.error}" for r in d.ranks if r.error]
     out += [f"{n.host}: {n.error}" for n in d.nodes if n.error]
     f = d.first_failure

@@ -3,6 +3,9 @@ so every Python process of the job imports it at start (as ``sitecustomize``). I
 set) it:
 - lets the node's agent read its stack when Yama's ``ptrace_scope`` is 1, where only an ancestor
   could (``PR_SET_PTRACER_ANY``): ``meshkit diagnose`` runs py-spy from the agent;
+- when torch's flight recorder is on (``TORCH_FR_BUFFER_SIZE``), keeps a thread blocked on a FIFO
+  (``/tmp/meshkit-UID/fr-PID``) that, when the agent opens it, writes the recorder's JSON beside it:
+  the collectives this rank entered, read while its main thread waits in one;
 - records an uncaught exception in ``$MESHKIT_ERRORS/rank<R>.json``, torchelastic's error-file
   shape plus the time to the microsecond, so ``diagnose`` names the rank that raised first (with
   torchrun or ``--spawn``, with torch's ``@record`` or without).
@@ -56,6 +59,29 @@ def _install(rank: str, errors: str) -> None:
         previous(kind, value, tb)
 
     sys.excepthook = record
+    if os.environ.get("TORCH_FR_BUFFER_SIZE"):
+        import threading
+
+        threading.Thread(target=_flight, name="meshkit-flight", daemon=True).start()
+
+
+def _flight() -> None:
+    fifo = f"/tmp/meshkit-{os.getuid()}/fr-{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(fifo), mode=0o700, exist_ok=True)
+        os.mkfifo(fifo, 0o600)
+    except OSError:
+        return
+    while True:
+        with open(fifo, "rb") as handle:
+            handle.read()  # the agent opened and closed it: dump
+        try:
+            data = sys.modules["torch"]._C._distributed_c10d._dump_fr_trace_json()
+        except Exception:  # no torch.distributed (yet), or a torch without the recorder
+            data = b"{}"
+        with open(f"{fifo}.tmp", "wb") as handle:
+            handle.write(data)
+        os.replace(f"{fifo}.tmp", f"{fifo}.json")
 
 
 def _chain() -> None:
