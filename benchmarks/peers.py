@@ -121,6 +121,9 @@ def install_meshkit(repo: Path) -> Path:
         f"#!{python}\nimport sys\nfrom torch.distributed.run import main\nsys.exit(main())\n"
     )
     torchrun.chmod(0o755)
+    spy = Path(sys.executable).parent / "py-spy"  # a dependency's program: lent like torch
+    if spy.exists():
+        (env_dir / "bin" / "py-spy").symlink_to(spy)
     return env_dir / "bin"
 
 

@@ -10,7 +10,7 @@ For each N and each repeat:
   the last mesh, as above --peers-max and --n2-max, on that cluster): its floor,
   ``meshkit check``, one round with pdsh and clush, ``meshkit train`` of the example gloo
   all_reduce (2 processes per node) until every session runs and until every rank is done, logs,
-  status (of a running job), stop, doctor --quick and doctor; the launch peers pdsh+torchrun
+  status and diagnose (of a running job), stop, doctor --quick and doctor; the launch peers pdsh+torchrun
   (``%n`` ranks) and torchrunx until every rank is done, each result line checked.
 Every ratio is to the floor of the same cluster in the same repeat (the median of those per-sample
 ratios). The nodes' ~/.bashrc costs what conda's does (``--bashrc``), and every shell a node starts
@@ -558,8 +558,17 @@ def meshkit_ops(row: Row, opt: Options, repeat: int, meshed: sandbox.Layout | No
         lambda: logs_from_every_rank(logs_out[0], n),
     )
     long_job = ["--hostfile", hostfile, "--session", f"bsl{repeat}", "--workdir", str(workdir)]
-    must([*MESHKIT, "train", *long_job, "--replace", "--cmd", "sleep 600"], bound(n, base=240))
+    # A Python rank per node (--spawn, no torch): what diagnose reads a stack of.
+    sleeper = [
+        "--spawn",
+        "--nproc-per-node",
+        "1",
+        "--cmd",
+        "python3 -c 'import time; time.sleep(600)'",
+    ]
+    must([*MESHKIT, "train", *long_job, "--replace", *sleeper], bound(n, base=240))
     row.sample("round", "meshkit_status", lambda: status_running(long_job, n))
+    row.sample("round", "meshkit_diagnose", lambda: diagnose_running(long_job, n))
     row.sample("round", "meshkit_stop", lambda: stop(long_job, n))
 
     row.sample(
@@ -795,6 +804,14 @@ def status_running(job: list[str], n: int) -> None:
     states = [r["state"] for r in rows]
     if states != ["running"] * n:
         raise StepFailed(f"status states {states}")
+
+
+def diagnose_running(job: list[str], n: int) -> str:
+    found = json.loads(must([*MESHKIT, "diagnose", *job, "--json"], bound(n)))
+    read = {r["node"] for r in found["ranks"] if r["frames"]}
+    if found["state"] != "running" or len(read) != n:
+        raise StepFailed(f"diagnose: {found['state']}, stacks read on {len(read)} of {n} nodes")
+    return "stacks of every node's rank"
 
 
 def stop(job: list[str], n: int) -> None:

@@ -23,6 +23,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("mesh", "seed", "seed script"),
     ("check", "meshkit", "check"),
     ("round", "meshkit_status", "status"),
+    ("round", "meshkit_diagnose", "diagnose"),
     ("round", "meshkit_logs", "logs"),
     ("round", "meshkit_stop", "stop"),
     ("round", "pdsh", "pdsh"),
@@ -70,6 +71,7 @@ PER_NODE_OPS = (
     key("mesh", "meshkit_no_verify"),
     key("train_running", "meshkit"),
     key("round", "meshkit_status"),
+    key("round", "meshkit_diagnose"),
     key("round", "meshkit_stop"),
     key("doctor", "meshkit_quick"),
 )
