@@ -113,7 +113,10 @@ def test_bare_torchrun_from_a_worker_status_reboot_relaunch_stop(meshed):
     assert [(r["node_rank"], r["host"], r["state"]) for r in rows] == [
         (i, node.address, "running") for i, node in enumerate(lay.nodes)
     ]
-    assert set(rows[0]) == {"node_rank", "host", "state", "exit_code", "started", "last_line"}
+    assert set(rows[0]) == {"node_rank", "host", "state", "exit_code", "started", "last_line"} | {
+        "stalled",
+        "idle_s",
+    }
 
     sandbox.reboot(lay, 2)
     rows = status(lay, workdir, "bare")
