@@ -205,11 +205,13 @@ class FactsReply:
 @record
 class ListenRequest:
     """A short-lived TCP listener: on ``ifname``'s IPv4 address (None: every address) and
-    ``port`` (0: any free one); it closes by itself after ``seconds``."""
+    ``port`` (0: any free one); it closes by itself after ``seconds``. ``bandwidth``: it serves
+    throughput tests (``doctor_bandwidth``) instead of only accepting."""
 
     ifname: str | None
     port: int
     seconds: float
+    bandwidth: bool = False
 
 
 @record
@@ -273,6 +275,42 @@ class ProbeReply:
     code: int
     out: str
     err: str
+
+
+@record
+class BandwidthTarget:
+    label: str  # the peer as the hostfile spells it
+    network: str  # this node's interface towards it
+    host: str
+    port: int
+
+
+@record
+class BandwidthRequest:
+    """Throughput to each target in turn, both ways, the best of ``repeats`` tries of at most
+    ``seconds`` and ``max_bytes`` each way; also this node's networks and InfiniBand devices."""
+
+    targets: list[BandwidthTarget]
+    seconds: float
+    max_bytes: int
+    repeats: int
+
+
+@record
+class BandwidthResult:
+    label: str
+    network: str
+    sent: float  # bytes/s from this node to the peer (0 when it failed)
+    received: float  # bytes/s from the peer to this node
+    error: str | None
+
+
+@record
+class BandwidthReply:
+    results: list[BandwidthResult]
+    networks: list[str]  # "ifname address/prefixlen", IPv4, neither loopback nor link-local
+    infiniband: list[str]  # "device:port state" from /sys/class/infiniband
+    torch: bool  # torch is installed for this interpreter (the all_reduce needs it)
 
 
 # ---- diagnose: every rank's stack and error (meshkit/node/diagnose.py) -----------------------
@@ -399,6 +437,7 @@ OPS: dict[str, tuple[type[Any], type[Any], str]] = {
     "doctor_connect": (ConnectRequest, ConnectReply, "doctor.connect"),
     "doctor_done": (DoneRequest, DoneReply, "doctor.done"),
     "doctor_probe": (ProbeRequest, ProbeReply, "doctor.probe"),
+    "doctor_bandwidth": (BandwidthRequest, BandwidthReply, "doctor.bandwidth"),
     "unsupervise": (UnsuperviseRequest, UnsuperviseReply, "supervise.unsupervise"),
     "manifest": (ManifestRequest, ManifestReply, "sync.manifest"),
     "put": (PutRequest, PutReply, "sync.put"),
@@ -420,6 +459,7 @@ if TYPE_CHECKING:
         ConnectRequest,
         DoneRequest,
         ProbeRequest,
+        BandwidthRequest,
         UnsuperviseRequest,
         ManifestRequest,
         PutRequest,
@@ -438,6 +478,7 @@ if TYPE_CHECKING:
         ConnectReply,
         DoneReply,
         ProbeReply,
+        BandwidthReply,
         UnsuperviseReply,
         ManifestReply,
         PutReply,

@@ -15,7 +15,7 @@ from invoke.tasks import task as invoke_task
 
 from .. import settings
 from ..envrun import pick
-from ..errors import MeshkitError
+from ..errors import MeshkitError, UsageError
 
 if TYPE_CHECKING:
     from ..remote import PhaseEvent
@@ -72,6 +72,20 @@ def reported() -> Iterator[None]:
 def option(name: str, flag: Any) -> Any:
     """A flag when given, else the configured value (flags are the last config level)."""
     return pick(conf(), name, flag)
+
+
+def rate(text: str, flag: str) -> float:
+    """Bits per second from ``20Mbit``, ``1G``, ``500mbit/s``, ``1e9`` (k/M/G/T are powers of
+    1000, as tc and ethtool count)."""
+    import re
+
+    found = re.fullmatch(
+        r"([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(?:bit(?:/s)?|bps)?", text.strip().lower()
+    )
+    number = float(found.group(1)) if found and found.group(1).count(".") < 2 else 0.0
+    if not found or number <= 0:
+        raise UsageError(f"{flag} {text!r}: expected a rate such as 20Mbit, 1G or 100mbit/s")
+    return number * 1000.0 ** " kmgt".index(found.group(2) or " ")
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -1,7 +1,7 @@
 """The node side of ``meshkit doctor``: facts about this node, short-lived TCP listeners, TCP
-connect probes to the other nodes, and the collective probe. Standard library only, and every
-call is bounded in time: the agent answers one request at a time, so listeners run in background
-threads of the agent and close by themselves.
+connect probes and throughput tests to the other nodes, and the collective probe. Standard library
+only, and every call is bounded in time: the agent answers one request at a time, so listeners run
+in background threads of the agent and close by themselves.
 
 Versions come from package metadata and files, never from importing torch (seconds, and a GPU
 context, on every node).
@@ -23,6 +23,10 @@ import threading
 import time
 
 from ..protocol import (
+    BandwidthReply,
+    BandwidthRequest,
+    BandwidthResult,
+    BandwidthTarget,
     ConnectReply,
     ConnectRequest,
     ConnectResult,
@@ -40,6 +44,7 @@ from .gpus import gpu_count
 
 MAX_SECONDS = 120.0  # no doctor call holds a listener or retries longer than this
 SIOCGIFADDR = 0x8915
+SIOCGIFNETMASK = 0x891B
 
 
 # ---- facts ------------------------------------------------------------------------------------
@@ -171,13 +176,11 @@ def facts(request: FactsRequest) -> FactsReply:
 _listeners: dict[int, tuple[socket.socket, threading.Event]] = {}
 
 
-def interface_address(ifname: str) -> str | None:
-    """The IPv4 address of an interface (what gloo binds for GLOO_SOCKET_IFNAME)."""
+def interface_address(ifname: str, request: int = SIOCGIFADDR) -> str | None:
+    """The IPv4 address of an interface (what gloo binds for GLOO_SOCKET_IFNAME), or its netmask."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
-            packed = fcntl.ioctl(
-                sock.fileno(), SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15])
-            )
+            packed = fcntl.ioctl(sock.fileno(), request, struct.pack("256s", ifname.encode()[:15]))
         except OSError:
             return None
     return socket.inet_ntoa(packed[20:24])
@@ -211,7 +214,7 @@ def port_holder(port: int) -> str | None:
     return None
 
 
-def _serve(sock: socket.socket, stop: threading.Event, deadline: float) -> None:
+def _serve(sock: socket.socket, stop: threading.Event, deadline: float, bandwidth: bool) -> None:
     sock.settimeout(0.2)
     while not stop.is_set() and time.monotonic() < deadline:
         try:
@@ -220,6 +223,8 @@ def _serve(sock: socket.socket, stop: threading.Event, deadline: float) -> None:
             continue
         except OSError:
             break
+        if bandwidth:  # one peer per round, its tests one after the other: served in turn
+            _bandwidth_peer(conn)
         conn.close()
     sock.close()
     stop.set()
@@ -254,7 +259,9 @@ def listen(request: ListenRequest) -> ListenReply:
     port = int(sock.getsockname()[1])
     stop = threading.Event()
     deadline = time.monotonic() + min(max(request.seconds, 0.1), MAX_SECONDS)
-    threading.Thread(target=_serve, args=(sock, stop, deadline), daemon=True).start()
+    threading.Thread(
+        target=_serve, args=(sock, stop, deadline, request.bandwidth), daemon=True
+    ).start()
     _listeners[port] = (sock, stop)
     return ListenReply(address or "*", port, None)
 
@@ -325,6 +332,100 @@ def connect(request: ConnectRequest) -> ConnectReply:
             for r, t in zip(results, request.targets)
         ]
     )
+
+
+# ---- throughput between pairs ------------------------------------------------------------------
+
+CHUNK = 256 * 1024
+HEADER = 32  # "sink" or "send SECONDS BYTES", padded: a fixed size, so no data is read with it
+MAX_TEST_SECONDS = 10.0
+MAX_TEST_BYTES = 1 << 30
+
+
+def _pump(conn: socket.socket, seconds: float, max_bytes: int) -> None:
+    """Send zeros for ``seconds`` or ``max_bytes``, whichever ends first."""
+    data, sent = memoryview(bytes(CHUNK)), 0
+    end = time.monotonic() + min(seconds, MAX_TEST_SECONDS)
+    while sent < min(max_bytes, MAX_TEST_BYTES) and time.monotonic() < end:
+        sent += conn.send(data[: min(CHUNK, max_bytes - sent)])
+
+
+def _drain(conn: socket.socket) -> int:
+    buf, total = bytearray(CHUNK), 0
+    while n := conn.recv_into(buf):
+        total += n
+    return total
+
+
+def _bandwidth_peer(conn: socket.socket) -> None:
+    """The listener's side of one test: ``sink`` counts what arrives until the peer's EOF and
+    answers the count; ``send`` sends for the time and bytes asked, then closes."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        conn.settimeout(MAX_TEST_SECONDS + 5)
+        header = b""
+        while len(header) < HEADER and (more := conn.recv(HEADER - len(header))):
+            header += more
+        words = header.split()
+        if words[0] == b"sink":
+            conn.sendall(b"%d\n" % _drain(conn))
+        elif words[0] == b"send":
+            _pump(conn, float(words[1]), int(words[2]))
+
+
+def _measure(target: BandwidthTarget, seconds: float, max_bytes: int) -> tuple[float, float]:
+    """One try each way, in bytes/s, each timed by the side that knows when the data arrived:
+    what is still in buffers when sending stops counts until the peer has it."""
+    address = (target.host, target.port)
+    with socket.create_connection(address, timeout=MAX_TEST_SECONDS + 5) as conn:
+        started = time.monotonic()
+        conn.sendall(b"sink".ljust(HEADER))
+        _pump(conn, seconds, max_bytes)
+        conn.shutdown(socket.SHUT_WR)
+        count = int(conn.makefile("rb").readline(32))
+        sent = count / (time.monotonic() - started)
+    with socket.create_connection(address, timeout=MAX_TEST_SECONDS + 5) as conn:
+        started = time.monotonic()
+        conn.sendall(f"send {seconds} {max_bytes}".encode().ljust(HEADER))
+        received = _drain(conn) / (time.monotonic() - started)
+    return sent, received
+
+
+def networks() -> list[str]:
+    """This node's IPv4 networks other nodes could use (neither loopback nor link-local)."""
+    found = []
+    for _, name in socket.if_nameindex():
+        address, mask = interface_address(name), interface_address(name, SIOCGIFNETMASK)
+        if address and mask and not address.startswith(("127.", "169.254.")):
+            bits = bin(int.from_bytes(socket.inet_aton(mask), "big")).count("1")
+            found.append(f"{name} {address}/{bits}")
+    return found
+
+
+def infiniband(root: str = "/sys/class/infiniband") -> list[str]:
+    """Each InfiniBand/RoCE device port and its state (``mlx5_0:1 ACTIVE``)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for device in sorted(os.listdir(root)):
+            for port in sorted(os.listdir(f"{root}/{device}/ports")):
+                with contextlib.suppress(OSError), open(f"{root}/{device}/ports/{port}/state") as f:
+                    found.append(f"{device}:{port} {f.read().rpartition(':')[2].strip()}")
+    return found
+
+
+def bandwidth(request: BandwidthRequest) -> BandwidthReply:
+    seconds, results = min(max(request.seconds, 0.01), MAX_TEST_SECONDS), []
+    for target in request.targets[:64]:
+        best, error = (0.0, 0.0), None
+        for _ in range(min(max(request.repeats, 1), 10)):
+            try:
+                rates = _measure(target, seconds, min(max(request.max_bytes, 1), MAX_TEST_BYTES))
+            except (OSError, ValueError) as exc:
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                error = f"{target.host}:{target.port}: {why or type(exc).__name__}"
+                break
+            best = (max(best[0], rates[0]), max(best[1], rates[1]))
+        results.append(BandwidthResult(target.label, target.network, *best, error))
+    return BandwidthReply(results, networks(), infiniband(), _version("torch") is not None)
 
 
 # ---- the collective probe ---------------------------------------------------------------------

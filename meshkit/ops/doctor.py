@@ -7,14 +7,21 @@ nothing; the verdicts are pure functions of the replies (unit-tested with plain 
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import shlex
+import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..hostfile import Host
 from ..job import Job
 from ..meshplan import PairFailure
 from ..protocol import (
+    BandwidthReply,
+    BandwidthRequest,
+    BandwidthResult,
+    BandwidthTarget,
     ConnectReply,
     ConnectRequest,
     ConnectResult,
@@ -46,12 +53,18 @@ ORDER = (
     "clock",
     "master port",
     "reach",
+    "bandwidth",
+    "networks",
+    "infiniband",
     "collective",
 )
 LISTEN_SECONDS = 30.0  # a listener's life: long enough for every node's connect round
 CONNECT_SECONDS = 5.0  # each node retries its connects this long
 CLOCK_SKEW = 2.0  # seconds of clock difference tolerated (on top of the round trip)
 PROBE_SECONDS = 30.0  # the collective probe's init + all_reduce timeout
+# One throughput try, one way: short and bounded in bytes, so that the best of a few tries rides
+# out a busy moment of a shared machine (the sandbox's 2 cores) rather than averaging it in.
+BW_SECONDS, BW_BYTES, BW_REPEATS = 0.2, 64 << 20, 3
 
 
 @dataclass(frozen=True)
@@ -75,9 +88,22 @@ class Check:
 
 
 @dataclass(frozen=True)
+class Bandwidth:
+    """``doctor --bandwidth``'s matrix: bits/s from node to peer (hostfile spellings) on the
+    network the job uses; the all_reduce's bus bandwidth (bits/s) when it ran."""
+
+    rates: dict[tuple[str, str], float]
+    median: float
+    slow_pairs: list[tuple[str, str]]
+    slow_nodes: list[str]
+    busbw: float | None = None
+
+
+@dataclass(frozen=True)
 class Report:
     nodes: list[str]
     checks: list[Check] = field(default_factory=list)
+    bandwidth: Bandwidth | None = None  # not in the JSON: its checks carry the same rates
 
     @property
     def ok(self) -> bool:
@@ -450,37 +476,42 @@ def run(
         pool.call_all("", lambda h: DoneRequest(marker if h == hosts[0] else None), DoneReply)
 
     if collective:
-        if any(not c.ok for c in checks if c.check in ("master port", "reach", "rank")):
-            checks.append(
-                Check(
-                    "collective",
-                    hosts[0].label,
-                    None,
-                    False,
-                    "not run: the network checks above failed",
-                    "fix the failures above first",
-                )
-            )
-        else:
-            probe = shlex.join(
-                [
-                    job.python,
-                    "-m",
-                    "meshkit.templates.collective_probe",
-                    "--timeout",
-                    f"{probe_seconds:g}",
-                ]
-            )
-            run_argv = job.meshkit_argv("run", "--cmd", probe)
-            replies = pool.call_all(
-                "collective",
-                lambda h: ProbeRequest(job.workdir, run_argv, probe_seconds + 30),
-                ProbeReply,
-                timeout=probe_seconds + 60,
-            )
-            checks += collective_checks(hosts, replies, pool.failures)
+        blocked = any(not c.ok for c in checks if c.check in ("master port", "reach", "rank"))
+        checks += collective_round(pool, job, hosts, blocked, probe_seconds)
     checks.sort(key=lambda c: ORDER.index(c.check) if c.check in ORDER else len(ORDER))
     return report
+
+
+def collective_round(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    blocked: bool,
+    probe_seconds: float,
+    extra: Sequence[str] = (),
+) -> list[Check]:
+    """The collective probe through ``meshkit run`` on every node (``extra``: its flags); not
+    run (and said so) when the network checks before it failed."""
+    if blocked:
+        why = "not run: the network checks above failed"
+        return [
+            Check("collective", hosts[0].label, None, False, why, "fix the failures above first")
+        ]
+    argv = [
+        job.python,
+        "-m",
+        "meshkit.templates.collective_probe",
+        "--timeout",
+        f"{probe_seconds:g}",
+    ]
+    run_argv = job.meshkit_argv("run", "--cmd", shlex.join([*argv, *extra]))
+    replies = pool.call_all(
+        "collective",
+        lambda h: ProbeRequest(job.workdir, run_argv, probe_seconds + 30),
+        ProbeReply,
+        timeout=probe_seconds + 60,
+    )
+    return collective_checks(hosts, replies, pool.failures)
 
 
 def quick(
@@ -578,3 +609,275 @@ def _only(
     if outcome.value is None:
         return outcome
     return Outcome(ConnectReply([r for r in outcome.value.results if keep(r)]))
+
+
+# ---- doctor --bandwidth ---------------------------------------------------------------------
+
+
+def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
+    """Every pair of ``n`` nodes once, in rounds of disjoint pairs (the circle method): n-1
+    rounds of n/2 pairs; for odd n, n rounds, each with one node out."""
+    ring = [*range(n), *([-1] if n % 2 else [])]
+    rounds = []
+    for _ in range(len(ring) - 1):
+        half = len(ring) // 2
+        pairs = zip(ring[:half], reversed(ring[half:]))
+        rounds.append([(min(a, b), max(a, b)) for a, b in pairs if -1 not in (a, b)])
+        ring = [ring[0], ring[-1], *ring[1:-1]]
+    return rounds
+
+
+def rate_text(bits: float) -> str:
+    for unit, size in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= size:
+            return f"{bits / size:.3g} {unit}"
+    return f"{bits:.0f} bit/s"
+
+
+def _subnets(reply: BandwidthReply) -> dict[ipaddress.IPv4Network, tuple[str, str]]:
+    """A node's networks: subnet -> (interface, address)."""
+    found: dict[ipaddress.IPv4Network, tuple[str, str]] = {}
+    for line in reply.networks:
+        name, _, cidr = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            iface = ipaddress.IPv4Interface(cidr)
+            found.setdefault(iface.network, (name, str(iface.ip)))
+    return found
+
+
+def pair_targets(
+    client: BandwidthReply, server: BandwidthReply, server_if: str | None, label: str, port: int
+) -> list[BandwidthTarget]:
+    """The client's tests towards the server: one per network both are on (the server's exported
+    interface's first), never to an address the client holds itself (docker0's 172.17.0.1)."""
+    mine, theirs = _subnets(client), _subnets(server)
+    own = {address for _, address in mine.values()}
+    shared = [net for net in theirs if net in mine and theirs[net][1] not in own]
+    shared.sort(key=lambda net: theirs[net][0] != server_if)
+    return [BandwidthTarget(label, str(net), theirs[net][1], port) for net in shared]
+
+
+def bandwidth_checks(
+    hosts: Sequence[Host],
+    results: dict[tuple[Host, Host], BandwidthResult],
+    ifnames: dict[Host, str | None],
+    min_ratio: float,
+    min_rate: float,
+) -> tuple[list[Check], Bandwidth]:
+    """One check per pair on the exported network (``results``: (client, server) -> its first
+    test): slow below ``min_ratio`` x the cluster's median or below ``min_rate`` (bits/s). The
+    median is over each node's fastest rate, so that one slow node of three is still held to what
+    the others reach; a node all of whose pairs are slow is named as the likely culprit."""
+    rates: dict[tuple[Host, Host], float] = {}
+    for (client, server), r in results.items():
+        if r.error is None:
+            rates[client, server], rates[server, client] = r.sent * 8, r.received * 8
+    best: dict[Host, float] = {}
+    for (a, _), value in rates.items():
+        best[a] = max(best.get(a, 0.0), value)
+    median = statistics.median(best.values()) if best else 0.0
+    floor = max(min_ratio * median, min_rate)
+
+    def slow(a: Host, b: Host) -> bool:
+        return (a, b) not in rates or min(rates[a, b], rates[b, a]) < floor
+
+    pairs = [(a, b) for i, a in enumerate(hosts) for b in hosts[i + 1 :]]
+    pairs = [(a, b) for a, b in pairs if (a, b) in results or (b, a) in results]
+    nodes = [
+        h
+        for h in hosts
+        if len(hosts) > 2
+        and all(slow(a, b) for a, b in pairs if h in (a, b))
+        and any(h in p for p in pairs)
+    ]
+    checks = []
+    for a, b in pairs:
+        r = results.get((a, b)) or results[b, a]
+        bad = slow(a, b)
+        if r.error is not None:
+            detail = f"failed: {r.error}"
+        else:
+            detail = (
+                f"node->peer {rate_text(rates[a, b])}, peer->node {rate_text(rates[b, a])} "
+                f"on {ifnames.get(a) or r.network}; median {rate_text(median)}"
+            )
+        culprit = next((h for h in nodes if h in (a, b)), None)
+        fix = (
+            f"every pair of {culprit.label} is slow: look at that node's NIC (ethtool: speed, "
+            "duplex, errors), cable and switch port"
+            if culprit
+            else "look at this link: cable, switch ports and negotiated speed on both ends "
+            "(ethtool), or other traffic on it"
+        )
+        checks.append(Check("bandwidth", a.label, b.label, not bad, detail, fix if bad else ""))
+    matrix = {(a.label, b.label): v for (a, b), v in rates.items()}
+    slow_pairs = [(a.label, b.label) for a, b in pairs if slow(a, b)]
+    return checks, Bandwidth(matrix, median, slow_pairs, [h.label for h in nodes])
+
+
+def network_checks_bw(
+    hosts: Sequence[Host],
+    replies: dict[Host, BandwidthReply],
+    results: dict[tuple[Host, Host], list[BandwidthResult]],
+    ifnames: dict[Host, str | None],
+    min_ratio: float,
+) -> list[Check]:
+    """Per node with more than one network: each one's rate (its fastest pair there, the slower
+    direction), which is fastest, and whether the exported interface is it (a failure when another
+    is faster by more than 1/min_ratio)."""
+    checks = []
+    for host in hosts:
+        subnets = _subnets(replies[host]) if host in replies else {}
+        per_net: dict[str, list[float]] = {}
+        for (client, server), tests in results.items():
+            if host in (client, server):
+                for r in tests:
+                    if r.error is None:
+                        per_net.setdefault(r.network, []).append(min(r.sent, r.received) * 8)
+        if len(per_net) < 2:
+            continue
+        names = {str(net): name for net, (name, _) in subnets.items()}
+        speed = {names.get(net, net): max(v) for net, v in per_net.items()}
+        fastest = max(speed, key=lambda n: speed[n])
+        exported = ifnames.get(host) or ""
+        ok = min_ratio * speed[fastest] <= speed.get(exported, 0.0)
+        detail = ", ".join(
+            f"{n}{' (exported)' if n == exported else ''} {rate_text(v)}" for n, v in speed.items()
+        )
+        verdict = "the exported one is fastest" if fastest == exported else f"fastest: {fastest}"
+        fix = (
+            f"list this node by its {fastest} address in the hostfile, or set "
+            f"GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={fastest} (config meshkit.env)"
+        )
+        checks.append(
+            Check("networks", host.label, None, ok, f"{detail}; {verdict}", "" if ok else fix)
+        )
+    return checks
+
+
+def infiniband_checks(hosts: Sequence[Host], replies: dict[Host, BandwidthReply]) -> list[Check]:
+    checks = []
+    for host in hosts:
+        found = replies[host].infiniband if host in replies else []
+        active = [d.split()[0] for d in found if d.endswith("ACTIVE")]
+        detail = (
+            f"{', '.join(found)}; NCCL_IB_HCA={','.join(active) or '(none active)'}"
+            if found
+            else "none found"
+        )
+        checks.append(Check("infiniband", host.label, None, True, detail))
+    return checks
+
+
+def bandwidth_round(
+    pool: NodePool,
+    pairs: dict[Host, Host],
+    replies: dict[Host, BandwidthReply],
+    ifnames: dict[Host, str | None],
+) -> dict[tuple[Host, Host], list[BandwidthResult]]:
+    """One round: each server (``pairs``' values) listens, each client tests towards it."""
+    bound = BW_REPEATS * 2 * (BW_SECONDS + 5)  # one test's worst case (a drain after each try)
+    listens = pool.call_all(
+        "listen",
+        lambda h: ListenRequest(None, 0, bound * 4, bandwidth=True),
+        ListenReply,
+        list(pairs.values()),
+    )
+    tests: dict[Host, list[BandwidthTarget]] = {}
+    failed: dict[tuple[Host, Host], str] = {}
+    for client, server in pairs.items():
+        got = listens.get(server)
+        if got is None or got.value is None or got.value.error:
+            why = got.value.error if got and got.value else got.error if got else "unreachable"
+            failed[client, server] = f"{server.label} cannot listen: {why}"
+            continue
+        port = got.value.port
+        tests[client] = pair_targets(
+            replies[client], replies[server], ifnames[server], server.label, port
+        )
+        if not tests[client]:
+            failed[client, server] = "no network in common"
+    done = pool.call_all(
+        "bandwidth",
+        lambda h: (
+            BandwidthRequest(tests[h], BW_SECONDS, BW_BYTES, BW_REPEATS) if tests.get(h) else None
+        ),
+        BandwidthReply,
+        list(tests),
+        timeout=bound * max((len(t) for t in tests.values()), default=1) + 30,
+    )
+    results = {}
+    for client, server in pairs.items():
+        reply = done.get(client)
+        if (client, server) not in failed and (reply is None or reply.value is None):
+            failed[client, server] = str(reply.error if reply else "unreachable")
+        if (client, server) in failed:
+            results[client, server] = [
+                BandwidthResult(server.label, "", 0.0, 0.0, str(failed[client, server]))
+            ]
+        elif reply is not None and reply.value is not None:
+            results[client, server] = reply.value.results
+    return results
+
+
+def bandwidth(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    *,
+    min_ratio: float = 0.5,
+    min_rate: float = 0.0,
+    probe_seconds: float = PROBE_SECONDS,
+) -> Report:
+    """``doctor --bandwidth``: every pair's throughput both ways, on every network the pair
+    shares, measured by the agents in rounds of disjoint pairs; then one timed all_reduce."""
+    envs = env_round(pool, job)
+    views = {h: read_env(envs.get(h), pool.failures.get(h)) for h in hosts}
+    checks = [c for c in env_checks(hosts, views) if not c.ok or c.check == "interface"]
+    ifnames = {h: views[h].ifname for h in hosts}
+    found = pool.call_all("networks", lambda h: BandwidthRequest([], 0, 0, 0), BandwidthReply)
+    replies = {h: o.value for h, o in found.items() if o.value is not None}
+    for h in hosts:
+        if h not in replies:
+            why = found[h].error if h in found else f"unreachable: {pool.failures.get(h)}"
+            checks.append(Check("bandwidth", h.label, None, False, str(why), "fix the node"))
+    results: dict[tuple[Host, Host], list[BandwidthResult]] = {}
+    try:
+        for round_ in pair_rounds(len(hosts)):
+            pairs = {hosts[a]: hosts[b] for a, b in round_ if {hosts[a], hosts[b]} <= set(replies)}
+            results.update(bandwidth_round(pool, pairs, replies, ifnames))
+    finally:
+        pool.call_all("", lambda h: DoneRequest(None), DoneReply)
+    first = {pair: tests[0] for pair, tests in results.items()}
+    pair_checks, matrix = bandwidth_checks(hosts, first, ifnames, min_ratio, min_rate)
+    checks += pair_checks
+    checks += network_checks_bw(hosts, replies, results, ifnames, min_ratio)
+    checks += infiniband_checks(hosts, replies)
+    if replies and all(r.torch for r in replies.values()):
+        blocked = any(not c.ok for c in checks if c.check == "rank") or any(
+            r.error for r in first.values()
+        )
+        # sized to take about a second on the slowest link measured (1 to 64 MiB)
+        size = int(min(max(min(matrix.rates.values(), default=0) / 16, 1 << 20), 64 << 20))
+        probe = collective_round(pool, job, hosts, blocked, probe_seconds, ["--bytes", str(size)])
+        checks += probe
+        found_bw = [
+            float(w.removeprefix("busbw="))
+            for c in probe
+            for w in c.detail.split()
+            if w.startswith("busbw=")
+        ]
+        matrix = replace(matrix, busbw=min(found_bw) if found_bw else None)
+    else:
+        lacking = [h.label for h in hosts if h in replies and not replies[h].torch]
+        checks.append(
+            Check(
+                "collective",
+                hosts[0].label,
+                None,
+                True,
+                f"not run: no torch on {', '.join(lacking)}",
+            )
+        )
+    checks.sort(key=lambda c: ORDER.index(c.check) if c.check in ORDER else len(ORDER))
+    return Report([h.label for h in hosts], checks, matrix)

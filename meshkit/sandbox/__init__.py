@@ -38,7 +38,7 @@ from .layout import (
     default_subnet,
     layout,
 )
-from .networks import Options, cut, mend
+from .networks import Options, cut, mend, shape, unshape
 from .system import COMMAND_TIMEOUT
 from .system import run as _run
 
@@ -60,8 +60,10 @@ __all__ = [
     "node_exec",
     "reboot",
     "reset_shells",
+    "shape",
     "shells",
     "status",
+    "unshape",
     "up",
 ]
 

@@ -12,6 +12,8 @@ Options (all off by default, so a plain sandbox is what it always was):
 
 ``cut``/``mend`` take one link between two nodes down and up again: an ``unreachable`` route for the
 other node's addresses inside each node's network namespace (iproute2 alone, no firewall tools).
+``shape``/``unshape`` slow one link or one node with the kernel's traffic control: an htb class and a
+u32 filter for the peer's address on both ends of a link, or tbf on both ends of a node's veth.
 Every option is stored in the sandbox's state.json, so ``load`` gives them back.
 """
 
@@ -218,3 +220,40 @@ def cuts(lay: Layout) -> list[tuple[int, int]]:
             if other is not None:
                 found.add((min(node.index, other), max(node.index, other)))
     return sorted(found)
+
+
+def _tc(netns: str | None, *args: str, check: bool = True) -> str:
+    return _run(["tc", *(["-n", netns] if netns else []), *args], check=check)
+
+
+def shape(lay: Layout, index: int, peer: int | None, bits: int) -> None:
+    """Slow node ``index`` to ``bits``/s: its link to ``peer`` both ways (an htb class and a
+    filter for the other's address on each end), or, without a peer, everything it sends and
+    receives (tbf on its interface, and on the veth's host end, which is its way in)."""
+    if peer is None:
+        if not 0 <= index < lay.count:
+            raise SandboxError(f"node {index}: the sandbox has nodes 0..{lay.count - 1}")
+        node = lay.nodes[index]
+        burst = max(bits // 8 // 250, 16000)  # a 4 ms burst at least: tbf needs rate/HZ
+        tbf = ["root", "tbf", "rate", f"{bits}bit", "burst", str(burst), "latency", "50ms"]
+        _tc(node.netns, "qdisc", "replace", "dev", primary_ifname(lay.networks, index), *tbf)
+        _tc(None, "qdisc", "replace", "dev", node.veth, *tbf)
+        return
+    for here, there in (_pair(lay, index, peer), _pair(lay, peer, index)):
+        dev, klass = ["dev", primary_ifname(lay.networks, here.index)], f"1:{there.index + 10}"
+        if " htb 1: " not in _tc(here.netns, "qdisc", "show", *dev, "root") + " ":
+            _tc(here.netns, "qdisc", "replace", *dev, "root", "handle", "1:", "htb")
+        _tc(here.netns, "class", "replace", *dev, "parent", "1:", "classid", klass, "htb",
+            "rate", f"{bits}bit", "ceil", f"{bits}bit")  # fmt: skip
+        prio = ["parent", "1:", "protocol", "ip", "prio", str(there.index + 1)]
+        _tc(here.netns, "filter", "del", *dev, *prio, check=False)
+        _tc(here.netns, "filter", "add", *dev, *prio, "u32", "match", "ip", "dst",
+            f"{there.address}/32", "flowid", klass)  # fmt: skip
+
+
+def unshape(lay: Layout) -> None:
+    """Remove every shaping of ``shape`` (safe when there is none)."""
+    for node in lay.nodes:
+        _tc(node.netns, "qdisc", "del", "dev", primary_ifname(lay.networks, node.index), "root",
+            check=False)  # fmt: skip
+        _tc(None, "qdisc", "del", "dev", node.veth, "root", check=False)

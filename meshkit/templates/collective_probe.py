@@ -5,6 +5,9 @@ once per node under ``meshkit run`` (NODE_RANK/NNODES). Each process prints one 
 ``meshkit doctor`` and the tests read, and exits 0 only if the sum is right:
 
     meshkit-probe rank=R world_size=W backend=B ifname=I host=H sum=S expected=E ok=True
+
+With ``--bytes N`` it then times one all_reduce of N bytes (after one untimed warm-up) and adds
+``bytes=N seconds=T busbw=B`` (bits/s, as nccl-tests count it: N/T x 2(W-1)/W) before ``sum=``.
     meshkit-probe rank=R error=...        (exit 3: wrong sum, 4: could not connect/reduce in time)
 """
 
@@ -27,6 +30,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds for init and reduce")
     parser.add_argument("--backend", default="auto", help="gloo, nccl or auto (nccl with GPUs)")
+    parser.add_argument("--bytes", type=int, default=0, help="then time an all_reduce this big")
     args = parser.parse_args()
     env = os.environ
     under_torchrun = "RANK" in env and "LOCAL_RANK" in env
@@ -57,6 +61,22 @@ def main() -> int:
         value = torch.tensor([float(rank + 1)], device=device)
         dist.all_reduce(value)
         total = int(value.item())
+        timed = ""
+        if args.bytes > 0:
+            import time
+
+            data = torch.ones(max(args.bytes // 4, 1), device=device)
+            dist.all_reduce(data)  # warm-up: connections and buffers
+            dist.barrier()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            started = time.monotonic()
+            dist.all_reduce(data)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            took = time.monotonic() - started
+            busbw = data.numel() * 4 * 8 / took * 2 * (world - 1) / world
+            timed = f"bytes={data.numel() * 4} seconds={took:.4f} busbw={busbw:.4g} "
         dist.destroy_process_group()
     except Exception as exc:  # any failure is the probe's answer, on one line
         detail = " ".join(str(exc).split())[:300]
@@ -65,7 +85,7 @@ def main() -> int:
     expected = world * (world + 1) // 2
     say(
         f"meshkit-probe rank={rank} world_size={world} backend={backend} ifname={ifname} "
-        f"host={socket.gethostname()} sum={total} expected={expected} ok={total == expected}"
+        f"host={socket.gethostname()} {timed}sum={total} expected={expected} ok={total == expected}"
     )
     return 0 if total == expected else 3
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import html
 import json as jsonlib
+import math
 from typing import TYPE_CHECKING
 
 from invoke.context import Context
 from invoke.exceptions import Exit
 
 from ...errors import UsageError
-from ..common import conf, helps, progress, reported, table, task
+from ..common import conf, helps, progress, rate, reported, table, task
 
 if TYPE_CHECKING:
-    from ...ops.doctor import Report
+    from ...ops.doctor import Bandwidth, Report
 
 DOCTOR_HELP = helps(
     "hostfile",
@@ -24,7 +26,67 @@ DOCTOR_HELP = helps(
     "master_port",
     quick="leave out the slow parts: the N x N SSH check and the collective probe",
     timeout="seconds the collective probe may take to connect and all_reduce (default 30)",
+    bandwidth="instead: every pair's throughput both ways on every shared network, in rounds of "
+    "disjoint pairs, then one timed all_reduce (bus bandwidth)",
+    min_ratio="with --bandwidth: a pair fails below this fraction of the median rate (default 0.5)",
+    min_rate="with --bandwidth: a pair fails below this rate too (e.g. 10Gbit)",
+    plot="with --bandwidth: write the pair matrix as a heatmap, FILE.png (extra 'plot') or .html",
 )
+
+
+def matrix(bw: Bandwidth, nodes: list[str]) -> str:
+    """Rates from each row's node to each column's (Gbit/s; columns by hostfile index)."""
+    rows = [
+        [f"{i} {a}"] + ["-" if a == b else f"{bw.rates.get((a, b), 0) / 1e9:.3g}" for b in nodes]
+        for i, a in enumerate(nodes)
+    ]
+    return table(["Gbit/s from \\ to", *map(str, range(len(nodes)))], rows)
+
+
+def heatmap(bw: Bandwidth, nodes: list[str], path: str) -> None:
+    """The pair matrix as a heatmap: PNG through matplotlib (the extra 'plot'), or plain HTML."""
+    grid = [[bw.rates.get((a, b), math.nan) / 1e9 for b in nodes] for a in nodes]
+    if path.endswith(".html"):
+        top = max(bw.rates.values(), default=0.0) / 1e9 or 1.0
+        cells = "".join(
+            "<tr><th>"
+            + html.escape(a)
+            + "</th>"
+            + "".join(
+                f'<td style="background:hsl({120 * v / top:.0f},70%,60%)">{v:.3g}</td>'
+                if v == v
+                else "<td>-</td>"
+                for v in row
+            )
+            + "</tr>"
+            for a, row in zip(nodes, grid)
+        )
+        head = "".join(f"<th>{html.escape(b)}</th>" for b in nodes)
+        text = f"<table><tr><th>Gbit/s from \\ to</th>{head}</tr>{cells}</table>\n"
+        with open(path, "w") as handle:
+            handle.write(f"<!doctype html><title>meshkit bandwidth</title>{text}")
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError(
+            f"--plot {path}: PNG needs matplotlib: pip install 'meshkit[plot]' (or write .html)"
+        ) from None
+    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(nodes), 0.8 + 0.5 * len(nodes)))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0)
+    ax.set_xticks(range(len(nodes)), [str(i) for i in range(len(nodes))])
+    ax.set_yticks(range(len(nodes)), [f"{i} {n}" for i, n in enumerate(nodes)])
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            ax.text(j, i, "" if v != v else f"{v:.3g}", ha="center", va="center", fontsize=8)
+    ax.set(xlabel="to", ylabel="from", title="meshkit doctor --bandwidth")
+    fig.colorbar(image, label="Gbit/s from row to column")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
 
 
 def render(report: Report) -> str:
@@ -49,11 +111,16 @@ def doctor(
     master_port: str | None = None,
     quick: bool = False,
     timeout: str = "30",
+    bandwidth: bool = False,
+    min_ratio: str = "0.5",
+    min_rate: str | None = None,
+    plot: str | None = None,
 ) -> None:
     """Check that the cluster can train, per node and per pair: SSH N x N, rank discovery and the
     interface each node's backends will use, the master port (free on the master, reachable from
     every node), node-to-node TCP on those interfaces, versions, GPUs vs slots, the shared
-    workdir, clocks, and a tiny all_reduce. Every check is bounded in time; exit 1 if any fails."""
+    workdir, clocks, and a tiny all_reduce. Every check is bounded in time; exit 1 if any fails.
+    With --bandwidth: the throughput of every pair instead, and the all_reduce's bus bandwidth."""
     from ...ops import doctor as ops
     from ...ops.lookup import saved_or_new
     from ...ops.mesh import verify
@@ -66,25 +133,49 @@ def doctor(
             seconds = -1.0
         if not 1 <= seconds <= 600:
             raise UsageError(f"--timeout {timeout!r}: expected seconds between 1 and 600")
+        ratio = float(min_ratio) if min_ratio.replace(".", "", 1).isdigit() else -1.0
+        if not 0 <= ratio <= 1:
+            raise UsageError(f"--min-ratio {min_ratio!r}: expected a fraction between 0 and 1")
+        floor = rate(min_rate, "--min-rate") if min_rate else 0.0
+        if plot and not plot.endswith((".png", ".html")):
+            raise UsageError(f"--plot {plot!r}: expected a .png or .html file")
+        if (min_rate or plot or min_ratio != "0.5") and not bandwidth:
+            raise UsageError("--min-ratio, --min-rate and --plot go with --bandwidth")
         job, hosts, source = saved_or_new(
             conf(), hostfile, session, workdir, master_port, include, exclude
         )
         shown = None if json else progress
         with connect(conf(), job.hostfile, hosts, job.python, shown) as pool:
-            report = ops.run(
-                pool,
-                job,
-                hosts,
-                verify=None if quick else (lambda: verify(pool.cluster, hosts).failures),
-                collective=not quick,
-                probe_seconds=seconds,
-            )
+            if bandwidth:
+                report = ops.bandwidth(
+                    pool, job, hosts, min_ratio=ratio, min_rate=floor, probe_seconds=seconds
+                )
+            else:
+                report = ops.run(
+                    pool,
+                    job,
+                    hosts,
+                    verify=None if quick else (lambda: verify(pool.cluster, hosts).failures),
+                    collective=not quick,
+                    probe_seconds=seconds,
+                )
+        if plot and report.bandwidth is not None:
+            heatmap(report.bandwidth, report.nodes, plot)
     if json:
         print(jsonlib.dumps(report.as_json()))
     else:
         print(f"doctor: {len(hosts)} nodes, {source}, master port {job.master_port}")
         print(render(report))
         bad = report.failures
+        bw = report.bandwidth
+        if bw is not None:
+            print(f"\n{matrix(bw, report.nodes)}\n")
+            print(f"median of the nodes' best rates {ops.rate_text(bw.median)}", end="")
+            print(f"; all_reduce busbw {ops.rate_text(bw.busbw)}" if bw.busbw else "")
+            for a, b in bw.slow_pairs:
+                print(f"slow pair: {a} <-> {b}")
+            for node in bw.slow_nodes:
+                print(f"slow node: {node} (every one of its pairs)")
         print(f"\n{len(report.checks) - len(bad)}/{len(report.checks)} checks passed")
     if not report.ok:
         raise Exit(code=1)

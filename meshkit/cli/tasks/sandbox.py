@@ -13,7 +13,7 @@ from ... import sandbox
 from ...errors import UsageError
 from ...sandbox.slurm import conf_path as slurm_conf_path
 from ...settings import SandboxConfig
-from ..common import conf, reported, table, task
+from ..common import conf, rate, reported, table, task
 
 DIR_HELP = "sandbox state directory (default: config meshkit.sandbox.dir, /var/tmp/meshkit-sandbox)"
 
@@ -179,4 +179,42 @@ def mend(c: Context, node: int, peer: int, dir: str | None = None, name: str | N
     print(f"mended: node{node} <-> node{peer}")
 
 
-ns = Collection("sandbox", up, down, reboot, status, cut, mend)
+@task(
+    help={
+        **PAIR_HELP,
+        "peer": "the other node: slow only this link (default: all of the node's traffic)",
+        "rate": "the rate, e.g. 20Mbit, 1G",
+    }
+)
+def shape(
+    c: Context,
+    node: int | None = None,
+    peer: int | None = None,
+    rate_: str | None = None,
+    dir: str | None = None,
+    name: str | None = None,
+) -> None:
+    """Slow a link both ways (--peer), or a node's whole interface, with tc (undo: sandbox.unshape)."""
+    with reported():
+        index = _pair(node, 0 if peer is None else peer)[0]
+        if rate_ is None:
+            raise UsageError("give the rate: --rate RATE (e.g. --rate 20Mbit)")
+        bits = int(rate(rate_, "--rate"))
+        sandbox.preflight()
+        sandbox.shape(
+            sandbox.load(_dir(c, dir, name)), index, None if peer is None else int(peer), bits
+        )
+    what = f"node{node} <-> node{peer}" if peer is not None else f"node{node} (all its traffic)"
+    print(f"shaped: {what} at {rate_} (undo: meshkit sandbox.unshape)")
+
+
+@task(help={"dir": DIR_HELP, "name": NAME_HELP})
+def unshape(c: Context, dir: str | None = None, name: str | None = None) -> None:
+    """Remove every link and node slowing of sandbox.shape."""
+    with reported():
+        sandbox.preflight()
+        sandbox.unshape(sandbox.load(_dir(c, dir, name)))
+    print("unshaped: every link at full speed")
+
+
+ns = Collection("sandbox", up, down, reboot, status, cut, mend, shape, unshape)
