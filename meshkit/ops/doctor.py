@@ -93,9 +93,8 @@ class Bandwidth:
     network the job uses; the all_reduce's bus bandwidth (bits/s) when it ran."""
 
     rates: dict[tuple[str, str], float]
-    median: float
-    slow_pairs: list[tuple[str, str]]
-    slow_nodes: list[str]
+    median: float  # of each node's fastest rate
+    slow_nodes: list[str]  # all of whose pairs are slow
     busbw: float | None = None
 
 
@@ -634,14 +633,13 @@ def rate_text(bits: float) -> str:
     return f"{bits:.0f} bit/s"
 
 
-def _subnets(reply: BandwidthReply) -> dict[ipaddress.IPv4Network, tuple[str, str]]:
+def _subnets(reply: BandwidthReply) -> dict[str, tuple[str, str]]:
     """A node's networks: subnet -> (interface, address)."""
-    found: dict[ipaddress.IPv4Network, tuple[str, str]] = {}
+    found: dict[str, tuple[str, str]] = {}
     for line in reply.networks:
         name, _, cidr = line.partition(" ")
         with contextlib.suppress(ValueError):
-            iface = ipaddress.IPv4Interface(cidr)
-            found.setdefault(iface.network, (name, str(iface.ip)))
+            found.setdefault(str(ipaddress.IPv4Interface(cidr).network), (name, cidr.split("/")[0]))
     return found
 
 
@@ -654,7 +652,7 @@ def pair_targets(
     own = {address for _, address in mine.values()}
     shared = [net for net in theirs if net in mine and theirs[net][1] not in own]
     shared.sort(key=lambda net: theirs[net][0] != server_if)
-    return [BandwidthTarget(label, str(net), theirs[net][1], port) for net in shared]
+    return [BandwidthTarget(label, net, theirs[net][1], port) for net in shared]
 
 
 def bandwidth_checks(
@@ -668,51 +666,39 @@ def bandwidth_checks(
     test): slow below ``min_ratio`` x the cluster's median or below ``min_rate`` (bits/s). The
     median is over each node's fastest rate, so that one slow node of three is still held to what
     the others reach; a node all of whose pairs are slow is named as the likely culprit."""
-    rates: dict[tuple[Host, Host], float] = {}
+    rates, best = {}, dict.fromkeys(hosts, 0.0)
     for (client, server), r in results.items():
         if r.error is None:
             rates[client, server], rates[server, client] = r.sent * 8, r.received * 8
-    best: dict[Host, float] = {}
     for (a, _), value in rates.items():
-        best[a] = max(best.get(a, 0.0), value)
-    median = statistics.median(best.values()) if best else 0.0
+        best[a] = max(best[a], value)
+    median = statistics.median(v for v in best.values() if v) if rates else 0.0
     floor = max(min_ratio * median, min_rate)
-
-    def slow(a: Host, b: Host) -> bool:
-        return (a, b) not in rates or min(rates[a, b], rates[b, a]) < floor
-
-    pairs = [(a, b) for i, a in enumerate(hosts) for b in hosts[i + 1 :]]
-    pairs = [(a, b) for a, b in pairs if (a, b) in results or (b, a) in results]
-    nodes = [
-        h
-        for h in hosts
-        if len(hosts) > 2
-        and all(slow(a, b) for a, b in pairs if h in (a, b))
-        and any(h in p for p in pairs)
-    ]
+    pairs = sorted(results, key=lambda p: (hosts.index(p[0]), hosts.index(p[1])))
+    slow = {p for p in pairs if min(rates.get(p, 0), rates.get(p[::-1], 0)) < floor}
+    mates = {h: {p for p in pairs if h in p} for h in hosts}
+    nodes = [h for h in hosts if len(hosts) > 2 and mates[h] and mates[h] <= slow]
     checks = []
     for a, b in pairs:
-        r = results.get((a, b)) or results[b, a]
-        bad = slow(a, b)
-        if r.error is not None:
-            detail = f"failed: {r.error}"
-        else:
-            detail = (
+        r, culprit = results[a, b], next((h.label for h in nodes if h in (a, b)), None)
+        detail = (
+            f"failed: {r.error}"
+            if r.error
+            else (
                 f"node->peer {rate_text(rates[a, b])}, peer->node {rate_text(rates[b, a])} "
                 f"on {ifnames.get(a) or r.network}; median {rate_text(median)}"
             )
-        culprit = next((h for h in nodes if h in (a, b)), None)
+        )
         fix = (
-            f"every pair of {culprit.label} is slow: look at that node's NIC (ethtool: speed, "
-            "duplex, errors), cable and switch port"
+            f"every pair of {culprit} is slow: look at that node's NIC (ethtool: speed, duplex, "
+            "errors), cable and switch port"
             if culprit
             else "look at this link: cable, switch ports and negotiated speed on both ends "
             "(ethtool), or other traffic on it"
-        )
-        checks.append(Check("bandwidth", a.label, b.label, not bad, detail, fix if bad else ""))
+        ) * ((a, b) in slow)
+        checks.append(Check("bandwidth", a.label, b.label, (a, b) not in slow, detail, fix))
     matrix = {(a.label, b.label): v for (a, b), v in rates.items()}
-    slow_pairs = [(a.label, b.label) for a, b in pairs if slow(a, b)]
-    return checks, Bandwidth(matrix, median, slow_pairs, [h.label for h in nodes])
+    return checks, Bandwidth(matrix, median, [h.label for h in nodes])
 
 
 def network_checks_bw(
@@ -724,48 +710,38 @@ def network_checks_bw(
 ) -> list[Check]:
     """Per node with more than one network: each one's rate (its fastest pair there, the slower
     direction), which is fastest, and whether the exported interface is it (a failure when another
-    is faster by more than 1/min_ratio)."""
+    is faster by more than 1/min_ratio); and the InfiniBand devices it has."""
     checks = []
     for host in hosts:
-        subnets = _subnets(replies[host]) if host in replies else {}
-        per_net: dict[str, list[float]] = {}
-        for (client, server), tests in results.items():
-            if host in (client, server):
-                for r in tests:
-                    if r.error is None:
-                        per_net.setdefault(r.network, []).append(min(r.sent, r.received) * 8)
-        if len(per_net) < 2:
-            continue
-        names = {str(net): name for net, (name, _) in subnets.items()}
-        speed = {names.get(net, net): max(v) for net, v in per_net.items()}
-        fastest = max(speed, key=lambda n: speed[n])
-        exported = ifnames.get(host) or ""
-        ok = min_ratio * speed[fastest] <= speed.get(exported, 0.0)
-        detail = ", ".join(
-            f"{n}{' (exported)' if n == exported else ''} {rate_text(v)}" for n, v in speed.items()
-        )
-        verdict = "the exported one is fastest" if fastest == exported else f"fastest: {fastest}"
-        fix = (
-            f"list this node by its {fastest} address in the hostfile, or set "
-            f"GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={fastest} (config meshkit.env)"
-        )
+        reply = replies.get(host, BandwidthReply([], [], [], False))
+        names = {net: name for net, (name, _) in _subnets(reply).items()}
+        speed: dict[str, float] = {}
+        for pair, tests in results.items():
+            for r in [t for t in tests if host in pair and not t.error]:
+                net = names.get(r.network, r.network)
+                speed[net] = max(speed.get(net, 0.0), min(r.sent, r.received) * 8)
+        mine = ifnames.get(host) or ""
+        fastest = max(speed, key=lambda n: speed[n], default=mine)
+        if len(speed) > 1:
+            ok = min_ratio * speed[fastest] <= speed.get(mine, 0.0)
+            detail = ", ".join(
+                f"{n}{' (exported)' * (n == mine)} {rate_text(v)}" for n, v in speed.items()
+            )
+            detail += (
+                "; the exported one is fastest" if fastest == mine else f"; fastest: {fastest}"
+            )
+            fix = (
+                f"list this node by its {fastest} address in the hostfile, or set "
+                f"GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={fastest} (config meshkit.env)"
+            ) * (not ok)
+            checks.append(Check("networks", host.label, None, ok, detail, fix))
+        active = ",".join(d.split()[0] for d in reply.infiniband if d.endswith("ACTIVE"))
+        detail = f"{', '.join(reply.infiniband)}; NCCL_IB_HCA={active or '(none active)'}"
         checks.append(
-            Check("networks", host.label, None, ok, f"{detail}; {verdict}", "" if ok else fix)
+            Check(
+                "infiniband", host.label, None, True, detail * any(reply.infiniband) or "none found"
+            )
         )
-    return checks
-
-
-def infiniband_checks(hosts: Sequence[Host], replies: dict[Host, BandwidthReply]) -> list[Check]:
-    checks = []
-    for host in hosts:
-        found = replies[host].infiniband if host in replies else []
-        active = [d.split()[0] for d in found if d.endswith("ACTIVE")]
-        detail = (
-            f"{', '.join(found)}; NCCL_IB_HCA={','.join(active) or '(none active)'}"
-            if found
-            else "none found"
-        )
-        checks.append(Check("infiniband", host.label, None, True, detail))
     return checks
 
 
@@ -783,40 +759,30 @@ def bandwidth_round(
         ListenReply,
         list(pairs.values()),
     )
-    tests: dict[Host, list[BandwidthTarget]] = {}
-    failed: dict[tuple[Host, Host], str] = {}
+    tests, results = {}, {}
     for client, server in pairs.items():
-        got = listens.get(server)
-        if got is None or got.value is None or got.value.error:
-            why = got.value.error if got and got.value else got.error if got else "unreachable"
-            failed[client, server] = f"{server.label} cannot listen: {why}"
-            continue
-        port = got.value.port
-        tests[client] = pair_targets(
-            replies[client], replies[server], ifnames[server], server.label, port
+        got = listens.get(server, Outcome[ListenReply](error="unreachable"))
+        why = got.value.error if got.value else got.error
+        port = got.value.port if got.value else 0
+        tests[client] = (
+            []
+            if why
+            else pair_targets(replies[client], replies[server], ifnames[server], server.label, port)
         )
-        if not tests[client]:
-            failed[client, server] = "no network in common"
+        why = f"{server.label} cannot listen: {why}" if why else "no network in common"
+        results[client, server] = [BandwidthResult(server.label, "", 0.0, 0.0, why)]
     done = pool.call_all(
         "bandwidth",
         lambda h: (
-            BandwidthRequest(tests[h], BW_SECONDS, BW_BYTES, BW_REPEATS) if tests.get(h) else None
+            BandwidthRequest(tests[h], BW_SECONDS, BW_BYTES, BW_REPEATS) if tests[h] else None
         ),
         BandwidthReply,
-        list(tests),
+        list(pairs),
         timeout=bound * max((len(t) for t in tests.values()), default=1) + 30,
     )
-    results = {}
-    for client, server in pairs.items():
-        reply = done.get(client)
-        if (client, server) not in failed and (reply is None or reply.value is None):
-            failed[client, server] = str(reply.error if reply else "unreachable")
-        if (client, server) in failed:
-            results[client, server] = [
-                BandwidthResult(server.label, "", 0.0, 0.0, str(failed[client, server]))
-            ]
-        elif reply is not None and reply.value is not None:
-            results[client, server] = reply.value.results
+    for (client, server), reply in ((p, done[p[0]]) for p in pairs.items() if p[0] in done):
+        failed = [BandwidthResult(server.label, "", 0.0, 0.0, str(reply.error))]
+        results[client, server] = reply.value.results if reply.value else failed
     return results
 
 
@@ -850,34 +816,20 @@ def bandwidth(
         pool.call_all("", lambda h: DoneRequest(None), DoneReply)
     first = {pair: tests[0] for pair, tests in results.items()}
     pair_checks, matrix = bandwidth_checks(hosts, first, ifnames, min_ratio, min_rate)
-    checks += pair_checks
-    checks += network_checks_bw(hosts, replies, results, ifnames, min_ratio)
-    checks += infiniband_checks(hosts, replies)
-    if replies and all(r.torch for r in replies.values()):
-        blocked = any(not c.ok for c in checks if c.check == "rank") or any(
-            r.error for r in first.values()
+    checks += pair_checks + network_checks_bw(hosts, replies, results, ifnames, min_ratio)
+    lacking = [h.label for h in hosts if h not in replies or not replies[h].torch]
+    if lacking:
+        why = f"not run: no torch on {', '.join(lacking)}"
+        checks.append(Check("collective", hosts[0].label, None, True, why))
+    else:
+        blocked = any(
+            c.check == "rank" or c.detail.startswith("failed:") for c in checks if not c.ok
         )
         # sized to take about a second on the slowest link measured (1 to 64 MiB)
         size = int(min(max(min(matrix.rates.values(), default=0) / 16, 1 << 20), 64 << 20))
         probe = collective_round(pool, job, hosts, blocked, probe_seconds, ["--bytes", str(size)])
         checks += probe
-        found_bw = [
-            float(w.removeprefix("busbw="))
-            for c in probe
-            for w in c.detail.split()
-            if w.startswith("busbw=")
-        ]
-        matrix = replace(matrix, busbw=min(found_bw) if found_bw else None)
-    else:
-        lacking = [h.label for h in hosts if h in replies and not replies[h].torch]
-        checks.append(
-            Check(
-                "collective",
-                hosts[0].label,
-                None,
-                True,
-                f"not run: no torch on {', '.join(lacking)}",
-            )
-        )
+        words = [w for c in probe for w in c.detail.split() if w.startswith("busbw=")]
+        matrix = replace(matrix, busbw=min((float(w[6:]) for w in words), default=None))
     checks.sort(key=lambda c: ORDER.index(c.check) if c.check in ORDER else len(ORDER))
     return Report([h.label for h in hosts], checks, matrix)

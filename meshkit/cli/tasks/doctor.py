@@ -172,8 +172,8 @@ def doctor(
             print(f"\n{matrix(bw, report.nodes)}\n")
             print(f"median of the nodes' best rates {ops.rate_text(bw.median)}", end="")
             print(f"; all_reduce busbw {ops.rate_text(bw.busbw)}" if bw.busbw else "")
-            for a, b in bw.slow_pairs:
-                print(f"slow pair: {a} <-> {b}")
+            for f in (f for f in report.failures if f.check == "bandwidth" and f.peer):
+                print(f"slow pair: {f.node} <-> {f.peer}")
             for node in bw.slow_nodes:
                 print(f"slow node: {node} (every one of its pairs)")
         print(f"\n{len(report.checks) - len(bad)}/{len(report.checks)} checks passed")
