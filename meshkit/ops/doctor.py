@@ -626,6 +626,25 @@ def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
     return rounds
 
 
+def disjoint(pairs: Sequence[tuple[Host, Host]]) -> list[list[tuple[Host, Host]]]:
+    """``pairs`` in rounds in which no node is twice (greedy: each into the first that has room)."""
+    rounds: list[list[tuple[Host, Host]]] = []
+    for pair in pairs:
+        free = next((r for r in rounds if not {*pair} & {h for p in r for h in p}), None)
+        free.append(pair) if free is not None else rounds.append([pair])
+    return rounds
+
+
+def _better(r: BandwidthResult) -> tuple[bool, float]:
+    return r.error is None, min(r.sent, r.received)
+
+
+def first_tests(
+    results: dict[tuple[Host, Host], list[BandwidthResult]],
+) -> dict[tuple[Host, Host], BandwidthResult]:
+    return {pair: tests[0] for pair, tests in results.items()}
+
+
 def rate_text(bits: float) -> str:
     for unit, size in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bits >= size:
@@ -750,8 +769,10 @@ def bandwidth_round(
     pairs: dict[Host, Host],
     replies: dict[Host, BandwidthReply],
     ifnames: dict[Host, str | None],
+    networks: int = 64,
 ) -> dict[tuple[Host, Host], list[BandwidthResult]]:
-    """One round: each server (``pairs``' values) listens, each client tests towards it."""
+    """One round: each server (``pairs``' values) listens, each client tests towards it (on its
+    first ``networks`` networks in common)."""
     bound = BW_REPEATS * 2 * (BW_SECONDS + 5)  # one test's worst case (a drain after each try)
     listens = pool.call_all(
         "listen",
@@ -808,13 +829,24 @@ def bandwidth(
             why = found[h].error if h in found else f"unreachable: {pool.failures.get(h)}"
             checks.append(Check("bandwidth", h.label, None, False, str(why), "fix the node"))
     results: dict[tuple[Host, Host], list[BandwidthResult]] = {}
+    todo = [[(hosts[a], hosts[b]) for a, b in r] for r in pair_rounds(len(hosts))]
     try:
-        for round_ in pair_rounds(len(hosts)):
-            pairs = {hosts[a]: hosts[b] for a, b in round_ if {hosts[a], hosts[b]} <= set(replies)}
-            results.update(bandwidth_round(pool, pairs, replies, ifnames))
+        for networks in (64, 1):
+            for round_ in todo:
+                pairs = {a: b for a, b in round_ if {a, b} <= set(replies)}
+                for pair, got in bandwidth_round(pool, pairs, replies, ifnames, networks).items():
+                    old = results.setdefault(pair, got)
+                    results[pair] = [max(two, key=_better) for two in zip(old, got)] + old[
+                        len(got) :
+                    ]
+            # a pair found slow is measured once more, later: on a shared machine one busy
+            # second must not name a link (the better measurement counts; a slow link stays slow)
+            verdict, _ = bandwidth_checks(hosts, first_tests(results), ifnames, min_ratio, min_rate)
+            slow = {(c.node, c.peer) for c in verdict if not c.ok}
+            todo = disjoint([(a, b) for a, b in results if (a.label, b.label) in slow])
     finally:
         pool.call_all("", lambda h: DoneRequest(None), DoneReply)
-    first = {pair: tests[0] for pair, tests in results.items()}
+    first = first_tests(results)
     pair_checks, matrix = bandwidth_checks(hosts, first, ifnames, min_ratio, min_rate)
     checks += pair_checks + network_checks_bw(hosts, replies, results, ifnames, min_ratio)
     lacking = [h.label for h in hosts if h not in replies or not replies[h].torch]
