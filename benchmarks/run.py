@@ -576,6 +576,12 @@ def meshkit_ops(row: Row, opt: Options, repeat: int, meshed: sandbox.Layout | No
         "meshkit_quick",
         lambda: must([*MESHKIT, "doctor", *job, "--quick"], bound(n, base=240), cwd=workdir),
     )
+    # N-1 rounds of N/2 pairs, each pair's test bounded: linear in N, so every N
+    row.sample(
+        "doctor",
+        "meshkit_bandwidth",
+        lambda: must([*MESHKIT, "doctor", *job, "--bandwidth"], bound(n, base=240), cwd=workdir),
+    )
     if "doctor/meshkit" in opt.without:
         row.skip("doctor", "meshkit", "left out with --without")
     elif n <= opt.n2_max:

@@ -30,6 +30,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("round", "clush", "clush -b"),
     ("doctor", "meshkit_quick", "doctor --quick"),
     ("doctor", "meshkit", "doctor"),
+    ("doctor", "meshkit_bandwidth", "doctor --bandwidth"),
     ("train_running", "meshkit", "train: sessions up"),
     ("train_done", "meshkit", "train: ranks done"),
     ("train_running", "meshkit_spawn", "train --spawn: sessions up"),

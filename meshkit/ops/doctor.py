@@ -93,7 +93,7 @@ class Bandwidth:
     network the job uses; the all_reduce's bus bandwidth (bits/s) when it ran."""
 
     rates: dict[tuple[str, str], float]
-    median: float  # of each node's fastest rate
+    median: float  # over the nodes of each one's median rate
     slow_nodes: list[str]  # all of whose pairs are slow
     busbw: float | None = None
 
@@ -683,15 +683,17 @@ def bandwidth_checks(
 ) -> tuple[list[Check], Bandwidth]:
     """One check per pair on the exported network (``results``: (client, server) -> its first
     test): slow below ``min_ratio`` x the cluster's median or below ``min_rate`` (bits/s). The
-    median is over each node's fastest rate, so that one slow node of three is still held to what
-    the others reach; a node all of whose pairs are slow is named as the likely culprit."""
-    rates, best = {}, dict.fromkeys(hosts, 0.0)
+    median is over the nodes of each node's median rate: one slow node of three is still held to
+    what the others reach, and a pair that ran alone in its round (beside a slow one, on a
+    CPU-bound network) does not raise it; a node all of whose pairs are slow is named."""
+    rates, per_node = {}, {h: list[float]() for h in hosts}
     for (client, server), r in results.items():
         if r.error is None:
             rates[client, server], rates[server, client] = r.sent * 8, r.received * 8
-    for (a, _), value in rates.items():
-        best[a] = max(best[a], value)
-    median = statistics.median(v for v in best.values() if v) if rates else 0.0
+    for (a, b), value in rates.items():
+        per_node[a].append(value)
+        per_node[b].append(value)
+    median = statistics.median([statistics.median(v) for v in per_node.values() if v] or [0.0])
     floor = max(min_ratio * median, min_rate)
     pairs = sorted(results, key=lambda p: (hosts.index(p[0]), hosts.index(p[1])))
     slow = {p for p in pairs if min(rates.get(p, 0), rates.get(p[::-1], 0)) < floor}

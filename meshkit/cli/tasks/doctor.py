@@ -170,7 +170,7 @@ def doctor(
         bw = report.bandwidth
         if bw is not None:
             print(f"\n{matrix(bw, report.nodes)}\n")
-            print(f"median of the nodes' best rates {ops.rate_text(bw.median)}", end="")
+            print(f"median (of the nodes' medians) {ops.rate_text(bw.median)}", end="")
             print(f"; all_reduce busbw {ops.rate_text(bw.busbw)}" if bw.busbw else "")
             for f in (f for f in report.failures if f.check == "bandwidth" and f.peer):
                 print(f"slow pair: {f.node} <-> {f.peer}")
