@@ -340,6 +340,10 @@ CHUNK = 256 * 1024
 HEADER = 32  # "sink" or "send SECONDS BYTES", padded: a fixed size, so no data is read with it
 MAX_TEST_SECONDS = 10.0
 MAX_TEST_BYTES = 1 << 30
+# Send buffers bounded: what sits in them when a try ends still has to arrive before it counts,
+# which on a slow link is seconds at the kernel's autotuned 4 MiB (and 256 KiB still carries
+# tens of Gbit/s at LAN round trips).
+SNDBUF = 256 * 1024
 
 
 def _pump(conn: socket.socket, seconds: float, max_bytes: int) -> None:
@@ -362,6 +366,7 @@ def _bandwidth_peer(conn: socket.socket) -> None:
     answers the count; ``send`` sends for the time and bytes asked, then closes."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         conn.settimeout(MAX_TEST_SECONDS + 5)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
         header = b""
         while len(header) < HEADER and (more := conn.recv(HEADER - len(header))):
             header += more
@@ -377,6 +382,7 @@ def _measure(target: BandwidthTarget, seconds: float, max_bytes: int) -> tuple[f
     what is still in buffers when sending stops counts until the peer has it."""
     address = (target.host, target.port)
     with socket.create_connection(address, timeout=MAX_TEST_SECONDS + 5) as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
         started = time.monotonic()
         conn.sendall(b"sink".ljust(HEADER))
         _pump(conn, seconds, max_bytes)
