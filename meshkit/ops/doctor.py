@@ -731,31 +731,34 @@ def network_checks_bw(
 ) -> list[Check]:
     """Per node with more than one network: each one's rate (its fastest pair there, the slower
     direction), which is fastest, and whether the exported interface is it (a failure when another
-    is faster by more than 1/min_ratio); and the InfiniBand devices it has."""
+    is faster by more than 1/min_ratio on every pair, measured in turn); and its InfiniBand
+    devices."""
     checks = []
     for host in hosts:
         reply = replies.get(host, BandwidthReply([], [], [], False))
         names = {net: name for net, (name, _) in _subnets(reply).items()}
-        speed: dict[str, float] = {}
-        for pair, tests in results.items():
-            for r in [t for t in tests if host in pair and not t.error]:
-                net = names.get(r.network, r.network)
-                speed[net] = max(speed.get(net, 0.0), min(r.sent, r.received) * 8)
         mine = ifnames.get(host) or ""
-        fastest = max(speed, key=lambda n: speed[n], default=mine)
+        speed: dict[str, float] = {}
+        faster: dict[str, bool] = {}  # network -> faster than the exported one on every pair
+        for pair, tests in results.items():
+            rate = {names.get(r.network, r.network): min(r.sent, r.received) * 8 for r in tests}
+            for net, value in rate.items() if host in pair and len(tests) > 1 else ():
+                speed[net] = max(speed.get(net, 0.0), value)
+                slow = rate.get(mine, 0.0) < min_ratio * value
+                faster[net] = net != mine and faster.get(net, True) and slow
         if len(speed) > 1:
-            ok = min_ratio * speed[fastest] <= speed.get(mine, 0.0)
+            fastest = max(speed, key=lambda n: (faster[n], speed[n]))
             detail = ", ".join(
                 f"{n}{' (exported)' * (n == mine)} {rate_text(v)}" for n, v in speed.items()
             )
             detail += (
-                "; the exported one is fastest" if fastest == mine else f"; fastest: {fastest}"
+                f"; fastest: {fastest}" if fastest != mine else "; the exported one is fastest"
             )
             fix = (
                 f"list this node by its {fastest} address in the hostfile, or set "
                 f"GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={fastest} (config meshkit.env)"
-            ) * (not ok)
-            checks.append(Check("networks", host.label, None, ok, detail, fix))
+            ) * faster[fastest]
+            checks.append(Check("networks", host.label, None, not faster[fastest], detail, fix))
         active = ",".join(d.split()[0] for d in reply.infiniband if d.endswith("ACTIVE"))
         detail = f"{', '.join(reply.infiniband)}; NCCL_IB_HCA={active or '(none active)'}"
         checks.append(
