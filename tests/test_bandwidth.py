@@ -52,7 +52,7 @@ def results(slow: set[tuple[int, int]], hosts=HOSTS) -> dict:
     found = {}
     for i, j in combinations(range(len(hosts)), 2):
         up, down = (20 * M, 20 * M) if (i, j) in slow else ((9 + i) * G, (11 - j) * G)
-        found[hosts[i], hosts[j]] = BandwidthResult(hosts[j].label, "n", up, down, None)
+        found[hosts[i], hosts[j]] = [BandwidthResult(hosts[j].label, "n", up, down, None)]
     return found
 
 
@@ -82,7 +82,7 @@ def test_a_slow_node_is_named_against_every_peer(count):
 
 def test_a_failed_test_is_a_failed_pair():
     found = results(set())
-    found[HOSTS[1], HOSTS[3]] = BandwidthResult("10.0.0.4", "", 0, 0, "10.0.0.4:1: refused")
+    found[HOSTS[1], HOSTS[3]] = [BandwidthResult("10.0.0.4", "", 0, 0, "10.0.0.4:1: refused")]
     checks, _ = doctor.bandwidth_checks(HOSTS, found, {}, 0.5, 0.0)
     bad = [c for c in checks if not c.ok]
     assert [(c.peer, c.detail) for c in bad] == [("10.0.0.4", "failed: 10.0.0.4:1: refused")]

@@ -639,12 +639,6 @@ def _better(r: BandwidthResult) -> tuple[bool, float]:
     return r.error is None, min(r.sent, r.received)
 
 
-def first_tests(
-    results: dict[tuple[Host, Host], list[BandwidthResult]],
-) -> dict[tuple[Host, Host], BandwidthResult]:
-    return {pair: tests[0] for pair, tests in results.items()}
-
-
 def rate_text(bits: float) -> str:
     for unit, size in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bits >= size:
@@ -676,18 +670,18 @@ def pair_targets(
 
 def bandwidth_checks(
     hosts: Sequence[Host],
-    results: dict[tuple[Host, Host], BandwidthResult],
+    results: dict[tuple[Host, Host], list[BandwidthResult]],
     ifnames: dict[Host, str | None],
     min_ratio: float,
     min_rate: float,
 ) -> tuple[list[Check], Bandwidth]:
-    """One check per pair on the exported network (``results``: (client, server) -> its first
-    test): slow below ``min_ratio`` x the cluster's median or below ``min_rate`` (bits/s). The
-    median is over the nodes of each node's median rate: one slow node of three is still held to
-    what the others reach, and a pair that ran alone in its round (beside a slow one, on a
-    CPU-bound network) does not raise it; a node all of whose pairs are slow is named."""
+    """One check per pair on the exported network (``results``: (client, server) -> its tests,
+    that network's first): slow below ``min_ratio`` x the cluster's median or below ``min_rate``
+    (bits/s). The median is over the nodes of each node's median rate: one slow node of three is
+    still held to what the others reach, and a pair that ran alone in its round (beside a slow
+    one, on a CPU-bound network) does not raise it; a node all of whose pairs are slow is named."""
     rates, per_node = {}, {h: list[float]() for h in hosts}
-    for (client, server), r in results.items():
+    for (client, server), (r, *_) in results.items():
         if r.error is None:
             rates[client, server], rates[server, client] = r.sent * 8, r.received * 8
     for (a, b), value in rates.items():
@@ -701,7 +695,7 @@ def bandwidth_checks(
     nodes = [h for h in hosts if len(hosts) > 2 and mates[h] and mates[h] <= slow]
     checks = []
     for a, b in pairs:
-        r, culprit = results[a, b], next((h.label for h in nodes if h in (a, b)), None)
+        r, culprit = results[a, b][0], next((h.label for h in nodes if h in (a, b)), None)
         detail = (
             f"failed: {r.error}"
             if r.error
@@ -760,12 +754,9 @@ def network_checks_bw(
             ) * faster[fastest]
             checks.append(Check("networks", host.label, None, not faster[fastest], detail, fix))
         active = ",".join(d.split()[0] for d in reply.infiniband if d.endswith("ACTIVE"))
-        detail = f"{', '.join(reply.infiniband)}; NCCL_IB_HCA={active or '(none active)'}"
-        checks.append(
-            Check(
-                "infiniband", host.label, None, True, detail * any(reply.infiniband) or "none found"
-            )
-        )
+        found = ", ".join(reply.infiniband)
+        detail = f"{found}; NCCL_IB_HCA={active or '(none active)'}" if found else "none found"
+        checks.append(Check("infiniband", host.label, None, True, detail))
     return checks
 
 
@@ -847,13 +838,12 @@ def bandwidth(
             # a pair found slow is measured again (twice at most), later and on the exported
             # network only: on a shared machine one busy second must not name a link (the better
             # measurement counts; a slow link stays slow)
-            verdict, _ = bandwidth_checks(hosts, first_tests(results), ifnames, min_ratio, min_rate)
+            verdict, _ = bandwidth_checks(hosts, results, ifnames, min_ratio, min_rate)
             slow = {(c.node, c.peer) for c in verdict if not c.ok}
             todo = disjoint([(a, b) for a, b in results if (a.label, b.label) in slow])
     finally:
         pool.call_all("", lambda h: DoneRequest(None), DoneReply)
-    first = first_tests(results)
-    pair_checks, matrix = bandwidth_checks(hosts, first, ifnames, min_ratio, min_rate)
+    pair_checks, matrix = bandwidth_checks(hosts, results, ifnames, min_ratio, min_rate)
     checks += pair_checks + network_checks_bw(hosts, replies, results, ifnames, min_ratio)
     lacking = [h.label for h in hosts if h not in replies or not replies[h].torch]
     if lacking:

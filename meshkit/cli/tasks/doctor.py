@@ -43,28 +43,25 @@ def matrix(bw: Bandwidth, nodes: list[str]) -> str:
     return table(["Gbit/s from \\ to", *map(str, range(len(nodes)))], rows)
 
 
+def _cell(v: float, top: float) -> str:
+    return (
+        "<td>-</td>"
+        if v != v
+        else f'<td style="background:hsl({120 * v / top:.0f},70%,60%)">{v:.3g}</td>'
+    )
+
+
 def heatmap(bw: Bandwidth, nodes: list[str], path: str) -> None:
     """The pair matrix as a heatmap: PNG through matplotlib (the extra 'plot'), or plain HTML."""
     grid = [[bw.rates.get((a, b), math.nan) / 1e9 for b in nodes] for a in nodes]
-    if path.endswith(".html"):
-        top = max(bw.rates.values(), default=0.0) / 1e9 or 1.0
-        cells = "".join(
-            "<tr><th>"
-            + html.escape(a)
-            + "</th>"
-            + "".join(
-                f'<td style="background:hsl({120 * v / top:.0f},70%,60%)">{v:.3g}</td>'
-                if v == v
-                else "<td>-</td>"
-                for v in row
-            )
-            + "</tr>"
+    if path.endswith(".html"):  # green at the fastest, red at none
+        top = max(bw.rates.values(), default=1.0) / 1e9
+        rows = "".join(
+            f"<tr><th>{html.escape(a)}</th>" + "".join(_cell(v, top) for v in row) + "</tr>"
             for a, row in zip(nodes, grid)
         )
-        head = "".join(f"<th>{html.escape(b)}</th>" for b in nodes)
-        text = f"<table><tr><th>Gbit/s from \\ to</th>{head}</tr>{cells}</table>\n"
         with open(path, "w") as handle:
-            handle.write(f"<!doctype html><title>meshkit bandwidth</title>{text}")
+            handle.write(f"<!doctype html><title>meshkit bandwidth</title><table>{rows}</table>\n")
         return
     try:
         import matplotlib
