@@ -72,15 +72,16 @@ def heatmap(bw: Bandwidth, nodes: list[str], path: str) -> None:
         raise UsageError(
             f"--plot {path}: PNG needs matplotlib: pip install 'meshkit[plot]' (or write .html)"
         ) from None
-    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(nodes), 0.8 + 0.5 * len(nodes)))
+    fig, ax = plt.subplots(figsize=(2.2 + 0.7 * len(nodes), 1.2 + 0.55 * len(nodes)))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0)
     ax.set_xticks(range(len(nodes)), [str(i) for i in range(len(nodes))])
     ax.set_yticks(range(len(nodes)), [f"{i} {n}" for i, n in enumerate(nodes)])
     for i, row in enumerate(grid):
         for j, v in enumerate(row):
-            ax.text(j, i, "" if v != v else f"{v:.3g}", ha="center", va="center", fontsize=8)
-    ax.set(xlabel="to", ylabel="from", title="meshkit doctor --bandwidth")
-    fig.colorbar(image, label="Gbit/s from row to column")
+            label = "" if v != v else f"{v:.3g}" if v >= 1 else f"{v * 1e3:.3g}M"
+            ax.text(j, i, label, ha="center", va="center", fontsize=8)
+    ax.set(xlabel="to", ylabel="from", title="Gbit/s (M: Mbit/s)")
+    fig.colorbar(image)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
