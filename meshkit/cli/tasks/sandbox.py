@@ -196,13 +196,11 @@ def shape(
 ) -> None:
     """Slow a link both ways (--peer), or a node's whole interface, with tc (undo: sandbox.unshape)."""
     with reported():
-        index = _pair(node, 0 if peer is None else peer)[0]
-        if rate_ is None:
-            raise UsageError("give the rate: --rate RATE (e.g. --rate 20Mbit)")
-        bits = int(rate(rate_, "--rate"))
+        index, other = _pair(node, 0 if peer is None else peer)
+        bits = int(rate(rate_ or "", "--rate"))
         sandbox.preflight()
         sandbox.shape(
-            sandbox.load(_dir(c, dir, name)), index, None if peer is None else int(peer), bits
+            sandbox.load(_dir(c, dir, name)), index, None if peer is None else other, bits
         )
     what = f"node{node} <-> node{peer}" if peer is not None else f"node{node} (all its traffic)"
     print(f"shaped: {what} at {rate_} (undo: meshkit sandbox.unshape)")
