@@ -46,6 +46,10 @@ def test_a_script_meshes_trains_watches_and_stops_a_job(cluster, capsys):
 
     report = api.doctor(quick=True)
     assert report.ok, [c for c in report.checks if not c.ok]
+    # every pair measured, both ways (rates on a shared 2-core machine are not asserted here)
+    measured = api.doctor(bandwidth=True).checks
+    pairs = {(c.node, c.peer) for c in measured if c.check == "bandwidth"}
+    assert len(pairs) == SANDBOX_NODES * (SANDBOX_NODES - 1) // 2, measured
     assert capsys.readouterr().out == ""  # the API prints nothing
 
 
@@ -56,3 +60,5 @@ def test_bad_input_raises_the_clis_errors(cluster):
         Cluster(str(cluster.hostfile), session="a.b").status()
     with pytest.raises(UsageError, match="nproc-per-node"):
         Cluster(str(cluster.hostfile), session="api2").train("true", nproc_per_node="²")
+    with pytest.raises(UsageError, match="min_ratio"):
+        Cluster(str(cluster.hostfile)).doctor(bandwidth=True, min_ratio=2)
