@@ -365,17 +365,27 @@ class DiagnoseReply:
 
 
 @record
-class UnsuperviseRequest:
-    """End the supervisor of ``job_id`` if it runs on this node."""
+class SupervisorRequest:
+    """The job's supervisor on this node, and this node's copy of the supervision record.
+    ``action``: look; ``start`` one (``argv``, in tmux ``tmux_session``) unless one is live here;
+    ``end`` it (and drop the copy). ``record``: write it as the copy unless the copy is newer than
+    ``version`` (compare-and-set: two writers that read the same version cannot both win)."""
 
     job_id: str
     tmux_session: str
+    action: Literal["look", "start", "end"] = "look"
+    argv: list[str] = field(default_factory=list)
+    record: str | None = None
+    version: int = 0
 
 
 @record
-class UnsuperviseReply:
-    found: bool
-    left: list[int]
+class SupervisorReply:
+    pid: int | None  # the live supervisor here (found before an ``end``)
+    beat: float | None  # seconds since it last beat, on this node's clock (None: none here)
+    left: list[int]  # an ended supervisor's processes that survived TERM and KILL
+    record: str | None  # this node's copy, after the write
+    written: bool = False
 
 
 @record
@@ -438,7 +448,7 @@ OPS: dict[str, tuple[type[Any], type[Any], str]] = {
     "doctor_done": (DoneRequest, DoneReply, "doctor.done"),
     "doctor_probe": (ProbeRequest, ProbeReply, "doctor.probe"),
     "doctor_bandwidth": (BandwidthRequest, BandwidthReply, "doctor.bandwidth"),
-    "unsupervise": (UnsuperviseRequest, UnsuperviseReply, "supervise.unsupervise"),
+    "supervisor": (SupervisorRequest, SupervisorReply, "supervise.supervisor"),
     "manifest": (ManifestRequest, ManifestReply, "sync.manifest"),
     "put": (PutRequest, PutReply, "sync.put"),
 }
@@ -460,7 +470,7 @@ if TYPE_CHECKING:
         DoneRequest,
         ProbeRequest,
         BandwidthRequest,
-        UnsuperviseRequest,
+        SupervisorRequest,
         ManifestRequest,
         PutRequest,
     ]
@@ -479,7 +489,7 @@ if TYPE_CHECKING:
         DoneReply,
         ProbeReply,
         BandwidthReply,
-        UnsuperviseReply,
+        SupervisorReply,
         ManifestReply,
         PutReply,
     ]

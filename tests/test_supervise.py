@@ -12,11 +12,14 @@ from meshkit.ops import supervise as sup
 from meshkit.ops.supervise import (
     DONE,
     GAVE_UP,
+    RELAUNCHING,
     RUNNING,
     NodeView,
     Record,
     backoff,
     decide,
+    newest,
+    next_step,
     record_from_json,
     restartable,
     views,
@@ -77,36 +80,55 @@ def test_backoff_doubles_and_is_capped():
 
 
 def test_record_round_trip_and_status_fields():
-    rec = Record(GAVE_UP, 3, 0, "node 1 exited with code 1", "node1", [1, 143, 143])
+    rec = Record(GAVE_UP, 3, 0, "node 1 exited with code 1", [1, 143, 143], 7, 1, None)
     assert record_from_json(rec.to_json()) == rec
     assert record_from_json("{}") is None and record_from_json(None) is None
     job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
     rows = [ops.StatusRow(0, "a", "exited", 1, None, None)]
-    out = sup.with_supervision(job, rows, rec.to_json())[0].as_json()
+    out = sup.with_supervision(job, rows, rec, None)[0].as_json()
     assert (out["supervisor"], out["attempt"], out["restarts_left"]) == (GAVE_UP, 3, 0)
     assert out["exit_code"] == 1 and out["last_restart_reason"] == "node 1 exited with code 1"
     plain = Job("x", "/w", "s", "/h", "/p", 1)
-    assert "supervisor" not in sup.with_supervision(plain, rows, None)[0].as_json()
-    assert sup.with_supervision(job, rows, "{}")[0].as_json()["supervisor"] is None
+    assert "supervisor" not in sup.with_supervision(plain, rows, None, None)[0].as_json()
+    assert sup.with_supervision(job, rows, None, None)[0].as_json()["supervisor"] is None
 
 
-def test_a_running_record_not_rewritten_for_long_is_not_responding():
-    """A supervisor whose machine rebooted leaves a record that says running: status must not
-    repeat it once the heartbeat is stale."""
+def test_status_names_the_leader_and_a_held_relaunch_and_an_unbacked_record():
+    """Status shows the lowest live supervisor as the leader and what holds a relaunch; a
+    running record that no live supervisor backs (every node's died) is "not responding"."""
     job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
-    rows = [ops.StatusRow(0, "a", "running", None, None, None)]
-    now = 1_000_000.0
+    rows = [ops.StatusRow(0, "a", "absent", None, None, None)]
+    held = Record(RELAUNCHING, 2, 1, "node 1 exited", held="b: workdir: /w: Read-only")
+    out = sup.with_supervision(job, rows, held, 1)[0].as_json()
+    assert (out["supervisor"], out["leader"], out["held"]) == (RELAUNCHING, 1, held.held)
+    gone = sup.with_supervision(job, rows, Record(RUNNING, 1, 2), None)[0].as_json()
+    assert gone["supervisor"] == "not responding" and "no node has a live" in str(
+        gone["last_restart_reason"]
+    )
+    done = sup.with_supervision(job, rows, Record(DONE, 1, 2), None)[0].as_json()
+    assert done["supervisor"] == DONE and done["leader"] is None
 
-    def shown(record: Record) -> dict:
-        return sup.with_supervision(job, rows, record.to_json(), now)[0].as_json()
 
-    fresh = Record(RUNNING, 1, 2, None, "ctl", heartbeat=now - 20)
-    assert shown(fresh)["supervisor"] == RUNNING
-    stale = shown(Record(RUNNING, 1, 2, None, "ctl", heartbeat=now - 600))
-    assert stale["supervisor"] == "not responding"
-    assert "ctl was last written 600s ago" in stale["last_restart_reason"]
-    assert shown(Record(GAVE_UP, 3, 0, "x", "ctl", heartbeat=now - 600))["supervisor"] == GAVE_UP
-    assert shown(Record(RUNNING, 1, 2, None, "ctl"))["supervisor"] == RUNNING  # no heartbeat
+def test_the_newest_copy_wins_and_the_lowest_live_rank_leads():
+    old, new = Record(RUNNING, 1, 2, version=3), Record(RELAUNCHING, 2, 1, version=4, by=1)
+    assert newest([old.to_json(), None, "junk", new.to_json()]) == new
+    assert newest([None]) is None
+    assert next_step(0, {0, 1, 2}, old) == "watch"
+    assert next_step(1, {0, 1, 2}, old) == "follow"
+    assert next_step(1, {1, 2}, old) == "watch"  # node 0's supervisor is gone: node 1 leads
+    # a claimed relaunch: its live claimer finishes it, whoever leads ...
+    assert next_step(0, {0, 1}, new) == "follow" and next_step(1, {0, 1}, new) == "resume"
+    # ... else the leader takes it over (the same attempt, never a new one)
+    assert next_step(0, {0, 2}, new) == "resume" and next_step(2, {0, 2}, new) == "follow"
+    for final in (DONE, GAVE_UP):
+        assert next_step(0, {0}, Record(final, 1, 0)) == "end"
+    assert next_step(0, {0}, None) == "end"
+
+
+def test_liveness_is_a_live_pid_with_a_fresh_heartbeat():
+    assert sup.alive(p.SupervisorReply(12, 1.0, [], None))
+    assert not sup.alive(p.SupervisorReply(12, sup.STALE + 1, [], None))  # hung, or its clock
+    assert not sup.alive(p.SupervisorReply(None, None, [], None))
 
 
 def test_job_keeps_its_policy_and_marks_later_attempts():
@@ -141,27 +163,42 @@ from contextlib import nullcontext  # noqa: E402
 from test_ops_jobs import HOSTS, FakePool, healthy  # noqa: E402
 
 from meshkit import protocol as p  # noqa: E402
-from meshkit.ops.supervise import supervise  # noqa: E402
+from meshkit.node.supervise import version_of  # noqa: E402
+from meshkit.ops.supervise import Supervisor  # noqa: E402
+from meshkit.remote.group import Outcome  # noqa: E402
 
 
 class ScriptedPool(FakePool):
-    """``status`` answers come from a script, one poll at a time (the last one repeats)."""
+    """``status`` answers come from a script, one poll at a time (the last one repeats); the
+    ``supervisor`` op keeps each node's record copy with the node's own compare-and-set rule,
+    and says the supervisors of ``live`` ranks run."""
 
-    def __init__(self, polls: list[list[p.StatusReply]]) -> None:
+    def __init__(self, polls: list[list[p.StatusReply]], live: set[int]) -> None:
         super().__init__(healthy())
-        self.polls = polls
+        self.polls, self.live = polls, live
+        self.copies: dict[object, str | None] = {h: None for h in HOSTS}
 
     def call_all(self, phase, request_for, expect, hosts=None, timeout=None):
         if expect is p.StatusReply:
             poll = self.polls.pop(0) if len(self.polls) > 1 else self.polls[0]
             self.replies["status"] = dict(zip(HOSTS, poll))
+        if expect is p.SupervisorReply:
+            out = {}
+            for h in hosts if hosts is not None else HOSTS:
+                r = request_for(h)
+                self.calls.append(("supervisor", h, r))
+                written = r.record is not None and version_of(self.copies[h]) <= r.version
+                if written:
+                    self.copies[h] = r.record
+                pid = 1 if HOSTS.index(h) in self.live else None
+                beat = 0.0 if pid else None
+                out[h] = Outcome(p.SupervisorReply(pid, beat, [], self.copies[h], written))
+            return out
         return super().call_all(phase, request_for, expect, hosts, timeout)
 
 
-def run(job: Job, polls: list[list[p.StatusReply]]):
-    pool = ScriptedPool(polls)
+def loop(job: Job, pool: ScriptedPool, me: int = 0, gate=lambda *a: []):
     launched: list[int] = []
-    saved: list[Record] = []
 
     def relaunch(pool_, job_, attempt):
         launched.append(attempt)
@@ -172,18 +209,25 @@ def run(job: Job, polls: list[list[p.StatusReply]]):
             False,
         )
 
-    final = supervise(
+    final = Supervisor(
         lambda wait: nullcontext(pool),
         job,
         HOSTS,
-        save=lambda _p, r: saved.append(r),
-        say=lambda _m: None,
-        host="node0",
+        me,
+        lambda _m: None,
         interval=0,
         base_backoff=0,
         relaunch=relaunch,
-    )
-    return final, launched, saved, pool
+        gate=gate,
+    ).run()
+    return final, launched
+
+
+def run(job: Job, polls: list[list[p.StatusReply]]):
+    pool = ScriptedPool(polls, {0})
+    sup.write(pool, job, HOSTS, Record(RUNNING, 1, job.restarts), 0, every=True)
+    final, launched = loop(job, pool)
+    return final, launched, pool
 
 
 def st(state: str, code: int | None = None, started: float = 1.0) -> p.StatusReply:
@@ -195,20 +239,20 @@ def test_loop_restarts_a_failed_attempt_then_ends_done():
     running = [st("running")] * 3
     failed = [st("running"), st("exited", 1), st("running")]
     ok = [st("exited", 0, 2.0)] * 3
-    final, launched, saved, pool = run(job, [running, failed, running, ok])
+    final, launched, pool = run(job, [running, failed, running, ok])
     assert launched == [2]
     assert (final.supervisor, final.attempt, final.restarts_left) == (DONE, 2, 1)
     assert final.last_restart_reason == "node 1 (10.0.0.2) exited with code 1"
     assert [h for op, h, _ in pool.calls if op == "stop"] == HOSTS  # the whole job, once
-    assert saved[-1] == final
-    running_saves = [r for r in saved if r.supervisor == RUNNING]
-    assert running_saves and all(r.heartbeat is not None for r in running_saves)
+    assert all(newest([c]) == final for c in pool.copies.values())  # on every node
+    starts = [r for op, _, r in pool.calls if op == "supervisor" and r.action == "start"]
+    assert len(starts) == 3  # a supervisor on every node again where none is live
 
 
 def test_loop_gives_up_when_restarts_run_out_keeping_exit_codes():
     job = Job("x", "/w", "s", "/h", "/p", 1, restarts=1)
     failed = [st("exited", 3)] * 3
-    final, launched, _, pool = run(job, [failed])
+    final, launched, pool = run(job, [failed])
     assert launched == [2] and (final.supervisor, final.attempt, final.restarts_left) == (
         GAVE_UP,
         2,
@@ -219,3 +263,37 @@ def test_loop_gives_up_when_restarts_run_out_keeping_exit_codes():
     )
     stops = [r for op, _, r in pool.calls if op == "stop"]
     assert len(stops) == 3 and not any(r.keep_exit for r in stops)  # only the restart's stop
+
+
+class Died(Exception):
+    """The leader's process ending mid-relaunch."""
+
+
+def test_a_leader_dying_mid_relaunch_leaves_one_relaunch_finished_by_the_next():
+    """Node 0 claims attempt 2 and dies while its health gate holds; node 1, once node 0's
+    supervisor is gone, finishes attempt 2: one relaunch, one attempt number, and the gate
+    named in the record meanwhile."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=3)
+    running, failed = [st("running")] * 3, [st("running"), st("exited", 1), st("running")]
+    pool = ScriptedPool([failed], {0, 1})
+    sup.write(pool, job, HOSTS, Record(RUNNING, 1, 3), 0, every=True)
+
+    def dies(*_a):
+        held = newest(pool.copies.values())
+        assert held is not None and held.supervisor == RELAUNCHING and held.by == 0
+        raise Died
+
+    with pytest.raises(Died):
+        loop(job, pool, 0, gate=dies)
+    pool.live = {1}  # node 0's supervisor is gone; node 1's looks and leads
+    holds = iter([["10.0.0.3: workdir: /w: Read-only file system"], []])
+    pool.polls = [running, [st("exited", 0, 2.0)] * 3]
+    final, launched = loop(job, pool, 1, gate=lambda *a: next(holds))
+    assert launched == [2] and (final.supervisor, final.attempt, final.restarts_left) == (
+        DONE,
+        2,
+        2,
+    )
+    writes = [newest([r.record]) for op, h, r in pool.calls if op == "supervisor" and r.record]
+    assert any(w and w.held and w.by == 1 for w in writes)  # the held gate, by the new leader
+    assert {w.attempt for w in writes if w} == {1, 2}

@@ -1,6 +1,8 @@
-"""Supervised jobs on the sandbox (real sshd, tmux, torchrun with gloo): a killed worker and a
-rebooted node each restart the whole job with the same ranks, which then completes; exhausted
-restarts leave a supervisor that says why; stop ends the supervisor first."""
+"""Supervised jobs on the sandbox (real sshd, tmux, torchrun with gloo), a supervisor on every
+node: a killed worker and a rebooted node (node 0, where the job was launched, included) each
+restart the whole job with the same ranks, which then completes; a relaunch waits while a
+doctor's check fails, and its leader killed meanwhile leaves exactly one relaunch; exhausted
+restarts leave a record that says why; stop ends every supervisor first."""
 
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def test_exhausted_restarts_give_up_with_the_reason_and_last_exit_codes(meshed):
     lay, workdir = meshed
     n = len(lay.nodes)
     out = train(lay, workdir, "gives", "--restarts", "1", "--cmd", "echo trying; exit 3")
-    assert "supervisor: tmux session" in out.stdout
+    assert "supervisors: tmux session" in out.stdout and "on every node" in out.stdout
     rows = wait_for(lambda: supervisor_is(lay, workdir, "gives", "gave up"), timeout=120)
     assert [r["exit_code"] for r in rows] == [3] * n
     assert [r["state"] for r in rows] == ["exited"] * n
@@ -123,16 +125,91 @@ def test_a_rebooted_node_is_relaunched_once_it_is_back(meshed):
     check_results(results_of(workdir, "reboot", n, 2), n)
 
 
-def test_stop_ends_the_supervisor_first(meshed):
+def supervisors(lay, session: str) -> list[list[str]]:
+    """Each node's supervisor processes of ``session`` (command lines)."""
+    found = []
+    for node in lay.nodes:
+        out = sandbox.node_exec(node, ["pgrep", "-af", "meshkit supervise"]).stdout
+        found.append([ln for ln in out.splitlines() if f"--session {session} " in ln])
+    return found
+
+
+def test_a_rebooted_launching_node_is_relaunched_with_no_command(meshed):
+    """Node 0 launched the job and is its master: its reboot takes its supervisor with it, the
+    others carry on without it (node 1 leads), relaunch the job on every node with the same
+    ranks, and start node 0's supervisor again."""
+    lay, workdir = meshed
+    n = len(lay.nodes)
+    train(
+        lay, workdir, "reboot0", "--restarts", "1", "--nproc-per-node", str(NPROC), "--cmd", TORCH
+    )
+    wait_for(lambda: len(results_of(workdir, "reboot0", n, 1)) == n * NPROC, timeout=180)
+    assert status(lay, workdir, "reboot0")[0]["leader"] == 0
+    sandbox.reboot(lay, 0)
+    rows = wait_for(lambda: supervisor_is(lay, workdir, "reboot0", "done", "gave up"), timeout=300)
+    assert rows[0]["supervisor"] == "done", rows
+    assert rows[0]["attempt"] == 2 and "node 0 " in str(rows[0]["last_restart_reason"])
+    check_results(results_of(workdir, "reboot0", n, 2), n)
+    log = (workdir / ".meshkit" / "reboot0" / "supervisor-node1.log").read_text()
+    assert "attempt 2: relaunching" in log and "attempt 2 started" in log  # node 1 led it
+    assert "supervising" in (workdir / ".meshkit" / "reboot0" / "supervisor-node0.log").read_text()
+
+
+def test_a_leader_killed_during_a_held_relaunch_leaves_exactly_one_relaunch(meshed):
+    """A relaunch waits while a doctor's check fails on a node (here node 2's workdir goes
+    read-only) and status names the node and the check; the leader killed meanwhile, node 1
+    finishes the same attempt once the check passes: one relaunch, attempt 2 only."""
+    lay, workdir = meshed
+    train(lay, workdir, "held", "--restarts", "3", "--cmd", "sleep 600")
+    assert wait_for(lambda: all(supervisors(lay, "held")), timeout=60)
+    rows = status(lay, workdir, "held")
+    assert (rows[0]["supervisor"], rows[0]["leader"]) == ("running", 0)
+    ro = f"mount --bind {workdir} {workdir} && mount -o remount,bind,ro {workdir}"
+    assert sandbox.node_exec(lay.nodes[2], ["sh", "-c", ro]).returncode == 0
+    try:
+        sandbox.node_exec(lay.nodes[1], ["pkill", "-9", "-f", "^sleep 600"])
+        rows = wait_for(lambda: (r := status(lay, workdir, "held")) and r[0]["held"] and r)
+        assert rows[0]["supervisor"] == "relaunching" and rows[0]["attempt"] == 2
+        held = str(rows[0]["held"])
+        assert held.startswith(f"{lay.nodes[2].address}: workdir: "), held
+        text = on_node(lay, 1, workdir, "status", "--session", "held").stdout
+        assert "relaunch held by " in text and "(leader: node 0)" in text
+        for pid in supervisors(lay, "held")[0]:
+            sandbox.node_exec(lay.nodes[0], ["kill", "-9", pid.split()[0]])
+        rows = wait_for(lambda: (r := status(lay, workdir, "held")) and r[0]["leader"] == 1 and r)
+        assert rows[0]["supervisor"] == "relaunching" and rows[0]["attempt"] == 2
+    finally:
+        sandbox.node_exec(lay.nodes[2], ["umount", str(workdir)])
+    rows = wait_for(
+        lambda: (
+            (r := status(lay, workdir, "held"))
+            and r[0]["supervisor"] == "running"
+            and all(x["state"] == "running" for x in r)
+            and r
+        ),
+        timeout=120,
+    )
+    assert (rows[0]["attempt"], rows[0]["restarts_left"], rows[0]["held"]) == (2, 2, None)
+    for rank in range(len(lay.nodes)):
+        text = (workdir / ".meshkit" / "held" / f"node{rank}.log").read_text()
+        assert text.count("===== meshkit: attempt") == 1 and "attempt 2 of 4" in text
+    # node 0's supervisor is back (the relaunch starts one wherever none is live), and leads
+    wait_for(lambda: all(len(s) == 1 for s in supervisors(lay, "held")), timeout=60)
+    wait_for(lambda: status(lay, workdir, "held")[0]["leader"] == 0, timeout=60)
+    assert on_node(lay, 2, workdir, "stop", "--session", "held").returncode == 0
+    assert supervisors(lay, "held") == [[]] * len(lay.nodes)
+
+
+def test_stop_ends_every_supervisor_first(meshed):
     lay, workdir = meshed
     train(lay, workdir, "stopme", "--restarts", "3", "--cmd", "sleep 600", node=1)
     assert status(lay, workdir, "stopme")[0]["supervisor"] == "running"
+    assert wait_for(lambda: all(supervisors(lay, "stopme")), timeout=60)
     out = on_node(lay, 2, workdir, "stop", "--session", "stopme")
     assert out.returncode == 0, out.stdout + out.stderr
-    tmux = sandbox.node_exec(lay.nodes[1], ["tmux", "ls"]).stdout
-    assert "stopme" not in tmux
+    for node in lay.nodes:
+        assert "stopme" not in sandbox.node_exec(node, ["tmux", "ls"]).stdout
     rows = status(lay, workdir, "stopme")
     assert [r["state"] for r in rows] == ["absent"] * len(lay.nodes)
-    assert rows[0]["supervisor"] is None
-    left = sandbox.node_exec(lay.nodes[1], ["pgrep", "-af", "meshkit supervise"]).stdout
-    assert [ln for ln in left.splitlines() if "pgrep" not in ln] == []
+    assert rows[0]["supervisor"] is None and rows[0]["leader"] is None
+    assert supervisors(lay, "stopme") == [[]] * len(lay.nodes)

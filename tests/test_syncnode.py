@@ -1,4 +1,5 @@
-"""The node side of sync (manifest, chunked put) and of ending a supervisor, on this machine."""
+"""The node side of sync (manifest, chunked put) and of supervision (ending a supervisor, the
+record's compare-and-set), on this machine."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from meshkit.node.sync import manifest, put
 from meshkit.protocol import (
     ManifestRequest,
     PutRequest,
-    UnsuperviseRequest,
+    SupervisorRequest,
     decode_request,
     encode_request,
 )
@@ -58,7 +59,7 @@ def test_put_writes_chunks_then_moves_the_file_into_place_with_mode_and_mtime(tm
 
 def test_new_ops_round_trip_and_have_handlers():
     for request in (
-        UnsuperviseRequest("ab" * 8, "s-abababab-sup"),
+        SupervisorRequest("ab" * 8, "s-abababab-sup", "start", ["x"], "{}", 3),
         ManifestRequest("/w", [".git"]),
         PutRequest("/w/x", "AA==", 0, True, 0o600, 1.0),
     ):
@@ -66,19 +67,41 @@ def test_new_ops_round_trip_and_have_handlers():
         assert back == request and callable(handler(op))
 
 
-def test_unsupervise_ends_only_the_registered_supervisor(tmp_path, monkeypatch):
-    monkeypatch.setattr(nsup, "supervisors_root", lambda: tmp_path)
+def test_end_stops_only_the_registered_supervisor_and_drops_the_copy(tmp_path, monkeypatch):
+    monkeypatch.setattr(nsup, "supervisors_root", lambda: str(tmp_path))
     job_id = "cd" * 8
+    nsup.supervisor(SupervisorRequest(job_id, "", record='{"version": 1}', version=0))
     # a stand-in supervisor: its command line says "supervise", as the real one's does
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "supervise"])
     try:
         Path(nsup.pid_file(job_id)).write_text(f"{proc.pid}\n")
-        assert nsup.supervisor_pid(job_id) == proc.pid
-        reply = nsup.unsupervise(UnsuperviseRequest(job_id, ""))
-        assert reply.found and reply.left == []
+        look = nsup.supervisor(SupervisorRequest(job_id, ""))
+        assert look.pid == proc.pid and look.beat is not None and look.beat < 60
+        reply = nsup.supervisor(SupervisorRequest(job_id, "", "end"))
+        assert reply.pid == proc.pid and reply.left == []
         assert proc.wait(10) is not None and not Path(nsup.pid_file(job_id)).exists()
-        again = nsup.unsupervise(UnsuperviseRequest(job_id, ""))
-        assert not again.found
+        again = nsup.supervisor(SupervisorRequest(job_id, ""))
+        assert again.pid is None and again.record is None  # the copy went with it
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_record_copy_is_compare_and_set_on_its_version(tmp_path, monkeypatch):
+    """Two writers that read version 1 both ask to write version 2: only the first wins; a copy
+    that is missing or unreadable (a rebooted node) takes any write."""
+    monkeypatch.setattr(nsup, "supervisors_root", lambda: str(tmp_path))
+    job_id = "ef" * 8
+
+    def put_(text: str, version: int) -> bool:
+        return nsup.supervisor(SupervisorRequest(job_id, "", record=text, version=version)).written
+
+    assert put_('{"version": 1, "by": 0}', 0)
+    assert put_('{"version": 2, "by": 1}', 1)
+    assert not put_('{"version": 2, "by": 2}', 1)
+    assert nsup.supervisor(SupervisorRequest(job_id, "")).record == '{"version": 2, "by": 1}'
+    assert nsup.version_of("not json") == 0 and nsup.version_of(None) == 0
+    Path(nsup.pid_file(job_id, "json")).write_text("garbage")
+    assert put_('{"version": 3}', 0)
+    with pytest.raises(ValueError, match="bad job id"):
+        nsup.supervisor(SupervisorRequest("../x", ""))

@@ -1,12 +1,17 @@
-"""A node's view of job supervisors: where a running supervisor registers itself, and ending it
-(``stop`` ends the supervisor before the job, wherever it runs). Standard library only."""
+"""A node's view of a job's supervisors: the one running here (its pid file is its heartbeat),
+and this node's copy of the supervision record, written only by compare-and-set. Both live in
+``/tmp``: a reboot empties them, so a rebooted node has no supervisor and no copy, which is the
+truth. Standard library only."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
+import time
 
-from ..protocol import UnsuperviseReply, UnsuperviseRequest
+from ..protocol import SupervisorReply, SupervisorRequest
 from . import jobs, procs, tmux
 from .files import read_text, write_atomic
 
@@ -15,10 +20,10 @@ def supervisors_root() -> str:
     return f"/tmp/meshkit-{os.getuid()}/supervisors"
 
 
-def pid_file(job_id: str) -> str:
+def pid_file(job_id: str, kind: str = "pid") -> str:
     if not jobs.JOB_ID.match(job_id):
         raise ValueError(f"bad job id {job_id[:40]!r}")
-    return os.path.join(supervisors_root(), f"{job_id}.pid")
+    return os.path.join(supervisors_root(), f"{job_id}.{kind}")
 
 
 def register(job_id: str) -> None:
@@ -26,6 +31,12 @@ def register(job_id: str) -> None:
     path = pid_file(job_id)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     write_atomic(path, f"{os.getpid()}\n")
+
+
+def beat(job_id: str) -> None:
+    """The supervisor's heartbeat: its pid file's mtime (read on this node's clock only)."""
+    with contextlib.suppress(OSError):
+        os.utime(pid_file(job_id))
 
 
 def supervisor_pid(job_id: str) -> int | None:
@@ -41,14 +52,43 @@ def supervisor_pid(job_id: str) -> int | None:
     return pid if "supervise" in argv else None
 
 
-def unsupervise(request: UnsuperviseRequest) -> UnsuperviseReply:
+def version_of(text: str | None) -> int:
+    """Pure: a record copy's version (0: none, or unreadable: any writer may replace it)."""
+    try:
+        return int(json.loads(text or "{}").get("version", 0))
+    except (ValueError, TypeError, AttributeError):
+        return 0
+
+
+def supervisor(request: SupervisorRequest) -> SupervisorReply:
     pid = supervisor_pid(request.job_id)
-    left: list[int] = []
-    if pid is not None:
-        _, left = procs.end(lambda: [pid] if procs.alive(pid) else [])
-    if request.tmux_session:
+    copy = pid_file(request.job_id, "json")
+    if request.action == "end":
+        left: list[int] = []
+        if pid is not None:
+            _, left = procs.end(lambda: [pid] if procs.alive(pid) else [])
+        if request.tmux_session:
+            tmux.kill_session(request.tmux_session)
+        if not left:
+            for path in (pid_file(request.job_id), copy):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        return SupervisorReply(pid, None, left, None)
+    if request.action == "start" and pid is None:
         tmux.kill_session(request.tmux_session)
-    if not left:
-        with contextlib.suppress(OSError, ValueError):
-            os.unlink(pid_file(request.job_id))
-    return UnsuperviseReply(pid is not None, left)
+        tmux.new_session(request.tmux_session, request.argv)
+    written = False
+    if request.record is not None:
+        if len(request.record) > 65536:
+            raise ValueError("a supervision record over 64 KiB")
+        os.makedirs(os.path.dirname(copy), mode=0o700, exist_ok=True)
+        with open(copy + ".lock", "a") as lock:  # one writer at a time on this node
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if version_of(read_text(copy)) <= request.version:
+                write_atomic(copy, request.record)
+                written = True
+    age = None
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            age = max(0.0, time.time() - os.stat(pid_file(request.job_id)).st_mtime)
+    return SupervisorReply(pid, age, [], read_text(copy), written)

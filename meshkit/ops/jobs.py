@@ -38,9 +38,9 @@ from .pool import NodePool
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
 JobState = Literal["running", "exited", "absent"]
-# A supervisor's (ops.supervise): RUNNING, then GAVE_UP or DONE; "not responding" is what status
-# shows for a running record gone stale.
-SupervisorState = Literal["running", "gave up", "done", "not responding"]
+# A job's supervision (ops.supervise): running, relaunching (a claimed attempt), then gave up or
+# done; "not responding" is what status shows when no live supervisor backs the record.
+SupervisorState = Literal["running", "relaunching", "gave up", "done", "not responding"]
 Envs = dict[Host, Outcome[EnvReply]]
 
 
@@ -256,7 +256,7 @@ class StatusRow:
     started: str | None  # ISO 8601, UTC
     last_line: str | None
     error: str | None = None
-    supervised: bool = False  # train --restarts: the four fields below are shown
+    supervised: bool = False  # train --restarts: the six fields below are shown
     attempt: int | None = None
     restarts_left: int | None = None
     last_restart_reason: str | None = None
@@ -264,6 +264,8 @@ class StatusRow:
     idle_s: float | None = None  # seconds since the node's log was last written
     stalled: bool = False  # the job's: running, and no node has written output for stall_after
     diagnosis: str | None = None  # the diagnosis the supervisor saved before a stall restart
+    leader: int | None = None  # the rank whose supervisor leads (None: no live one)
+    held: str | None = None  # what holds a relaunch: "NODE: CHECK: DETAIL"
 
     def as_json(self) -> dict[str, object]:
         data: dict[str, object] = {
@@ -283,6 +285,8 @@ class StatusRow:
                 "last_restart_reason": self.last_restart_reason,
                 "supervisor": self.supervisor,
                 "diagnosis": self.diagnosis,
+                "leader": self.leader,
+                "held": self.held,
             }
         return data
 

@@ -1,7 +1,11 @@
-"""Supervised jobs (``train --restarts N``): watch every node, and on a failure stop the job
-everywhere, wait for every node to answer again, and relaunch it with the same ranks, at most N
-times. ``decide`` is the whole policy, pure; ``supervise`` is the loop around it (prints nothing:
-it reports through ``say`` and records its state through ``save``).
+"""Supervised jobs (``train --restarts N``): a supervisor on every node of the job, the lowest-
+ranked live one leading, so the reboot of any one node (the launching one and the master
+included) leaves the job supervised. The leader watches every node; on a failure it waits for
+every node to answer, claims the next attempt in the record (compare-and-set on every node: two
+supervisors never relaunch at once), stops the job, waits while the doctor's quick checks fail,
+and relaunches it with the same ranks, at most N times. The policy is pure (``decide``,
+``next_step``, ``newest``); ``Supervisor`` is the loop around it (it prints nothing: it reports
+through ``say``).
 """
 
 from __future__ import annotations
@@ -9,32 +13,36 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Final, Literal
 
-from ..errors import LaunchError, MeshkitError, RemoteError
+from ..errors import LaunchError, RemoteError, UsageError
 from ..hostfile import Host
 from ..job import Job
+from ..node.supervise import beat, register
+from ..protocol import SupervisorReply, SupervisorRequest
 from ..record import replace
 from . import jobs as ops
 from .pool import NodePool
 
-POLL_INTERVAL = 2.0  # seconds between status polls of every node
+POLL_INTERVAL = 2.0  # seconds between polls of every node
 MISSES = 2  # consecutive unanswered polls before a node counts as gone (one blip is no failure)
-COME_BACK = 300.0  # seconds to wait for every node to answer again before a relaunch
+COME_BACK = 300.0  # seconds a relaunch waits for every node to answer, then for its checks
 BACKOFF = 2.0  # seconds before the first relaunch, doubled for each later one
 MAX_BACKOFF = 60.0
 GIVE_UP_GRACE = 30.0  # seconds the nodes still running get to end by themselves after a give-up
+STALE = 60.0  # a supervisor whose heartbeat is older is gone: longer than any step between two
+# beats (the doctor's quick checks take up to about 35 s, one connection try RECONNECT)
+RECONNECT = 10.0  # seconds between new connections while some node does not answer
 
-HEARTBEAT = 15.0  # seconds between the running supervisor's record writes while it waits
-STALE = 120.0  # a running record older than this: its supervisor is gone (clocks may differ)
-
-# A supervisor's states. It starts RUNNING and ends in GAVE_UP or DONE (each written to its
-# record); NOT_RESPONDING is what status shows for a RUNNING record gone stale, never written.
+# The record's states (DESIGN.md, Supervision): RUNNING -> RELAUNCHING (the next attempt claimed)
+# -> RUNNING ..., ending in GAVE_UP or DONE. NOT_RESPONDING is what status shows for a RUNNING or
+# RELAUNCHING record when no node has a live supervisor; it is never written.
 State = ops.SupervisorState
 RUNNING: Final = "running"
+RELAUNCHING: Final = "relaunching"
 GAVE_UP: Final = "gave up"
 DONE: Final = "done"
 NOT_RESPONDING: Final = "not responding"
@@ -70,12 +78,10 @@ def decide(
     started: dict[int, float],
     restart_on: Sequence[int],
     restarts_left: int,
-    stalled: str | None = None,
 ) -> Decision:
     """What to do after one poll. ``started`` is when each node's part of this attempt started
     (as first seen): a different start time means the node ran something else since (a reboot
-    and someone's relaunch, say). ``stalled``: why the job counts as stalled (--restart-on-stall),
-    a failure like any other."""
+    and someone's relaunch, say)."""
     if nodes and all(n.state == "exited" and n.exit_code == 0 for n in nodes):
         return Decision(DONE, "every node exited 0")
     problems: list[str] = []
@@ -93,8 +99,6 @@ def decide(
                 problems.append(f"{who} exited with code {n.exit_code}")
             else:
                 fatal.append(f"{who} exited with code {n.exit_code} (not in --restart-on)")
-    if stalled and not problems:
-        problems.append(stalled)
     if fatal:
         return Decision(GAVE_UP, "; ".join(fatal + problems))
     if not problems:
@@ -130,336 +134,386 @@ def views(rows: Sequence[ops.StatusRow], misses: dict[int, int]) -> list[NodeVie
     return out
 
 
-# ---- the record every node can read ---------------------------------------------------------
+# ---- the record: a copy on every node -------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Record:
-    """What ``status`` shows about supervision (``supervisor.json`` beside the job file)."""
+    """The job's supervision, as status shows it. Every write bumps ``version``; a node keeps a
+    write only over a copy no newer than the one the writer read (compare-and-set), and readers
+    take the newest copy, so a node that was down (its copy gone with its /tmp) costs nothing."""
 
     supervisor: State
     attempt: int
     restarts_left: int
     last_restart_reason: str | None = None
-    host: str | None = None  # where the supervisor runs (its tmux session is there)
     exit_codes: list[int | None] = field(default_factory=list)  # the last attempt's, per rank
-    heartbeat: float | None = None  # when a running supervisor last wrote this (its clock)
-    diagnosis: str | None = None  # `diagnose --json` saved before the last stall restart
+    version: int = 0
+    by: int = 0  # the rank whose supervisor wrote it (of a RELAUNCHING record: the claimer)
+    held: str | None = None  # what holds the relaunch: "NODE: CHECK: DETAIL"
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        return json.dumps(asdict(self), sort_keys=True) + "\n"
 
 
 def record_from_json(text: str | None) -> Record | None:
-    """The record, or None when there is none or it is unreadable (status then shows null)."""
-    if not text:
-        return None
+    """The record, or None when there is none or it is unreadable."""
     try:
-        data = json.loads(text)
-        state = data["supervisor"]
-        if state not in (RUNNING, GAVE_UP, DONE):
+        data = json.loads(text or "null")
+        if data["supervisor"] not in (RUNNING, RELAUNCHING, GAVE_UP, DONE):
             return None
-        record = Record(
-            supervisor=state,
+        return Record(
+            supervisor=data["supervisor"],
             attempt=int(data["attempt"]),
             restarts_left=int(data["restarts_left"]),
-            last_restart_reason=(
-                None
-                if data.get("last_restart_reason") is None
-                else str(data["last_restart_reason"])
-            ),
-            host=None if data.get("host") is None else str(data["host"]),
+            last_restart_reason=_text(data.get("last_restart_reason")),
             exit_codes=[None if c is None else int(c) for c in data.get("exit_codes") or []],
-            heartbeat=None if data.get("heartbeat") is None else float(data["heartbeat"]),
-            diagnosis=None if data.get("diagnosis") is None else str(data["diagnosis"]),
+            version=int(data.get("version", 0)),
+            by=int(data.get("by", 0)),
+            held=_text(data.get("held")),
         )
     except (ValueError, TypeError, KeyError):
         return None
-    return record
 
 
-def seen_alive(record: Record, now: float) -> Record:
-    """Pure: a record that says running but has not been rewritten for ``STALE`` seconds belongs
-    to a supervisor that is gone (its machine rebooted, or it was killed): status must not say
-    "running" for it."""
-    if record.supervisor != RUNNING or record.heartbeat is None:
-        return record
-    if now - record.heartbeat <= STALE:
-        return record
-    ago = now - record.heartbeat
-    return replace(
-        record,
-        supervisor=NOT_RESPONDING,
-        last_restart_reason=(
-            f"its record on {record.host or '?'} was last written {ago:.0f}s ago (that machine "
-            "rebooted, or the supervisor was killed); `meshkit train` relaunches the job under a "
-            "new one"
-        ),
-    )
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def newest(texts: Iterable[str | None]) -> Record | None:
+    """Pure: the newest readable copy."""
+    records = [r for r in map(record_from_json, texts) if r is not None]
+    return max(records, key=lambda r: r.version, default=None)
+
+
+def alive(reply: SupervisorReply) -> bool:
+    """A supervisor that runs and beat within ``STALE`` s (its own node's clock: no skew)."""
+    return reply.pid is not None and reply.beat is not None and reply.beat <= STALE
+
+
+Step = Literal["end", "follow", "watch", "resume"]
+
+
+def next_step(me: int, live: set[int], record: Record | None) -> Step:
+    """Pure: what the supervisor of rank ``me`` does, given the ranks whose supervisors are live
+    and the newest record. A claimed relaunch is finished by its claimer while that one lives,
+    else by the leader (the lowest live rank); it is never begun anew."""
+    if record is None or record.supervisor in (DONE, GAVE_UP):
+        return "end"
+    if record.supervisor == RELAUNCHING and record.by in live:
+        return "resume" if record.by == me else "follow"
+    if min(live | {me}) != me:
+        return "follow"
+    return "resume" if record.supervisor == RELAUNCHING else "watch"
 
 
 # ---- the loop -------------------------------------------------------------------------------
 
 
 Connect = Callable[[float], AbstractContextManager[NodePool]]
+Relaunch = Callable[[NodePool, Job, int], ops.Launch]
+Gate = Callable[[NodePool, Job, Sequence[Host]], list[str]]  # one line per failed check
+Restart = tuple[Record, str | None, list[int | None]]  # the record, why (None: take over)
 
 
-def supervise(
-    connect: Connect,
-    job: Job,
-    hosts: Sequence[Host],
-    *,
-    save: Callable[[NodePool, Record], None],
-    say: Callable[[str], None],
-    host: str,
-    interval: float = POLL_INTERVAL,
-    come_back: float = COME_BACK,
-    base_backoff: float = BACKOFF,
-    relaunch: Callable[[NodePool, Job, int], ops.Launch] | None = None,
-) -> Record:
-    """Watch attempt 1 (already started) and relaunch on failure; returns the final record.
+def health(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
+    """The doctor's quick checks on every node: the failures, as "NODE: CHECK: DETAIL"."""
+    from .doctor import quick
 
-    ``connect(wait)`` opens one agent per node (waiting up to ``wait`` seconds for nodes that do
-    not answer yet); the same pool is reused for every poll until a node stops answering."""
-    relaunch = relaunch or (lambda pool, j, attempt: ops.launch(pool, j, hosts, attempt=attempt))
-    record = Record(RUNNING, 1, job.restarts, None, host)
-    while True:
-        with connect(0.0) as pool:
-            record = _beat(pool, record, save)
-            record = _watch(pool, job, hosts, record, save, say, interval)
-        if record.supervisor != RUNNING:
-            return record
-        # A restart: the job was stopped everywhere that answered; now every node must answer.
-        attempt = record.attempt + 1
-        pause = backoff(attempt - 1, base_backoff)
-        say(f"attempt {record.attempt} failed: {record.last_restart_reason}")
-        say(f"relaunching in {pause:.0f}s (attempt {attempt} of {job.restarts + 1})")
-        time.sleep(pause)
-        with connect(come_back) as pool:
+    return [f"{c.node}: {c.check}: {c.detail}" for c in quick(pool, job, hosts).failures]
+
+
+def ask(
+    pool: NodePool, job: Job, hosts: Sequence[Host], **kw: object
+) -> dict[Host, SupervisorReply]:
+    """The ``supervisor`` op on ``hosts``: the replies of the nodes that answered."""
+    request = SupervisorRequest(job.id, job.supervisor_tmux, **kw)  # type: ignore[arg-type]
+    replies = pool.call_all("supervisor", lambda h: request, SupervisorReply, hosts)
+    return {h: o.value for h, o in replies.items() if o.value is not None}
+
+
+def write(
+    pool: NodePool, job: Job, hosts: Sequence[Host], record: Record, by: int, every: bool = False
+) -> Record | None:
+    """Compare-and-set ``record`` (one version on, written by rank ``by``) on the nodes: the
+    lowest-ranked connected node first (it decides between two writers), then the rest at once.
+    None: a node holds a newer copy (another supervisor moved on), or (``every``) some node did
+    not answer."""
+    new = replace(record, version=record.version + 1, by=by)
+    up = [h for h in hosts if h not in pool.failures]
+    kw = {"record": new.to_json(), "version": record.version}
+    first = ask(pool, job, up[:1], **kw)
+    if not first or not all(r.written for r in first.values()):
+        return None
+    got = first | ask(pool, job, up[1:], **kw)
+    if not all(r.written for r in got.values()) or (every and len(got) < len(hosts)):
+        return None
+    return new
+
+
+@dataclass
+class Supervisor:
+    """The supervisor of rank ``me``. ``run`` returns the final record (or, when the record is
+    gone because the job was stopped, a ``gave up`` one that says so)."""
+
+    connect: Connect
+    job: Job
+    hosts: Sequence[Host]
+    me: int
+    say: Callable[[str], None]
+    interval: float = POLL_INTERVAL
+    come_back: float = COME_BACK
+    base_backoff: float = BACKOFF
+    relaunch: Relaunch | None = None
+    gate: Gate = health
+
+    def run(self) -> Record:
+        while True:
+            with self.connect(0.0) as pool:
+                outcome = self._serve(pool)
+            if isinstance(outcome, Record):
+                return outcome
+            final = self._relaunch(*outcome) if outcome else None
+            if final is not None:
+                return final
+            time.sleep(self.interval)
+
+    def _look(self, pool: NodePool) -> tuple[set[int], Record | None, int]:
+        """Beat; then the live supervisors (ranks), the newest record, how many nodes answered."""
+        beat(self.job.id)
+        got = ask(pool, self.job, self.hosts)
+        live = {i for i, h in enumerate(self.hosts) if h in got and alive(got[h])}
+        return live | {self.me}, newest(r.record for r in got.values()), len(got)
+
+    def _write(self, pool: NodePool, record: Record, every: bool = False) -> Record | None:
+        return write(pool, self.job, self.hosts, record, self.me, every)
+
+    def _serve(self, pool: NodePool) -> Record | Restart | None:
+        """Follow or lead on this pool. Returns the final record, a restart to make, or None for
+        a new connection (a node that did not answer may be back)."""
+        started: dict[int, float] = {}
+        misses: dict[int, int] = {}
+        attempt, since = 0, time.monotonic()
+        while True:
+            live, record, answered = self._look(pool)
+            if not answered or (pool.failures and time.monotonic() - since > RECONNECT):
+                return None
+            step = next_step(self.me, live, record)
+            if record is None:  # every copy is gone: the job was stopped
+                return Record(GAVE_UP, 0, 0, "the supervision record is gone (meshkit stop)")
+            if step in ("end", "resume"):
+                return record if step == "end" else (record, None, [])
+            if step == "follow":
+                started.clear()
+                misses.clear()
+                time.sleep(self.interval)
+                continue
+            if record.attempt != attempt:
+                started.clear()
+                attempt = record.attempt
+            seen = views(ops.status(pool, self.job, self.hosts, phase=""), misses)
+            for n in seen:
+                if n.started is not None:
+                    started.setdefault(n.rank, n.started)
+            decision = decide(seen, started, self.job.restart_on, record.restarts_left)
+            codes = [n.exit_code for n in seen]
+            if decision.action == "wait":
+                time.sleep(self.interval)
+            elif decision.action == DONE:
+                final = self._write(pool, replace(record, supervisor=DONE, exit_codes=codes))
+                if final is not None:
+                    self.say("done: every node exited 0")
+                    return final
+            elif decision.action == GAVE_UP:
+                return self._give_up(pool, record, seen, decision.reason or "")
+            else:
+                return (record, decision.reason, codes)
+
+    def _give_up(self, pool: NodePool, record: Record, seen: list[NodeView], why: str) -> Record:
+        # The other nodes usually fail on their own within seconds (torchrun notices a lost
+        # peer): give them a while, so status shows the codes they really ended with.
+        job, hosts = self.job, self.hosts
+        still = [hosts[n.rank] for n in seen if n.state == RUNNING]
+        deadline = time.monotonic() + GIVE_UP_GRACE
+        while still and time.monotonic() < deadline:
+            time.sleep(self.interval)
+            rows = ops.status(pool, job, hosts, phase="")
+            still = [hosts[r.node_rank] for r in rows if r.state == RUNNING and not r.error]
+        if still:
+            ops.stop(pool, job, hosts, keep_exit=True, only=still)
+        codes = [r.exit_code for r in ops.status(pool, job, hosts, phase="")]
+        given = replace(record, supervisor=GAVE_UP, last_restart_reason=why, exit_codes=codes)
+        self.say(f"gave up: {why}")
+        return self._write(pool, given) or given
+
+    @contextlib.contextmanager
+    def _every_node(self) -> Iterator[NodePool]:
+        """A pool once every node answers (trying again every ``RECONNECT`` s, beating between),
+        or, after ``come_back`` s, the pool as it is."""
+        deadline = time.monotonic() + self.come_back
+        while True:
+            beat(self.job.id)
+            wait = min(RECONNECT, max(0.0, deadline - time.monotonic()))
+            with self.connect(wait) as pool:
+                if not pool.failures or time.monotonic() >= deadline:
+                    yield pool
+                    return
+
+    def _relaunch(self, seen: Record, reason: str | None, codes: list[int | None]) -> Record | None:
+        """Claim the next attempt (``reason`` given) or take over the claimed one, and make it:
+        every node answering, the job stopped everywhere, the health gate, the launch, then a
+        supervisor on every node again. Returns the final record when it gives up; None when it
+        is back to watching, or another supervisor moved on first."""
+        job, hosts, say = self.job, self.hosts, self.say
+        if reason is not None:
+            say(f"attempt {seen.attempt} failed: {reason}")
+            time.sleep(backoff(seen.attempt, self.base_backoff))
+        with self._every_node() as pool:
+            live, record, _ = self._look(pool)
+            if record != seen or next_step(self.me, live, record) not in ("watch", "resume"):
+                return None
             missing = [h.label for h in hosts if h in pool.failures]
             if missing:
-                record = replace(
-                    record,
-                    supervisor=GAVE_UP,
-                    last_restart_reason=(
-                        f"{record.last_restart_reason}; then {', '.join(missing)} did not answer "
-                        f"within {come_back:.0f}s"
-                    ),
+                why = f"{reason or seen.last_restart_reason}; then {', '.join(missing)} did not "
+                why += f"answer within {self.come_back:.0f}s"
+                say(f"gave up: {why}")
+                given = replace(seen, supervisor=GAVE_UP, last_restart_reason=why)
+                return self._write(pool, given) or given
+            if reason is not None:
+                seen = replace(
+                    seen,
+                    supervisor=RELAUNCHING,
+                    attempt=seen.attempt + 1,
+                    restarts_left=seen.restarts_left - 1,
+                    last_restart_reason=reason,
+                    exit_codes=codes,
                 )
-                save(pool, record)
-                say(f"gave up: {record.last_restart_reason}")
-                return record
-            record = replace(record, attempt=attempt, restarts_left=record.restarts_left - 1)
+            claimed = self._write(pool, seen, every=True)
+            if claimed is None:
+                say("another supervisor moved on first; following it")
+                return None
+            attempt = claimed.attempt
+            say(f"attempt {attempt}: relaunching (of {job.restarts + 1}); stopping the job")
+            ops.stop(pool, job, hosts)
+            deadline = time.monotonic() + self.come_back
+            while held := self.gate(pool, job, hosts):
+                if time.monotonic() > deadline:
+                    why = f"the relaunch was held for {self.come_back:.0f}s by {held[0]}"
+                    say(f"gave up: {why}")
+                    given = replace(claimed, supervisor=GAVE_UP, last_restart_reason=why)
+                    return self._write(pool, given) or given
+                if claimed.held != held[0]:
+                    say(f"attempt {attempt}: held by {held[0]}")
+                    claimed = self._write(pool, replace(claimed, held=held[0]))  # type: ignore[assignment]
+                    if claimed is None:
+                        return None
+                beat(job.id)
+                time.sleep(self.interval)
             try:
+                relaunch = self.relaunch or (lambda p, j, a: ops.launch(p, j, hosts, attempt=a))
                 launched = relaunch(pool, job, attempt)
                 ok = launched.ok
                 why = "; ".join(f"node {r.node_rank}: {r.error}" for r in launched.rows if r.error)
             except (LaunchError, RemoteError) as exc:
                 ok, why = False, str(exc).replace("\n", "; ")
-            if not ok:
+            if not ok:  # a failed attempt: the next poll sees the nodes absent and decides
                 say(f"attempt {attempt} did not start: {why}")
-                # Counted as a failed attempt: the next poll sees the nodes absent and decides.
-            record = _beat(pool, record, save)
+            if self._write(pool, replace(claimed, supervisor=RUNNING, held=None)) is None:
+                return None
             say(f"attempt {attempt} started")
+            start_all(pool, job, hosts)  # where none is live: a rebooted node's comes back
+        return None
 
 
-def _watch(
-    pool: NodePool,
-    job: Job,
-    hosts: Sequence[Host],
-    record: Record,
-    save: Callable[[NodePool, Record], None],
-    say: Callable[[str], None],
-    interval: float,
-) -> Record:
-    """Poll until the attempt ends: done, gave up, or a restart (the job then stopped)."""
-    started: dict[int, float] = {}
-    misses: dict[int, int] = {}
-    while True:
-        if record.heartbeat is None or time.time() - record.heartbeat >= HEARTBEAT:
-            record = _beat(pool, record, save)
-        rows = ops.status(pool, job, hosts, phase="")
-        seen = views(rows, misses)
-        for n in seen:
-            if n.started is not None:
-                started.setdefault(n.rank, n.started)
-        stalled = None
-        if job.restart_on_stall and any(r.stalled for r in rows):
-            stalled = f"the job stalled: no output for {job.stall_after:.0f}s (--stall-after)"
-        decision = decide(seen, started, job.restart_on, record.restarts_left, stalled)
-        codes = [n.exit_code for n in seen]
-        if decision.action == "wait":
-            time.sleep(interval)
-            continue
-        if decision.action == DONE:
-            record = replace(record, supervisor=DONE, exit_codes=codes)
-            save(pool, record)
-            say("done: every node exited 0")
-            return record
-        # A failure: end the job everywhere (keeping exit codes when giving up).
-        if stalled and stalled in str(decision.reason):
-            record, decision = _save_diagnosis(pool, job, hosts, record, decision, say)
-        give_up = decision.action == GAVE_UP
-        still = [hosts[n.rank] for n in seen if n.state == RUNNING]
-        if give_up:
-            # The other nodes usually fail on their own within seconds (torchrun notices a lost
-            # peer): give them a while, so status shows the codes they really ended with.
-            deadline = time.monotonic() + GIVE_UP_GRACE
-            while still and time.monotonic() < deadline:
-                time.sleep(interval)
-                rows = ops.status(pool, job, hosts, phase="")
-                still = [hosts[r.node_rank] for r in rows if r.state == RUNNING and not r.error]
-            if still:
-                ops.stop(pool, job, hosts, keep_exit=True, only=still)
-            rows = ops.status(pool, job, hosts, phase="")
-            codes = [r.exit_code for r in rows]
-            record = replace(
-                record,
-                supervisor=GAVE_UP,
-                last_restart_reason=decision.reason,
-                exit_codes=codes,
-            )
-            save(pool, record)
-            say(f"gave up: {decision.reason}")
-            return record
-        ops.stop(pool, job, hosts)
-        return replace(record, last_restart_reason=decision.reason, exit_codes=codes)
+# ---- starting and ending the supervisors ----------------------------------------------------
 
 
-def _save_diagnosis(
-    pool: NodePool,
-    job: Job,
-    hosts: Sequence[Host],
-    record: Record,
-    decision: Decision,
-    say: Callable[[str], None],
-) -> tuple[Record, Decision]:
-    """Before a stalled job is stopped: its diagnosis (every rank's stack) into the job's
-    directory, where it outlives the restart; the reason names the outliers."""
-    from .diagnose import diagnose, spans
-
-    found = diagnose(pool, job, hosts)
-    path = str(job.home / f"diagnosis-{record.attempt}.json")
-    for h in record_hosts(job, hosts):
-        try:
-            pool.write_file(h, path, json.dumps(found.as_json(), indent=1) + "\n")
-        except MeshkitError as exc:
-            say(f"{h.label}: cannot save the diagnosis: {exc}")
-    odd = f"rank {spans(found.outliers)}" if found.outliers else "none"
-    reason = f"{decision.reason}; outliers: {odd} (diagnosis: {path})"
-    return replace(record, diagnosis=path), replace(decision, reason=reason)
-
-
-def _beat(pool: NodePool, record: Record, save: Callable[[NodePool, Record], None]) -> Record:
-    """Write the running record with a fresh heartbeat (status takes a stale one as gone)."""
-    record = replace(record, heartbeat=time.time())
-    save(pool, record)
-    return record
-
-
-# ---- starting and ending the supervisor -----------------------------------------------------
-
-
-def supervisor_argv(job: Job, log: str) -> list[str]:
+def supervisor_argv(job: Job, rank: int) -> list[str]:
+    """``meshkit supervise`` for one node; its output goes to ``supervisor-node<rank>.log``."""
     return [
-        job.python,
-        "-m",
-        "meshkit",
-        "supervise",
-        "--hostfile",
-        job.hostfile,
-        "--session",
-        job.session,
-        "--workdir",
-        job.workdir,
-        "--log",
-        log,
+        *job.meshkit_argv("supervise")[:3],
+        *("--hostfile", job.node_hostfile, "--session", job.session, "--workdir", job.workdir),
+        *("--rank", str(rank), "--log", str(job.home / f"supervisor-node{rank}.log")),
     ]
 
 
-def start_local(job: Job, log: str) -> str | None:
-    """Start the supervisor detached in its own tmux session on this machine (it outlives the
-    user's login), its output appended to ``log``. Returns an error, or None."""
-    import os
-
-    from ..node import tmux
-
-    os.makedirs(os.path.dirname(log), exist_ok=True)
-    tmux.kill_session(job.supervisor_tmux)
-    try:
-        # No shell in between: the supervisor opens its log itself (--log).
-        tmux.new_session(job.supervisor_tmux, supervisor_argv(job, log))
-    except tmux.TmuxError as exc:
-        return str(exc)
-    return None
+def start_all(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
+    """A supervisor in tmux on every node where none is live. Returns the nodes it failed on."""
+    rank = {h: i for i, h in enumerate(hosts)}
+    start = {
+        h: SupervisorRequest(job.id, job.supervisor_tmux, "start", supervisor_argv(job, i))
+        for h, i in rank.items()
+    }
+    replies = pool.call_all("supervisor", start.__getitem__, SupervisorReply, hosts)
+    return [f"{h.label}: {o.error}" for h, o in replies.items() if o.value is None] + [
+        f"{h.label}: {why}" for h, why in pool.failures.items() if h in rank
+    ]
 
 
 def end_supervisor(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
-    """End the job's supervisor wherever it runs (this machine or any node), before the job
-    itself is touched (it would otherwise take a stop for a failure and relaunch). Returns the
-    nodes where it could not be verified gone. This machine's is ended by the node side's own
-    handler, called here: the controller is a machine like the nodes."""
-    from ..node.supervise import unsupervise
-    from ..protocol import UnsuperviseReply, UnsuperviseRequest
-
-    request = UnsuperviseRequest(job.id, job.supervisor_tmux)
-    problems = []
-    local = unsupervise(request)
-    if local.left:
-        problems.append(f"this machine: supervisor pid {local.left} survived TERM and KILL")
-    replies = pool.call_all("supervisor", lambda h: request, UnsuperviseReply, hosts)
-    for h, outcome in replies.items():
-        if outcome.value is not None and outcome.value.left:
-            problems.append(f"{h.label}: supervisor pid {outcome.value.left} survived")
-    return problems
-
-
-def record_hosts(job: Job, hosts: Sequence[Host]) -> list[Host]:
-    """Where the supervisor's record is written: the master (shared storage), or every node."""
-    return list(hosts) if job.sync else list(hosts[:1])
+    """End the job's supervisors on every node (and drop their record copies), before the job
+    itself is touched (one would take a stop for a failure and relaunch). Looked at again until
+    a round finds none: a leader ended mid-relaunch may have started one meanwhile. Returns the
+    nodes where one survived."""
+    for _ in range(3):
+        got = ask(pool, job, hosts, action="end")
+        left = [f"{h.label}: supervisor pid {r.left} survived" for h, r in got.items() if r.left]
+        if left or all(r.pid is None for r in got.values()):
+            return left
+    return []
 
 
 # ---- what status shows ------------------------------------------------------------------------
 
 
 def with_supervision(
-    job: Job, rows: list[ops.StatusRow], record_text: str | None, now: float | None = None
+    job: Job, rows: list[ops.StatusRow], record: Record | None, leader: int | None
 ) -> list[ops.StatusRow]:
-    """Pure (given ``now``): a supervised job's rows carry its supervisor's record (all null when
-    there is none, e.g. after ``stop``); a running record gone stale says "not responding"."""
+    """Pure: a supervised job's rows carry its record (all null when there is none, e.g. after
+    ``stop``) and its leader; a record no live supervisor backs says "not responding"."""
     if not job.restarts:
         return rows
-    record = record_from_json(record_text)
-    if record is not None and now is not None:
-        record = seen_alive(record, now)
     if record is None:
         return [replace(r, supervised=True) for r in rows]
+    state: State = record.supervisor
+    reason = record.last_restart_reason
+    if leader is None and state in (RUNNING, RELAUNCHING):
+        state = NOT_RESPONDING
+        reason = (
+            "no node has a live supervisor (each was ended, or its node rebooted); "
+            "`meshkit train` relaunches the job under new ones"
+        )
     return [
         replace(
             r,
             supervised=True,
             attempt=record.attempt,
             restarts_left=record.restarts_left,
-            last_restart_reason=record.last_restart_reason,
-            supervisor=record.supervisor,
-            diagnosis=record.diagnosis,
+            last_restart_reason=reason,
+            supervisor=state,
+            leader=leader,
+            held=record.held,
         )
         for r in rows
     ]
 
 
 def status(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[ops.StatusRow]:
-    """``meshkit status``: each node's row, with the supervisor's record when supervised."""
-    from .lookup import read_local
-
+    """``meshkit status``: each node's row, with the supervision record and its leader."""
     rows = ops.status(pool, job, hosts)
-    return with_supervision(job, rows, read_local(str(job.supervisor_file)), time.time())
+    if not job.restarts:
+        return rows
+    got = ask(pool, job, hosts)
+    live = [i for i, h in enumerate(hosts) if h in got and alive(got[h])]
+    return with_supervision(
+        job, rows, newest(r.record for r in got.values()), min(live, default=None)
+    )
 
 
 @dataclass(frozen=True)
 class Stopped:
     """``meshkit stop``: each node's row, and the supervisors that could not be ended (then the
-    job was still stopped, and their records were left as they were)."""
+    job was still stopped)."""
 
     rows: list[ops.StopRow]
     supervisor_left: list[str]
@@ -470,51 +524,20 @@ class Stopped:
 
 
 def stop(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Stopped:
-    """End the supervisor first (wherever it runs: it would take the stop for a failure and
-    relaunch), then the job on every node; then clear the supervisor's record."""
+    """End every supervisor first (each would take the stop for a failure), then the job."""
     left = end_supervisor(pool, job, hosts) if job.restarts else []
-    rows = ops.stop(pool, job, hosts)
-    if job.restarts and not left:
-        for h in record_hosts(job, hosts):
-            with contextlib.suppress(MeshkitError):
-                pool.write_file(h, str(job.supervisor_file), "{}\n")
-    return Stopped(rows, left)
+    return Stopped(ops.stop(pool, job, hosts), left)
 
 
-def run(connect: Connect, job: Job, hosts: Sequence[Host], say: Callable[[str], None]) -> Record:
-    """``meshkit supervise`` (what ``train --restarts`` starts in tmux): register here, supervise,
-    and write every record where status reads it. When the supervisor itself fails, it says so
-    in its record (``gave up``, with why) before the error goes on."""
-    import socket
-
-    from ..node.supervise import register
-    from .lookup import read_local
-
+def run(
+    connect: Connect, job: Job, hosts: Sequence[Host], rank: int, say: Callable[[str], None]
+) -> Record:
+    """``meshkit supervise`` (what ``train --restarts`` starts in tmux on every node): register
+    here (the pid file is the heartbeat), then follow or lead until the job ends."""
+    if not 0 <= rank < len(hosts):
+        raise UsageError(f"--rank {rank}: the job has ranks 0..{len(hosts) - 1}")
     register(job.id)
-    host = socket.gethostname()
-
-    def save(pool: NodePool, record: Record) -> None:
-        for h in record_hosts(job, hosts):
-            try:
-                pool.write_file(h, str(job.supervisor_file), record.to_json())
-            except Exception as exc:  # one node's record: say so, keep supervising
-                say(f"{h.label}: cannot write the supervisor record: {exc}")
-
-    say(f"supervising {job.label} on {len(hosts)} nodes, restarts {job.restarts}")
-    try:
-        return supervise(connect, job, hosts, save=save, say=say, host=host)
-    except Exception as exc:
-        last = None
-        with contextlib.suppress(MeshkitError):
-            last = record_from_json(read_local(str(job.supervisor_file)))
-        record = Record(
-            GAVE_UP,
-            last.attempt if last else 1,
-            last.restarts_left if last else job.restarts,
-            f"the supervisor failed: {type(exc).__name__}: {exc}",
-            host,
-        )
-        say(f"gave up: {record.last_restart_reason}")
-        with connect(0.0) as pool:
-            save(pool, record)
-        raise
+    say(f"supervising {job.label} from node {rank}, restarts {job.restarts}")
+    record = Supervisor(connect, job, hosts, rank, say).run()
+    say(f"ending: the job's supervision is {record.supervisor}")
+    return record

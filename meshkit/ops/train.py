@@ -6,7 +6,6 @@ preflight; the facts round that tells whether the workdir is shared feeds the do
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 from ..envrun import check_spawn_cmd, whole
@@ -24,11 +23,10 @@ from .sync import Facts, sync_workdir, unshared
 
 @dataclass(frozen=True)
 class Supervisor:
-    """Where ``train --restarts`` started the job's supervisor."""
+    """Where ``train --restarts`` started the job's supervisors."""
 
-    tmux_session: str
-    host: str
-    log: str
+    tmux_session: str  # on every node
+    log: str  # with {rank}
 
 
 @dataclass(frozen=True)
@@ -158,15 +156,19 @@ def train(
 
 
 def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> Supervisor:
-    """The job's supervisor, in its own tmux session on this machine, with its first record
-    written where status reads it."""
-    record = supervise.Record(supervise.RUNNING, 1, job.restarts, None, socket.gethostname())
-    for h in supervise.record_hosts(job, hosts):
-        pool.write_file(h, str(job.supervisor_file), record.to_json())
-    log = str(job.home / "supervisor.log")
-    error = supervise.start_local(job, log)
-    if error:
+    """A supervisor in tmux on every node, after the first record is on every node."""
+    record = supervise.Record(supervise.RUNNING, 1, job.restarts)
+    if supervise.write(pool, job, hosts, record, 0, every=True) is None:
         raise LaunchError(
-            f"the job started but its supervisor did not: {error}; `meshkit stop` ends the job"
+            "the job started but its supervision record could not be written on "
+            "every node; `meshkit stop` ends the job"
         )
-    return Supervisor(job.supervisor_tmux, record.host or "?", log)
+    failed = supervise.start_all(pool, job, hosts)
+    if failed:
+        raise LaunchError(
+            [
+                *failed,
+                "the job started but not every node's supervisor did; `meshkit stop` ends the job",
+            ]
+        )
+    return Supervisor(job.supervisor_tmux, str(job.home / "supervisor-node{rank}.log"))

@@ -52,11 +52,14 @@ def _print_status(rows: Sequence[ops.StatusRow], job: Job) -> None:
         elif r.supervisor == "not responding":
             print(f"supervisor: not responding: {r.last_restart_reason}")
         else:
+            lead = f" (leader: node {r.leader})" if r.leader is not None else ""
             print(
-                f"supervisor: {r.supervisor}, attempt {r.attempt} of {job.restarts + 1}, "
+                f"supervisor: {r.supervisor}{lead}, attempt {r.attempt} of {job.restarts + 1}, "
                 f"restarts left {r.restarts_left}"
                 + (f", last restart: {r.last_restart_reason}" if r.last_restart_reason else "")
             )
+            if r.held:
+                print(f"relaunch held by {r.held}")
     print(
         table(
             ["rank", "host", "state", "exit", "started", "stalled", "last line"],
@@ -91,7 +94,7 @@ TRAIN_HELP = helps(
     "directory); logs go to WORKDIR/.meshkit/SESSION/",
     wait="seconds to wait for unreachable (rebooting) nodes before giving up",
     restarts="supervise: relaunch the whole job (same ranks) up to N times when a node fails, "
-    "stops answering or reboots (a supervisor runs in tmux on this machine)",
+    "stops answering or reboots (a supervisor runs in tmux on every node)",
     restart_on="only these exit codes restart (comma list; default any non-zero; torchrun "
     "exits 1 for any worker failure)",
     stall_after="no output from any rank for this long is a stall (90s, 30m, 1h; default config "
@@ -207,21 +210,22 @@ def train(
             )
         if result.supervisor is not None:
             sup = result.supervisor
-            print(f"supervisor: tmux session {sup.tmux_session} on {sup.host}, log {sup.log}")
+            print(f"supervisors: tmux session {sup.tmux_session} on every node, logs {sup.log}")
         where = f"--hostfile {launch.job.hostfile} --session {launch.job.session}"
         print(f"\nstatus: meshkit status {where}   logs: meshkit logs {where}")
 
 
-@task(help=helps(*JOB_FLAGS, log="append output to this file"))
+@task(help=helps(*JOB_FLAGS, log="append output to this file", rank="this node's rank"))
 def supervise(
     c: Context,
     hostfile: str | None = None,
     session: str | None = None,
     workdir: str | None = None,
     log: str | None = None,
+    rank: int = 0,
 ) -> None:
-    """(Started by `train --restarts`, in tmux.) Watch the saved job on every node and relaunch
-    it on failure, as `train --restarts` describes."""
+    """(Started by `train --restarts`, in tmux on every node.) Watch the saved job and relaunch
+    it on failure when this node's supervisor leads, as `train --restarts` describes."""
     import datetime
 
     from ...ops import supervise as sup
@@ -238,7 +242,7 @@ def supervise(
 
     with reported():
         job, hosts = _find(hostfile, session, workdir)
-        record = sup.run(lambda wait: _pool(job, hosts, wait), job, hosts, say)
+        record = sup.run(lambda wait: _pool(job, hosts, wait), job, hosts, int(rank), say)
     if record.supervisor != sup.DONE:
         raise Exit(code=1)
 
