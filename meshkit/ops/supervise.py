@@ -431,7 +431,7 @@ class Supervisor:
 def supervisor_argv(job: Job, rank: int) -> list[str]:
     """``meshkit supervise`` for one node; its output goes to ``supervisor-node<rank>.log``."""
     return [
-        *job.meshkit_argv("supervise")[:3],
+        *(job.python, "-m", "meshkit", "supervise"),
         *("--hostfile", job.node_hostfile, "--session", job.session, "--workdir", job.workdir),
         *("--rank", str(rank), "--log", str(job.home / f"supervisor-node{rank}.log")),
     ]

@@ -6,7 +6,7 @@ import json as jsonlib
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from invoke.context import Context
 from invoke.exceptions import Exit
@@ -242,7 +242,10 @@ def supervise(
 
     with reported():
         job, hosts = _find(hostfile, session, workdir)
-        record = sup.run(lambda wait: _pool(job, hosts, wait), job, hosts, int(rank), say)
+        def quiet(wait: float) -> AbstractContextManager[NodePool]:  # no progress lines per poll
+            return connect(conf(), job.hostfile, hosts, job.python, None, wait)
+
+        record = sup.run(quiet, job, hosts, int(rank), say)
     if record.supervisor != sup.DONE:
         raise Exit(code=1)
 
