@@ -26,6 +26,7 @@ from meshkit.ops.supervise import (
 )
 from meshkit.ops.sync import LocalFile, plan
 from meshkit.protocol import FileState
+from meshkit.record import replace
 
 
 def nodes(*states: tuple[str, int | None]) -> list[NodeView]:
@@ -297,3 +298,15 @@ def test_a_leader_dying_mid_relaunch_leaves_one_relaunch_finished_by_the_next():
     writes = [newest([r.record]) for op, h, r in pool.calls if op == "supervisor" and r.record]
     assert any(w and w.held and w.by == 1 for w in writes)  # the held gate, by the new leader
     assert {w.attempt for w in writes if w} == {1, 2}
+
+
+def test_two_claims_of_the_same_attempt_one_wins_and_nothing_of_the_other_is_written():
+    """Both read version 1 and claim attempt 2: the first node decides, and the loser writes
+    nowhere (so no node holds its claim)."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=3)
+    pool = ScriptedPool([[st("running")] * 3], {0, 1})
+    base = sup.write(pool, job, HOSTS, Record(RUNNING, 1, 3), 0, every=True)
+    claim = replace(base, supervisor=RELAUNCHING, attempt=2, restarts_left=2)
+    won = sup.write(pool, job, HOSTS, claim, 1, every=True)
+    assert won is not None and sup.write(pool, job, HOSTS, claim, 0, every=True) is None
+    assert [newest([c]) for c in pool.copies.values()] == [won] * 3 and won.by == 1

@@ -296,7 +296,11 @@ class Supervisor:
         attempt, since = 0, time.monotonic()
         while True:
             live, record, answered = self._look(pool)
-            if not answered or (pool.failures and time.monotonic() - since > RECONNECT):
+            # a node that did not answer (never connected, or its channel died with a reboot)
+            # may be back by now: look through a new connection
+            if not answered or (
+                answered < len(self.hosts) and time.monotonic() - since > RECONNECT
+            ):
                 return None
             step = next_step(self.me, live, record)
             if record is None:  # every copy is gone: the job was stopped
