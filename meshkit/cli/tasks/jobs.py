@@ -242,6 +242,7 @@ def supervise(
 
     with reported():
         job, hosts = _find(hostfile, session, workdir)
+
         def quiet(wait: float) -> AbstractContextManager[NodePool]:  # no progress lines per poll
             return connect(conf(), job.hostfile, hosts, job.python, None, wait)
 
