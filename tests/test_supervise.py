@@ -106,7 +106,7 @@ def test_status_names_the_leader_and_a_held_relaunch_and_an_unbacked_record():
     assert gone["supervisor"] == "not responding" and "no node has a live" in str(
         gone["last_restart_reason"]
     )
-    done = sup.with_supervision(job, rows, Record(DONE, 1, 2), None)[0].as_json()
+    done = sup.with_supervision(job, rows, Record(DONE, 1, 2), 0)[0].as_json()
     assert done["supervisor"] == DONE and done["leader"] is None
 
 

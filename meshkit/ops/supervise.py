@@ -481,7 +481,9 @@ def with_supervision(
         return [replace(r, supervised=True) for r in rows]
     state: State = record.supervisor
     reason = record.last_restart_reason
-    if leader is None and state in (RUNNING, RELAUNCHING):
+    if state not in (RUNNING, RELAUNCHING):
+        leader = None  # nobody supervises an ended job (its supervisors are on their way out)
+    elif leader is None:
         state = NOT_RESPONDING
         reason = (
             "no node has a live supervisor (each was ended, or its node rebooted); "
