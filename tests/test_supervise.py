@@ -310,3 +310,20 @@ def test_two_claims_of_the_same_attempt_one_wins_and_nothing_of_the_other_is_wri
     won = sup.write(pool, job, HOSTS, claim, 1, every=True)
     assert won is not None and sup.write(pool, job, HOSTS, claim, 0, every=True) is None
     assert [newest([c]) for c in pool.copies.values()] == [won] * 3 and won.by == 1
+
+
+def test_a_leader_that_hung_while_another_took_over_launches_nothing():
+    """Node 0 claims attempt 2 and hangs in its health gate; node 1 takes the attempt over and
+    finishes it. Node 0, going on, finds a newer copy when it renews its claim: no launch."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=3)
+    pool = ScriptedPool([[st("running"), st("exited", 1), st("running")]], {0, 1})
+    sup.write(pool, job, HOSTS, Record(RUNNING, 1, 3), 0, every=True)
+
+    def meanwhile(*_a):
+        claim = newest(pool.copies.values())
+        taken = sup.write(pool, job, HOSTS, claim, 1, every=True)  # node 1 takes it over
+        sup.write(pool, job, HOSTS, replace(taken, supervisor=DONE), 1)  # ... and it ends
+        return []
+
+    final, launched = loop(job, pool, 0, gate=meanwhile)
+    assert launched == [] and final.supervisor == DONE and final.by == 1

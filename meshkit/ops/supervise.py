@@ -413,6 +413,12 @@ class Supervisor:
                         return None
                 beat(job.id)
                 time.sleep(self.interval)
+            # The claim renewed right before the launch: a supervisor that hung while another
+            # took this attempt over finds a newer copy here and launches nothing.
+            claimed = self._write(pool, replace(claimed, held=None))  # type: ignore[assignment]
+            if claimed is None:
+                say(f"attempt {attempt}: another supervisor took it over; following it")
+                return None
             try:
                 relaunch = self.relaunch or (lambda p, j, a: ops.launch(p, j, hosts, attempt=a))
                 launched = relaunch(pool, job, attempt)
