@@ -157,8 +157,9 @@ def test_a_rebooted_launching_node_is_relaunched_with_no_command(meshed):
 
 def test_a_leader_killed_during_a_held_relaunch_leaves_exactly_one_relaunch(meshed):
     """A relaunch waits while a doctor's check fails on a node (here node 2's workdir goes
-    read-only) and status names the node and the check; the leader killed meanwhile, node 1
-    finishes the same attempt once the check passes: one relaunch, attempt 2 only."""
+    read-only) and status names the node and the check. Meanwhile the leader hangs (node 1
+    takes the attempt over once its heartbeat is stale), then goes on while node 1's supervisor
+    is killed: once the check passes, one relaunch, attempt 2 only, one supervisor per node."""
     lay, workdir = meshed
     train(lay, workdir, "held", "--restarts", "3", "--cmd", "sleep 600")
     assert wait_for(lambda: all(supervisors(lay, "held")), timeout=60)
@@ -174,9 +175,16 @@ def test_a_leader_killed_during_a_held_relaunch_leaves_exactly_one_relaunch(mesh
         assert held.startswith(f"{lay.nodes[2].address}: workdir: "), held
         text = on_node(lay, 1, workdir, "status", "--session", "held").stdout
         assert "relaunch held by " in text and "(leader: node 0)" in text
-        for pid in supervisors(lay, "held")[0]:
-            sandbox.node_exec(lay.nodes[0], ["kill", "-9", pid.split()[0]])
+        # node 0's supervisor hangs: its heartbeat goes stale and node 1 takes the attempt over
+        (leader0,) = (ln.split()[0] for ln in supervisors(lay, "held")[0])
+        sandbox.node_exec(lay.nodes[0], ["kill", "-STOP", leader0])
         rows = wait_for(lambda: (r := status(lay, workdir, "held")) and r[0]["leader"] == 1 and r)
+        assert rows[0]["supervisor"] == "relaunching" and rows[0]["attempt"] == 2
+        # node 0's goes on, and node 1's (now the attempt's claimer) is killed mid-relaunch
+        sandbox.node_exec(lay.nodes[0], ["kill", "-CONT", leader0])
+        for line in supervisors(lay, "held")[1]:
+            sandbox.node_exec(lay.nodes[1], ["kill", "-9", line.split()[0]])
+        rows = wait_for(lambda: (r := status(lay, workdir, "held")) and r[0]["leader"] == 0 and r)
         assert rows[0]["supervisor"] == "relaunching" and rows[0]["attempt"] == 2
     finally:
         sandbox.node_exec(lay.nodes[2], ["umount", str(workdir)])
@@ -193,7 +201,7 @@ def test_a_leader_killed_during_a_held_relaunch_leaves_exactly_one_relaunch(mesh
     for rank in range(len(lay.nodes)):
         text = (workdir / ".meshkit" / "held" / f"node{rank}.log").read_text()
         assert text.count("===== meshkit: attempt") == 1 and "attempt 2 of 4" in text
-    # node 0's supervisor is back (the relaunch starts one wherever none is live), and leads
+    # node 1's supervisor is back (the relaunch starts one wherever none is live)
     wait_for(lambda: all(len(s) == 1 for s in supervisors(lay, "held")), timeout=60)
     wait_for(lambda: status(lay, workdir, "held")[0]["leader"] == 0, timeout=60)
     assert on_node(lay, 2, workdir, "stop", "--session", "held").returncode == 0
