@@ -6,6 +6,7 @@ restarts leave a record that says why; stop ends every supervisor first."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ from meshkit import sandbox
 SANDBOX_NODES = 3
 REPO = Path(__file__).resolve().parent.parent
 TORCH = "torchrun example_train.py --sleep 25"
+FREEZER = Path("/sys/fs/cgroup/freezer")
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +136,35 @@ def supervisors(lay, session: str) -> list[list[str]]:
     return found
 
 
+def host_pid(lay, session: str, rank: int) -> int:
+    """The supervisor of ``session`` on node ``rank``, as this machine numbers it."""
+    tail = [b"--hostfile", str(lay.hostfile).encode(), b"--session", session.encode()]
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if argv[3:8] == [b"supervise", *tail] and f"--rank\0{rank}\0".encode() in b"\0".join(
+                argv
+            ):
+                return int(proc.name)
+    raise AssertionError(f"no supervisor of {session} on node {rank}")
+
+
+@contextlib.contextmanager
+def frozen(pid: int):
+    """``pid`` hung (the cgroup freezer) for the block."""
+    group = FREEZER / f"meshkit-test-{pid}"
+    group.mkdir()
+    try:
+        (group / "cgroup.procs").write_text(f"{pid}\n")
+        (group / "freezer.state").write_text("FROZEN\n")
+        yield
+    finally:
+        (group / "freezer.state").write_text("THAWED\n")
+        for task in (group / "cgroup.procs").read_text().split():
+            (FREEZER / "cgroup.procs").write_text(f"{task}\n")
+        group.rmdir()
+
+
 def test_a_rebooted_launching_node_is_relaunched_with_no_command(meshed):
     """Node 0 launched the job and is its master: its reboot takes its supervisor with it, the
     others carry on without it (node 1 leads), relaunch the job on every node with the same
@@ -175,13 +206,14 @@ def test_a_leader_killed_during_a_held_relaunch_leaves_exactly_one_relaunch(mesh
         assert held.startswith(f"{lay.nodes[2].address}: workdir: "), held
         text = on_node(lay, 1, workdir, "status", "--session", "held").stdout
         assert "relaunch held by " in text and "(leader: node 0)" in text
-        # node 0's supervisor hangs: its heartbeat goes stale and node 1 takes the attempt over
-        (leader0,) = (ln.split()[0] for ln in supervisors(lay, "held")[0])
-        sandbox.node_exec(lay.nodes[0], ["kill", "-STOP", leader0])
-        rows = wait_for(lambda: (r := status(lay, workdir, "held")) and r[0]["leader"] == 1 and r)
-        assert rows[0]["supervisor"] == "relaunching" and rows[0]["attempt"] == 2
+        # node 0's supervisor hangs (frozen: tmux resumes a stopped pane at once): its heartbeat
+        # goes stale and node 1 takes the attempt over
+        with frozen(host_pid(lay, "held", 0)):
+            rows = wait_for(
+                lambda: (r := status(lay, workdir, "held")) and r[0]["leader"] == 1 and r
+            )
+            assert rows[0]["supervisor"] == "relaunching" and rows[0]["attempt"] == 2
         # node 0's goes on, and node 1's (now the attempt's claimer) is killed mid-relaunch
-        sandbox.node_exec(lay.nodes[0], ["kill", "-CONT", leader0])
         for line in supervisors(lay, "held")[1]:
             sandbox.node_exec(lay.nodes[1], ["kill", "-9", line.split()[0]])
         rows = wait_for(lambda: (r := status(lay, workdir, "held")) and r[0]["leader"] == 0 and r)
