@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Final, Literal
 
-from ..errors import LaunchError, RemoteError, UsageError
+from ..errors import LaunchError, MeshkitError, RemoteError, UsageError
 from ..hostfile import Host
 from ..job import Job
 from ..node.supervise import beat, register
@@ -78,10 +78,12 @@ def decide(
     started: dict[int, float],
     restart_on: Sequence[int],
     restarts_left: int,
+    stalled: str | None = None,
 ) -> Decision:
     """What to do after one poll. ``started`` is when each node's part of this attempt started
     (as first seen): a different start time means the node ran something else since (a reboot
-    and someone's relaunch, say)."""
+    and someone's relaunch, say). ``stalled``: why the job counts as stalled (--restart-on-stall),
+    a failure like any other."""
     if nodes and all(n.state == "exited" and n.exit_code == 0 for n in nodes):
         return Decision(DONE, "every node exited 0")
     problems: list[str] = []
@@ -99,6 +101,8 @@ def decide(
                 problems.append(f"{who} exited with code {n.exit_code}")
             else:
                 fatal.append(f"{who} exited with code {n.exit_code} (not in --restart-on)")
+    if stalled and not problems:
+        problems.append(stalled)
     if fatal:
         return Decision(GAVE_UP, "; ".join(fatal + problems))
     if not problems:
@@ -151,6 +155,7 @@ class Record:
     version: int = 0
     by: int = 0  # the rank whose supervisor wrote it (of a RELAUNCHING record: the claimer)
     held: str | None = None  # what holds the relaunch: "NODE: CHECK: DETAIL"
+    diagnosis: str | None = None  # `diagnose --json` saved before the last stall restart
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True) + "\n"
@@ -171,6 +176,7 @@ def record_from_json(text: str | None) -> Record | None:
             version=int(data.get("version", 0)),
             by=int(data.get("by", 0)),
             held=_text(data.get("held")),
+            diagnosis=_text(data.get("diagnosis")),
         )
     except (ValueError, TypeError, KeyError):
         return None
@@ -213,7 +219,8 @@ def next_step(me: int, live: set[int], record: Record | None) -> Step:
 Connect = Callable[[float], AbstractContextManager[NodePool]]
 Relaunch = Callable[[NodePool, Job, int], ops.Launch]
 Gate = Callable[[NodePool, Job, Sequence[Host]], list[str]]  # one line per failed check
-Restart = tuple[Record, str | None, list[int | None]]  # the record, why (None: take over)
+# the record, why (None: take over), the exit codes, the diagnosis saved for a stall
+Restart = tuple[Record, str | None, list[int | None], str | None]
 
 
 def health(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
@@ -306,7 +313,7 @@ class Supervisor:
             if record is None:  # every copy is gone: the job was stopped
                 return Record(GAVE_UP, 0, 0, "the supervision record is gone (meshkit stop)")
             if step in ("end", "resume"):
-                return record if step == "end" else (record, None, [])
+                return record if step == "end" else (record, None, [], None)
             if step == "follow":
                 started.clear()
                 misses.clear()
@@ -315,12 +322,21 @@ class Supervisor:
             if record.attempt != attempt:
                 started.clear()
                 attempt = record.attempt
-            seen = views(ops.status(pool, self.job, self.hosts, phase=""), misses)
+            rows = ops.status(pool, self.job, self.hosts, phase="")
+            seen = views(rows, misses)
             for n in seen:
                 if n.started is not None:
                     started.setdefault(n.rank, n.started)
-            decision = decide(seen, started, self.job.restart_on, record.restarts_left)
-            codes = [n.exit_code for n in seen]
+            stalled = None
+            if self.job.restart_on_stall and any(r.stalled for r in rows):
+                stalled = (
+                    f"the job stalled: no output for {self.job.stall_after:.0f}s (--stall-after)"
+                )
+            decision = decide(seen, started, self.job.restart_on, record.restarts_left, stalled)
+            codes, saved = [n.exit_code for n in seen], None
+            if stalled and stalled in str(decision.reason):
+                saved, decision = _save_diagnosis(pool, self.job, self.hosts, record, decision)
+                self.say(f"saved the diagnosis: {saved}")
             if decision.action == "wait":
                 time.sleep(self.interval)
             elif decision.action == DONE:
@@ -329,9 +345,10 @@ class Supervisor:
                     self.say("done: every node exited 0")
                     return final
             elif decision.action == GAVE_UP:
-                return self._give_up(pool, record, seen, decision.reason or "")
+                given = replace(record, diagnosis=saved or record.diagnosis)
+                return self._give_up(pool, given, seen, decision.reason or "")
             else:
-                return (record, decision.reason, codes)
+                return (record, decision.reason, codes, saved)
 
     def _give_up(self, pool: NodePool, record: Record, seen: list[NodeView], why: str) -> Record:
         # The other nodes usually fail on their own within seconds (torchrun notices a lost
@@ -363,7 +380,9 @@ class Supervisor:
                     yield pool
                     return
 
-    def _relaunch(self, seen: Record, reason: str | None, codes: list[int | None]) -> Record | None:
+    def _relaunch(
+        self, seen: Record, reason: str | None, codes: list[int | None], saved: str | None
+    ) -> Record | None:
         """Claim the next attempt (``reason`` given) or take over the claimed one, and make it:
         every node answering, the job stopped everywhere, the health gate, the launch, then a
         supervisor on every node again. Returns the final record when it gives up; None when it
@@ -391,6 +410,7 @@ class Supervisor:
                     restarts_left=seen.restarts_left - 1,
                     last_restart_reason=reason,
                     exit_codes=codes,
+                    diagnosis=saved or seen.diagnosis,
                 )
             claimed = self._write(pool, seen, every=True)
             if claimed is None:
@@ -433,6 +453,23 @@ class Supervisor:
             say(f"attempt {attempt} started")
             start_all(pool, job, hosts)  # where none is live: a rebooted node's comes back
         return None
+
+
+def _save_diagnosis(
+    pool: NodePool, job: Job, hosts: Sequence[Host], record: Record, decision: Decision
+) -> tuple[str, Decision]:
+    """Before a stalled job is stopped: its diagnosis (every rank's stack) into the job's
+    directory (every node's copy of it when synced), where it outlives the restart; the reason
+    names the outliers."""
+    from .diagnose import diagnose, spans
+
+    found = diagnose(pool, job, hosts)
+    path = str(job.home / f"diagnosis-{record.attempt}.json")
+    for h in hosts if job.sync else hosts[:1]:
+        with contextlib.suppress(MeshkitError):  # the restart goes on without it
+            pool.write_file(h, path, json.dumps(found.as_json(), indent=1) + "\n")
+    odd = f"rank {spans(found.outliers)}" if found.outliers else "none"
+    return path, replace(decision, reason=f"{decision.reason}; outliers: {odd} (diagnosis: {path})")
 
 
 # ---- starting and ending the supervisors ----------------------------------------------------
@@ -505,6 +542,7 @@ def with_supervision(
             supervisor=state,
             leader=leader,
             held=record.held,
+            diagnosis=record.diagnosis,
         )
         for r in rows
     ]
