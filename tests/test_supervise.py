@@ -101,7 +101,9 @@ def test_status_names_the_leader_and_a_held_relaunch_and_an_unbacked_record():
     rows = [ops.StatusRow(0, "a", "absent", None, None, None)]
     held = Record(RELAUNCHING, 2, 1, "node 1 exited", held="b: workdir: /w: Read-only")
     out = sup.with_supervision(job, rows, held, 1)[0].as_json()
-    assert (out["supervisor"], out["leader"], out["held"]) == (RELAUNCHING, 1, held.held)
+    # the JSON keeps its fixed names: a claimed relaunch is a running supervisor, relaunching
+    assert (out["supervisor"], out["relaunching"]) == (RUNNING, True)
+    assert (out["leader"], out["held"]) == (1, held.held)
     gone = sup.with_supervision(job, rows, Record(RUNNING, 1, 2), None)[0].as_json()
     assert gone["supervisor"] == "not responding" and "no node has a live" in str(
         gone["last_restart_reason"]

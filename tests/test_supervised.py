@@ -201,7 +201,11 @@ def test_a_leader_killed_during_a_held_relaunch_leaves_exactly_one_relaunch(mesh
     try:
         sandbox.node_exec(lay.nodes[1], ["pkill", "-9", "-f", "^sleep 600"])
         rows = wait_for(lambda: (r := status(lay, workdir, "held")) and r[0]["held"] and r)
-        assert rows[0]["supervisor"] == "relaunching" and rows[0]["attempt"] == 2
+        assert (
+            rows[0]["supervisor"] == "running"
+            and rows[0]["relaunching"]
+            and rows[0]["attempt"] == 2
+        )
         held = str(rows[0]["held"])
         assert held.startswith(f"{lay.nodes[2].address}: workdir: "), held
         text = on_node(lay, 1, workdir, "status", "--session", "held").stdout
@@ -212,12 +216,20 @@ def test_a_leader_killed_during_a_held_relaunch_leaves_exactly_one_relaunch(mesh
             rows = wait_for(
                 lambda: (r := status(lay, workdir, "held")) and r[0]["leader"] == 1 and r
             )
-            assert rows[0]["supervisor"] == "relaunching" and rows[0]["attempt"] == 2
+            assert (
+                rows[0]["supervisor"] == "running"
+                and rows[0]["relaunching"]
+                and rows[0]["attempt"] == 2
+            )
         # node 0's goes on, and node 1's (now the attempt's claimer) is killed mid-relaunch
         for line in supervisors(lay, "held")[1]:
             sandbox.node_exec(lay.nodes[1], ["kill", "-9", line.split()[0]])
         rows = wait_for(lambda: (r := status(lay, workdir, "held")) and r[0]["leader"] == 0 and r)
-        assert rows[0]["supervisor"] == "relaunching" and rows[0]["attempt"] == 2
+        assert (
+            rows[0]["supervisor"] == "running"
+            and rows[0]["relaunching"]
+            and rows[0]["attempt"] == 2
+        )
     finally:
         sandbox.node_exec(lay.nodes[2], ["umount", str(workdir)])
     rows = wait_for(

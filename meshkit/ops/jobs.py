@@ -283,7 +283,9 @@ class StatusRow:
                 "attempt": self.attempt,
                 "restarts_left": self.restarts_left,
                 "last_restart_reason": self.last_restart_reason,
-                "supervisor": self.supervisor,
+                # the fixed names: a claimed relaunch is still a running supervisor
+                "supervisor": "running" if self.supervisor == "relaunching" else self.supervisor,
+                "relaunching": self.supervisor == "relaunching",
                 "diagnosis": self.diagnosis,
                 "leader": self.leader,
                 "held": self.held,
