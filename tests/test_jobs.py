@@ -342,3 +342,16 @@ def test_keeper_refuses_a_spec_it_cannot_trust(tmp_path, data):
     assert (tmp_path / "exit").read_text() == "2\n"
     assert (tmp_path / "error").read_text().startswith("unreadable job spec: ")
     assert not (tmp_path / "keeper.pid").exists()
+
+
+def test_idle_counts_from_the_later_of_the_last_output_and_the_start(tmp_path: Path) -> None:
+    """A relaunched job is not idle since its previous attempt's last line (it would be judged
+    stalled, and restarted again, the moment it starts)."""
+    log = tmp_path / "node0.log"
+    log.write_text("attempt 1's last line\n")
+    old = time.time() - 100
+    os.utime(log, (old, old))
+    assert 99 <= (node_jobs.idle(str(log), None) or 0) <= 110
+    assert (node_jobs.idle(str(log), time.time() - 5) or 0) < 10
+    assert node_jobs.idle(str(tmp_path / "none.log"), None) is None
+    assert 4 <= (node_jobs.idle(str(tmp_path / "none.log"), time.time() - 5) or 0) < 10

@@ -198,15 +198,18 @@ def start(request: StartRequest) -> StartReply:
 def status(request: StatusRequest) -> StatusReply:
     state, code = _state(request.job_id)
     started = _read_float(f"{state_dir(request.job_id)}/started") if state != "absent" else None
-    return StatusReply(state, code, started, last_line(request.log), idle(request.log))
+    return StatusReply(state, code, started, last_line(request.log), idle(request.log, started))
 
 
-def idle(path: str) -> float | None:
-    """Seconds since ``path`` was last written, by this node's clock (None: no log yet)."""
+def idle(path: str, started: float | None) -> float | None:
+    """Seconds since ``path`` was last written or the job (re)started, whichever came later, by
+    this node's clock: a relaunched job is not idle since its previous attempt's last line."""
     try:
-        return max(0.0, time.time() - os.stat(path).st_mtime)
+        marks = [os.stat(path).st_mtime]
     except OSError:
-        return None
+        marks = []
+    marks += [started] if started is not None else []
+    return max(0.0, time.time() - max(marks)) if marks else None
 
 
 def last_line(path: str, window: int = 8192) -> str | None:
