@@ -217,10 +217,10 @@ def test_exit_code_workdir_with_format_characters_and_another_job(private_tmux, 
     odd.mkdir()
     job = spec(odd, 'pwd > where; echo "last words"; exit 7')
     assert node_jobs.start(protocol.StartRequest(job)).started
-    wait_for(lambda: (odd / "where").exists() and node_jobs._state(job.job_id)[0] == "exited")
+    wait_for(lambda: (odd / "where").exists() and node_jobs.job_state(job.job_id)[0] == "exited")
     assert (odd / "where").read_text().strip() == str(odd)
     assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
-    assert node_jobs._state(job.job_id) == ("exited", 7)
+    assert node_jobs.job_state(job.job_id) == ("exited", 7)
     # another job (other workdir, same session name) running here blocks a start unless replace
     other_dir = tmp_path / "other"
     other_dir.mkdir()
@@ -231,10 +231,10 @@ def test_exit_code_workdir_with_format_characters_and_another_job(private_tmux, 
     second = spec(second_dir, "sleep 300")
     refused = node_jobs.start(protocol.StartRequest(second))
     assert not refused.started and [r.job_id for r in refused.conflicts] == [first.job_id]
-    assert node_jobs._state(first.job_id)[0] == "running"  # untouched
+    assert node_jobs.job_state(first.job_id)[0] == "running"  # untouched
     taken = node_jobs.start(protocol.StartRequest(second, replace=True))
     assert taken.started and [r.job_id for r in taken.replaced] == [first.job_id]
-    assert node_jobs._state(first.job_id)[0] == "absent"
+    assert node_jobs.job_state(first.job_id)[0] == "absent"
     assert node_jobs.stop(protocol.StopRequest(second.job_id)).left == []
 
 
@@ -318,8 +318,8 @@ def test_meshkit_run_under_the_keeper_gives_the_command_its_variables(
         **{**base.__dict__, "argv": [*argv, "--cmd", cmd], "setup": ["true"] if setup else []}
     )
     assert node_jobs.start(protocol.StartRequest(job)).started
-    wait_for(lambda: node_jobs._state(job.job_id)[0] == "exited")
-    assert node_jobs._state(job.job_id) == ("exited", 5)
+    wait_for(lambda: node_jobs.job_state(job.job_id)[0] == "exited")
+    assert node_jobs.job_state(job.job_id) == ("exited", 5)
     env = dict(
         line.split("=", 1) for line in (work / "env.txt").read_text().splitlines() if "=" in line
     )

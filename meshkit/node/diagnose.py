@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..protocol import DiagnoseReply, DiagnoseRequest, RankError, RankStack
 from . import jobs, procs
+from .files import read_text, state_root
 
 MAX_FRAMES = 100  # of the main thread, innermost kept
 MAX_THREADS, MAX_THREAD_FRAMES = 16, 8  # other threads: where they are, not how they got there
@@ -27,8 +28,8 @@ YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
 def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
-    state, code = jobs._state(request.job_id)
-    started = jobs._read_float(f"{jobs.state_dir(request.job_id)}/started")
+    state, code = jobs.job_state(request.job_id)
+    started = jobs.started_at(request.job_id)
     keeper = jobs.keeper_pid(request.job_id)
     found = rank_processes(keeper) if keeper else {}
     stacks: list[RankStack] = []
@@ -74,7 +75,7 @@ def rank_processes(keeper: int) -> dict[int, int]:
 def dump(spy: str, rank: int, pid: int, seconds: float) -> RankStack:
     """One rank's stack by ``py-spy dump`` (the rank is paused for the read), bounded in time,
     and what its flight recorder says (the rank hook's thread dumps it when asked)."""
-    fifo = f"/tmp/meshkit-{os.getuid()}/fr-{pid}"
+    fifo = f"{state_root()}/fr-{pid}"
     try:
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # its reader sees EOF: dump
         asked = time.time()
@@ -96,7 +97,7 @@ def dump(spy: str, rank: int, pid: int, seconds: float) -> RankStack:
     if not isinstance(threads, list):
         why = (done.stderr.strip().splitlines() or ["no output"])[0][:300]
         if "ermission" in why or "not permitted" in why:
-            scope = jobs._read(YAMA, 8) or "absent"
+            scope = read_text(YAMA, 8) or "absent"
             why += (
                 f" (Yama ptrace_scope {scope.strip()}): run the job and meshkit as root, or "
                 f"`sysctl kernel.yama.ptrace_scope=0`, or `setcap cap_sys_ptrace+ep {spy}`"
@@ -115,7 +116,7 @@ def flight(path: str, asked: float, seconds: float) -> tuple[int | None, str | N
     while time.time() < asked + seconds:
         try:
             if os.stat(path).st_mtime >= asked - 0.01:
-                entries = json.loads(jobs._read(path, 1 << 24) or "{}").get("entries") or []
+                entries = json.loads(read_text(path, 1 << 24) or "{}").get("entries") or []
                 break
         except (OSError, ValueError):
             pass
@@ -148,7 +149,7 @@ def read_errors(directory: str, started: float | None) -> list[RankError]:
         try:
             if started is not None and os.stat(path).st_mtime < started - 1:
                 continue  # an earlier attempt's
-            data = json.loads(jobs._read(path, 1 << 18) or "")
+            data = json.loads(read_text(path, 1 << 18) or "")
             message = data["message"]
             ours = data.get("meshkit") or {}
             when = float(ours.get("time") or message["extraInfo"]["timestamp"])

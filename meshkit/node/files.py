@@ -7,6 +7,12 @@ from __future__ import annotations
 import os
 
 
+def state_root() -> str:
+    """This user's meshkit state on this node: jobs, supervisors, the ranks' flight-recorder
+    FIFOs. In /tmp on purpose: a reboot empties it, so a rebooted node reads the truth."""
+    return f"/tmp/meshkit-{os.getuid()}"
+
+
 def read_text(path: str | os.PathLike[str], limit: int = 65536) -> str | None:
     """At most ``limit`` bytes of ``path`` (None when it cannot be read)."""
     try:

@@ -32,7 +32,7 @@ from ..protocol import (
 )
 from ..record import asdict
 from . import procs, tmux
-from .files import read_text, write_atomic
+from .files import read_text, state_root, write_atomic
 from .keeper import SPEC
 
 TYPE_CHECKING = False
@@ -44,7 +44,7 @@ JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
 
 
 def jobs_root() -> str:
-    return f"/tmp/meshkit-{os.getuid()}/jobs"
+    return f"{state_root()}/jobs"
 
 
 def state_dir(job_id: str) -> str:
@@ -97,14 +97,19 @@ def running_jobs() -> list[RunningJob]:
     except OSError:
         return []
     # Running means its command has not exited; stragglers an exited job left are not a conflict.
-    return [RunningJob(i, _label(i)) for i in ids if _state(i)[0] == "running"]
+    return [RunningJob(i, _label(i)) for i in ids if job_state(i)[0] == "running"]
 
 
 def jobs(request: JobsRequest) -> JobsReply:
     return JobsReply(running_jobs())
 
 
-def _state(job_id: str) -> tuple[JobState, int | None]:
+def started_at(job_id: str) -> float | None:
+    """When the keeper started the job's current attempt (by this node's clock)."""
+    return _read_float(f"{state_dir(job_id)}/started")
+
+
+def job_state(job_id: str) -> tuple[JobState, int | None]:
     d = state_dir(job_id)
     code = _read_int(f"{d}/exit")
     if code is not None:
@@ -181,7 +186,7 @@ def start(request: StartRequest) -> StartReply:
         return StartReply(False, "absent", replaced, [], str(exc))
     deadline = time.monotonic() + KEEPER_START_TIMEOUT
     while time.monotonic() < deadline:
-        state, _ = _state(job.job_id)
+        state, _ = job_state(job.job_id)
         if state != "absent":
             error = _read(f"{d}/error", 2000)
             return StartReply(True, state, replaced, [], error.strip() if error else None)
@@ -196,8 +201,8 @@ def start(request: StartRequest) -> StartReply:
 
 
 def status(request: StatusRequest) -> StatusReply:
-    state, code = _state(request.job_id)
-    started = _read_float(f"{state_dir(request.job_id)}/started") if state != "absent" else None
+    state, code = job_state(request.job_id)
+    started = started_at(request.job_id) if state != "absent" else None
     return StatusReply(state, code, started, last_line(request.log), idle(request.log, started))
 
 

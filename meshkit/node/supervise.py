@@ -13,11 +13,11 @@ import time
 
 from ..protocol import SupervisorReply, SupervisorRequest
 from . import jobs, procs, tmux
-from .files import read_text, write_atomic
+from .files import read_text, state_root, write_atomic
 
 
 def supervisors_root() -> str:
-    return f"/tmp/meshkit-{os.getuid()}/supervisors"
+    return f"{state_root()}/supervisors"
 
 
 def pid_file(job_id: str, kind: str = "pid") -> str:

@@ -66,6 +66,7 @@ def _install(rank: str, errors: str) -> None:
 
 
 def _flight() -> None:
+    # node/files.state_root()'s path: the hook imports nothing of meshkit into the user's ranks
     fifo = f"/tmp/meshkit-{os.getuid()}/fr-{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(fifo), mode=0o700, exist_ok=True)
