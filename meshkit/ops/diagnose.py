@@ -15,7 +15,7 @@ from ..job import Job
 from ..protocol import DiagnoseReply, DiagnoseRequest, RankError
 from ..remote.group import Outcome
 from .jobs import is_stalled
-from .pool import NodePool
+from .pool import NodePool, unanswered
 
 State = Literal["running", "stalled", "failed", "done", "absent"]
 SECONDS = 5.0  # per rank, for py-spy; a node's ranks are read in parallel
@@ -120,7 +120,7 @@ def build(
     for number, h in enumerate(hosts):
         outcome = replies.get(h)
         if outcome is None or outcome.value is None:
-            why = outcome.error if outcome else f"unreachable: {failures.get(h, 'unknown')}"
+            why = unanswered(outcome, h, failures)
             nodes.append(NodeRow(number, h.label, "absent", None, None, str(why)))
             continue
         r = outcome.value

@@ -37,7 +37,7 @@ from ..protocol import (
 )
 from ..remote.group import Outcome
 from .jobs import Envs, env_error, env_round
-from .pool import NodePool
+from .pool import NodePool, unanswered
 from .sync import Facts, facts_round
 
 # the order of the table: what a training job hits first comes first (a stable sort keeps nodes
@@ -249,7 +249,7 @@ def fact_checks(
     for host in hosts:
         outcome = facts.get(host)
         if outcome is None or outcome.value is None:
-            why = outcome.error if outcome else f"unreachable: {failures.get(host, 'unknown')}"
+            why = unanswered(outcome, host, failures)
             checks.append(
                 Check("facts", host.label, None, False, str(why), "fix the node and rerun")
             )
@@ -409,7 +409,7 @@ def collective_checks(
     for host in hosts:
         outcome = replies.get(host)
         if outcome is None or outcome.value is None:
-            why = outcome.error if outcome else f"unreachable: {failures.get(host, 'unknown')}"
+            why = unanswered(outcome, host, failures)
             checks.append(Check("collective", host.label, None, False, str(why), "fix the node"))
             continue
         reply = outcome.value
@@ -822,7 +822,7 @@ def bandwidth(
     replies = {h: o.value for h, o in found.items() if o.value is not None}
     for h in hosts:
         if h not in replies:
-            why = found[h].error if h in found else f"unreachable: {pool.failures.get(h)}"
+            why = unanswered(found.get(h), h, pool.failures)
             checks.append(Check("bandwidth", h.label, None, False, str(why), "fix the node"))
     results: dict[tuple[Host, Host], list[BandwidthResult]] = {}
     todo = [[(hosts[a], hosts[b]) for a, b in r] for r in pair_rounds(len(hosts))]

@@ -34,7 +34,7 @@ from ..protocol import (
 )
 from ..record import replace
 from ..remote.group import Outcome
-from .pool import NodePool
+from .pool import NodePool, unanswered
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
 JobState = Literal["running", "exited", "absent"]
@@ -233,8 +233,7 @@ def start_rows(
     for rank, h in enumerate(hosts):
         outcome = started.get(h)
         if outcome is None or outcome.value is None:
-            error = outcome.error if outcome else f"unreachable: {failures.get(h, 'unknown')}"
-            rows.append(StartRow(rank, h.label, "absent", error, []))
+            rows.append(StartRow(rank, h.label, "absent", unanswered(outcome, h, failures), []))
             continue
         reply = outcome.value
         error = reply.error if not reply.started else None
@@ -316,7 +315,7 @@ def status_rows(
     for rank, h in enumerate(hosts):
         outcome = replies.get(h)
         if outcome is None or outcome.value is None:
-            error = outcome.error if outcome else f"unreachable: {failures.get(h, 'unknown')}"
+            error = unanswered(outcome, h, failures)
             rows.append(StatusRow(rank, h.label, "absent", None, None, f"error: {error}", error))
             continue
         r = outcome.value
@@ -390,7 +389,7 @@ def stop(
             continue
         outcome = replies.get(h)
         if outcome is None or outcome.value is None:
-            error = outcome.error if outcome else f"unreachable: {pool.failures.get(h, 'unknown')}"
+            error = unanswered(outcome, h, pool.failures)
             rows.append(StopRow(rank, h.label, False, 0, [], error))
         else:
             r = outcome.value
@@ -453,7 +452,7 @@ def _chunks(
         h = hosts[rank]
         outcome = replies.get(h)
         if outcome is None or outcome.value is None:
-            error = outcome.error if outcome else f"unreachable: {failures.get(h, 'unknown')}"
+            error = unanswered(outcome, h, failures)
             if h not in offsets:
                 chunks.append(LogChunk(rank, [], error))
             continue

@@ -40,6 +40,13 @@ class NodePool(Protocol):
     def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None: ...
 
 
+def unanswered(outcome: Outcome[R] | None, host: Host, failures: dict[Host, str]) -> str:
+    """Why a node gave no reply: its call's error, else why it could not be connected to."""
+    if outcome is not None and outcome.error:
+        return outcome.error
+    return f"unreachable: {failures.get(host, 'unknown')}"
+
+
 def ssh_settings(
     conf: Config,
     hostfile: str,
