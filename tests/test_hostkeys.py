@@ -6,6 +6,7 @@ session), or signs the RSA key with SHA-1 (ssh-rsa)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import threading
@@ -91,18 +92,26 @@ def node(tmp_path: Path) -> Iterator[tuple[socket.socket, list[paramiko.PKey]]]:
     listener = socket.create_server(("127.0.0.1", 0))
     transports: list[paramiko.Transport] = []
 
+    def handshake(sock: socket.socket) -> None:
+        t = NodeTransport(sock)
+        t.keys = tuple(keys)
+        for key in keys:
+            t.add_server_key(key)
+        transports.append(t)
+        # A client that hangs up mid-handshake (a probe offering a key type this node lacks, or
+        # one that gave up under load) ends only its own connection, never the server.
+        with contextlib.suppress(paramiko.SSHException, EOFError, OSError):
+            t.start_server(server=Node(t, keys))
+
     def serve() -> None:
         while True:
             try:
                 sock, _ = listener.accept()
             except OSError:
                 return
-            t = NodeTransport(sock)
-            t.keys = tuple(keys)
-            for key in keys:
-                t.add_server_key(key)
-            t.start_server(server=Node(t, keys))
-            transports.append(t)
+            # One thread per connection, as sshd forks one per connection: a slow handshake
+            # must not hold up the next probe behind it.
+            threading.Thread(target=handshake, args=(sock,), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     yield listener, keys
