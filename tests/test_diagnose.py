@@ -45,6 +45,7 @@ from meshkit.remote.group import Outcome
 SANDBOX_NODES = 3
 HANG = """\
 import os, sys, time
+print("importing torch", flush=True)  # (a relaunch busy importing is not silent, so not stalled)
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 rank, mode, odd = dist.get_rank(), sys.argv[1], int(sys.argv[2])
@@ -59,7 +60,7 @@ t = torch.ones(1)
 dist.all_reduce(t)
 print(f"rank {rank} sum {t.item()}", flush=True)
 """
-SLEEP_LINE = 8
+SLEEP_LINE = 9
 LAUNCHERS = {"torchrun": ("torchrun hang.py",), "spawn": ("--spawn", "python hang.py")}
 
 
@@ -174,7 +175,14 @@ def test_restart_on_stall_saves_the_diagnosis_then_completes(meshed):
     # load of 25 (the relaunched attempt must not be judged stalled before it prints).
     flags = ("--restarts", "1", "--restart-on-stall", "--stall-after", "45s")
     train(lay, workdir, session, "torchrun", "once 3", *flags)
-    rows = wait_for(lambda: (r := status(lay, session)) and r[0]["supervisor"] == "done" and r, 360)
+    try:
+        rows = wait_for(
+            lambda: (r := status(lay, session)) and r[0]["supervisor"] == "done" and r, 360
+        )
+    except AssertionError:  # say what the supervisors saw, not only that they never finished
+        home = workdir / ".meshkit" / session
+        logs = {f.name: f.read_text()[-3000:] for f in sorted(home.glob("*.log"))}
+        raise AssertionError(f"{status(lay, session)}\n{logs}") from None
     reason = str(rows[0]["last_restart_reason"])
     assert "stalled" in reason and "outliers: rank 3" in reason, reason
     saved = Path(str(rows[0]["diagnosis"]))
