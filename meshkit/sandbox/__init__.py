@@ -27,25 +27,29 @@ from pathlib import Path
 
 from ..errors import SandboxError
 from . import networks as netopts
+from . import slurm as slurm_cluster
 from .layout import (
     BASHRCS,
     DEFAULT,
     MAX_NODES,
     Layout,
     Node,
+    Options,
     check_name,
     default_dir,
     default_subnet,
     layout,
 )
-from .networks import Options, cut, mend, shape, unshape
-from .system import COMMAND_TIMEOUT
+from .networks import cut, mend, shape, unshape
+from .system import COMMAND_TIMEOUT, SSHD, need, netns_pids, nsenter, write
 from .system import run as _run
 
+# Defined in a submodule; the CLI, the tests and the benchmarks use them as sandbox.X.
 __all__ = [
     "BASHRCS",
     "DEFAULT",
     "MAX_NODES",
+    "SSHD",
     "Layout",
     "Node",
     "Options",
@@ -53,18 +57,11 @@ __all__ = [
     "cut",
     "default_dir",
     "default_subnet",
-    "down",
     "layout",
-    "load",
     "mend",
-    "node_exec",
-    "reboot",
-    "reset_shells",
+    "netns_pids",
     "shape",
-    "shells",
-    "status",
     "unshape",
-    "up",
 ]
 
 PROGRAMS = {
@@ -78,7 +75,6 @@ PROGRAMS = {
 }
 READY_TIMEOUT = 10.0  # plus READY_PER_NODE for each node booting at once
 READY_PER_NODE = 0.1
-SSHD = "/usr/sbin/sshd"
 
 # Runs inside a node's fresh mount+UTS namespace; its data arrives as positional arguments only.
 NODE_INIT = r"""
@@ -156,6 +152,7 @@ Subsystem sftp {sftp}
 # A stock Debian node's SFTP server: sshd starts it through the user's shell (which reads
 # ~/.bashrc); internal-sftp, the minimal nodes' one, starts no shell.
 SFTP_SERVER = "/usr/lib/openssh/sftp-server"
+HOST_KEYS = ("ed25519", "ecdsa")
 
 
 def preflight() -> None:
@@ -164,37 +161,33 @@ def preflight() -> None:
         raise SandboxError(
             "the sandbox needs root (network namespaces, bind mounts, sshd): run with sudo"
         )
-    missing = {
-        pkg
-        for prog, pkg in PROGRAMS.items()
-        if not (Path(SSHD).exists() if prog == "sshd" else shutil.which(prog))
-    }
-    if missing:
-        raise SandboxError(
-            f"missing programs; install them: apt-get install {' '.join(sorted(missing))}"
-        )
+    need(PROGRAMS, "missing programs")
 
 
 def check_subnet(lay: Layout) -> None:
-    """Refuse a subnet that overlaps any route or address of this machine other than our bridge."""
-    routes = json.loads(_run(["ip", "-j", "route", "show", "table", "all"]).stdout or "[]")
-    for route in routes:
-        dst, dev = route.get("dst", ""), route.get("dev", "")
-        if (
-            dev == lay.bridge
-            or dst in ("", "default")
-            or route.get("type") in ("local", "broadcast", "multicast")
-        ):
+    """Refuse a subnet (and the second network's) that overlaps any route or address of this
+    machine other than our own bridges."""
+    nets = [
+        (lay.subnet, lay.bridge, "sandbox subnet", "with --subnet (config meshkit.sandbox.subnet)")
+    ]
+    if lay.networks.second:
+        why = "--subnet (the second network is the subnet + 0.1.0.0)"
+        nets.append(
+            (netopts.second_subnet(lay), lay.second_bridge, "the sandbox's second network", why)
+        )
+    for route in json.loads(_run(["ip", "-j", "route", "show", "table", "all"]).stdout or "[]"):
+        dst, dev = str(route.get("dst", "")), str(route.get("dev", ""))
+        if dst in ("", "default") or route.get("type") in ("local", "broadcast", "multicast"):
             continue
         try:
             other = ipaddress.ip_network(dst, strict=False)
         except ValueError:
             continue
-        if other.version == 4 and other.overlaps(lay.subnet):
-            raise SandboxError(
-                f"sandbox subnet {lay.subnet} overlaps route {dst} on {dev}; "
-                "choose another with --subnet (config meshkit.sandbox.subnet)"
-            )
+        for net, bridge, what, fix in nets:
+            if dev != bridge and other.version == 4 and other.overlaps(net):
+                raise SandboxError(
+                    f"{what} {net} overlaps route {dst} on {dev}; choose another {fix}"
+                )
 
 
 def _shared_under_tmp() -> list[str]:
@@ -209,33 +202,19 @@ def _shared_under_tmp() -> list[str]:
     return [p for p in under if not any(p != q and p.startswith(q + "/") for q in under)]
 
 
-def _write(path: Path, text: str, mode: int = 0o644) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(mode)
-
-
 def _keygen(path: Path, kind: str, comment: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        ["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", comment, "-f", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    argv = ["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", comment, "-f", str(path)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _prepare_files(lay: Layout) -> None:
-    nodes = lay.nodes
     conda = lay.bashrc == "conda"
-    bashrc = CONDA_BASHRC if conda else NODE_BASHRC
     sftp = SFTP_SERVER if conda and Path(SFTP_SERVER).exists() else "internal-sftp"
     for sub in ("controller", "nodes", "logs", "shared"):
         (lay.root / sub).mkdir(parents=True, exist_ok=True)
     (lay.root / "controller").chmod(0o700)
     keygens = [_keygen(lay.key, "ed25519", "meshkit-sandbox-controller")]
-    hosts = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n" + "".join(
-        f"{n.address} {n.name}\n" for n in nodes
-    )
-    for node in nodes:
+    for node in lay.nodes:
         d = lay.node_dir(node)
         for sub, mode in (("ssh", 0o700), ("etc_ssh", 0o755), ("tmp", 0o1777), ("hosttmp", 0o755)):
             (d / sub).mkdir(parents=True, exist_ok=True)
@@ -243,13 +222,11 @@ def _prepare_files(lay: Layout) -> None:
         for name in ("ssh_config", "moduli"):
             if Path("/etc/ssh", name).exists():
                 shutil.copy(Path("/etc/ssh", name), d / "etc_ssh" / name)
-        _write(
-            d / "etc_ssh" / "sshd_config",
-            SSHD_CONFIG.format(name=node.name, address=node.address, sftp=sftp),
-        )
-        _write(d / "hosts", netopts.hosts_text(lay, node) if lay.networks.any else hosts)
-        _write(d / "bashrc", bashrc)
-        for kind in ("ed25519", "ecdsa"):
+        config = SSHD_CONFIG.format(name=node.name, address=node.address, sftp=sftp)
+        write(d / "etc_ssh" / "sshd_config", config)
+        write(d / "hosts", netopts.hosts_text(lay, node))
+        write(d / "bashrc", CONDA_BASHRC if conda else NODE_BASHRC)
+        for kind in HOST_KEYS:
             keygens.append(
                 _keygen(d / "etc_ssh" / f"ssh_host_{kind}_key", kind, f"root@{node.name}")
             )
@@ -257,27 +234,22 @@ def _prepare_files(lay: Layout) -> None:
         raise SandboxError("ssh-keygen failed while creating sandbox keys")
     bootstrap = lay.key.with_suffix(".pub").read_text()
     known = []
-    for node in nodes:
+    for node in lay.nodes:
         d = lay.node_dir(node)
-        _write(d / "ssh" / "authorized_keys", bootstrap, 0o600)
-        for kind in ("ed25519", "ecdsa"):
-            kind_blob = (d / "etc_ssh" / f"ssh_host_{kind}_key.pub").read_text().split()[:2]
-            known.append(f"{node.address} {' '.join(kind_blob)}\n")
-    _write(lay.known_hosts, "".join(known), 0o600)
-    _write(
-        lay.hostfile,
-        "# meshkit sandbox cluster (rank order; node0 is the master)\n"
-        + "".join(f"{n.address}\n" for n in nodes),
-    )
-    aliases = "".join(f"Host {n.name}\n  HostName {n.address}\n" for n in nodes)
-    _write(
+        write(d / "ssh" / "authorized_keys", bootstrap, 0o600)
+        for kind in HOST_KEYS:
+            blob = (d / "etc_ssh" / f"ssh_host_{kind}_key.pub").read_text().split()[:2]
+            known.append(f"{node.address} {' '.join(blob)}\n")
+    write(lay.known_hosts, "".join(known), 0o600)
+    addresses = "".join(f"{n.address}\n" for n in lay.nodes)
+    write(lay.hostfile, f"# meshkit sandbox cluster (rank order; node0 is the master)\n{addresses}")
+    aliases = "".join(f"Host {n.name}\n  HostName {n.address}\n" for n in lay.nodes)
+    every = " ".join([n.name for n in lay.nodes] + [n.address for n in lay.nodes])
+    write(
         lay.ssh_config,
-        (
-            f"# meshkit sandbox: ssh -F {lay.ssh_config} node0  (read by meshkit beside the hostfile)\n"
-            f"{aliases}Host {' '.join(n.name for n in nodes)} {' '.join(n.address for n in nodes)}\n"
-            f"  User root\n  IdentityFile {lay.key}\n  IdentitiesOnly yes\n"
-            f"  UserKnownHostsFile {lay.known_hosts}\n  StrictHostKeyChecking yes\n"
-        ),
+        f"# meshkit sandbox: ssh -F {lay.ssh_config} node0  (read by meshkit beside the hostfile)\n"
+        f"{aliases}Host {every}\n  User root\n  IdentityFile {lay.key}\n  IdentitiesOnly yes\n"
+        f"  UserKnownHostsFile {lay.known_hosts}\n  StrictHostKeyChecking yes\n",
     )
 
 
@@ -339,32 +311,22 @@ def start_node(lay: Layout, node: Node) -> None:
     in the foreground as the node's PID 1 (a node's processes see only each other, as on a real
     machine; the node dies with its sshd)."""
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
-    argv = [
-        "ip",
-        "netns",
-        "exec",
-        node.netns,
-        "unshare",
-        "--mount",
-        "--uts",
-        "--pid",
-        "--fork",
-        "--mount-proc",
-        "--propagation",
-        "private",
-        "sh",
-        "-c",
-        NODE_INIT,
-        "node-init",
-        node.name,
-        str(lay.node_dir(node)),
-        str(lay.root),
-        *_shared_under_tmp(),
-    ]
+    fresh = ["--mount", "--uts", "--pid", "--fork", "--mount-proc", "--propagation", "private"]
+    init = ["sh", "-c", NODE_INIT, "node-init", node.name, str(lay.node_dir(node)), str(lay.root)]
+    argv = ["ip", "netns", "exec", node.netns, "unshare", *fresh, *init, *_shared_under_tmp()]
     with open(lay.root / "logs" / f"{node.name}.boot.log", "w") as log:
         subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
         )
+
+
+def _answers(node: Node) -> bool:
+    """Whether the node's sshd accepts TCP."""
+    try:
+        socket.create_connection((node.address, 22), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
 
 
 def wait_ready(lay: Layout, nodes: Sequence[Node]) -> None:
@@ -373,25 +335,13 @@ def wait_ready(lay: Layout, nodes: Sequence[Node]) -> None:
     limit = READY_TIMEOUT + READY_PER_NODE * len(nodes)
     deadline = time.monotonic() + limit
     waiting = list(nodes)
-    while waiting:
-        for node in list(waiting):
-            try:
-                socket.create_connection((node.address, 22), timeout=0.5).close()
-                waiting.remove(node)
-            except OSError:
-                pass
-        if waiting and time.monotonic() > deadline:
+    while waiting := [n for n in waiting if not _answers(n)]:
+        if time.monotonic() > deadline:
             names = ", ".join(n.name for n in waiting)
             raise SandboxError(
                 f"sshd did not come up on {names} in {limit:.0f}s; see {lay.root}/logs/*.boot.log"
             )
-        if waiting:
-            time.sleep(0.05)
-
-
-def netns_pids(netns: str) -> list[int]:
-    done = _run(["ip", "netns", "pids", netns], check=False)
-    return [int(p) for p in done.stdout.split()]
+        time.sleep(0.05)
 
 
 def kill_node(netns: str) -> None:
@@ -411,10 +361,6 @@ def _netns_names() -> list[str]:
     return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
 
 
-def _existing_netns(lay: Layout) -> list[str]:
-    return [n for n in _netns_names() if lay.owns_netns(n)]
-
-
 def down(root: str | os.PathLike[str], name: str = DEFAULT) -> list[str]:
     """Remove every namespace, link and file of the sandbox ``name``; safe to repeat and after a
     crash. Other sandboxes are left alone. SLURM's daemons (``up(slurm=True)``) run inside the
@@ -424,23 +370,20 @@ def down(root: str | os.PathLike[str], name: str = DEFAULT) -> list[str]:
     name = str(state.get("name", name)) if state else check_name(name)
     lay = Layout(path.resolve(), ipaddress.IPv4Network("10.77.0.0/24"), 1, name)  # names only
     removed = []
-    for netns in _existing_netns(lay):
+    for netns in filter(lay.owns_netns, _netns_names()):
         kill_node(netns)
         _run(["ip", "netns", "del", netns], check=False)
         removed.append(netns)
     # The kernel frees a deleted namespace's veths lazily; delete our ends now so that an
     # immediate up does not find them still there.
-    links = [
-        str(link.get("ifname", ""))
-        for link in json.loads(_run(["ip", "-j", "link", "show"], check=False).stdout or "[]")
-    ]
-    for ifname in links:
-        if lay.owns_veth(ifname):
-            _run(["ip", "link", "del", ifname], check=False)
-    removed += netopts.teardown(lay, links)
-    if _run(["ip", "link", "show", lay.bridge], check=False).returncode == 0:
-        _run(["ip", "link", "del", lay.bridge])
-        removed.append(lay.bridge)
+    shown = json.loads(_run(["ip", "-j", "link", "show"], check=False).stdout or "[]")
+    links = [str(link.get("ifname", "")) for link in shown]
+    for ifname in filter(lay.owns_veth, links):
+        _run(["ip", "link", "del", ifname], check=False)
+    for bridge in (lay.second_bridge, lay.bridge):
+        if bridge in links:
+            _run(["ip", "link", "del", bridge], check=False)
+            removed.append(bridge)
     if path.exists() and (state is not None or (path / "hostfile").exists()):
         shutil.rmtree(path)
         removed.append(str(path))
@@ -471,36 +414,21 @@ def up(
     bashrc: str = "minimal",
 ) -> Layout:
     """Create (or re-create) the sandbox ``name`` of ``count`` nodes and wait until every sshd
-    answers. ``networks`` adds real-world network features (see networks.Options); ``slurm``
-    also a private SLURM cluster on the nodes (see ``sandbox.slurm``); ``bashrc`` the nodes'
-    ~/.bashrc (a key of BASHRCS: ``conda`` costs what conda's does and counts shells)."""
-    from . import slurm as slurm_cluster
-
+    answers. ``networks`` adds real-world network features (see networks.py); ``slurm`` also a
+    private SLURM cluster on the nodes (see slurm.py); ``bashrc`` the nodes' ~/.bashrc (a key of
+    BASHRCS: ``conda`` costs what conda's does and counts shells)."""
     preflight()
     if slurm:
         slurm_cluster.preflight()
     lay = layout(root, subnet, count, name, networks, bashrc)
     down(lay.root, name)
     check_subnet(lay)
-    netopts.check_second_subnet(lay)
-    created_root_ssh = not Path("/root/.ssh").exists()
+    state = {"name": name, "nodes": count, "subnet": str(lay.subnet), "slurm": slurm}
+    state |= {"networks": lay.networks.as_state(), "bashrc": bashrc}
+    state["created_root_ssh"] = not Path("/root/.ssh").exists()
     # The bind-mount point for each node's own ~/.ssh; another sandbox may create it meanwhile.
     Path("/root/.ssh").mkdir(mode=0o700, exist_ok=True)
-    lay.root.mkdir(parents=True, exist_ok=True)
-    _write(
-        lay.root / "state.json",
-        json.dumps(
-            {
-                "name": name,
-                "nodes": count,
-                "subnet": str(lay.subnet),
-                "created_root_ssh": created_root_ssh,
-                "slurm": slurm,
-                "networks": lay.networks.as_state(),
-                "bashrc": lay.bashrc,
-            }
-        ),
-    )
+    write(lay.root / "state.json", json.dumps(state))
     try:
         _prepare_files(lay)
         _network(lay)
@@ -520,25 +448,17 @@ def load(root: str | os.PathLike[str]) -> Layout:
     state = _read_state(Path(root))
     if state is None:
         raise SandboxError(f"no sandbox at {root}; create one with: meshkit sandbox.up --nodes 3")
-    return layout(
-        root,
-        str(state["subnet"]),
-        int(str(state["nodes"])),
-        str(state.get("name", DEFAULT)),
-        Options.from_state(state.get("networks")),
-        str(state.get("bashrc", "minimal")),
-    )
+    name, bashrc = str(state.get("name", DEFAULT)), str(state.get("bashrc", "minimal"))
+    networks = Options.from_state(state.get("networks"))
+    return layout(root, str(state["subnet"]), int(str(state["nodes"])), name, networks, bashrc)
 
 
 def reboot(lay: Layout, index: int) -> Node:
     """What a reboot looks like to meshkit: every process of the node dies, its /tmp is emptied,
     and sshd comes back (with fresh namespaces)."""
-    if not 0 <= index < lay.count:
-        raise SandboxError(f"--node {index}: the sandbox has nodes 0..{lay.count - 1}")
-    node = lay.nodes[index]
+    node = lay.node(index)
     kill_node(node.netns)
-    tmp = lay.node_dir(node) / "tmp"
-    for entry in tmp.iterdir():
+    for entry in (lay.node_dir(node) / "tmp").iterdir():
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
@@ -546,76 +466,44 @@ def reboot(lay: Layout, index: int) -> Node:
     start_node(lay, node)
     wait_ready(lay, [node])
     if (_read_state(lay.root) or {}).get("slurm"):
-        from . import slurm
-
-        slurm.start_daemons(lay, node)
-        slurm.wait_idle(lay, [node])
+        slurm_cluster.start_daemons(lay, node)
+        slurm_cluster.wait_idle(lay, [node])
     return node
 
 
-def shells_path(lay: Layout, node: Node) -> Path:
-    """The node's shell counter (the ``conda`` bashrc's), read from the controller."""
+def _shells_file(lay: Layout, node: Node) -> Path:
     return lay.node_dir(node) / "tmp" / SHELLS_FILE
 
 
 def reset_shells(lay: Layout) -> None:
     """Empty every node's shell counter (a reboot empties it too)."""
     for node in lay.nodes:
-        with contextlib.suppress(FileNotFoundError):
-            shells_path(lay, node).unlink()
+        _shells_file(lay, node).unlink(missing_ok=True)
 
 
 def shells(lay: Layout) -> list[list[str]]:
     """Per node, in rank order: the shells started since ``reset_shells``, each as the command
     it was started for (``interactive`` for a login shell such as tmux's). Only the ``conda``
     bashrc counts; a ``minimal`` sandbox gives empty lists."""
-    found = []
-    for node in lay.nodes:
-        try:
-            text = shells_path(lay, node).read_text(errors="replace")
-        except FileNotFoundError:
-            text = ""
-        found.append(text.splitlines())
-    return found
+    files = [_shells_file(lay, node) for node in lay.nodes]
+    return [f.read_text(errors="replace").splitlines() if f.exists() else [] for f in files]
 
 
 @dataclass(frozen=True)
 class NodeStatus:
-    node: Node
+    node: str
+    address: str
+    sshd: bool
     processes: int
-    sshd_up: bool
 
 
 def status(lay: Layout) -> list[NodeStatus]:
-    result = []
-    for node in lay.nodes:
-        try:
-            socket.create_connection((node.address, 22), timeout=0.5).close()
-            up_ = True
-        except OSError:
-            up_ = False
-        result.append(NodeStatus(node, len(netns_pids(node.netns)), up_))
-    return result
-
-
-def _exe(pid: int) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/exe")
-    except OSError:  # exited meanwhile
-        return None
+    return [NodeStatus(n.name, n.address, _answers(n), len(netns_pids(n.netns))) for n in lay.nodes]
 
 
 def node_exec(
     node: Node, argv: Sequence[str], timeout: float = COMMAND_TIMEOUT
 ) -> subprocess.CompletedProcess[str]:
     """Run a command *inside* a node (its net, mount and UTS namespaces), as its console would."""
-    pids = [p for p in netns_pids(node.netns) if _exe(p) == os.path.realpath(SSHD)]
-    if not pids:
-        raise SandboxError(f"{node.name} has no sshd; is it up?")
-    return subprocess.run(
-        ["nsenter", "-t", str(min(pids)), "--net", "--mount", "--uts", "--pid", "--", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    argv = [*nsenter(node), *argv]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)

@@ -1,6 +1,6 @@
 """Where everything of one sandbox lives: pure arithmetic on its name, directory, subnet and size.
 
-Several sandboxes run side by side, each under its own name: its own bridge, namespaces, veths,
+Several sandboxes run side by side, each under its own name: its own bridges, namespaces, veths,
 subnet and directory. The sandbox named ``default`` keeps the historical names (bridge ``mkbr0``,
 namespaces ``meshkit-n<i>``), so a plain ``meshkit sandbox.up`` is what it always was.
 """
@@ -24,9 +24,21 @@ MAX_NODES = 256 - FIRST_HOST - 1
 NAME_MAX = 8
 # Linux interface names are at most 15 characters (IFNAMSIZ 16 with the NUL): the longest
 # sandbox-owned name is a veth's, "mk" + name + "-" + node index, i.e. 2 + 8 + 1 + 3 = 14 at
-# MAX_NODES; ``ifnames`` checks every name a layout would create.
+# MAX_NODES; ``layout`` checks every name it would create.
 IFNAME_MAX = 15
 _NAME = re.compile(rf"^[a-z][a-z0-9]{{0,{NAME_MAX - 1}}}$")
+
+# The nodes' ~/.bashrc. sshd starts the user's shell for every exec channel (and for an external
+# SFTP server), and bash reads ~/.bashrc there, interactive or not.
+BASHRCS = {
+    "minimal": "a one-line ~/.bashrc (the host's does not run on the nodes)",
+    "conda": (
+        "a conda-init-like ~/.bashrc: about 0.1 s of CPU per shell (a Python hook, as `conda "
+        "init` and `pyenv init` leave on ML nodes, with no interactive guard), every shell "
+        "counted in the node's /tmp/.meshkit-shells; sshd runs the Debian sftp-server (a shell "
+        "too), as a stock node does"
+    ),
+}
 
 
 def check_name(name: str) -> str:
@@ -54,6 +66,8 @@ def default_subnet(base: str, name: str) -> str:
 
 @dataclass(frozen=True)
 class Options:
+    """Real-world network options (see networks.py), all off by default."""
+
     second: bool = False
     ifnames: bool = False
     docker: bool = False
@@ -92,8 +106,7 @@ class Options:
         return any(asdict(self).values())
 
     def describe(self) -> str:
-        on = [f.name for f in fields(self) if getattr(self, f.name)]
-        return ", ".join(on) or "plain"
+        return ", ".join(k for k, on in asdict(self).items() if on) or "plain"
 
 
 @dataclass(frozen=True)
@@ -102,7 +115,11 @@ class Node:
     name: str
     address: str
     netns: str
-    veth: str
+    veth: str  # the host end of its veth on the first network
+
+
+def _numbered(name: str, prefix: str) -> bool:
+    return name.startswith(prefix) and name[len(prefix) :].isdigit()
 
 
 @dataclass(frozen=True)
@@ -111,12 +128,16 @@ class Layout:
     subnet: ipaddress.IPv4Network
     count: int
     name: str = DEFAULT
-    networks: Options = field(default_factory=Options)  # real-world network options (networks.py)
+    networks: Options = field(default_factory=Options)
     bashrc: str = "minimal"  # the nodes' ~/.bashrc: a key of BASHRCS
 
     @property
     def bridge(self) -> str:
         return "mkbr0" if self.name == DEFAULT else f"mkb-{self.name}"
+
+    @property
+    def second_bridge(self) -> str:
+        return "mkbr1" if self.name == DEFAULT else f"mkc-{self.name}"
 
     @property
     def netns_prefix(self) -> str:
@@ -126,13 +147,20 @@ class Layout:
     def veth_prefix(self) -> str:
         return "mkv" if self.name == DEFAULT else f"mk{self.name}-"
 
+    @property
+    def second_veth_prefix(self) -> str:
+        # Not a prefix of the first network's ("mkv"/"mk<name>-"), so ownership tests stay exact.
+        return "mkw" if self.name == DEFAULT else f"mn{self.name}-"
+
+    def second_veth(self, node: Node) -> str:
+        return f"{self.second_veth_prefix}{node.index}"
+
     def owns_netns(self, netns: str) -> bool:
-        rest = netns[len(self.netns_prefix) :]
-        return netns.startswith(self.netns_prefix) and rest.isdigit()
+        return _numbered(netns, self.netns_prefix)
 
     def owns_veth(self, link: str) -> bool:
-        rest = link[len(self.veth_prefix) :]
-        return link.startswith(self.veth_prefix) and rest.isdigit()
+        """The host end of a node's veth, on either network."""
+        return _numbered(link, self.veth_prefix) or _numbered(link, self.second_veth_prefix)
 
     @property
     def controller_address(self) -> str:
@@ -140,16 +168,16 @@ class Layout:
 
     @property
     def nodes(self) -> list[Node]:
+        first = self.subnet.network_address + FIRST_HOST
         return [
-            Node(
-                i,
-                f"node{i}",
-                str(self.subnet.network_address + FIRST_HOST + i),
-                f"{self.netns_prefix}{i}",
-                f"{self.veth_prefix}{i}",
-            )
+            Node(i, f"node{i}", str(first + i), f"{self.netns_prefix}{i}", f"{self.veth_prefix}{i}")
             for i in range(self.count)
         ]
+
+    def node(self, index: int) -> Node:
+        if not 0 <= index < self.count:
+            raise SandboxError(f"node {index}: the sandbox has nodes 0..{self.count - 1}")
+        return self.nodes[index]
 
     def node_dir(self, node: Node) -> Path:
         return self.root / "nodes" / node.name
@@ -179,36 +207,16 @@ class Layout:
         return self.root / "logs" / f"{node.name}.sshd.log"
 
 
-# The nodes' ~/.bashrc. sshd starts the user's shell for every exec channel (and for an external
-# SFTP server), and bash reads ~/.bashrc there, interactive or not.
-BASHRCS = {
-    "minimal": "a one-line ~/.bashrc (the host's does not run on the nodes)",
-    "conda": (
-        "a conda-init-like ~/.bashrc: about 0.1 s of CPU per shell (a Python hook, as `conda "
-        "init` and `pyenv init` leave on ML nodes, with no interactive guard), every shell "
-        "counted in the node's /tmp/.meshkit-shells; sshd runs the Debian sftp-server (a shell "
-        "too), as a stock node does"
-    ),
-}
-
-
-def check_bashrc(kind: str) -> str:
-    if kind not in BASHRCS:
-        raise SandboxError(f"--bashrc {kind[:40]!r}: expected one of {', '.join(BASHRCS)}")
-    return kind
-
-
 def max_nodes(subnet: ipaddress.IPv4Network) -> int:
     """How many nodes fit: addresses from FIRST_HOST up to the one before the broadcast."""
     return min(MAX_NODES, subnet.num_addresses - FIRST_HOST - 1)
 
 
 def ifnames(lay: Layout) -> list[str]:
-    """Every interface name the layout creates on the host (bridges, veths); each must fit
-    IFNAME_MAX (``layout`` refuses one that would not, rather than ``ip`` failing mid-up)."""
+    """Every interface name the layout creates on the host (bridges, veths)."""
     names = [lay.bridge, *(n.veth for n in lay.nodes)]
     if lay.networks.second:
-        names += [second_bridge(lay), *(second_veth(lay, n) for n in lay.nodes)]
+        names += [lay.second_bridge, *(lay.second_veth(n) for n in lay.nodes)]
     return names
 
 
@@ -220,8 +228,10 @@ def layout(
     networks: Options | None = None,
     bashrc: str = "minimal",
 ) -> Layout:
+    """The layout, every input checked here rather than by ``ip`` failing mid-up."""
     check_name(name)
-    check_bashrc(bashrc)
+    if bashrc not in BASHRCS:
+        raise SandboxError(f"--bashrc {bashrc[:40]!r}: expected one of {', '.join(BASHRCS)}")
     try:
         net = ipaddress.IPv4Network(subnet, strict=True)
     except ValueError as exc:
@@ -243,24 +253,3 @@ def layout(
             "use a shorter sandbox name or fewer nodes"
         )
     return lay
-
-
-# -- the second network's names (pure; networks.py builds it) --------------------------------
-
-
-def second_bridge(lay: Layout) -> str:
-    return "mkbr1" if lay.name == "default" else f"mkc-{lay.name}"
-
-
-def second_veth_prefix(lay: Layout) -> str:
-    # Distinct from the first network's prefix ("mkv"/"mk<name>-") so ownership tests stay exact.
-    return "mkw" if lay.name == "default" else f"mn{lay.name}-"
-
-
-def second_veth(lay: Layout, node: Node) -> str:
-    return f"{second_veth_prefix(lay)}{node.index}"
-
-
-def owns_second_veth(lay: Layout, link: str) -> bool:
-    prefix = second_veth_prefix(lay)
-    return link.startswith(prefix) and link[len(prefix) :].isdigit()

@@ -1,43 +1,35 @@
 """Real-world networks for the sandbox: what breaks multi-node training on real clusters.
 
-Options (all off by default, so a plain sandbox is what it always was):
+Options (``layout.Options``, all off by default): ``second``, a second network per node (its own
+bridge and subnet), as a storage or management network beside the hostfile's; ``ifnames``,
+interface names that differ between nodes (``eth0``, ``ens3``, ``eno1``, ...), so one
+``GLOO_SOCKET_IFNAME`` cannot serve every node; ``docker``, a ``docker0`` bridge with the same
+address (172.17.0.1/16) in every node; ``debian_hosts``, the Debian ``127.0.1.1 <hostname>`` line
+in every node's /etc/hosts. They are stored in state.json, so ``load`` gives them back.
 
-- ``second``: a second network per node (its own bridge and subnet), as a storage or management
-  network next to the one the hostfile names;
-- ``ifnames``: interface names that differ between nodes (``eth0`` on node0, ``ens3`` on node1,
-  ``eno1`` on node2, ...), so one ``GLOO_SOCKET_IFNAME`` cannot serve every node;
-- ``docker``: a ``docker0`` bridge with the same address (172.17.0.1/16) inside every node;
-- ``debian_hosts``: the Debian ``127.0.1.1 <hostname>`` line in every node's /etc/hosts, so a node's
-  own name resolves to loopback there.
-
-``cut``/``mend`` take one link between two nodes down and up again: an ``unreachable`` route for the
-other node's addresses inside each node's network namespace (iproute2 alone, no firewall tools).
-``shape``/``unshape`` slow one link or one node with the kernel's traffic control: an htb class and a
-u32 filter for the peer's address on both ends of a link, or tbf on both ends of a node's veth.
-Every option is stored in the sandbox's state.json, so ``load`` gives them back.
+``cut``/``mend`` take the link between two nodes down and up again (an ``unreachable`` route in each
+node's namespace: iproute2 alone, no firewall tools). ``shape``/``unshape`` slow a link or a node
+with traffic control: an htb class and a u32 filter for the peer on both ends of a link, or tbf on
+both ends of a node's veth.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
-from collections.abc import Sequence
 
 from ..errors import SandboxError
-from .layout import Layout, Node, Options, owns_second_veth, second_bridge, second_veth
+from .layout import Layout, Node, Options
 from .system import run
 
-# Options and the second network's names live in layout.py (pure naming; it imports nothing of this
-# module, so there is no import circle); they are named here too, where callers look for them.
-__all__ = ["Options", "owns_second_veth", "second_bridge", "second_veth"]
-
 DOCKER_BRIDGE = "docker0"
-DOCKER_ADDRESS = "172.17.0.1/16"
+DOCKER_BATCH = [
+    f"link add {DOCKER_BRIDGE} type bridge",
+    f"addr add 172.17.0.1/16 dev {DOCKER_BRIDGE}",
+    f"link set {DOCKER_BRIDGE} up",
+]
 PRIMARY_NAMES = ("eth0", "ens3", "eno1")
 SECOND_NAMES = ("eth1", "ens4", "eno2")
-
-
-# -- naming (pure) -------------------------------------------------------------------------------
 
 
 def primary_ifname(opts: Options, index: int) -> str:
@@ -62,10 +54,7 @@ def second_address(lay: Layout, node: Node) -> str:
 
 def addresses(lay: Layout, node: Node) -> list[str]:
     """Every address of a node that other nodes can reach."""
-    found = [node.address]
-    if lay.networks.second:
-        found.append(second_address(lay, node))
-    return found
+    return [node.address, *([second_address(lay, node)] if lay.networks.second else [])]
 
 
 def hosts_text(lay: Layout, node: Node) -> str:
@@ -79,52 +68,20 @@ def hosts_text(lay: Layout, node: Node) -> str:
     return "\n".join(lines) + "\n"
 
 
-# -- effects -------------------------------------------------------------------------------------
-
-
-def _run(argv: Sequence[str], *, check: bool = True, input: str | None = None) -> str:
-    return run(argv, check=check, input=input).stdout
-
-
-def check_second_subnet(lay: Layout) -> None:
-    """Refuse a second subnet that overlaps a route of this machine (other than our bridge)."""
-    if not lay.networks.second:
-        return
-    net = second_subnet(lay)
-    for route in json.loads(_run(["ip", "-j", "route", "show", "table", "all"]) or "[]"):
-        dst, dev = str(route.get("dst", "")), str(route.get("dev", ""))
-        if (
-            dev == second_bridge(lay)
-            or dst in ("", "default")
-            or route.get("type") in ("local", "broadcast", "multicast")
-        ):
-            continue
-        try:
-            other = ipaddress.ip_network(dst, strict=False)
-        except ValueError:
-            continue
-        if other.version == 4 and other.overlaps(net):
-            raise SandboxError(
-                f"the sandbox's second network {net} overlaps route {dst} on {dev}; "
-                "choose another --subnet (the second network is the subnet + 0.1.0.0)"
-            )
-
-
 def host_batch(lay: Layout) -> list[str]:
     """``ip -batch`` lines on the host: the second bridge and each node's veth onto it."""
     if not lay.networks.second:
         return []
-    net, bridge = second_subnet(lay), second_bridge(lay)
+    net, bridge = second_subnet(lay), lay.second_bridge
     batch = [
         f"link add {bridge} type bridge",
         f"addr add {net.network_address + 1}/{net.prefixlen} dev {bridge}",
         f"link set {bridge} up",
     ]
     for node in lay.nodes:
-        veth = second_veth(lay, node)
+        veth, peer = lay.second_veth(node), second_ifname(lay.networks, node.index)
         batch += [
-            f"link add {veth} type veth peer name {second_ifname(lay.networks, node.index)} "
-            f"netns {node.netns}",
+            f"link add {veth} type veth peer name {peer} netns {node.netns}",
             f"link set {veth} master {bridge}",
             f"link set {veth} up",
         ]
@@ -140,55 +97,29 @@ def node_batch(lay: Layout, node: Node) -> list[str]:
             f"addr add {second_address(lay, node)}/{net.prefixlen} dev {name}",
             f"link set {name} up",
         ]
-    if lay.networks.docker:
-        batch += docker_batch()
-    return batch
-
-
-def docker_batch() -> list[str]:
-    return [
-        f"link add {DOCKER_BRIDGE} type bridge",
-        f"addr add {DOCKER_ADDRESS} dev {DOCKER_BRIDGE}",
-        f"link set {DOCKER_BRIDGE} up",
-    ]
+    return batch + (DOCKER_BATCH if lay.networks.docker else [])
 
 
 def add_docker(lay: Layout) -> None:
     """docker0 on every node of a running sandbox, as when Docker is installed after the cluster
     was set up (safe to repeat)."""
     for node in lay.nodes:
-        present = _run(["ip", "-n", node.netns, "link", "show", DOCKER_BRIDGE], check=False)
-        if not present:
-            _run(["ip", "-n", node.netns, "-batch", "-"], input="\n".join(docker_batch()) + "\n")
-
-
-def teardown(lay: Layout, links: Sequence[str]) -> list[str]:
-    """Remove the second network's host-side links (``links``: every link name on the host)."""
-    removed = []
-    for link in links:
-        if owns_second_veth(lay, link):
-            _run(["ip", "link", "del", link], check=False)
-    bridge = second_bridge(lay)
-    if bridge in links:
-        _run(["ip", "link", "del", bridge], check=False)
-        removed.append(bridge)
-    return removed
+        if not run(["ip", "-n", node.netns, "link", "show", DOCKER_BRIDGE], check=False).stdout:
+            run(["ip", "-n", node.netns, "-batch", "-"], input="\n".join(DOCKER_BATCH) + "\n")
 
 
 def _pair(lay: Layout, a: int, b: int) -> tuple[Node, Node]:
-    for index in (a, b):
-        if not 0 <= index < lay.count:
-            raise SandboxError(f"node {index}: the sandbox has nodes 0..{lay.count - 1}")
+    pair = lay.node(a), lay.node(b)
     if a == b:
         raise SandboxError(f"nodes {a} and {b}: name two different nodes")
-    return lay.nodes[a], lay.nodes[b]
+    return pair
 
 
-def _routes(lay: Layout, a: int, b: int, verb: str) -> list[tuple[str, str]]:
-    """(netns, ip-batch line) pairs that add or delete the cut between ``a`` and ``b``."""
+def _routes(lay: Layout, a: int, b: int, verb: str) -> list[list[str]]:
+    """The ``ip`` commands that add or delete the cut between ``a`` and ``b``."""
     one, two = _pair(lay, a, b)
     return [
-        (here.netns, f"route {verb} unreachable {addr}/32")
+        ["ip", "-n", here.netns, "route", verb, "unreachable", f"{addr}/32"]
         for here, there in ((one, two), (two, one))
         for addr in addresses(lay, there)
     ]
@@ -197,14 +128,14 @@ def _routes(lay: Layout, a: int, b: int, verb: str) -> list[tuple[str, str]]:
 def cut(lay: Layout, a: int, b: int) -> None:
     """Take the link between nodes ``a`` and ``b`` down, both ways, on every network: each drops
     what it would send to the other (connections fail with "No route to host")."""
-    for netns, line in _routes(lay, a, b, "replace"):
-        _run(["ip", "-n", netns, *line.split()])
+    for argv in _routes(lay, a, b, "replace"):
+        run(argv)
 
 
 def mend(lay: Layout, a: int, b: int) -> None:
     """Undo ``cut`` (safe when there is no cut)."""
-    for netns, line in _routes(lay, a, b, "del"):
-        _run(["ip", "-n", netns, *line.split()], check=False)
+    for argv in _routes(lay, a, b, "del"):
+        run(argv, check=False)
 
 
 def cuts(lay: Layout) -> list[tuple[int, int]]:
@@ -212,10 +143,10 @@ def cuts(lay: Layout) -> list[tuple[int, int]]:
     by_address = {addr: n.index for n in lay.nodes for addr in addresses(lay, n)}
     found: set[tuple[int, int]] = set()
     for node in lay.nodes:
-        routes = _run(
+        shown = run(
             ["ip", "-n", node.netns, "-j", "route", "show", "type", "unreachable"], check=False
         )
-        for route in json.loads(routes or "[]"):
+        for route in json.loads(shown.stdout or "[]"):
             other = by_address.get(str(route.get("dst", "")))
             if other is not None:
                 found.add((min(node.index, other), max(node.index, other)))
@@ -223,23 +154,22 @@ def cuts(lay: Layout) -> list[tuple[int, int]]:
 
 
 def _tc(netns: str | None, *args: str, check: bool = True) -> str:
-    return _run(["tc", *(["-n", netns] if netns else []), *args], check=check)
+    return run(["tc", *(["-n", netns] if netns else []), *args], check=check).stdout
 
 
 def shape(lay: Layout, index: int, peer: int | None, bits: int) -> None:
     """Slow node ``index`` to ``bits``/s: its link to ``peer`` both ways (an htb class and a
     filter for the other's address on each end), or, without a peer, everything it sends and
     receives (tbf on its interface, and on the veth's host end, which is its way in)."""
+    node = lay.node(index)
     if peer is None:
-        if not 0 <= index < lay.count:
-            raise SandboxError(f"node {index}: the sandbox has nodes 0..{lay.count - 1}")
-        node = lay.nodes[index]
         burst = max(bits // 8 // 250, 16000)  # a 4 ms burst at least: tbf needs rate/HZ
         tbf = ["root", "tbf", "rate", f"{bits}bit", "burst", str(burst), "latency", "50ms"]
         _tc(node.netns, "qdisc", "replace", "dev", primary_ifname(lay.networks, index), *tbf)
         _tc(None, "qdisc", "replace", "dev", node.veth, *tbf)
         return
-    for here, there in (_pair(lay, index, peer), _pair(lay, peer, index)):
+    one, two = _pair(lay, index, peer)
+    for here, there in ((one, two), (two, one)):
         dev, klass = ["dev", primary_ifname(lay.networks, here.index)], f"1:{there.index + 10}"
         if " htb 1: " not in _tc(here.netns, "qdisc", "show", *dev, "root") + " ":
             _tc(here.netns, "qdisc", "replace", *dev, "root", "handle", "1:", "htb")

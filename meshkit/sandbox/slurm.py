@@ -22,18 +22,15 @@ import shlex
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import SandboxError
 from .layout import Layout, Node
+from .system import need, nsenter, write
 
-PROGRAMS = {
-    "slurmctld": "slurmctld",
-    "slurmd": "slurmd",
-    "srun": "slurm-client",
-    "sinfo": "slurm-client",
-    "munged": "munge",
-}
+# sinfo and sbatch come with srun (slurm-client)
+PROGRAMS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "srun": "slurm-client", "munged": "munge"}
 READY_TIMEOUT = 60.0  # slurmd registration on a loaded machine
 CPUS_PER_NODE = 4  # declared, not detected (SlurmdParameters=config_overrides): same on any host
 
@@ -51,24 +48,8 @@ def munge_socket(lay: Layout) -> Path:
     return slurm_dir(lay) / "munge" / "munge.socket"
 
 
-def client_env(lay: Layout) -> dict[str, str]:
-    """The environment a SLURM client (srun, sbatch, sinfo) needs, on top of the usual one."""
-    return {"SLURM_CONF": str(conf_path(lay))}
-
-
-def _which(program: str) -> str | None:
-    for base in ("/usr/sbin", "/usr/bin", "/sbin", "/bin"):
-        if Path(base, program).exists():
-            return str(Path(base, program))
-    return shutil.which(program)
-
-
 def preflight() -> None:
-    missing = {pkg for prog, pkg in PROGRAMS.items() if _which(prog) is None}
-    if missing:
-        raise SandboxError(
-            f"--slurm needs SLURM and munge; install them: apt-get install {' '.join(sorted(missing))}"
-        )
+    need(PROGRAMS, "--slurm needs SLURM and munge")
 
 
 def slurm_conf(lay: Layout) -> str:
@@ -129,15 +110,6 @@ ConstrainDevices=no
 """
 
 
-def _write(path: Path, text: str | bytes, mode: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(text, bytes):
-        path.write_bytes(text)
-    else:
-        path.write_text(text)
-    path.chmod(mode)
-
-
 def prepare(lay: Layout) -> None:
     """slurm.conf, cgroup.conf, a fresh munge key and the state/log directories."""
     d = slurm_dir(lay)
@@ -145,38 +117,16 @@ def prepare(lay: Layout) -> None:
     for sub, mode in (("", 0o755), ("state", 0o700), ("logs", 0o755), ("munge", 0o700)):
         (d / sub).mkdir(parents=True, exist_ok=True)
         (d / sub).chmod(mode)
-    _write(d / "munge" / "munge.key", secrets.token_bytes(1024), 0o400)
-    _write(d / "slurm.conf", slurm_conf(lay), 0o644)
-    _write(d / "cgroup.conf", CGROUP_CONF, 0o644)
-
-
-def _sshd_pid(node: Node) -> int:
-    from . import SSHD, _exe, netns_pids
-
-    pids = [p for p in netns_pids(node.netns) if _exe(p) == os.path.realpath(SSHD)]
-    if not pids:
-        raise SandboxError(f"{node.name} has no sshd; is it up?")
-    return min(pids)
+    write(d / "munge" / "munge.key", secrets.token_bytes(1024), 0o400)
+    write(d / "slurm.conf", slurm_conf(lay))
+    write(d / "cgroup.conf", CGROUP_CONF)
 
 
 def _spawn(lay: Layout, node: Node, script: str, log: str) -> None:
     """Run ``script`` (sh) detached inside ``node``'s namespaces; it dies with the node."""
-    argv = [
-        "nsenter",
-        "-t",
-        str(_sshd_pid(node)),
-        "--net",
-        "--mount",
-        "--uts",
-        "--pid",
-        "--",
-        "sh",
-        "-c",
-        script,
-    ]
     with open(slurm_dir(lay) / "logs" / log, "w") as out:
         subprocess.Popen(
-            argv,
+            [*nsenter(node), "sh", "-c", script],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=out,
@@ -185,9 +135,9 @@ def _spawn(lay: Layout, node: Node, script: str, log: str) -> None:
         )
 
 
-def _wait(what: str, ready: object, lay: Layout) -> None:
+def _wait(what: str, ready: Callable[[], bool], lay: Layout) -> None:
     deadline = time.monotonic() + READY_TIMEOUT
-    while not ready():  # type: ignore[operator]
+    while not ready():
         if time.monotonic() > deadline:
             raise SandboxError(
                 f"{what} not ready in {READY_TIMEOUT:.0f}s; see {slurm_dir(lay) / 'logs'}"
@@ -195,49 +145,27 @@ def _wait(what: str, ready: object, lay: Layout) -> None:
         time.sleep(0.2)
 
 
-def _sinfo(lay: Layout) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["sinfo", "-h", "-N", "-o", "%N %T"],
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=False,
-        env={**os.environ, **client_env(lay)},
-    )
-
-
 def idle_nodes(lay: Layout) -> list[str]:
     """The nodes slurmctld reports ready for jobs."""
+    env = {**os.environ, "SLURM_CONF": str(conf_path(lay))}
+    argv = ["sinfo", "-h", "-N", "-o", "%N %T"]
     try:
-        done = _sinfo(lay)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, env=env)
     except subprocess.TimeoutExpired:
         return []
-    return [
-        line.split()[0]
-        for line in done.stdout.splitlines()
-        if len(line.split()) == 2 and line.split()[1] in ("idle", "mixed", "allocated")
-    ]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    return [r[0] for r in rows if len(r) == 2 and r[1] in ("idle", "mixed", "allocated")]
 
 
 def start_daemons(lay: Layout, node: Node) -> None:
     """This node's SLURM daemons (node0 also hosts munged and slurmctld); they die with the node."""
-    d = slurm_dir(lay)
     if node == lay.nodes[0]:
-        m = d / "munge"
+        d, m = slurm_dir(lay), slurm_dir(lay) / "munge"
         munge_socket(lay).unlink(missing_ok=True)
-        munged = shlex.join(
-            [
-                "munged",
-                "--foreground",
-                "--force",
-                f"--socket={munge_socket(lay)}",
-                f"--key-file={m / 'munge.key'}",
-                f"--pid-file={m / 'munged.pid'}",
-                f"--log-file={d / 'logs' / 'munged.log'}",
-                f"--seed-file={m / 'munged.seed'}",
-            ]
-        )
-        _spawn(lay, node, f"exec {munged}", "munged.out")
+        munged = ["munged", "--foreground", "--force", f"--socket={munge_socket(lay)}"]
+        munged += [f"--key-file={m / 'munge.key'}", f"--pid-file={m / 'munged.pid'}"]
+        munged += [f"--log-file={d / 'logs' / 'munged.log'}", f"--seed-file={m / 'munged.seed'}"]
+        _spawn(lay, node, f"exec {shlex.join(munged)}", "munged.out")
         _wait("munged", munge_socket(lay).exists, lay)
         _spawn(lay, node, "exec slurmctld -D -i", "slurmctld.out")
     # slurmd wants /sys/fs/cgroup: a private tmpfs, in this node's mount namespace only.

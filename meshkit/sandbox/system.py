@@ -1,14 +1,19 @@
-"""The sandbox's one way to run a system command (ip, ssh-keygen, ...): argv only, bounded in time,
-a failure as a ``SandboxError`` that says which command and why."""
+"""The sandbox's ways into the system: a command (ip, ssh-keygen, ...) by argv only, bounded in time,
+a failure as a ``SandboxError`` that says which command and why; a node's namespaces; a file."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from ..errors import SandboxError
+from .layout import Node
 
 COMMAND_TIMEOUT = 30.0
+SSHD = "/usr/sbin/sshd"
 
 
 def run(
@@ -28,3 +33,45 @@ def run(
     if check and done.returncode != 0:
         raise SandboxError(f"{' '.join(argv)} failed: {done.stderr.strip() or done.stdout.strip()}")
     return done
+
+
+def need(programs: Mapping[str, str], what: str) -> None:
+    """Refuse when a program is missing, naming the Debian packages that provide them (the sbin
+    directories are searched too: a root shell's PATH may lack them)."""
+    sbin = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
+    missing = {
+        pkg
+        for prog, pkg in programs.items()
+        if not any(Path(d, prog).exists() for d in sbin) and not shutil.which(prog)
+    }
+    if missing:
+        raise SandboxError(f"{what}; install them: apt-get install {' '.join(sorted(missing))}")
+
+
+def write(path: Path, data: str | bytes, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+    path.chmod(mode)
+
+
+def netns_pids(netns: str) -> list[int]:
+    return [int(p) for p in run(["ip", "netns", "pids", netns], check=False).stdout.split()]
+
+
+def _exe(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:  # exited meanwhile
+        return None
+
+
+def nsenter(node: Node) -> list[str]:
+    """The argv prefix that runs a command inside a node (its net, mount, UTS and PID namespaces),
+    entered through its sshd (the node's PID 1), as its console would."""
+    pids = [p for p in netns_pids(node.netns) if _exe(p) == os.path.realpath(SSHD)]
+    if not pids:
+        raise SandboxError(f"{node.name} has no sshd; is it up?")
+    return ["nsenter", "-t", str(min(pids)), "--net", "--mount", "--uts", "--pid", "--"]

@@ -7,23 +7,10 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-NAMES = (
-    "example_train.py",
-    "collective_probe.py",
-    "run.sh",
-    "hostfile.example",
-    "meshkit.yaml",
-)
 
-
-def text(name: str) -> str:
-    """A bundled file's text."""
-    return resources.files(__name__).joinpath(name).read_text()
-
-
-def copy_to(name: str, directory: Path, mode: int = 0o644) -> Path:
+def copy_to(name: str, directory: Path) -> Path:
     """Write a bundled file into ``directory`` (e.g. a job's workdir) and return its path."""
     target = directory / name
-    target.write_text(text(name))
-    target.chmod(mode)
+    target.write_text(resources.files(__name__).joinpath(name).read_text())
+    target.chmod(0o644)
     return target

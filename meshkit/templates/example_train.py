@@ -18,9 +18,7 @@ import torch.distributed as dist
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "--sleep", type=float, default=0.0, help="keep running this long afterwards"
-    )
+    parser.add_argument("--sleep", type=float, default=0.0, help="keep running this long after")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:  # nccl reduces only CUDA tensors, each process on its own GPU

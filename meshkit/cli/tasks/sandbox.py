@@ -5,6 +5,7 @@ from __future__ import annotations
 import json as jsonlib
 import sys
 import time
+from dataclasses import asdict
 
 from invoke.collection import Collection
 from invoke.context import Context
@@ -12,21 +13,20 @@ from invoke.context import Context
 from ... import sandbox
 from ...errors import UsageError
 from ...sandbox.slurm import conf_path as slurm_conf_path
-from ...settings import SandboxConfig
 from ..common import conf, rate, reported, table, task
 
 DIR_HELP = "sandbox state directory (default: config meshkit.sandbox.dir, /var/tmp/meshkit-sandbox)"
-
-
-def _conf(c: Context) -> SandboxConfig:
-    return conf().sandbox
-
-
-def _dir(c: Context, flag: str | None, name: str | None) -> str:
-    return flag or sandbox.default_dir(str(_conf(c).dir), name or sandbox.DEFAULT)
-
-
 NAME_HELP = "sandbox name, so that several run side by side (default: 'default')"
+
+
+def _dir(flag: str | None, name: str | None) -> str:
+    return flag or sandbox.default_dir(str(conf().sandbox.dir), name or sandbox.DEFAULT)
+
+
+def _load(dir: str | None, name: str | None) -> sandbox.Layout:
+    """The running sandbox, after the preflight (root, the system programs)."""
+    sandbox.preflight()
+    return sandbox.load(_dir(dir, name))
 
 
 @task(
@@ -56,11 +56,10 @@ def up(
     with reported():
         started = time.monotonic()
         label = sandbox.check_name(name or sandbox.DEFAULT)
-        net = subnet or sandbox.default_subnet(str(_conf(c).subnet), label)
+        cfg = conf().sandbox
+        net = subnet or sandbox.default_subnet(str(cfg.subnet), label)
         options = sandbox.Options.parse(networks or "")
-        lay = sandbox.up(
-            _dir(c, dir, label), net, int(nodes or _conf(c).nodes), label, options, slurm
-        )
+        lay = sandbox.up(_dir(dir, label), net, int(nodes or cfg.nodes), label, options, slurm)
         took = time.monotonic() - started
     print(table(["node", "address", "netns"], [(n.name, n.address, n.netns) for n in lay.nodes]))
     print(
@@ -73,13 +72,9 @@ def up(
         print(f"networks:    {lay.networks.describe()}")
     print(f"next:        meshkit mesh --hostfile {lay.hostfile}")
     if slurm:
-        slurm_conf = slurm_conf_path(lay)
-        print(
-            f"slurm:       export SLURM_CONF={slurm_conf}   (in a node: nsenter or ssh, then srun/sbatch)"
-        )
-        print(
-            f"             e.g. SLURM_CONF={slurm_conf} srun -N{lay.count} {sys.executable} -m meshkit env"
-        )
+        env = f"SLURM_CONF={slurm_conf_path(lay)}"
+        print(f"slurm:       export {env}   (in a node: nsenter or ssh, then srun/sbatch)")
+        print(f"             e.g. {env} srun -N{lay.count} {sys.executable} -m meshkit env")
 
 
 @task(help={"dir": DIR_HELP, "name": NAME_HELP})
@@ -87,7 +82,7 @@ def down(c: Context, dir: str | None = None, name: str | None = None) -> None:
     """Remove the sandbox: its processes, namespaces, bridge and files (safe to repeat)."""
     with reported():
         sandbox.preflight()
-        removed = sandbox.down(_dir(c, dir, name), name or sandbox.DEFAULT)
+        removed = sandbox.down(_dir(dir, name), name or sandbox.DEFAULT)
     print(f"removed: {', '.join(removed)}" if removed else "no sandbox to remove")
 
 
@@ -95,8 +90,7 @@ def down(c: Context, dir: str | None = None, name: str | None = None) -> None:
 def reboot(c: Context, node: int, dir: str | None = None, name: str | None = None) -> None:
     """Reboot one node: kill all its processes, empty its /tmp, start its sshd again."""
     with reported():
-        sandbox.preflight()
-        rebooted = sandbox.reboot(sandbox.load(_dir(c, dir, name)), int(node))
+        rebooted = sandbox.reboot(_load(dir, name), int(node))
     print(f"{rebooted.name} ({rebooted.address}) rebooted: processes killed, /tmp emptied, sshd up")
 
 
@@ -104,32 +98,12 @@ def reboot(c: Context, node: int, dir: str | None = None, name: str | None = Non
 def status(c: Context, dir: str | None = None, name: str | None = None, json: bool = False) -> None:
     """Show the sandbox nodes: address, sshd up, process count."""
     with reported():
-        sandbox.preflight()
-        states = sandbox.status(sandbox.load(_dir(c, dir, name)))
+        states = sandbox.status(_load(dir, name))
     if json:
-        print(
-            jsonlib.dumps(
-                [
-                    {
-                        "node": s.node.name,
-                        "address": s.node.address,
-                        "sshd": s.sshd_up,
-                        "processes": s.processes,
-                    }
-                    for s in states
-                ]
-            )
-        )
+        print(jsonlib.dumps([asdict(s) for s in states]))
         return
-    print(
-        table(
-            ["node", "address", "sshd", "processes"],
-            [
-                (s.node.name, s.node.address, "up" if s.sshd_up else "down", s.processes)
-                for s in states
-            ],
-        )
-    )
+    rows = [(s.node, s.address, "up" if s.sshd else "down", s.processes) for s in states]
+    print(table(["node", "address", "sshd", "processes"], rows))
 
 
 PAIR_HELP = {
@@ -161,8 +135,7 @@ def cut(
     """Cut the link between two nodes, both ways, on every network (undo with sandbox.mend)."""
     with reported():
         pair = _pair(node, peer)
-        sandbox.preflight()
-        sandbox.cut(sandbox.load(_dir(c, dir, name)), *pair)
+        sandbox.cut(_load(dir, name), *pair)
     print(
         f"cut: node{node} <-> node{peer} (no route between them; "
         f"undo: meshkit sandbox.mend --node {node} --peer {peer})"
@@ -174,8 +147,7 @@ def mend(c: Context, node: int, peer: int, dir: str | None = None, name: str | N
     """Restore the link between two nodes that sandbox.cut took down."""
     with reported():
         pair = _pair(node, peer)
-        sandbox.preflight()
-        sandbox.mend(sandbox.load(_dir(c, dir, name)), *pair)
+        sandbox.mend(_load(dir, name), *pair)
     print(f"mended: node{node} <-> node{peer}")
 
 
@@ -198,10 +170,7 @@ def shape(
     with reported():
         index, other = _pair(node, 0 if peer is None else peer)
         bits = int(rate(rate_ or "", "--rate"))
-        sandbox.preflight()
-        sandbox.shape(
-            sandbox.load(_dir(c, dir, name)), index, None if peer is None else other, bits
-        )
+        sandbox.shape(_load(dir, name), index, None if peer is None else other, bits)
     what = f"node{node} <-> node{peer}" if peer is not None else f"node{node} (all its traffic)"
     print(f"shaped: {what} at {rate_} (undo: meshkit sandbox.unshape)")
 
@@ -210,8 +179,7 @@ def shape(
 def unshape(c: Context, dir: str | None = None, name: str | None = None) -> None:
     """Remove every link and node slowing of sandbox.shape."""
     with reported():
-        sandbox.preflight()
-        sandbox.unshape(sandbox.load(_dir(c, dir, name)))
+        sandbox.unshape(_load(dir, name))
     print("unshaped: every link at full speed")
 
 
