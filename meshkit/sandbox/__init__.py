@@ -41,7 +41,7 @@ from .layout import (
     layout,
 )
 from .networks import cut, mend, shape, unshape
-from .system import COMMAND_TIMEOUT, SSHD, need, netns_pids, nsenter, write
+from .system import COMMAND_TIMEOUT, SSHD, ip_batch, need, netns_pids, nsenter, write
 from .system import run as _run
 
 # Defined in a submodule; the CLI, the tests and the benchmarks use them as sandbox.X.
@@ -167,14 +167,11 @@ def preflight() -> None:
 def check_subnet(lay: Layout) -> None:
     """Refuse a subnet (and the second network's) that overlaps any route or address of this
     machine other than our own bridges."""
-    nets = [
-        (lay.subnet, lay.bridge, "sandbox subnet", "with --subnet (config meshkit.sandbox.subnet)")
-    ]
+    first = ("sandbox subnet", "choose another with --subnet (config meshkit.sandbox.subnet)")
+    second = ("the sandbox's second network", "choose another --subnet (it is subnet + 0.1.0.0)")
+    nets = [(lay.subnet, lay.bridge, *first)]
     if lay.networks.second:
-        why = "--subnet (the second network is the subnet + 0.1.0.0)"
-        nets.append(
-            (netopts.second_subnet(lay), lay.second_bridge, "the sandbox's second network", why)
-        )
+        nets.append((netopts.second_subnet(lay), lay.second_bridge, *second))
     for route in json.loads(_run(["ip", "-j", "route", "show", "table", "all"]).stdout or "[]"):
         dst, dev = str(route.get("dst", "")), str(route.get("dev", ""))
         if dst in ("", "default") or route.get("type") in ("local", "broadcast", "multicast"):
@@ -185,19 +182,14 @@ def check_subnet(lay: Layout) -> None:
             continue
         for net, bridge, what, fix in nets:
             if dev != bridge and other.version == 4 and other.overlaps(net):
-                raise SandboxError(
-                    f"{what} {net} overlaps route {dst} on {dev}; choose another {fix}"
-                )
+                raise SandboxError(f"{what} {net} overlaps route {dst} on {dev}; {fix}")
 
 
 def _shared_under_tmp() -> list[str]:
     """Paths the nodes must see although they live under /tmp (which each node has its own of):
     the interpreter's environment, meshkit itself and the working directory."""
-    candidates = {
-        Path(sys.prefix).resolve(),
-        Path(__file__).resolve().parent.parent.parent,
-        Path.cwd().resolve(),
-    }
+    meshkit = Path(__file__).resolve().parent.parent.parent
+    candidates = {Path(sys.prefix).resolve(), meshkit, Path.cwd().resolve()}
     under = sorted(str(p) for p in candidates if p.is_relative_to("/tmp") and p != Path("/tmp"))
     return [p for p in under if not any(p != q and p.startswith(q + "/") for q in under)]
 
@@ -263,10 +255,10 @@ def neighbour_room(nodes: int, root: Path = NEIGH_SYSCTLS) -> list[str]:
     i.e. about 32 nodes) the kernel drops new neighbours ("neighbor table overflow") and those
     pairs time out. Only ever raised, never lowered (another sandbox may rely on it); returns
     what it changed."""
-    need = 2 * (nodes + 2) ** 2 + 1024  # a second network per node doubles the entries
+    entries = 2 * (nodes + 2) ** 2 + 1024  # a second network per node doubles the entries
     changed = []
     for family in ("ipv4", "ipv6"):
-        for name, want in (("gc_thresh3", need), ("gc_thresh2", need // 2)):
+        for name, want in (("gc_thresh3", entries), ("gc_thresh2", entries // 2)):
             path = root / family / "neigh" / "default" / name
             try:
                 if int(path.read_text().split()[0]) < want:
@@ -279,31 +271,11 @@ def neighbour_room(nodes: int, root: Path = NEIGH_SYSCTLS) -> list[str]:
 
 def _network(lay: Layout) -> None:
     neighbour_room(lay.count)
-    prefix = lay.subnet.prefixlen
-    batch = [
-        f"link add {lay.bridge} type bridge",
-        f"addr add {lay.controller_address}/{prefix} dev {lay.bridge}",
-        f"link set {lay.bridge} up",
-    ]
     for node in lay.nodes:
         _run(["ip", "netns", "add", node.netns])
-        eth = netopts.primary_ifname(lay.networks, node.index)
-        batch += [
-            f"link add {node.veth} type veth peer name {eth} netns {node.netns}",
-            f"link set {node.veth} master {lay.bridge}",
-            f"link set {node.veth} up",
-        ]
-    batch += netopts.host_batch(lay)
-    _run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
+    ip_batch(netopts.host_batch(lay))
     for node in lay.nodes:
-        eth = netopts.primary_ifname(lay.networks, node.index)
-        inside = [
-            "link set lo up",
-            f"addr add {node.address}/{prefix} dev {eth}",
-            f"link set {eth} up",
-            *netopts.node_batch(lay, node),
-        ]
-        _run(["ip", "-n", node.netns, "-batch", "-"], input="\n".join(inside) + "\n")
+        ip_batch(netopts.node_batch(lay, node), node.netns)
 
 
 def start_node(lay: Layout, node: Node) -> None:
@@ -321,7 +293,6 @@ def start_node(lay: Layout, node: Node) -> None:
 
 
 def _answers(node: Node) -> bool:
-    """Whether the node's sshd accepts TCP."""
     try:
         socket.create_connection((node.address, 22), timeout=0.5).close()
     except OSError:
@@ -444,7 +415,6 @@ def up(
 
 
 def load(root: str | os.PathLike[str]) -> Layout:
-    """The layout of the running sandbox at ``root``."""
     state = _read_state(Path(root))
     if state is None:
         raise SandboxError(f"no sandbox at {root}; create one with: meshkit sandbox.up --nodes 3")
@@ -458,11 +428,10 @@ def reboot(lay: Layout, index: int) -> Node:
     and sshd comes back (with fresh namespaces)."""
     node = lay.node(index)
     kill_node(node.netns)
-    for entry in (lay.node_dir(node) / "tmp").iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+    tmp = lay.node_dir(node) / "tmp"
+    shutil.rmtree(tmp)
+    tmp.mkdir()
+    tmp.chmod(0o1777)
     start_node(lay, node)
     wait_ready(lay, [node])
     if (_read_state(lay.root) or {}).get("slurm"):
@@ -471,21 +440,17 @@ def reboot(lay: Layout, index: int) -> Node:
     return node
 
 
-def _shells_file(lay: Layout, node: Node) -> Path:
-    return lay.node_dir(node) / "tmp" / SHELLS_FILE
-
-
 def reset_shells(lay: Layout) -> None:
     """Empty every node's shell counter (a reboot empties it too)."""
     for node in lay.nodes:
-        _shells_file(lay, node).unlink(missing_ok=True)
+        (lay.node_dir(node) / "tmp" / SHELLS_FILE).unlink(missing_ok=True)
 
 
 def shells(lay: Layout) -> list[list[str]]:
     """Per node, in rank order: the shells started since ``reset_shells``, each as the command
     it was started for (``interactive`` for a login shell such as tmux's). Only the ``conda``
     bashrc counts; a ``minimal`` sandbox gives empty lists."""
-    files = [_shells_file(lay, node) for node in lay.nodes]
+    files = [lay.node_dir(node) / "tmp" / SHELLS_FILE for node in lay.nodes]
     return [f.read_text(errors="replace").splitlines() if f.exists() else [] for f in files]
 
 

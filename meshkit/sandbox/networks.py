@@ -20,14 +20,9 @@ import json
 
 from ..errors import SandboxError
 from .layout import Layout, Node, Options
-from .system import run
+from .system import ip_batch, run
 
-DOCKER_BRIDGE = "docker0"
-DOCKER_BATCH = [
-    f"link add {DOCKER_BRIDGE} type bridge",
-    f"addr add 172.17.0.1/16 dev {DOCKER_BRIDGE}",
-    f"link set {DOCKER_BRIDGE} up",
-]
+DOCKER_BRIDGE, DOCKER_ADDRESS = "docker0", "172.17.0.1/16"
 PRIMARY_NAMES = ("eth0", "ens3", "eno1")
 SECOND_NAMES = ("eth1", "ens4", "eno2")
 
@@ -68,36 +63,38 @@ def hosts_text(lay: Layout, node: Node) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _bridge(name: str, address: str) -> list[str]:
+    return [f"link add {name} type bridge", f"addr add {address} dev {name}", f"link set {name} up"]
+
+
+def _veth(host: str, inside: str, node: Node, bridge: str) -> list[str]:
+    """A veth pair: ``host`` on ``bridge``, ``inside`` in ``node``."""
+    add = f"link add {host} type veth peer name {inside} netns {node.netns}"
+    return [add, f"link set {host} master {bridge}", f"link set {host} up"]
+
+
 def host_batch(lay: Layout) -> list[str]:
-    """``ip -batch`` lines on the host: the second bridge and each node's veth onto it."""
-    if not lay.networks.second:
-        return []
-    net, bridge = second_subnet(lay), lay.second_bridge
-    batch = [
-        f"link add {bridge} type bridge",
-        f"addr add {net.network_address + 1}/{net.prefixlen} dev {bridge}",
-        f"link set {bridge} up",
-    ]
+    """``ip -batch`` lines on the host: each network's bridge and each node's veth onto it."""
+    prefix, opts = lay.subnet.prefixlen, lay.networks
+    batch = _bridge(lay.bridge, f"{lay.controller_address}/{prefix}")
     for node in lay.nodes:
-        veth, peer = lay.second_veth(node), second_ifname(lay.networks, node.index)
-        batch += [
-            f"link add {veth} type veth peer name {peer} netns {node.netns}",
-            f"link set {veth} master {bridge}",
-            f"link set {veth} up",
-        ]
+        batch += _veth(node.veth, primary_ifname(opts, node.index), node, lay.bridge)
+    if opts.second:
+        batch += _bridge(lay.second_bridge, f"{second_subnet(lay).network_address + 1}/{prefix}")
+        for node in lay.nodes:
+            inside = second_ifname(opts, node.index)
+            batch += _veth(lay.second_veth(node), inside, node, lay.second_bridge)
     return batch
 
 
 def node_batch(lay: Layout, node: Node) -> list[str]:
-    """``ip -n NETNS -batch`` lines inside a node, after its first network is up."""
-    batch = []
+    """``ip -n NETNS -batch`` lines inside a node: loopback, its side of each network, docker0."""
+    prefix, eth = lay.subnet.prefixlen, primary_ifname(lay.networks, node.index)
+    batch = ["link set lo up", f"addr add {node.address}/{prefix} dev {eth}", f"link set {eth} up"]
     if lay.networks.second:
-        name, net = second_ifname(lay.networks, node.index), second_subnet(lay)
-        batch += [
-            f"addr add {second_address(lay, node)}/{net.prefixlen} dev {name}",
-            f"link set {name} up",
-        ]
-    return batch + (DOCKER_BATCH if lay.networks.docker else [])
+        eth = second_ifname(lay.networks, node.index)
+        batch += [f"addr add {second_address(lay, node)}/{prefix} dev {eth}", f"link set {eth} up"]
+    return batch + (_bridge(DOCKER_BRIDGE, DOCKER_ADDRESS) if lay.networks.docker else [])
 
 
 def add_docker(lay: Layout) -> None:
@@ -105,7 +102,7 @@ def add_docker(lay: Layout) -> None:
     was set up (safe to repeat)."""
     for node in lay.nodes:
         if not run(["ip", "-n", node.netns, "link", "show", DOCKER_BRIDGE], check=False).stdout:
-            run(["ip", "-n", node.netns, "-batch", "-"], input="\n".join(DOCKER_BATCH) + "\n")
+            ip_batch(_bridge(DOCKER_BRIDGE, DOCKER_ADDRESS), node.netns)
 
 
 def _pair(lay: Layout, a: int, b: int) -> tuple[Node, Node]:

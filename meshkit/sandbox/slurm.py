@@ -117,7 +117,8 @@ def prepare(lay: Layout) -> None:
     for sub, mode in (("", 0o755), ("state", 0o700), ("logs", 0o755), ("munge", 0o700)):
         (d / sub).mkdir(parents=True, exist_ok=True)
         (d / sub).chmod(mode)
-    write(d / "munge" / "munge.key", secrets.token_bytes(1024), 0o400)
+    (d / "munge" / "munge.key").write_bytes(secrets.token_bytes(1024))
+    (d / "munge" / "munge.key").chmod(0o400)
     write(d / "slurm.conf", slurm_conf(lay))
     write(d / "cgroup.conf", CGROUP_CONF)
 
@@ -183,8 +184,7 @@ def wait_idle(lay: Layout, nodes: list[Node]) -> None:
 
 def start(lay: Layout) -> None:
     """munged and slurmctld in node0, slurmd in every node; returns when every node is idle.
-    ``sandbox.down`` ends them with every other process of the nodes."""
-    preflight()
+    ``sandbox.down`` ends them with every other process of the nodes (``up`` ran the preflight)."""
     prepare(lay)
     for node in lay.nodes:
         start_daemons(lay, node)

@@ -35,6 +35,11 @@ def run(
     return done
 
 
+def ip_batch(lines: Sequence[str], netns: str | None = None) -> None:
+    """Many ``ip`` commands in one process (``-batch``), on the host or inside ``netns``."""
+    run(["ip", *(["-n", netns] if netns else []), "-batch", "-"], input="\n".join(lines) + "\n")
+
+
 def need(programs: Mapping[str, str], what: str) -> None:
     """Refuse when a program is missing, naming the Debian packages that provide them (the sbin
     directories are searched too: a root shell's PATH may lack them)."""
@@ -48,12 +53,9 @@ def need(programs: Mapping[str, str], what: str) -> None:
         raise SandboxError(f"{what}; install them: apt-get install {' '.join(sorted(missing))}")
 
 
-def write(path: Path, data: str | bytes, mode: int = 0o644) -> None:
+def write(path: Path, text: str, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(data, bytes):
-        path.write_bytes(data)
-    else:
-        path.write_text(data)
+    path.write_text(text)
     path.chmod(mode)
 
 

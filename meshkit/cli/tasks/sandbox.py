@@ -17,6 +17,7 @@ from ..common import conf, rate, reported, table, task
 
 DIR_HELP = "sandbox state directory (default: config meshkit.sandbox.dir, /var/tmp/meshkit-sandbox)"
 NAME_HELP = "sandbox name, so that several run side by side (default: 'default')"
+WHERE = {"dir": DIR_HELP, "name": NAME_HELP}
 
 
 def _dir(flag: str | None, name: str | None) -> str:
@@ -32,8 +33,7 @@ def _load(dir: str | None, name: str | None) -> sandbox.Layout:
 @task(
     help={
         "nodes": "how many nodes (default: config meshkit.sandbox.nodes, 3)",
-        "dir": DIR_HELP,
-        "name": NAME_HELP,
+        **WHERE,
         "subnet": "private IPv4 subnet for the nodes (default: meshkit.sandbox.subnet, 10.77.0.0/24,"
         " for the default sandbox; one picked from the name for the others)",
         "slurm": "also run a private SLURM cluster on the nodes (slurmctld, one slurmd per node,"
@@ -77,7 +77,7 @@ def up(
         print(f"             e.g. {env} srun -N{lay.count} {sys.executable} -m meshkit env")
 
 
-@task(help={"dir": DIR_HELP, "name": NAME_HELP})
+@task(help=WHERE)
 def down(c: Context, dir: str | None = None, name: str | None = None) -> None:
     """Remove the sandbox: its processes, namespaces, bridge and files (safe to repeat)."""
     with reported():
@@ -86,7 +86,7 @@ def down(c: Context, dir: str | None = None, name: str | None = None) -> None:
     print(f"removed: {', '.join(removed)}" if removed else "no sandbox to remove")
 
 
-@task(help={"node": "index of the node to reboot (0 = node0)", "dir": DIR_HELP, "name": NAME_HELP})
+@task(help={"node": "index of the node to reboot (0 = node0)", **WHERE})
 def reboot(c: Context, node: int, dir: str | None = None, name: str | None = None) -> None:
     """Reboot one node: kill all its processes, empty its /tmp, start its sshd again."""
     with reported():
@@ -94,7 +94,7 @@ def reboot(c: Context, node: int, dir: str | None = None, name: str | None = Non
     print(f"{rebooted.name} ({rebooted.address}) rebooted: processes killed, /tmp emptied, sshd up")
 
 
-@task(help={"dir": DIR_HELP, "name": NAME_HELP, "json": "print JSON"})
+@task(help={**WHERE, "json": "print JSON"})
 def status(c: Context, dir: str | None = None, name: str | None = None, json: bool = False) -> None:
     """Show the sandbox nodes: address, sshd up, process count."""
     with reported():
@@ -106,22 +106,14 @@ def status(c: Context, dir: str | None = None, name: str | None = None, json: bo
     print(table(["node", "address", "sshd", "processes"], rows))
 
 
-PAIR_HELP = {
-    "node": "index of one node (0 = node0)",
-    "peer": "index of the other node",
-    "dir": DIR_HELP,
-    "name": NAME_HELP,
-}
+PAIR_HELP = {"node": "index of one node (0 = node0)", "peer": "index of the other node", **WHERE}
 
 
 def _pair(node: object, peer: object) -> tuple[int, int]:
-    if (
-        node is None
-        or peer is None
-        or not all(str(v).isascii() and str(v).isdigit() for v in (node, peer))
-    ):
+    given = [str(v) for v in (node, peer) if v is not None]
+    if len(given) < 2 or not all(v.isascii() and v.isdigit() for v in given):
         raise UsageError("give both nodes by index: --node I --peer J (e.g. --node 0 --peer 2)")
-    return int(str(node)), int(str(peer))
+    return int(given[0]), int(given[1])
 
 
 @task(help=PAIR_HELP)
@@ -136,10 +128,8 @@ def cut(
     with reported():
         pair = _pair(node, peer)
         sandbox.cut(_load(dir, name), *pair)
-    print(
-        f"cut: node{node} <-> node{peer} (no route between them; "
-        f"undo: meshkit sandbox.mend --node {node} --peer {peer})"
-    )
+    undo = f"meshkit sandbox.mend --node {node} --peer {peer}"
+    print(f"cut: node{node} <-> node{peer} (no route between them; undo: {undo})")
 
 
 @task(help=PAIR_HELP)
@@ -175,7 +165,7 @@ def shape(
     print(f"shaped: {what} at {rate_} (undo: meshkit sandbox.unshape)")
 
 
-@task(help={"dir": DIR_HELP, "name": NAME_HELP})
+@task(help=WHERE)
 def unshape(c: Context, dir: str | None = None, name: str | None = None) -> None:
     """Remove every link and node slowing of sandbox.shape."""
     with reported():
