@@ -15,24 +15,9 @@ from collections.abc import Iterable, Sequence
 from .errors import KeyFormatError
 from .record import record
 
-KEY_TYPES = frozenset(
-    {
-        "ssh-ed25519",
-        "ssh-rsa",
-        "ecdsa-sha2-nistp256",
-        "ecdsa-sha2-nistp384",
-        "ecdsa-sha2-nistp521",
-        "sk-ssh-ed25519@openssh.com",
-        "sk-ecdsa-sha2-nistp256@openssh.com",
-    }
-)
-USER_KEY_TYPES = (
-    "ssh-ed25519",
-    "ssh-rsa",
-    "ecdsa-sha2-nistp256",
-    "ecdsa-sha2-nistp384",
-    "ecdsa-sha2-nistp521",
-)
+_ECDSA = ("ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521")
+_SECURITY_KEYS = ("sk-ssh-ed25519@openssh.com", "sk-ecdsa-sha2-nistp256@openssh.com")
+KEY_TYPES = frozenset(("ssh-ed25519", "ssh-rsa", *_ECDSA, *_SECURITY_KEYS))
 AUTHORIZED_TAG = "meshkit:"  # comment prefix of authorized_keys lines mesh adds: "meshkit:<node>"
 KNOWN_TAG = "meshkit"  # comment of known_hosts lines mesh adds
 MESH_FIELD = "mesh="  # after the tag: the meshes (ids derived from hostfiles) that rely on the line
@@ -93,10 +78,6 @@ def _split_quoted(text: str) -> list[str]:
     return re.findall(r'(?:[^\s"]+|"(?:\\.|[^"\\])*")+', text)
 
 
-def _comment(fields: list[str], at: int) -> str:
-    return " ".join(fields[at + 2 :])
-
-
 def check_label(label: str) -> str:
     if not _LABEL.match(label):
         raise KeyFormatError(f"node name {label[:60]!r} cannot be used in a key comment")
@@ -110,15 +91,12 @@ def _join(existing: str, lines: Sequence[str]) -> str:
     return existing + sep + "".join(line + "\n" for line in lines)
 
 
-def _mesh_ids(comment: str, authorized: bool) -> list[str] | None:
-    """The meshes a meshkit-tagged line belongs to ([] for a line from before mesh ids: anyone's),
-    or None when the line is not meshkit's."""
-    parts = comment.split()
-    if not parts:
-        return None
-    head = parts[0]
-    ours = head.startswith(AUTHORIZED_TAG) if authorized else head == KNOWN_TAG
-    if not ours:
+def _mesh_ids(fields: list[str], at: int, authorized: bool) -> list[str] | None:
+    """The meshes a meshkit-tagged key line (as ``_key_fields`` split it) belongs to ([] for a line
+    from before mesh ids: anyone's), or None when the line is not meshkit's."""
+    parts = " ".join(fields[at + 2 :]).split()
+    head = parts[0] if parts else ""
+    if not (head.startswith(AUTHORIZED_TAG) if authorized else head == KNOWN_TAG):
         return None
     for part in parts[1:]:
         if part.startswith(MESH_FIELD):
@@ -126,8 +104,9 @@ def _mesh_ids(comment: str, authorized: bool) -> list[str] | None:
     return []
 
 
-def _tag(head: str, ids: Sequence[str]) -> str:
-    return f"{head} {MESH_FIELD}{','.join(sorted(set(ids)))}" if ids else head
+def _tag(head: str, ids: Iterable[str]) -> str:
+    listed = ",".join(sorted(set(ids) - {""}))
+    return f"{head} {MESH_FIELD}{listed}" if listed else head
 
 
 def _retag(fields: list[str], at: int, ids: Sequence[str]) -> str:
@@ -166,17 +145,11 @@ def merge_authorized(
         found = _key_fields(line)
         if not found:
             continue
-        fields, at = found
-        blob = fields[at + 1]
-        ids = _mesh_ids(_comment(fields, at), authorized=True)
-        if (
-            blob in wanted
-            and mesh_id
-            and ids is not None
-            and mesh_id not in ids
-            and blob not in present
-        ):
-            lines[i] = _retag(fields, at, [*ids, mesh_id])
+        blob = found[0][found[1] + 1]
+        ids = _mesh_ids(*found, authorized=True) if mesh_id else None
+        # Another mesh's line carries a wanted key: this mesh relies on it too.
+        if blob in wanted and blob not in present and ids is not None and mesh_id not in ids:
+            lines[i] = _retag(*found, [*ids, mesh_id])
             claimed += 1
         present.setdefault(blob, i)
     added = []
@@ -184,7 +157,7 @@ def merge_authorized(
         if blob not in present:
             present[blob] = -1
             head = f"{AUTHORIZED_TAG}{check_label(label)}"
-            added.append(f"{key.kind} {key.blob} {_tag(head, [mesh_id] if mesh_id else [])}")
+            added.append(f"{key.kind} {key.blob} {_tag(head, [mesh_id])}")
     return Merge(_join("".join(lines), added), added, claimed)
 
 
@@ -198,13 +171,6 @@ def _hashed_match(pattern: str, name: str) -> bool:
         return hmac.compare_digest(base64.b64encode(mac).decode(), digest)
     except (ValueError, binascii.Error):
         return False
-
-
-def _names_match(patterns: str, name: str) -> bool:
-    return any(
-        _hashed_match(p, name) if p.startswith("|") else p.lower() == name.lower()
-        for p in patterns.split(",")
-    )
 
 
 @record
@@ -246,7 +212,8 @@ class _KnownIndex:
     def matching(self, kind: str, name: str) -> list[Known]:
         found = {seq: k for seq, k in self.plain.get((kind, name.lower()), [])}
         for seq, k in self.hashed:
-            if k[1] == kind and seq not in found and _names_match(k[0], name):
+            patterns = k[0].split(",") if k[1] == kind and seq not in found else []
+            if any(_hashed_match(p, name) for p in patterns):
                 found[seq] = k
         return [found[seq] for seq in sorted(found)]
 
@@ -256,14 +223,18 @@ def merge_known_hosts(
 ) -> Merge:
     """Add a line for each host key under every name not already covered (plain or hashed).
     A name already listed with a *different* key of the same type is a conflict, never overwritten.
-    A name covered only by another mesh's line gets this mesh added to that line's tag."""
+    A name covered only by other meshes' lines gets this mesh added to one of those lines' tag."""
     lines = existing.splitlines(keepends=True)
     known = _KnownIndex()
+    tags: dict[int, list[str]] = {-1: [mesh_id]}  # meshkit's lines' meshes; -1: lines added here
     for i, line in enumerate(lines):
         found = _key_fields(line)
         if found and not found[0][0].startswith("@") and found[1] == 1:
             fields = found[0]
             known.add(fields[0], fields[1], fields[2], i)
+            ids = _mesh_ids(*found, authorized=False)
+            if ids is not None:
+                tags[i] = ids
     added: list[str] = []
     conflicts: list[Conflict] = []
     claimed: set[int] = set()
@@ -271,45 +242,23 @@ def merge_known_hosts(
         missing = []
         for name in names:
             same = known.matching(key.kind, name)
-            covering = [k for k in same if k[2] == key.blob]
+            covering = [i for _, _, blob, i in same if blob == key.blob]
+            # Nothing is needed when a covering line is someone else's or lists this mesh already.
+            if mesh_id and covering and all(i in tags and mesh_id not in tags[i] for i in covering):
+                i = covering[0]
+                tags[i] = [*tags[i], mesh_id]
+                lines[i] = _retag(_split_quoted(lines[i].strip()), 1, tags[i])
+                claimed.add(i)
             if covering:
-                if mesh_id and not _listed(lines, [k[3] for k in covering], mesh_id):
-                    index = next((k[3] for k in covering if _ours(lines, k[3])), None)
-                    if index is not None:
-                        claimed.add(index)
-                        fields, at = _key_fields(lines[index]) or ([], 0)
-                        ids = _mesh_ids(_comment(fields, at), authorized=False) or []
-                        lines[index] = _retag(fields, at, [*ids, mesh_id])
                 continue
             if same:
                 conflicts.append(Conflict(name, key.kind, same[0][3] + 1))
                 continue
             missing.append(check_label(name))
         if missing:
-            line = f"{','.join(missing)} {key.kind} {key.blob} {_tag(KNOWN_TAG, [mesh_id] if mesh_id else [])}"
-            added.append(line)
+            added.append(f"{','.join(missing)} {key.kind} {key.blob} {_tag(KNOWN_TAG, [mesh_id])}")
             known.add(",".join(missing), key.kind, key.blob, -1)
     return Merge(_join("".join(lines), added), added, len(claimed), tuple(conflicts))
-
-
-def _ours(lines: list[str], index: int) -> bool:
-    found = _key_fields(lines[index]) if index >= 0 else None
-    return found is not None and _mesh_ids(_comment(*found), authorized=False) is not None
-
-
-def _listed(lines: list[str], indexes: Sequence[int], mesh_id: str) -> bool:
-    """Whether one of these lines already carries ``mesh_id``, or is someone else's (not meshkit's:
-    then nothing of this mesh's is needed for it), or is new in this merge."""
-    for index in indexes:
-        if index < 0:
-            return True
-        found = _key_fields(lines[index])
-        if found is None:
-            continue
-        ids = _mesh_ids(_comment(*found), authorized=False)
-        if ids is None or mesh_id in ids:
-            return True
-    return False
 
 
 def remove_tagged(existing: str, known_hosts: bool, mesh_id: str = "") -> tuple[str, int]:
@@ -321,7 +270,7 @@ def remove_tagged(existing: str, known_hosts: bool, mesh_id: str = "") -> tuple[
     for line in existing.splitlines(keepends=True):
         found = _key_fields(line)
         if found:
-            ids = _mesh_ids(_comment(*found), authorized=not known_hosts)
+            ids = _mesh_ids(*found, authorized=not known_hosts)
             if ids is not None and (not mesh_id or not ids or mesh_id in ids):
                 changed += 1
                 rest = [i for i in ids if i != mesh_id] if mesh_id else []
@@ -338,7 +287,7 @@ def listed_by_others(text: str, key: PublicKey, mesh_id: str) -> bool:
     for line in text.splitlines():
         found = _key_fields(line)
         if found and found[0][found[1] + 1] == key.blob:
-            ids = _mesh_ids(_comment(*found), authorized=True)
+            ids = _mesh_ids(*found, authorized=True)
             if ids and any(i != mesh_id for i in ids):
                 return True
     return False

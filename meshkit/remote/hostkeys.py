@@ -1,16 +1,13 @@
 """Which host keys a node's sshd really serves, proven by sshd itself.
 
-A ``/etc/ssh/ssh_host_*_key.pub`` proves nothing: sshd may not load it (no ``HostKey`` line), and
-trusting it lets an impostor serving only that key pass StrictHostKeyChecking. The key the
-controller's own connection was shown is proven by that connection's key exchange. The others are
-proven inside the same connection, as OpenSSH's ``UpdateHostKeys`` does (PROTOCOL, "Host key
-rotation"): after authentication sshd announces its keys (``hostkeys-00@openssh.com``), and on
-request (``hostkeys-prove-00@openssh.com``) signs each one together with this connection's
-session id; every signature is verified here, and an announced key whose signature does not
-verify is not trusted. Only when sshd announces nothing or refuses to prove (an sshd older than
-OpenSSH 6.8, or not OpenSSH) does each claimed key type get a key-exchange-only handshake that
-offers sshd just that type (paramiko's ``get_security_options().key_types``): sshd must sign the
-exchange with it, and nobody logs in (the transport is closed right after the key exchange).
+A ``/etc/ssh/ssh_host_*_key.pub`` proves nothing: sshd may not load it, and trusting it lets an
+impostor serving only that key pass StrictHostKeyChecking. The connection's own key is proven by
+its key exchange; the others inside the same connection, as OpenSSH's ``UpdateHostKeys`` does
+(PROTOCOL, "Host key rotation"): sshd announces its keys (``hostkeys-00@openssh.com``) and, on
+request (``hostkeys-prove-00@openssh.com``), signs each with this session's id; a key whose
+signature does not verify is not trusted. Only when sshd announces nothing or refuses to prove
+(older than OpenSSH 6.8, or not OpenSSH) does each claimed key type get a key-exchange-only
+handshake offering sshd just that type, so that it must sign the exchange with it (no login).
 """
 
 from __future__ import annotations
@@ -39,30 +36,23 @@ ALGORITHMS = {
 
 def served_key(remote: Remote, kind: str) -> PublicKey | None:
     """The ``kind`` host key this node's sshd signs a key exchange with, or None when it serves
-    none of that type (or the type is one paramiko cannot negotiate)."""
-    algorithms = ALGORITHMS.get(kind)
-    if algorithms is None:
-        return None
+    none of that type, or when it cannot be asked (then the key stays unproven, and untrusted)."""
+    algorithms = ALGORITHMS.get(kind, ())
     try:
-        sock = remote.key_probe_socket()
+        sock = remote.key_probe_socket() if algorithms else None
     except (OSError, paramiko.SSHException):
-        return None  # no second route to sshd: the key stays unproven (and untrusted)
+        return None  # no second route to sshd
     if sock is None:
         return None
     transport = paramiko.Transport(sock)
     try:
         transport.banner_timeout = remote.settings.connect_timeout
-        options = transport.get_security_options()
-        try:
-            options.key_types = algorithms
-        except ValueError:
-            return None  # an algorithm this paramiko lacks: the key stays unproven
-        try:
-            transport.start_client(timeout=remote.settings.connect_timeout)
-        except (paramiko.SSHException, EOFError, OSError):
-            return None  # no common host key algorithm: sshd serves no key of this type
+        transport.get_security_options().key_types = algorithms
+        transport.start_client(timeout=remote.settings.connect_timeout)
         key = transport.get_remote_server_key()
         return PublicKey(key.get_name(), key.get_base64())
+    except (ValueError, paramiko.SSHException, EOFError, OSError):
+        return None  # an algorithm this paramiko lacks, or no common one: sshd serves no such key
     finally:
         with contextlib.suppress(Exception):
             transport.close()
@@ -70,39 +60,31 @@ def served_key(remote: Remote, kind: str) -> PublicKey | None:
             sock.close()
 
 
-def _blob_kind(blob: bytes) -> str:
-    m = paramiko.Message(blob)
-    return m.get_text()
-
-
 def prove_in_connection(remote: Remote) -> tuple[list[PublicKey], list[str]] | None:
     """The keys sshd announced whose signature over (request name, session id, key) verifies,
     and a note for each that did not; None when sshd announced none or refused to prove them."""
-    blobs = remote.announced_host_keys()
-    if not blobs:
-        return None
-    reply = remote.global_request(PROVE, blobs)
+    blobs = remote.announced_host_keys() or []
+    reply = remote.global_request(PROVE, blobs) if blobs else None
     if reply is None:
         return None
-    session = remote.session_id
     proven, notes = [], []
     for blob in blobs:
         signature = reply.get_binary() if reply.get_remainder() else b""
         try:
-            kind = _blob_kind(blob)
+            kind = paramiko.Message(blob).get_text()
             key = paramiko.PKey.from_type_string(kind, blob)
         except Exception:  # a key type this paramiko cannot check (security keys, certificates)
             notes.append("sshd announced a host key of a type meshkit cannot check; not trusted")
             continue
         public = PublicKey(kind, base64.b64encode(blob).decode())
         signed = paramiko.Message()
-        signed.add_string(PROVE)
-        signed.add_string(session)
-        signed.add_string(blob)
+        for part in (PROVE, remote.session_id, blob):
+            signed.add_string(part)
         algorithm = paramiko.Message(signature).get_text() if signature else ""
-        ok = bool(signature) and algorithm in ALGORITHMS.get(kind, ())
         try:
-            ok = ok and bool(key.verify_ssh_sig(signed.asbytes(), paramiko.Message(signature)))
+            ok = algorithm in ALGORITHMS.get(kind, ()) and bool(
+                key.verify_ssh_sig(signed.asbytes(), paramiko.Message(signature))
+            )
         except Exception:
             ok = False
         if ok:
@@ -119,36 +101,25 @@ def proven_host_keys(
     remote: Remote, claimed: list[PublicKey]
 ) -> tuple[list[PublicKey], list[str], str]:
     """The connection's own key and the keys sshd proves it serves (in the connection, or by the
-    fallback handshakes); a note for each claimed key (from /etc/ssh) that it does not serve; and
-    how they were proven (IN_CONNECTION or FALLBACK)."""
+    fallback handshakes, one per claimed type not yet proven); a note for each claimed key (from
+    /etc/ssh) that it does not serve; and how they were proven (IN_CONNECTION or FALLBACK)."""
     kind, blob = remote.server_key
     proven = [PublicKey(kind, blob)]
     found = prove_in_connection(remote)
     if found is not None:
-        keys, notes = found
-        proven += [k for k in keys if k.blob != blob]
+        proven += [k for k in found[0] if k.blob != blob]
+        notes, how = found[1], IN_CONNECTION
+    else:
+        notes, how = [], FALLBACK
         for key in claimed:
-            if not any(k.blob == key.blob for k in proven):
-                notes.append(
-                    f"{key.kind} key {key.fingerprint()} in /etc/ssh is not the one sshd serves; "
-                    "not trusted"
-                )
-        return proven, notes, IN_CONNECTION
-    notes = []
-    for key in claimed:
-        if (key.kind, key.blob) == (kind, blob) or any(k.kind == key.kind for k in proven):
-            if not any(k.blob == key.blob for k in proven):
-                notes.append(
-                    f"{key.kind} key {key.fingerprint()} in /etc/ssh is not the one sshd serves; "
-                    "not trusted"
-                )
-            continue
-        got = served_key(remote, key.kind)
-        if got is not None and got.blob == key.blob:
-            proven.append(PublicKey(key.kind, key.blob))
-        else:
-            notes.append(
-                f"{key.kind} key {key.fingerprint()} in /etc/ssh is not the one sshd serves; "
-                "not trusted"
-            )
-    return proven, notes, FALLBACK
+            if not any(k.kind == key.kind for k in proven):
+                got = served_key(remote, key.kind)
+                if got is not None and got.blob == key.blob:
+                    proven.append(PublicKey(key.kind, key.blob))
+    served = {k.blob for k in proven}
+    notes += [
+        f"{k.kind} key {k.fingerprint()} in /etc/ssh is not the one sshd serves; not trusted"
+        for k in claimed
+        if k.blob not in served
+    ]
+    return proven, notes, how
