@@ -107,16 +107,9 @@ class FileStat:
     def of(path: str, st_mode: int | None, uid: int | None, target: str = "") -> FileStat:
         if st_mode is None:
             return FileStat(path, "missing")
-        kind = (
-            "link"
-            if stat.S_ISLNK(st_mode)
-            else "dir"
-            if stat.S_ISDIR(st_mode)
-            else "file"
-            if stat.S_ISREG(st_mode)
-            else "other"
-        )
-        return FileStat(path, kind, stat.S_IMODE(st_mode), uid or 0, target)
+        kind = {stat.S_IFLNK: "link", stat.S_IFDIR: "dir", stat.S_IFREG: "file"}
+        mode = stat.S_IMODE(st_mode)
+        return FileStat(path, kind.get(stat.S_IFMT(st_mode), "other"), mode, uid or 0, target)
 
 
 def unsafe_files(node: str, home: FileStat, entries: Sequence[FileStat]) -> list[str]:
@@ -333,9 +326,7 @@ class NodeFacts:
     stale: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     home: str = ""
-    host_keys_by: str = (
-        ""  # how sshd proved its host keys (remote.hostkeys.IN_CONNECTION or FALLBACK)
-    )
+    host_keys_by: str = ""  # how sshd proved them: remote.hostkeys.IN_CONNECTION or FALLBACK
 
 
 @dataclass
@@ -353,10 +344,6 @@ class NodePlan:
             or self.known.changed
             or bool(self.stale)
         )
-
-    @property
-    def conflicts(self) -> list[str]:
-        return [c.describe("") for c in self.known.conflicts]
 
 
 @dataclass(frozen=True)
@@ -446,12 +433,8 @@ def plan_unmesh(f: NodeFacts, mesh: str, keep_keys: bool) -> UnmeshPlan:
 def placeholder_key(host: Host) -> PublicKey:
     """Stands in for a user key that --dry-run would create (never written anywhere): a well-formed
     ed25519 blob derived from the node's name, so each node's placeholder is distinct."""
-    raw = (
-        struct.pack(">I", 11)
-        + b"ssh-ed25519"
-        + struct.pack(">I", 32)
-        + hashlib.sha256(host.label.encode()).digest()
-    )
+    raw = struct.pack(">I", 11) + b"ssh-ed25519" + struct.pack(">I", 32)
+    raw += hashlib.sha256(host.label.encode()).digest()
     return PublicKey("ssh-ed25519", base64.b64encode(raw).decode(), f"(new key of {host.label})")
 
 
@@ -474,6 +457,11 @@ class Target:
     name: str
     by: str  # "hostfile" or "hostname"
 
+    @property
+    def key(self) -> str:
+        """How the script's output names this target: the node's rank, then "h" by hostname."""
+        return f"{self.index}{'h' if self.by == 'hostname' else ''}"
+
 
 def targets(hosts: Sequence[Host], own_hostnames: Mapping[Host, str]) -> list[Target]:
     out = []
@@ -495,6 +483,7 @@ VERIFY_FUNCTIONS = (
     'case $out in *"Permission denied ("*) echo "ok $i" ;; '
     '*) echo "fail $i $(printf %s "$out" | tr "\\n" " " | cut -c1-300)" ;; esac; }'
 )
+VERIFY_OPTIONS = ("BatchMode=yes", "StrictHostKeyChecking=yes", "LogLevel=ERROR")
 
 
 def verify_script(
@@ -510,28 +499,16 @@ def verify_script(
     lines = [VERIFY_FUNCTIONS]
     every = targets(hosts, own_hostnames or {})
     order = sorted(every, key=lambda t: ((t.index - start) % len(hosts), t.by))
+    options = (*VERIFY_OPTIONS, f"ConnectTimeout={int(connect_timeout)}")
+    ssh = ["ssh", *(word for option in options for word in ("-o", option))]
     for k, t in enumerate(order):
         target = hosts[t.index]
-        argv = [
-            "ssh",
-            "-o",
-            "BatchMode=yes",
-            "-o",
-            "StrictHostKeyChecking=yes",
-            "-o",
-            f"ConnectTimeout={int(connect_timeout)}",
-            "-o",
-            "LogLevel=ERROR",
-        ]
-        if t.by == "hostname":
-            argv += ["-o", "PreferredAuthentications=none"]
-        if target.port:
-            argv += ["-p", str(target.port)]
-        if target.user:
-            argv += ["-l", target.user]
+        keycheck = t.by == "hostname"
+        argv = [*ssh, "-o", "PreferredAuthentications=none"] if keycheck else [*ssh]
+        argv += ["-p", str(target.port)] if target.port else []
+        argv += ["-l", target.user] if target.user else []
         argv += ["--", t.name, "true"]
-        how = "keycheck" if t.by == "hostname" else "check"
-        lines.append(f"{how} {t.index}{'h' if t.by == 'hostname' else ''} {shlex.join(argv)} &")
+        lines.append(f"{'keycheck' if keycheck else 'check'} {t.key} {shlex.join(argv)} &")
         if (k + 1) % VERIFY_BATCH == 0:
             lines.append("wait")
     lines.append("wait")
@@ -553,8 +530,7 @@ def parse_verify(
             seen[key] = None if status == "ok" else (error.strip() or "failed")
     errors: dict[int, list[str]] = {}
     for t in targets(hosts, own_hostnames or {}):
-        key = f"{t.index}{'h' if t.by == 'hostname' else ''}"
-        result = seen.get(key, "no result")
+        result = seen.get(t.key, "no result")
         if result is not None:
             how = f" (host key by hostname {t.name})" if t.by == "hostname" else ""
             errors.setdefault(t.index, []).append(f"{result}{how}")
