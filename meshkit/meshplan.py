@@ -338,12 +338,8 @@ class NodePlan:
 
     @property
     def changes(self) -> bool:
-        return (
-            self.user_key != "kept"
-            or self.authorized.changed
-            or self.known.changed
-            or bool(self.stale)
-        )
+        edits = self.authorized.changed or self.known.changed
+        return edits or self.user_key != "kept" or bool(self.stale)
 
 
 @dataclass(frozen=True)
@@ -407,14 +403,11 @@ class UnmeshPlan:
 def unmesh_texts(
     authorized: str | None, known: str | None, mesh: str
 ) -> tuple[str | None, int, str | None, int]:
-    auth, auth_removed = keys.remove_tagged(authorized or "", known_hosts=False, mesh_id=mesh)
-    kh, known_removed = keys.remove_tagged(known or "", known_hosts=True, mesh_id=mesh)
-    return (
-        auth if authorized is not None else None,
-        auth_removed,
-        kh if known is not None else None,
-        known_removed,
-    )
+    """Both files without this mesh's lines (a missing one stays missing), and how many lines
+    each lost or had untagged."""
+    auth, auth_n = keys.remove_tagged(authorized or "", known_hosts=False, mesh_id=mesh)
+    kh, known_n = keys.remove_tagged(known or "", known_hosts=True, mesh_id=mesh)
+    return (None if authorized is None else auth), auth_n, (None if known is None else kh), known_n
 
 
 def plan_unmesh(f: NodeFacts, mesh: str, keep_keys: bool) -> UnmeshPlan:
@@ -487,17 +480,14 @@ VERIFY_OPTIONS = ("BatchMode=yes", "StrictHostKeyChecking=yes", "LogLevel=ERROR"
 
 
 def verify_script(
-    hosts: Sequence[Host],
-    connect_timeout: float,
-    start: int = 0,
-    own_hostnames: Mapping[Host, str] | None = None,
+    hosts: Sequence[Host], connect_timeout: float, start: int, own_hostnames: Mapping[Host, str]
 ) -> str:
     """From one node to every node: a full login by the hostfile spelling, and a host-key check
     by the node's hostname; plain OpenSSH, BatchMode, strict host keys. Host data enters the
     script only through shlex.join. Node ``start`` begins with target ``start``, so each target
     gets about one batch of connections at a time, not all N."""
     lines = [VERIFY_FUNCTIONS]
-    every = targets(hosts, own_hostnames or {})
+    every = targets(hosts, own_hostnames)
     order = sorted(every, key=lambda t: ((t.index - start) % len(hosts), t.by))
     options = (*VERIFY_OPTIONS, f"ConnectTimeout={int(connect_timeout)}")
     ssh = ["ssh", *(word for option in options for word in ("-o", option))]
@@ -516,10 +506,7 @@ def verify_script(
 
 
 def parse_verify(
-    source: Host,
-    hosts: Sequence[Host],
-    output: str,
-    own_hostnames: Mapping[Host, str] | None = None,
+    source: Host, hosts: Sequence[Host], output: str, own_hostnames: Mapping[Host, str]
 ) -> list[PairFailure]:
     """One failure per target that did not answer ``ok`` by every name it was tried by."""
     seen: dict[str, str | None] = {}
@@ -529,7 +516,7 @@ def parse_verify(
         if status in ("ok", "fail"):
             seen[key] = None if status == "ok" else (error.strip() or "failed")
     errors: dict[int, list[str]] = {}
-    for t in targets(hosts, own_hostnames or {}):
+    for t in targets(hosts, own_hostnames):
         result = seen.get(t.key, "no result")
         if result is not None:
             how = f" (host key by hostname {t.name})" if t.by == "hostname" else ""

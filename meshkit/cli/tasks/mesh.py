@@ -25,7 +25,7 @@ SSH_HELP = {
 
 
 def _hosts(
-    c: Context, hostfile: str | None, include: str | None, exclude: str | None
+    hostfile: str | None, include: str | None, exclude: str | None
 ) -> tuple[list[Host], str]:
     from ...discovery import read_hosts
 
@@ -33,12 +33,11 @@ def _hosts(
     return read_hosts(path, option("include", include), option("exclude", exclude)), str(path)
 
 
-def _mesh_id(c: Context, hostfile: str | None) -> str:
+def _mesh_id(hostfile: str | None) -> str:
     """The mesh's id, from every node of the hostfile (--include/--exclude do not change it)."""
     from ...meshplan import mesh_id
 
-    hosts, _ = _hosts(c, hostfile, None, None)
-    return mesh_id(hosts)
+    return mesh_id(_hosts(hostfile, None, None)[0])
 
 
 def _verify_report(result: VerifyResult) -> int:
@@ -92,13 +91,13 @@ def mesh(
     from ...ops.pool import ssh_settings
 
     with reported():
-        hosts, path = _hosts(c, hostfile, include, exclude)
+        hosts, path = _hosts(hostfile, include, exclude)
         st = ssh_settings(conf(), path, identity, password, accept_new_host_keys)
         print(f"mesh: {len(hosts)} nodes from {path}{' (dry run)' if dry_run else ''}")
         report = ops.mesh(
             hosts,
             st,
-            _mesh_id(c, hostfile),
+            _mesh_id(hostfile),
             skip_unreachable=skip_unreachable,
             dry_run=dry_run,
             check=verify,
@@ -113,28 +112,21 @@ def mesh(
         if report.verify and _verify_report(report.verify):
             raise Exit("meshkit: mesh installed, but some pairs cannot log in (see above)", 1)
         if report.left_out:
-            live = len(report.nodes)
-            raise Exit(
-                f"meshkit: meshed {live} nodes; left out: "
-                + ", ".join(h.label for h in report.left_out),
-                1,
-            )
+            left = ", ".join(h.label for h in report.left_out)
+            raise Exit(f"meshkit: meshed {len(report.nodes)} nodes; left out: {left}", 1)
+
+
+def _added(lines: list[str], claimed: int) -> str:
+    return f"+{len(lines)}" + (f" ~{claimed}" if claimed else "")
 
 
 def _show(report: MeshReport) -> None:
     done = not report.dry_run
-    rows = [
-        (
-            report.hosts.index(n.host),
-            n.host.label,
-            n.user_key,
-            f"+{len(n.authorized_added)}"
-            + (f" ~{n.authorized_claimed}" if n.authorized_claimed else ""),
-            f"+{len(n.known_added)}" + (f" ~{n.known_claimed}" if n.known_claimed else ""),
-            n.result,
-        )
-        for n in report.nodes
-    ]
+    rows = []
+    for n in report.nodes:
+        auth = _added(n.authorized_added, n.authorized_claimed)
+        known = _added(n.known_added, n.known_claimed)
+        rows.append((report.hosts.index(n.host), n.host.label, n.user_key, auth, known, n.result))
     print(table(["#", "node", "user key", "authorized_keys", "known_hosts", "result"], rows))
     print(
         f"  mesh id {report.mesh_id} (tagged on every line it adds; ~N: lines shared with another mesh)"
@@ -175,24 +167,17 @@ def check(
     from ...ops.pool import ssh_settings
 
     with reported():
-        hosts, path = _hosts(c, hostfile, include, exclude)
+        hosts, path = _hosts(hostfile, include, exclude)
         result = ops.check(hosts, ssh_settings(conf(), path, identity), progress=progress)
         if not json:
             if _verify_report(result):
                 raise Exit("meshkit: check failed; run `meshkit mesh` to fix", 1)
             return
-    print(
-        jsonlib.dumps(
-            {
-                "nodes": [h.label for h in hosts],
-                "ok": not result.failures,
-                "failures": [
-                    {"from": f.source.label, "to": f.target.label, "error": f.error}
-                    for f in result.failures
-                ],
-            }
-        )
-    )
+    failures = [
+        {"from": f.source.label, "to": f.target.label, "error": f.error} for f in result.failures
+    ]
+    nodes = [h.label for h in hosts]
+    print(jsonlib.dumps({"nodes": nodes, "ok": not result.failures, "failures": failures}))
     if result.failures:
         raise Exit(code=1)
 
@@ -223,37 +208,21 @@ def unmesh(
     from ...ops.pool import ssh_settings
 
     with reported():
-        hosts, path = _hosts(c, hostfile, include, exclude)
+        hosts, path = _hosts(hostfile, include, exclude)
         report = ops.unmesh(
             hosts,
             ssh_settings(conf(), path, identity),
-            _mesh_id(c, hostfile),
+            _mesh_id(hostfile),
             keep_keys=keep_keys,
             dry_run=dry_run,
             progress=progress,
         )
-        rows = [
-            (
-                n.host.label,
-                f"-{n.plan.authorized_removed}",
-                f"-{n.plan.known_removed}",
-                n.plan.remove_key or "-",
-                n.result,
-            )
-            for n in report.nodes
-        ]
-        print(
-            table(
-                [
-                    "node",
-                    "authorized_keys",
-                    "known_hosts",
-                    "key removed" if not dry_run else "would remove key",
-                    "result",
-                ],
-                rows,
-            )
-        )
+        rows: list[tuple[str, ...]] = []
+        for n in report.nodes:
+            lines = (f"-{n.plan.authorized_removed}", f"-{n.plan.known_removed}")
+            rows.append((n.host.label, *lines, n.plan.remove_key or "-", n.result))
+        key = "would remove key" if dry_run else "key removed"
+        print(table(["node", "authorized_keys", "known_hosts", key, "result"], rows))
         for n in report.nodes:
             if n.plan.kept_key:
                 print(f"  {n.host.label}: {n.plan.kept_key}")
