@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 from .errors import KeyFormatError
 from .record import record
 
-_ECDSA = ("ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521")
+ECDSA = ("ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521")
 _SECURITY_KEYS = ("sk-ssh-ed25519@openssh.com", "sk-ecdsa-sha2-nistp256@openssh.com")
-KEY_TYPES = frozenset(("ssh-ed25519", "ssh-rsa", *_ECDSA, *_SECURITY_KEYS))
+KEY_TYPES = frozenset(("ssh-ed25519", "ssh-rsa", *ECDSA, *_SECURITY_KEYS))
 AUTHORIZED_TAG = "meshkit:"  # comment prefix of authorized_keys lines mesh adds: "meshkit:<node>"
 KNOWN_TAG = "meshkit"  # comment of known_hosts lines mesh adds
 MESH_FIELD = "mesh="  # after the tag: the meshes (ids derived from hostfiles) that rely on the line

@@ -6,6 +6,7 @@ and results. Pure: no I/O; ``meshkit.ops.mesh`` gathers the facts and applies th
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import ipaddress
 import re
@@ -150,12 +151,12 @@ def sshd_directives(text: str) -> list[tuple[str, str]]:
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        word, _, rest = line.partition(" ") if " " in line else line.partition("\t")
-        word, _, eq = word.partition("=")
-        rest = (eq + " " + rest).strip()
+        word, *rest = re.split(
+            r"[\s=]+", line, maxsplit=1
+        )  # "Key value", "Key=value", "Key = value"
         if word.lower() == "match":
             break
-        out.append((word.lower(), rest.strip().lstrip("=").strip()))
+        out.append((word.lower(), rest[0] if rest else ""))
     return out
 
 
@@ -183,12 +184,17 @@ def known_name(name: str, port: int | None) -> str:
     return name if port in (None, 22) else f"[{name}]:{port}"
 
 
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(text.split("%")[0])
+    return None
+
+
 def _usable_address(text: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(text.split("%")[0])
-    except ValueError:
-        return False
-    return not (ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_unspecified)
+    ip = _ip(text)
+    return ip is not None and not (
+        ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_unspecified
+    )
 
 
 def parse_fib_trie(text: str) -> list[str]:
@@ -209,10 +215,7 @@ def parse_if_inet6(text: str) -> list[str]:
     for line in text.splitlines():
         parts = line.split()
         if len(parts) >= 4 and re.fullmatch(r"[0-9a-fA-F]{32}", parts[0]) and parts[3] == "00":
-            try:
-                found.append(str(ipaddress.IPv6Address(bytes.fromhex(parts[0]))))
-            except ValueError:
-                continue
+            found.append(str(ipaddress.IPv6Address(bytes.fromhex(parts[0]))))
     return [a for a in dict.fromkeys(found) if _usable_address(a)]
 
 
@@ -252,13 +255,9 @@ def node_names(
     items += [(a, "address") for a in addresses]
     seen: dict[str, tuple[str, str]] = {}
     for name, why in items:
-        if not name or name.lower() == "localhost":
+        # localhost, and loopback and link-local addresses, name every machine
+        if not name or name.lower() == "localhost" or (_ip(name) and not _usable_address(name)):
             continue
-        try:
-            if not _usable_address(name) and ipaddress.ip_address(name):
-                continue  # loopback and link-local addresses name every machine
-        except ValueError:
-            pass
         written = known_name(name, port)
         seen.setdefault(written.lower(), (written, why))
     return list(seen.values())

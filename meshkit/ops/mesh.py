@@ -36,6 +36,7 @@ WRITE_ATTEMPTS = 4  # re-merges when someone changes a file while we write; then
 SSHD_CONFIG = "/etc/ssh/sshd_config"
 T = TypeVar("T")
 Texts = tuple[str | None, str | None]  # authorized_keys and known_hosts (None: missing, or kept)
+Change = Callable[[Texts], tuple[Texts, T]]  # the files as they are now -> what to write, and why
 
 
 # ---------------------------------------------------------------- inspect
@@ -317,18 +318,14 @@ def _put(shell: NodeShell, now: Sequence[Reply], new: Texts, clean: Sequence[str
 
 
 def _rewrite(
-    remote: Remote,
-    shell: NodeShell,
-    fact: NodeFacts,
-    phase: str,
-    change: Callable[[Texts], tuple[Texts, T]],
-    then: Sequence[str] = (),
+    shell: NodeShell, fact: NodeFacts, phase: str, change: Change[T], then: Sequence[str] = ()
 ) -> tuple[T, int]:
     """Under the node's ~/.ssh flock: clean stale temps, re-read both files, ``change`` them
     (new texts, None for a file to keep; and what was done), write temps, compare once more right
     before the renames (changing again if a writer that ignores the lock got in between), then
     send ``then``. Returns what ``change`` did and how many stale temps went. Bounded by
     command_timeout."""
+    remote = shell.remote
     with remote.bounded(phase), _locked(remote, shell) as got:
         stale = [n for n in _listing(got[2]) if mp.is_meshkit_temp(n)]
         files = got[3:5]
@@ -375,7 +372,7 @@ def install(
         auth, known = done.authorized, done.known
         return (auth.text if auth.changed else None, known.text if known.changed else None), done
 
-    done, cleaned = _rewrite(remote, shell, fact, "install", change)
+    done, cleaned = _rewrite(shell, fact, "install", change)
     return Written(done, cleaned, done is not planned)
 
 
@@ -396,7 +393,7 @@ def apply_unmesh(
 
     key = planned.remove_key
     then = (f"rm - {key}", f"rm - {key}.pub") if key else ()
-    return _rewrite(remote, shell, fact, "unmesh", change, then)[0]
+    return _rewrite(shell, fact, "unmesh", change, then)[0]
 
 
 # ---------------------------------------------------------------- verify

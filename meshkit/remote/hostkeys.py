@@ -17,7 +17,7 @@ import contextlib
 
 import paramiko
 
-from ..keys import PublicKey
+from ..keys import ECDSA, PublicKey
 from .connection import Remote
 
 PROVE = "hostkeys-prove-00@openssh.com"
@@ -25,13 +25,8 @@ IN_CONNECTION = "proven in the connection (hostkeys-prove-00@openssh.com)"
 FALLBACK = "proven by one key exchange per key type (sshd did not prove them in the connection)"
 
 # What paramiko offers for each public key type (RSA keys sign with the SHA-2 algorithms).
-ALGORITHMS = {
-    "ssh-ed25519": ("ssh-ed25519",),
-    "ssh-rsa": ("rsa-sha2-512", "rsa-sha2-256"),
-    "ecdsa-sha2-nistp256": ("ecdsa-sha2-nistp256",),
-    "ecdsa-sha2-nistp384": ("ecdsa-sha2-nistp384",),
-    "ecdsa-sha2-nistp521": ("ecdsa-sha2-nistp521",),
-}
+ALGORITHMS: dict[str, tuple[str, ...]] = {k: (k,) for k in ("ssh-ed25519", *ECDSA)}
+ALGORITHMS["ssh-rsa"] = ("rsa-sha2-512", "rsa-sha2-256")
 
 
 def served_key(remote: Remote, kind: str) -> PublicKey | None:

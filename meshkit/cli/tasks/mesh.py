@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 from ..common import conf, helps, option, progress, reported, table, task
 
+HOST_FLAGS = ("hostfile", "include", "exclude")
 SSH_HELP = {
     "identity": "private key the controller logs in with (a bootstrap key; default: ssh config/agent)",
     "password": "prompt once for a login password and use it for every node",
@@ -59,9 +60,7 @@ def _verify_report(result: VerifyResult) -> int:
 
 @task(
     help=helps(
-        "hostfile",
-        "include",
-        "exclude",
+        *HOST_FLAGS,
         **SSH_HELP,
         skip_unreachable="mesh the reachable nodes and list the others, instead of changing nothing",
         dry_run="connect and show what would change on each node; change nothing anywhere",
@@ -152,7 +151,7 @@ def _show(report: MeshReport) -> None:
         print(f"  {h.label}: left out: {err}")
 
 
-@task(help=helps("hostfile", "include", "exclude", "json", identity=SSH_HELP["identity"]))
+@task(help=helps(*HOST_FLAGS, "json", identity=SSH_HELP["identity"]))
 def check(
     c: Context,
     hostfile: str | None = None,
@@ -184,9 +183,7 @@ def check(
 
 @task(
     help=helps(
-        "hostfile",
-        "include",
-        "exclude",
+        *HOST_FLAGS,
         identity=SSH_HELP["identity"],
         keep_keys="keep user keys that mesh created (default: remove them, unless another mesh uses them)",
         dry_run="show what would be removed; change nothing",
