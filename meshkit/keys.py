@@ -186,22 +186,22 @@ class Conflict:
         )
 
 
-Known = tuple[str, str, str, int]  # patterns, kind, blob, line index (-1: new in this merge)
+Known = tuple[int, str, str, str, int]  # order, patterns, kind, blob, line (-1: new in a merge)
 
 
 class _KnownIndex:
     """known_hosts lines by (key type, name), so that a merge of every node's names into every
     node's file is not N names times N lines of pattern matching (at 244 nodes that was most of
     mesh's controller CPU). Hashed names (``|1|...``) cannot be indexed: they are matched one by
-    one, as before. ``matching`` keeps the file's order."""
+    one. ``matching`` keeps the file's order."""
 
     def __init__(self) -> None:
-        self.plain: dict[tuple[str, str], list[tuple[int, Known]]] = {}
-        self.hashed: list[tuple[int, Known]] = []
+        self.plain: dict[tuple[str, str], list[Known]] = {}
+        self.hashed: list[Known] = []
         self.count = 0
 
     def add(self, patterns: str, kind: str, blob: str, index: int) -> None:
-        entry = (self.count, (patterns, kind, blob, index))
+        entry = (self.count, patterns, kind, blob, index)
         self.count += 1
         for pattern in dict.fromkeys(p.lower() for p in patterns.split(",")):
             if pattern.startswith("|"):
@@ -210,12 +210,11 @@ class _KnownIndex:
                 self.plain.setdefault((kind, pattern), []).append(entry)
 
     def matching(self, kind: str, name: str) -> list[Known]:
-        found = {seq: k for seq, k in self.plain.get((kind, name.lower()), [])}
-        for seq, k in self.hashed:
-            patterns = k[0].split(",") if k[1] == kind and seq not in found else []
-            if any(_hashed_match(p, name) for p in patterns):
-                found[seq] = k
-        return [found[seq] for seq in sorted(found)]
+        found = set(self.plain.get((kind, name.lower()), []))
+        for k in self.hashed:
+            if k[2] == kind and any(_hashed_match(p, name) for p in k[1].split(",")):
+                found.add(k)
+        return sorted(found)
 
 
 def merge_known_hosts(
@@ -242,7 +241,7 @@ def merge_known_hosts(
         missing = []
         for name in names:
             same = known.matching(key.kind, name)
-            covering = [i for _, _, blob, i in same if blob == key.blob]
+            covering = [i for _, _, _, blob, i in same if blob == key.blob]
             # Nothing is needed when a covering line is someone else's or lists this mesh already.
             if mesh_id and covering and all(i in tags and mesh_id not in tags[i] for i in covering):
                 i = covering[0]
@@ -252,7 +251,7 @@ def merge_known_hosts(
             if covering:
                 continue
             if same:
-                conflicts.append(Conflict(name, key.kind, same[0][3] + 1))
+                conflicts.append(Conflict(name, key.kind, same[0][4] + 1))
                 continue
             missing.append(check_label(name))
         if missing:

@@ -179,11 +179,6 @@ def authorized_keys_problem(node: str, value: str | None, where: str, home: str)
 # ---------------------------------------------------------------- names a node answers to
 
 
-def known_name(name: str, port: int | None) -> str:
-    """How OpenSSH writes a name in known_hosts: ``name``, or ``[name]:port`` off port 22."""
-    return name if port in (None, 22) else f"[{name}]:{port}"
-
-
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     with contextlib.suppress(ValueError):
         return ipaddress.ip_address(text.split("%")[0])
@@ -249,7 +244,8 @@ def node_names(
 ) -> list[tuple[str, str]]:
     """Every name the node answers to, with where it came from: the hostfile spelling, what the
     controller connected to (ssh_config HostName, the peer address), the node's own hostnames and
-    usable addresses. ``[name]:port`` off port 22, first source wins."""
+    usable addresses; first source wins. Written as known_hosts has them: ``[name]:port`` off
+    port 22."""
     items = [(host.host, "hostfile"), *connected]
     items += [(n, "hostname") for n in own_names]
     items += [(a, "address") for a in addresses]
@@ -258,7 +254,7 @@ def node_names(
         # localhost, and loopback and link-local addresses, name every machine
         if not name or name.lower() == "localhost" or (_ip(name) and not _usable_address(name)):
             continue
-        written = known_name(name, port)
+        written = name if port in (None, 22) else f"[{name}]:{port}"
         seen.setdefault(written.lower(), (written, why))
     return list(seen.values())
 
