@@ -16,7 +16,7 @@ import fnmatch
 import hashlib
 import stat
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -264,31 +264,6 @@ def make_user_key(remote: Remote, shell: NodeShell, user: UserKey) -> UserKey:
     return replace(user, key=keys.parse_public_key(line, f"{label}: ~/{user.path}.pub"))
 
 
-def _digest(reply: Reply) -> str:
-    return "none" if reply.status == "none" else hashlib.sha256(reply.body).hexdigest()
-
-
-@contextlib.contextmanager
-def _locked(remote: Remote, shell: NodeShell) -> Iterator[list[Reply]]:
-    """Hold flock on ~/.ssh (the node shell's own descriptor) while the body runs, and hand it
-    the files as read under the lock: LSTAT, STAT_SSH, the listing of ~/.ssh, both files. The node
-    lets go by itself if we vanish (EOF) or after the phase's time, so a dropped link never
-    leaves the lock held."""
-    hold = max(1, int(remote.remaining()) + 1)
-    got = shell.ask(f"lock {hold}", LSTAT, STAT_SSH, "ls - .ssh", _cat(AUTHORIZED), _cat(KNOWN))
-    if got[0].status != "ok":
-        raise MeshkitError(
-            "could not lock ~/.ssh (flock): is another meshkit run holding it, or is flock "
-            "(util-linux) missing?"
-        )
-    try:
-        yield got[1:]
-    finally:
-        if remote.conn.transport is not None and remote.conn.transport.is_active():
-            with contextlib.suppress(Exception):
-                shell.one("unlock")
-
-
 def _put(shell: NodeShell, now: Sequence[Reply], new: Texts, clean: Sequence[str]) -> bool:
     """Remove ``clean``; write the files of ``new`` that differ from ``now`` as temps; then, in
     one node-side step, compare both files with what ``now`` read and rename the temps over them
@@ -310,7 +285,8 @@ def _put(shell: NodeShell, now: Sequence[Reply], new: Texts, clean: Sequence[str
         if requests:
             shell.ask(*requests)
         return True
-    commit = f"commit {_digest(now[0])} {_digest(now[1])}"
+    digests = ["none" if r.status == "none" else hashlib.sha256(r.body).hexdigest() for r in now]
+    commit = f"commit {' '.join(digests)}"
     replies = shell.ask(*requests, (commit, f"{' '.join(moves)}\n".encode()))
     if any(r.status != "ok" for r in replies[:-1]) or replies[-1].status not in ("ok", "changed"):
         raise MeshkitError("writing ~/.ssh files failed on the node (disk full? read-only?)")
@@ -320,29 +296,42 @@ def _put(shell: NodeShell, now: Sequence[Reply], new: Texts, clean: Sequence[str
 def _rewrite(
     shell: NodeShell, fact: NodeFacts, phase: str, change: Change[T], then: Sequence[str] = ()
 ) -> tuple[T, int]:
-    """Under the node's ~/.ssh flock: clean stale temps, re-read both files, ``change`` them
-    (new texts, None for a file to keep; and what was done), write temps, compare once more right
-    before the renames (changing again if a writer that ignores the lock got in between), then
-    send ``then``. Returns what ``change`` did and how many stale temps went. Bounded by
-    command_timeout."""
+    """Under flock on ~/.ssh: clean stale temps, re-read both files, ``change`` them (new texts,
+    None for a file to keep; and what was done), write temps, compare once more right before the
+    renames (changing again if a writer that ignores the lock got in between), then send
+    ``then``. Returns what ``change`` did and how many stale temps went. The lock is the node
+    shell's own descriptor: the node lets go by itself if we vanish (EOF) or after the phase's
+    time, so a dropped link never leaves it held."""
     remote = shell.remote
-    with remote.bounded(phase), _locked(remote, shell) as got:
-        stale = [n for n in _listing(got[2]) if mp.is_meshkit_temp(n)]
-        files = got[3:5]
-        _check_files(shell, remote.host.label, fact.home, _stats(got[0]), _stats(got[1]))
-        for attempt in range(WRITE_ATTEMPTS):
-            if attempt:
-                files = shell.ask(_cat(AUTHORIZED), _cat(KNOWN))
-            now = (_text(files[0], AUTHORIZED), _text(files[1], KNOWN))
-            new, done = change(now)
-            if _put(shell, files, new, stale if not attempt else ()):
-                if then:
-                    shell.ask(*then)
-                return done, len(stale)
-    raise MeshkitError(
-        f"~/.ssh files kept changing while meshkit wrote them ({WRITE_ATTEMPTS} tries); "
-        "rerun when nothing else edits them"
-    )
+    with remote.bounded(phase):
+        hold = max(1, int(remote.remaining()) + 1)
+        got = shell.ask(f"lock {hold}", LSTAT, STAT_SSH, "ls - .ssh", _cat(AUTHORIZED), _cat(KNOWN))
+        if got[0].status != "ok":
+            raise MeshkitError(
+                "could not lock ~/.ssh (flock): is another meshkit run holding it, or is flock "
+                "(util-linux) missing?"
+            )
+        try:
+            stale = [n for n in _listing(got[3]) if mp.is_meshkit_temp(n)]
+            files = got[4:6]
+            _check_files(shell, remote.host.label, fact.home, _stats(got[1]), _stats(got[2]))
+            for attempt in range(WRITE_ATTEMPTS):
+                if attempt:
+                    files = shell.ask(_cat(AUTHORIZED), _cat(KNOWN))
+                now = (_text(files[0], AUTHORIZED), _text(files[1], KNOWN))
+                new, done = change(now)
+                if _put(shell, files, new, stale if not attempt else ()):
+                    if then:
+                        shell.ask(*then)
+                    return done, len(stale)
+            raise MeshkitError(
+                f"~/.ssh files kept changing while meshkit wrote them ({WRITE_ATTEMPTS} tries); "
+                "rerun when nothing else edits them"
+            )
+        finally:
+            if remote.conn.transport is not None and remote.conn.transport.is_active():
+                with contextlib.suppress(Exception):
+                    shell.one("unlock")
 
 
 @dataclass
@@ -516,14 +505,12 @@ def _inspect_all(
 
 
 def _node_report(f: NodeFacts, p: NodePlan, dry_run: bool) -> NodeReport:
-    verb = {"generate": "create", "derive": "derive", "kept": "kept"}[p.user_key]
-    if not dry_run and verb != "kept":
-        verb += "d"
+    verb = "create" if p.user_key == "generate" else p.user_key
+    verb += "d" if not dry_run and verb != "kept" else ""
     result = ("would change" if dry_run else "changed") if p.changes else "unchanged"
-    a, k = p.authorized, p.known
-    stale = len(p.stale)
+    a, k, stale, notes = p.authorized, p.known, len(p.stale), list(f.notes)
     return NodeReport(
-        f.host, verb, a.added, a.claimed, k.added, k.claimed, stale, result, None, [*f.notes]
+        f.host, verb, a.added, a.claimed, k.added, k.claimed, stale, result, None, notes
     )
 
 
