@@ -120,16 +120,14 @@ def _added(lines: list[str], claimed: int) -> str:
 
 
 def _show(report: MeshReport) -> None:
-    done = not report.dry_run
     rows = []
     for n in report.nodes:
         auth = _added(n.authorized_added, n.authorized_claimed)
         known = _added(n.known_added, n.known_claimed)
         rows.append((report.hosts.index(n.host), n.host.label, n.user_key, auth, known, n.result))
     print(table(["#", "node", "user key", "authorized_keys", "known_hosts", "result"], rows))
-    print(
-        f"  mesh id {report.mesh_id} (tagged on every line it adds; ~N: lines shared with another mesh)"
-    )
+    shared = "~N: lines shared with another mesh"
+    print(f"  mesh id {report.mesh_id} (tagged on every line it adds; {shared})")
     for note in report.notes:
         print(f"  note: {note}")
     by: dict[str, list[str]] = {}
@@ -144,7 +142,7 @@ def _show(report: MeshReport) -> None:
             print(f"  {n.host.label}: note: {note}")
         if n.cleaned:
             print(f"  {n.host.label}: removed {n.cleaned} stale meshkit temp file(s)")
-        if not done:
+        if report.dry_run:
             for line in n.authorized_added + n.known_added:
                 print(f"  {n.host.label}: would add: {line[:110]}")
     for h, err in report.left_out.items():
