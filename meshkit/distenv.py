@@ -9,24 +9,7 @@ from .errors import DistEnvError
 from .hostfile import Host
 from .record import record, replace
 from .sources import Placement
-from .topology import Match, derive_master_port, master_addr
-
-VARIABLES = (
-    "NODE_RANK",
-    "NNODES",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GPUS_PER_NODE",
-    "NPROC_PER_NODE",
-    "WORLD_SIZE",
-    "PET_NNODES",
-    "PET_NODE_RANK",
-    "PET_MASTER_ADDR",
-    "PET_MASTER_PORT",
-    "PET_NPROC_PER_NODE",
-    "GLOO_SOCKET_IFNAME",
-    "NCCL_SOCKET_IFNAME",
-)
+from .topology import Match, derive_master_port
 
 
 @record
@@ -130,12 +113,9 @@ def export_lines(env: NodeEnv) -> str:
     return "\n".join(f"export {k}={shell_quote(v)}" for k, v in variables(env).items())
 
 
-def as_json(env: NodeEnv) -> dict[str, object]:
-    out: dict[str, object] = dict(variables(env))
-    out["source"] = env.source
-    out["matched"] = env.matched
-    out["interface_source"] = env.interface_source
-    return out
+def as_json(env: NodeEnv) -> dict[str, str]:
+    why = {"source": env.source, "matched": env.matched, "interface_source": env.interface_source}
+    return {**variables(env), **why}
 
 
 @record
@@ -213,7 +193,7 @@ def combine(
     if placement.node_rank is None:
         raise DistEnvError(placement.problem or f"{placement.source} gives no node rank")
     nnodes = placement.nnodes or (len(hosts) if hosts else None)
-    addr = placement.master_addr or (master_addr(hosts) if hosts else None)
+    addr = placement.master_addr or (hosts[0].host if hosts else None)  # a name stays a name
     if nnodes is None or addr is None:
         raise DistEnvError(
             f"{placement.source} gives no node count or master address and there is no hostfile; "

@@ -18,20 +18,14 @@ from .distenv import NodeEnv, as_json, export_lines, log_target, logged, rank_va
 from .errors import MeshkitError, UsageError
 from .node.signals import reset_for_exec
 from .settings import Config
+from .settings import whole as whole  # ops.train's too
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 if TYPE_CHECKING:
     from typing import Any, NoReturn
 
-DISCOVERY_FLAGS = (
-    "hostfile",
-    "node_rank",
-    "session",
-    "master_port",
-    "nproc_per_node",
-    "include",
-    "exclude",
-)
+HOSTFILE_FLAGS = ("hostfile", "include", "exclude")
+DISCOVERY_FLAGS = (*HOSTFILE_FLAGS, "node_rank", "session", "master_port", "nproc_per_node")
 FLAGS: dict[str, tuple[str, ...]] = {
     "env": ("json", *DISCOVERY_FLAGS),
     "run": ("cmd", *DISCOVERY_FLAGS, "log", "spawn"),
@@ -45,11 +39,6 @@ BOOLEAN = {"json", "spawn"}
 def pick(conf: Config, name: str, flag: Any) -> Any:
     """A flag when given, else the configured value (flags are the last config level)."""
     return flag if flag is not None else conf.get(name)
-
-
-def whole(text: str) -> bool:
-    """ASCII digits only: ``str.isdigit`` also takes '²', which ``int`` then refuses."""
-    return text.isascii() and text.isdigit()
 
 
 def pick_int(conf: Config, name: str, flag: Any, *, allow_auto: bool = False) -> int | None:

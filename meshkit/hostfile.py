@@ -14,7 +14,7 @@ import ipaddress
 from collections.abc import Mapping, Sequence
 
 from .errors import HostfileError
-from .record import record
+from .record import record, split
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -251,7 +251,7 @@ def _patterns(text: str, flag: str) -> list[str]:
     if len(text) > MAX_LINE_CHARS:
         raise HostfileError(f"{flag}: longer than {MAX_LINE_CHARS} characters")
     patterns: list[str] = []
-    for part in _split_top(text):
+    for part in [p.strip() for p in split(text, ",") if p.strip()]:
         if "[" in part and "*" not in part and "?" not in part:
             try:
                 patterns += _expand_range(part)
@@ -260,19 +260,6 @@ def _patterns(text: str, flag: str) -> list[str]:
         else:
             patterns.append(part)
     return patterns
-
-
-def _split_top(text: str) -> list[str]:
-    """Split on commas outside brackets, so ``n[1,3],m`` is two items."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [p.strip() for p in parts if p.strip()]
 
 
 def _matches(host: Host, patterns: Sequence[str]) -> bool:

@@ -454,45 +454,16 @@ OPS: dict[str, tuple[type[Any], type[Any], str]] = {
 }
 _OP_OF = {request: op for op, (request, _, _) in OPS.items()}
 
-if TYPE_CHECKING:
-    Request = Union[
-        EnvRequest,
-        PortsRequest,
-        StartRequest,
-        JobsRequest,
-        StatusRequest,
-        StopRequest,
-        LogsRequest,
-        DiagnoseRequest,
-        FactsRequest,
-        ListenRequest,
-        ConnectRequest,
-        DoneRequest,
-        ProbeRequest,
-        BandwidthRequest,
-        SupervisorRequest,
-        ManifestRequest,
-        PutRequest,
-    ]
-    Reply = Union[
-        EnvReply,
-        PortsReply,
-        StartReply,
-        JobsReply,
-        StatusReply,
-        StopReply,
-        LogsReply,
-        DiagnoseReply,
-        FactsReply,
-        ListenReply,
-        ConnectReply,
-        DoneReply,
-        ProbeReply,
-        BandwidthReply,
-        SupervisorReply,
-        ManifestReply,
-        PutReply,
-    ]
+if TYPE_CHECKING:  # any op's request, any op's reply, in OPS order (split to fit lines)
+    _RequestA = Union[EnvRequest, PortsRequest, StartRequest, JobsRequest, StatusRequest]
+    _RequestB = Union[StopRequest, LogsRequest, DiagnoseRequest, FactsRequest, ListenRequest]
+    _RequestC = Union[ConnectRequest, DoneRequest, ProbeRequest, BandwidthRequest]
+    _RequestD = Union[SupervisorRequest, ManifestRequest, PutRequest]
+    Request = Union[_RequestA, _RequestB, _RequestC, _RequestD]
+    _ReplyA = Union[EnvReply, PortsReply, StartReply, JobsReply, StatusReply, StopReply, LogsReply]
+    _ReplyB = Union[DiagnoseReply, FactsReply, ListenReply, ConnectReply, DoneReply, ProbeReply]
+    _ReplyC = Union[BandwidthReply, SupervisorReply, ManifestReply, PutReply]
+    Reply = Union[_ReplyA, _ReplyB, _ReplyC]
 else:  # the aliases only annotate; at runtime any name will do
     Request = Reply = object
 

@@ -2,17 +2,13 @@
 from untrusted data: the protocol builds every request and reply with it, the settings build the
 configuration with it.
 
-Records were once hand-made here to spare every node interpreter ``dataclasses``' import
-(``inspect``, about 12 ms) and its ``exec``-built methods; on real machines that is a few
-milliseconds of one parallel step, not worth two hundred lines.
+Plain dataclasses: their import (``inspect``, about 12 ms per node interpreter) is a few
+milliseconds of one parallel step on real machines, not worth hand-made records.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING as MISSING
-from dataclasses import Field as Field
-from dataclasses import FrozenInstanceError, asdict, dataclass, field, fields, replace
-from dataclasses import is_dataclass as is_record
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, is_dataclass, replace
 
 TYPE_CHECKING = False  # no runtime `typing` (see meshkit/__init__.py)
 if TYPE_CHECKING:
@@ -25,18 +21,13 @@ else:
         return lambda function: function
 
 
-__all__ = ["FrozenInstanceError", "Invalid", "asdict", "build", "field", "fields", "replace"]
+__all__ = ["Invalid", "asdict", "build", "field", "fields", "replace", "split"]
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(field,))
 def record(cls: type[T]) -> type[T]:
     """Make ``cls`` a frozen record of its annotated fields."""
     return dataclass(frozen=True)(cls)
-
-
-# ---- building records from untrusted data ---------------------------------------------------------
-# The one checker of the tree: the protocol builds every request and reply with it (bytes read from
-# a node are data, never trusted structure) and the settings build the configuration with it.
 
 
 class Invalid(ValueError):
@@ -56,31 +47,15 @@ def build(cls: type[T], data: object, where: str) -> T:
     return cls(**values)
 
 
-def check(cls: type, name: str, value: object, where: str) -> object:
-    """``value`` checked against the annotation of ``cls``'s field ``name``."""
-    for f, shape in _fields_of(cls):
-        if f.name == name:
-            return _check(shape, value, where)
-    raise KeyError(name)
-
-
+@dataclass(frozen=True)
 class _Shape:
     """An annotation, parsed once: ``tag`` is a scalar type's name, ``list``, ``tuple``, ``dict``,
     ``literal`` (``values``), ``union`` or ``record`` (then ``record`` is the class)."""
 
-    __slots__ = ("args", "record", "tag", "values")
-
-    def __init__(
-        self,
-        tag: str,
-        args: tuple[_Shape, ...] = (),
-        record: type | None = None,
-        values: tuple[str, ...] = (),
-    ) -> None:
-        self.tag = tag
-        self.args = args
-        self.record = record
-        self.values = values
+    tag: str
+    args: tuple[_Shape, ...] = ()
+    record: type | None = None
+    values: tuple[str, ...] = ()
 
 
 _SHAPES: dict[type, tuple[tuple[Field[object], _Shape], ...]] = {}
@@ -101,13 +76,13 @@ def _shape(text: str, names: dict[str, object]) -> _Shape:
     """The shape of an annotation string: ``list[int]``, ``tuple[str, ...]``, ``str | None``,
     ``dict[str, str]``, ``Literal['a', 'b']``, or a record class of the module that uses it. The
     tree's records use nothing else (a test parses them all)."""
-    options = _split(text, "|")
+    options = split(text, "|")
     if len(options) > 1:
         return _Shape("union", tuple(_shape(option, names) for option in options))
     text = text.strip()
     if text.endswith("]"):
         head, _, inner = text[:-1].partition("[")
-        parts = _split(inner, ",")
+        parts = split(inner, ",")
         if head == "Literal":
             return _Shape("literal", values=tuple(p.strip().strip("'\"") for p in parts))
         if head == "tuple" and len(parts) == 2 and parts[1].strip() == "...":
@@ -119,13 +94,13 @@ def _shape(text: str, names: dict[str, object]) -> _Shape:
         return _Shape(text)
     else:
         found = names.get(text)
-        if isinstance(found, type) and is_record(found):
+        if isinstance(found, type) and is_dataclass(found):
             return _Shape("record", record=found)
     raise TypeError(f"record: unsupported annotation {text!r}")
 
 
-def _split(text: str, sep: str) -> list[str]:
-    """``text`` cut at ``sep`` outside brackets."""
+def split(text: str, sep: str) -> list[str]:
+    """``text`` cut at ``sep`` outside brackets (``n[1,3],m`` at ``,``: two parts)."""
     parts, depth, start = [], 0, 0
     for at, char in enumerate(text):
         depth += (char == "[") - (char == "]")

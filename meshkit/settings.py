@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 from .record import Invalid, asdict, build, field, fields, record
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
@@ -58,24 +58,20 @@ class Config:
         return getattr(self, name)
 
 
-def _plain_defaults() -> dict[str, Any]:
-    """The defaults, from the ``Config`` record itself: lists where it holds tuples (a file or
-    a MESHKIT_* variable gives lists)."""
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, (tuple, list)):
-            return [plain(v) for v in value]
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        return value
-
-    return {k: plain(v) for k, v in asdict(Config()).items()}
+def _plain(value: Any) -> Any:
+    """A deep copy of a default as a file or a MESHKIT_* variable gives it: lists for tuples
+    (dicts, lists and scalars only; `copy` costs `meshkit env` ms)."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
-DEFAULTS: dict[str, Any] = _plain_defaults()
+DEFAULTS: dict[str, Any] = _plain(asdict(Config()))
 
 
-def _digits(text: str) -> bool:
+def whole(text: str) -> bool:
     """ASCII digits only: ``str.isdigit`` also takes '²', which ``int`` then refuses."""
     return text.isascii() and text.isdigit()
 
@@ -91,7 +87,7 @@ def _read_file(base: str) -> tuple[str, dict[str, Any]] | None:
             with open(path) as stream:
                 text = stream.read()
             if suffix == "json":
-                import json  # only here and for JSON variables: `meshkit env` rarely needs it
+                import json  # only here and for JSON variables
 
                 data = json.loads(text)
             else:
@@ -100,10 +96,9 @@ def _read_file(base: str) -> tuple[str, dict[str, Any]] | None:
                 data = yaml.safe_load(text)
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: cannot read: {exc}") from None
-        except ValueError as exc:  # json.JSONDecodeError and yaml.YAMLError's parse errors
-            raise ConfigError(f"{path}: not valid {suffix.upper()}: {str(exc)[:200]}") from None
-        except Exception as exc:  # yaml.YAMLError is not a ValueError
-            raise ConfigError(f"{path}: not valid YAML: {str(exc)[:200]}") from None
+        except Exception as exc:  # json's ValueError; yaml.YAMLError, which is not one
+            kind = "JSON" if suffix == "json" else "YAML"
+            raise ConfigError(f"{path}: not valid {kind}: {str(exc)[:200]}") from None
         data = data or {}
         section = data.get("meshkit", data) if isinstance(data, dict) else None
         if not isinstance(section, dict):
@@ -112,36 +107,13 @@ def _read_file(base: str) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-def _from_env(key: str, default: Any, text: str) -> Any:
-    var = f"MESHKIT_{key.upper()}"
-    if isinstance(default, (dict, list)):
-        import json
-
-        try:
-            return json.loads(text)
-        except ValueError:
-            raise ConfigError(
-                f"{var}={text[:60]!r}: expected JSON (a {type(default).__name__})"
-            ) from None
-    return text
-
-
-def _copied(value: Any) -> Any:
-    """A deep copy of a default (dicts, lists and scalars only; `copy` costs `meshkit env` ms)."""
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copied(v) for v in value]
-    return value
-
-
 def raw(
     environ: Mapping[str, str] | None = None, cwd: str | None = None
 ) -> dict[str, tuple[Any, str]]:
     """Each key's value and where it came from (for error messages), before checking. ``cwd``:
     the directory whose ``./meshkit.yaml`` counts (default: the working directory)."""
     environ = os.environ if environ is None else environ
-    merged: dict[str, tuple[Any, str]] = {k: (_copied(v), "default") for k, v in DEFAULTS.items()}
+    merged: dict[str, tuple[Any, str]] = {k: (_plain(v), "default") for k, v in DEFAULTS.items()}
     for base in LEVELS:
         if cwd is not None and base.startswith("./"):
             base = os.path.join(cwd, base[2:])
@@ -159,8 +131,18 @@ def raw(
                 merged[key] = (value, where)
     for key, default in DEFAULTS.items():
         var = f"MESHKIT_{key.upper()}"
-        if var in environ:
-            merged[key] = (_from_env(key, default, environ[var]), var)
+        if var not in environ:
+            continue
+        value = environ[var]
+        if isinstance(default, (dict, list)):
+            import json  # only for such variables: `meshkit env` rarely needs it
+
+            try:
+                value = json.loads(value)
+            except ValueError:
+                kind = type(default).__name__
+                raise ConfigError(f"{var}={value[:60]!r}: expected JSON (a {kind})") from None
+        merged[key] = (value, var)
     return merged
 
 
@@ -183,7 +165,7 @@ def _check(name: str, kind: Any, value: Any, where: str) -> Any:
             raise bad("seconds between 0 and 86400")
         return number
     if "int" in text:
-        if isinstance(value, bool) or not _digits(str(value).strip()):
+        if isinstance(value, bool) or not whole(str(value).strip()):
             raise bad("a whole number")
         number = int(str(value).strip())
         limits = {"port": (1, 65535), "master_port": (1, 65535), "parallel": (1, 1024)}
@@ -206,10 +188,8 @@ def _check(name: str, kind: Any, value: Any, where: str) -> Any:
 
         try:
             return check_env(env, where)
-        except ConfigError:
-            raise
-        except Exception as exc:  # UsageError from check_env, re-filed as a config problem
-            raise ConfigError(str(exc)) from None
+        except UsageError as exc:  # check_env's, re-filed as a config problem
+            raise ConfigError(exc.problems) from None
     if isinstance(value, (dict, list)):
         raise bad("a single value")
     return str(value)

@@ -3,7 +3,7 @@ environment variables. Pure: the caller passes the environment and the PBS nodef
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from .errors import SourceError
 from .record import record
@@ -80,6 +80,14 @@ def _tasks_per_node(name: str, text: str) -> int | None:
     return int(counts.pop()) if counts else None
 
 
+# The step's own tasks first: inside an sbatch allocation, srun may start fewer per node.
+SLURM_TASKS_PER_NODE = (
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+)
+
+
 def slurm(env: Mapping[str, str], _nodefile: str | None = None) -> Placement | None:
     """SLURM numbers nodes in ``SLURM_JOB_NODELIST`` order, so its first node is node 0 and the
     master unless the user set ``MASTER_ADDR`` (then checked against this node)."""
@@ -98,23 +106,14 @@ def slurm(env: Mapping[str, str], _nodefile: str | None = None) -> Placement | N
     nnodes = (
         _int(env, "SLURM_NNODES", 1) or _int(env, "SLURM_JOB_NUM_NODES", 1) or (len(nodes) or None)
     )
-    # The step's own tasks first: inside an sbatch allocation, srun may start fewer per node.
-    per_node_var = next(
-        (
-            k
-            for k in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
-            if env.get(k)
-        ),
-        "",
-    )
-    per_node = env.get(per_node_var, "")
+    per_node_var = next((k for k in SLURM_TASKS_PER_NODE if env.get(k)), "")
     return Placement(
         "slurm",
         rank,
         nnodes=nnodes,
         master_addr=env.get("MASTER_ADDR") or (nodes[0] if nodes else None),
         master_port=_int(env, "MASTER_PORT", 1),
-        nproc_per_node=_tasks_per_node(per_node_var, per_node)
+        nproc_per_node=_tasks_per_node(per_node_var, env.get(per_node_var, ""))
         or _int(env, "SLURM_GPUS_ON_NODE", 1),
         matched="SLURM_NODEID",
         verify_master=bool(env.get("MASTER_ADDR")),
@@ -157,17 +156,13 @@ def openmpi(env: Mapping[str, str], _nodefile: str | None = None) -> Placement |
     local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
     num_nodes = _int(env, "OMPI_MCA_orte_num_nodes", 1)
     if size is None or local_size is None or local_rank is None:
-        missing = [
-            k
-            for k in (
-                "OMPI_COMM_WORLD_SIZE",
-                "OMPI_COMM_WORLD_LOCAL_SIZE",
-                "OMPI_COMM_WORLD_LOCAL_RANK",
-            )
-            if k not in env
-        ]
+        needed = (
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+        )
         raise SourceError(
-            f"OMPI_COMM_WORLD_RANK is set but {', '.join(missing)} is not; "
+            f"OMPI_COMM_WORLD_RANK is set but {', '.join(k for k in needed if k not in env)} is not; "
             "run under mpirun (Open MPI) or unset OMPI_COMM_WORLD_RANK"
         )
     here = (
@@ -195,7 +190,7 @@ def openmpi(env: Mapping[str, str], _nodefile: str | None = None) -> Placement |
         master_addr=master,
         master_port=_int(env, "MASTER_PORT", 1),
         nproc_per_node=local_size,
-        matched=(f"OMPI_COMM_WORLD_RANK // OMPI_COMM_WORLD_LOCAL_SIZE = {rank} // {local_size}"),
+        matched=f"OMPI_COMM_WORLD_RANK // OMPI_COMM_WORLD_LOCAL_SIZE = {rank} // {local_size}",
         hostfile_decides=True,
         problem=f"Open MPI: {problem} ({here}); {OPENMPI_NO_HOSTFILE}" if problem else None,
         world_size=size,
@@ -212,26 +207,24 @@ def pbs(env: Mapping[str, str], nodefile: str | None = None) -> Placement | None
     lines = [line.strip() for line in nodefile.splitlines() if line.strip()]
     nodes = list(dict.fromkeys(lines))
     me = env.get("MESHKIT_HOSTNAME", "")
-    short = [n.split(".", 1)[0] for n in nodes]
+    mine, short = me.split(".", 1)[0], [n.split(".", 1)[0] for n in nodes]
+    where = f"PBS_NODEFILE={env['PBS_NODEFILE']}"
     if me in nodes:
         rank = nodes.index(me)
-    elif me.split(".", 1)[0] in short:
-        if short.count(me.split(".", 1)[0]) > 1:
-            raise SourceError(
-                f"PBS_NODEFILE={env['PBS_NODEFILE']} lists several hosts named "
-                f"{me.split('.', 1)[0]} in different domains; this host is {me}"
-            )
-        rank = short.index(me.split(".", 1)[0])
-    else:
+    elif short.count(mine) == 1:
+        rank = short.index(mine)
+    elif mine in short:
         raise SourceError(
-            f"PBS_NODEFILE={env['PBS_NODEFILE']} does not list this host ({me}); it lists {', '.join(nodes)}"
+            f"{where} lists several hosts named {mine} in different domains; this host is {me}"
         )
+    else:
+        raise SourceError(f"{where} does not list this host ({me}); it lists {', '.join(nodes)}")
     counts = {n: lines.count(n) for n in nodes}
     if len(set(counts.values())) > 1:
         uneven = ", ".join(f"{n}: {c}" for n, c in counts.items())
         raise SourceError(
-            f"PBS_NODEFILE={env['PBS_NODEFILE']}: uneven slots per node ({uneven}); every node "
-            "needs the same number of processes (request select=N:ncpus=K:mpiprocs=K)"
+            f"{where}: uneven slots per node ({uneven}); every node needs the same number of "
+            "processes (request select=N:ncpus=K:mpiprocs=K)"
         )
     return Placement(
         "pbs",
@@ -245,13 +238,8 @@ def pbs(env: Mapping[str, str], nodefile: str | None = None) -> Placement | None
     )
 
 
-SOURCES: tuple[Callable[[Mapping[str, str], str | None], Placement | None], ...] = (
-    explicit,
-    torchrun,
-    slurm,
-    openmpi,
-    pbs,
-)
+# In DESIGN order; each: (environment, the PBS nodefile's text) -> its Placement, or None.
+SOURCES = (explicit, torchrun, slurm, openmpi, pbs)
 
 
 def from_environment(env: Mapping[str, str], nodefile: str | None = None) -> Placement | None:

@@ -15,17 +15,8 @@ from .record import record
 
 # Interfaces that exist identically on many machines (container bridges, veth ends): an address on
 # one of these says nothing about which machine this is, so it never decides a rank.
-SHARED_INTERFACE_PREFIXES = (
-    "docker",
-    "br-",
-    "virbr",
-    "cni",
-    "flannel",
-    "veth",
-    "podman",
-    "lxcbr",
-    "cali",
-)
+BRIDGES = ("docker", "br-", "virbr", "lxcbr", "podman", "cni")
+SHARED_INTERFACE_PREFIXES = (*BRIDGES, "flannel", "cali", "veth")  # overlays, veth ends too
 PORT_RANGE = (20000, 30000)  # below Linux's ephemeral range (32768+), above well-known services
 
 
@@ -81,42 +72,25 @@ def match_rank(
     """The one hostfile entry that is this machine: by address, then by hostname, then (a one-line
     hostfile of loopback/localhost) by loopback. ``resolved[i]`` are the addresses of ``hosts[i]``."""
     mine = {a.address: a.interface for a in usable(local)}
-    by_address = _unique_ranks(
-        Match(i, normalize(addr), mine[normalize(addr)])
-        for i, addrs in enumerate(resolved)
-        for addr in addrs
-        if normalize(addr) in mine
-    )
-    if len(by_address) == 1:
-        return by_address[0]
-    if not by_address:
-        short = hostname.split(".", 1)[0].lower()
-        by_name = [
+    first: dict[int, Match] = {}  # each line's first matching address
+    for i, addrs in enumerate(resolved):
+        for addr in map(normalize, addrs):
+            if addr in mine:
+                first.setdefault(i, Match(i, addr, mine[addr]))
+    matches = list(first.values())
+    if not matches:
+        names = (hostname.lower(), hostname.split(".", 1)[0].lower())
+        matches = [
             Match(i, h.host, "hostname")
             for i, h in enumerate(hosts)
-            if not h.is_ip and h.host.lower() in (hostname.lower(), short)
+            if not h.is_ip and h.host.lower() in names
         ]
-        if len(by_name) == 1:
-            return by_name[0]
-        if (
-            not by_name
-            and len(hosts) == 1
-            and all(_is_local_only(normalize(a)) for a in resolved[0])
-        ):
-            return (
-                Match(0, normalize(resolved[0][0]), "lo")
-                if resolved[0]
-                else Match(0, hosts[0].host, "lo")
-            )
-        by_address = by_name
-    raise TopologyError(_mismatch(hosts, resolved, local, hostname, path, by_address))
-
-
-def _unique_ranks(matches: object) -> list[Match]:
-    first: dict[int, Match] = {}
-    for m in matches:  # type: ignore[attr-defined]
-        first.setdefault(m.rank, m)
-    return list(first.values())
+        one_local = len(hosts) == 1 and all(_is_local_only(normalize(a)) for a in resolved[0])
+        if not matches and one_local:
+            return Match(0, normalize(resolved[0][0]) if resolved[0] else hosts[0].host, "lo")
+    if len(matches) == 1:
+        return matches[0]
+    raise TopologyError(_mismatch(hosts, resolved, local, hostname, path, matches))
 
 
 def _mismatch(
@@ -154,11 +128,6 @@ def derive_master_port(hosts: Sequence[Host], session: str) -> int:
     return low + digest % (high - low)
 
 
-def master_addr(hosts: Sequence[Host]) -> str:
-    """The first node, as written (a name stays a name)."""
-    return hosts[0].host
-
-
 # -- the interface the backends should use (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) ---------------
 
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -178,11 +147,8 @@ def interface_of_match(match: Match) -> Interface | None:
     user chose. None when the hostfile matched by hostname (no address, so no interface)."""
     if match.interface == "hostname":
         return None
-    return Interface(
-        match.interface,
-        match.address,
-        f"hostfile: {match.address} on {match.interface} placed this node",
-    )
+    why = f"hostfile: {match.address} on {match.interface} placed this node"
+    return Interface(match.interface, match.address, why)
 
 
 def interface_by_route(
@@ -210,11 +176,8 @@ def interface_by_route(
         if name is None:
             skipped.append(f"{target}: source {source} is on no local interface")
             continue
-        return Interface(
-            name,
-            source,
-            f"route: MASTER_ADDR {master} ({target}) is reached from {source} on {name}",
-        )
+        why = f"route: MASTER_ADDR {master} ({target}) is reached from {source} on {name}"
+        return Interface(name, source, why)
     why = "; ".join(skipped) or "it does not resolve"
     return Interface(
         None,

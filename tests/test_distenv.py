@@ -4,7 +4,6 @@ import subprocess
 import pytest
 
 from meshkit.distenv import (
-    VARIABLES,
     DistEnvError,
     NodeEnv,
     as_json,
@@ -19,6 +18,23 @@ from meshkit.record import replace
 from meshkit.sources import Placement
 from meshkit.topology import Match
 
+# The exported names, in their order (DESIGN's names; meshkit.distenv.variables makes them).
+VARIABLES = (
+    "NODE_RANK",
+    "NNODES",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GPUS_PER_NODE",
+    "NPROC_PER_NODE",
+    "WORLD_SIZE",
+    "PET_NNODES",
+    "PET_NODE_RANK",
+    "PET_MASTER_ADDR",
+    "PET_MASTER_PORT",
+    "PET_NPROC_PER_NODE",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+)
 HOSTS = parse("10.0.0.1 slots=2\n10.0.0.2 slots=2\n10.0.0.3 slots=2\n")
 
 
