@@ -90,27 +90,18 @@ def rate(text: str, flag: str) -> float:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain aligned text table."""
-    cells = [
-        [str(h) for h in headers],
-        *[["" if v is None else str(v) for v in row] for row in rows],
-    ]
+    cells = [list(map(str, headers))] + [["" if v is None else str(v) for v in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells)
 
 
 def progress(event: PhaseEvent) -> None:
     """``phase  done/total`` on stderr: redrawn in place on a terminal, one line when finished."""
-    out = sys.stderr
-    if not event.phase:
+    out, line = sys.stderr, f"  {event.phase:<9} {event.done}/{event.total}"
+    if not event.phase or not (event.finished or out.isatty()):
         return
-    if not event.finished:
-        if out.isatty():
-            out.write(f"\r  {event.phase:<9} {event.done}/{event.total}")
-            out.flush()
-        return
-    tail = f", {event.failed} failed" if event.failed else ""
-    lead = "\r" if out.isatty() else ""
-    out.write(
-        f"{lead}  {event.phase:<9} {event.done}/{event.total}{tail}  ({event.elapsed:.2f}s)\n"
-    )
+    if event.finished:
+        tail = f", {event.failed} failed" if event.failed else ""
+        line += f"{tail}  ({event.elapsed:.2f}s)\n"
+    out.write(("\r" if out.isatty() else "") + line)
     out.flush()

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 # invoke's own core flags that mean something to meshkit; --pty, --echo, --warn-only, --config
 # and the rest configure invoke's shell runner, which meshkit does not use.
-CORE_FLAGS = ("help", "version", "list", "complete", "print-completion-script")
+CORE_FLAGS = ("--help", "--version", "--list", "--complete", "--print-completion-script")
 USAGE_EXIT = 2
 INTERRUPTED_EXIT = 130
 
@@ -41,10 +41,8 @@ def program() -> Program:
             print(f"Usage: {self.binary} [--help] [--version] <task> [--task-opts] ...")
             print("       meshkit <task> --help   (or -h): the task's own flags\n")
             print("Core options:\n")
-            wanted = tuple(f"--{name}" for name in CORE_FLAGS)
-            self.print_columns(
-                [t for t in self.initial_context.help_tuples() if wanted and _names(t[0], wanted)]
-            )
+            rows = self.initial_context.help_tuples()
+            self.print_columns([row for row in rows if _is_core(row[0])])
             self.list_tasks()
             print("Exit codes: 0 ok, 1 failed on some node, 2 usage error, 130 interrupted.\n")
 
@@ -69,8 +67,9 @@ def program() -> Program:
     )
 
 
-def _names(flags: str, wanted: tuple[str, ...]) -> bool:
-    return any(part.split("=")[0].split("[")[0].strip() in wanted for part in flags.split(","))
+def _is_core(flags: str) -> bool:
+    """Whether a help row (``-h, --help``, ``--complete[=...]``) names one of CORE_FLAGS."""
+    return any(part.split("=")[0].split("[")[0].strip() in CORE_FLAGS for part in flags.split(","))
 
 
 def main() -> None:

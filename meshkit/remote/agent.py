@@ -153,10 +153,6 @@ class AgentPool:
                 yield pool
 
     @property
-    def hosts(self) -> list[Host]:
-        return list(self.cluster.hosts)
-
-    @property
     def failures(self) -> dict[Host, str]:
         """Nodes that could not be connected to, with why."""
         return dict(self.cluster.failures)

@@ -1,7 +1,6 @@
 """One node's single SSH connection (fabric over paramiko): strict host keys, the host keys sshd
-announces after authentication, a timeout on every call, atomic SFTP writes (temp file + rename,
-explicit modes) for the agent's files, and ``NodeShell``: the one shell per node that mesh and
-unmesh do all their node-side work through."""
+announces after authentication, a timeout on every call, and ``NodeShell``: the one shell per node
+that mesh and unmesh do all their node-side work through."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import paramiko
 from fabric import Config as FabricConfig
@@ -246,8 +245,6 @@ class Remote:
         if isinstance(gateway, Connection):
             try:
                 gateway.open()
-            except GatewayError:
-                raise
             except Exception as exc:
                 raise GatewayError(str(gateway.host), exc) from exc
         self.conn.open()
@@ -353,22 +350,11 @@ class Remote:
             raise TimeoutError("deadline passed")
         return left
 
-    def run(
-        self, command: str, timeout: float | None = None, out: TextIO | None = None
-    ) -> tuple[int, str, str]:
-        """A command line (built with shlex.join by the caller); its exit code, stdout and stderr.
-        With ``out``, both streams are written there as they arrive instead (and no timeout
-        applies unless given: for --follow)."""
-        if timeout is None and out is None:
-            timeout = self.remaining()
+    def run(self, command: str, timeout: float | None = None) -> tuple[int, str, str]:
+        """A command line (built with shlex.join by the caller): its exit code, stdout, stderr."""
+        limit = self.remaining() if timeout is None else timeout
         result = self.conn.run(
-            command,
-            hide=out is None,
-            warn=True,
-            in_stream=False,
-            pty=False,
-            timeout=timeout,
-            **({"out_stream": out, "err_stream": out} if out else {}),
+            command, hide=True, warn=True, in_stream=False, pty=False, timeout=limit
         )
         return result.exited, result.stdout, result.stderr
 

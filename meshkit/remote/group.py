@@ -62,52 +62,39 @@ class PhaseEvent:
 ProgressFn = Callable[[PhaseEvent], None]
 
 
-class _Counter:
-    def __init__(self, phase: str, total: int, report: ProgressFn) -> None:
-        self.phase, self.total, self.report = phase, total, report
-        self.done = self.failed = 0
-        self.started = time.monotonic()
-        self._lock = threading.Lock()
-
-    def tick(self, ok: bool) -> None:
-        with self._lock:
-            self.done += 1
-            self.failed += not ok
-            self._send(False)
-
-    def finish(self) -> None:
-        self._send(True)
-
-    def _send(self, finished: bool) -> None:
-        elapsed = time.monotonic() - self.started
-        self.report(PhaseEvent(self.phase, self.done, self.total, self.failed, elapsed, finished))
-
-
 def fan_out(
-    fn: Callable[[K], T],
-    items: Sequence[K],
+    fn: Callable[[Host], T],
+    hosts: Sequence[Host],
     settings: Settings,
-    host_of: Callable[[K], Host],
     phase: str = "",
     progress: ProgressFn | None = None,
-) -> dict[K, Outcome[T]]:
-    """``fn`` on every item at once (bounded pool); each item's result or its exception."""
-    counter = _Counter(phase, len(items), progress) if progress and phase else None
+) -> dict[Host, Outcome[T]]:
+    """``fn`` on every host at once (bounded pool); each host's result or its exception."""
+    started, lock = time.monotonic(), threading.Lock()
+    counts = {"done": 0, "failed": 0}
 
-    def one(item: K) -> Outcome[T]:
+    def one(host: Host) -> Outcome[T]:
         outcome: Outcome[T]
         try:
-            outcome = Outcome(fn(item))
+            outcome = Outcome(fn(host))
         except Exception as exc:
-            outcome = Outcome(exc=exc, error=describe(exc, host_of(item), settings))
-        if counter:
-            counter.tick(outcome.ok)
+            outcome = Outcome(exc=exc, error=describe(exc, host, settings))
+        with lock:
+            counts["done"] += 1
+            counts["failed"] += not outcome.ok
+            report(False)
         return outcome
 
-    if not items:
+    def report(finished: bool) -> None:
+        if progress and phase:
+            elapsed = time.monotonic() - started
+            done, failed = counts["done"], counts["failed"]
+            progress(PhaseEvent(phase, done, len(hosts), failed, elapsed, finished))
+
+    if not hosts:
         return {}
-    pool = ThreadPoolExecutor(max_workers=max(1, min(settings.parallel, len(items))))
-    futures = [pool.submit(one, item) for item in items]
+    pool = ThreadPoolExecutor(max_workers=max(1, min(settings.parallel, len(hosts))))
+    futures = [pool.submit(one, host) for host in hosts]
     try:
         # Waiting in short slices keeps the main thread able to take Ctrl-C at once; the
         # callers' `with Cluster` then closes every connection, which ends the blocked workers.
@@ -117,10 +104,8 @@ def fan_out(
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
-    results = {item: future.result() for item, future in zip(items, futures)}
-    if counter:
-        counter.finish()
-    return results
+    report(True)
+    return {host: future.result() for host, future in zip(hosts, futures)}
 
 
 class Cluster:
@@ -130,7 +115,6 @@ class Cluster:
         self,
         hosts: Sequence[Host],
         settings: Settings,
-        extra_ssh_configs: Sequence[str] = (),
         progress: ProgressFn | None = None,
         on_open: Callable[[Remote], None] | None = None,
     ) -> None:
@@ -139,10 +123,9 @@ class Cluster:
         raise, so a failure of what it starts is its own to keep."""
         self.hosts, self.settings, self.progress = list(hosts), settings, progress
         self.on_open = on_open
-        self._config: paramiko.SSHConfig = ssh_config([*settings.ssh_configs, *extra_ssh_configs])
+        self._config: paramiko.SSHConfig = ssh_config(settings.ssh_configs)
         self.remotes: dict[Host, Remote] = {}
         self.failures: dict[Host, str] = {}
-        self.errors: dict[Host, BaseException] = {}
         self._open(self.hosts, "connect")
 
     def _open(self, hosts: Sequence[Host], phase: str) -> None:
@@ -152,19 +135,11 @@ class Cluster:
                 self.on_open(remote)
             return remote
 
-        opened = fan_out(
-            connect,
-            hosts,
-            self.settings,
-            lambda h: h,
-            phase,
-            self.progress,
-        )
+        opened = fan_out(connect, hosts, self.settings, phase, self.progress)
         self.remotes.update(succeeded(opened))
         self.failures = {
             h: e for h, e in {**self.failures, **failed(opened)}.items() if h not in self.remotes
         }
-        self.errors.update({h: o.exc for h, o in opened.items() if o.exc is not None})
 
     def wait_for(self, seconds: float, interval: float = 1.0) -> None:
         """Retry the nodes that failed to connect (rebooting, say) until they answer or time runs out."""
@@ -182,14 +157,8 @@ class Cluster:
     ) -> dict[Host, Outcome[T]]:
         """``fn`` over the open connection of every (or the given) reachable node, in parallel."""
         chosen = [h for h in (hosts if hosts is not None else self.hosts) if h in self.remotes]
-        return fan_out(
-            lambda h: fn(self.remotes[h]),
-            chosen,
-            self.settings,
-            lambda h: h,
-            phase,
-            None if quiet else self.progress,
-        )
+        progress = None if quiet else self.progress
+        return fan_out(lambda h: fn(self.remotes[h]), chosen, self.settings, phase, progress)
 
     def close(self) -> None:
         for remote in self.remotes.values():

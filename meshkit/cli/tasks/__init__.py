@@ -17,22 +17,18 @@ if TYPE_CHECKING:
 from ...envrun import DISCOVERY_FLAGS
 from ...errors import UsageError
 from ..common import conf, helps, reported, task
-from . import doctor as tasks_doctor
-from . import jobs as tasks_train
-from . import mesh as tasks_mesh
-from . import sandbox as tasks_sandbox
-
-DISCOVERY = DISCOVERY_FLAGS  # envrun's own parser's flags: tests/test_fastcli.py keeps them equal
+from . import doctor, jobs, mesh, sandbox
 
 
-def _node(c: Context, flags: dict[str, Any]) -> NodeEnv:
-    """Discovery with this task's flags (those named in DISCOVERY) over the configuration."""
+def _node(flags: dict[str, Any]) -> NodeEnv:
+    """Discovery with this task's flags (envrun's own parser's: tests/test_fastcli.py keeps them
+    equal) over the configuration."""
     from ...envrun import node_env
 
-    return node_env(conf(), **{name: flags[name] for name in DISCOVERY})
+    return node_env(conf(), **{name: flags[name] for name in DISCOVERY_FLAGS})
 
 
-@task(help=helps(*DISCOVERY, "json"))
+@task(help=helps(*DISCOVERY_FLAGS, "json"))
 def env(
     c: Context,
     hostfile: str | None = None,
@@ -52,18 +48,14 @@ def env(
     from ...envrun import print_env
 
     with reported():
-        node = _node(c, locals())
+        node = _node(locals())
         print_env(node, json)
 
 
-@task(
-    help=helps(
-        *DISCOVERY,
-        "cmd",
-        "spawn",
-        log="also append all output to this file; {rank} becomes the node rank",
-    )
-)
+LOG_HELP = "also append all output to this file; {rank} becomes the node rank"
+
+
+@task(help=helps(*DISCOVERY_FLAGS, "cmd", "spawn", log=LOG_HELP))
 def run(
     c: Context,
     cmd: str | None = None,
@@ -87,25 +79,12 @@ def run(
     with reported():
         if cmd is None:  # a flag, not a positional: `meshkit run -h` is help
             raise UsageError("run: give the command: meshkit run --cmd CMD")
-        node = _node(c, locals())
+        node = _node(locals())
         if spawn:
             spawn_run(node, cmd, log)
         exec_run(node, cmd, log)
 
 
-ns = Collection(
-    env,
-    run,
-    tasks_mesh.mesh,
-    tasks_mesh.check,
-    tasks_mesh.unmesh,
-    tasks_train.train,
-    tasks_train.status,
-    tasks_train.diagnose,
-    tasks_train.logs,
-    tasks_train.stop,
-    tasks_train.supervise,
-    tasks_train.demo,
-    tasks_doctor.doctor,
-)
-ns.add_collection(tasks_sandbox.ns)
+ns = Collection(env, run, mesh.mesh, mesh.check, mesh.unmesh, doctor.doctor, jobs.train, sandbox.ns)
+for job in (jobs.status, jobs.diagnose, jobs.logs, jobs.stop, jobs.supervise, jobs.demo):
+    ns.add_task(job)
