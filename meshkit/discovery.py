@@ -69,19 +69,13 @@ def discover(
     resolved: dict[str, tuple[str, ...]] = {}
     if hostfile_path is not None and (placement is None or os.path.exists(hostfile_path)):
         hosts, resolved = _read_hosts(hostfile_path, include, exclude)
-    match = None
-    local = None
+    match = local = None
     # OpenMPI cannot tell which node this is: a hostfile, when there is one, decides.
     hostfile_decides = placement is not None and placement.hostfile_decides and hosts is not None
     if hosts is not None and (placement is None or hostfile_decides):
-        local = localnet.local_addresses()
-        match = topology.match_rank(
-            hosts,
-            [resolved[h.host] for h in hosts],
-            local,
-            env["MESHKIT_HOSTNAME"],
-            str(hostfile_path),
-        )
+        local, me = localnet.local_addresses(), env["MESHKIT_HOSTNAME"]
+        addresses = [resolved[h.host] for h in hosts]
+        match = topology.match_rank(hosts, addresses, local, me, str(hostfile_path))
     if placement is not None and placement.verify_master and not hostfile_decides:
         problem = master_problem(
             placement,

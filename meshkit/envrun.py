@@ -1,6 +1,6 @@
 """``meshkit env`` and ``meshkit run``: discover this node's place, then print it or exec the
 command. The one implementation, called by the console script, the invoke tasks and the node side
-(the agent answers the controller's env request with ``discover_here``; the keeper runs ``main``).
+(the agent answers the controller's env request with ``node_env``; the keeper runs ``main``).
 
 Standard library only, and no invoke: this runs on every node at every launch. Flags are parsed
 here without argparse; anything unusual (help, a flag it does not know) goes to the invoke Program,
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from .distenv import NodeEnv, as_json, export_lines, log_target, logged, rank_variables, variables
 from .errors import MeshkitError, UsageError
 from .node.signals import reset_for_exec
-from .settings import Config
+from .settings import Config, load
 from .settings import whole as whole  # ops.train's too
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
@@ -217,10 +217,8 @@ def main(argv: Sequence[str]) -> bool:
         flags, given = parse(argv[0], argv[1:])
     except Fallback:
         return False
-    from . import settings
-
     try:
-        conf = settings.load()
+        conf = load()
         node = node_env(conf, **{name: flags[name] for name in DISCOVERY_FLAGS})
         if argv[0] == "env":
             print_env(node, "json" in given)

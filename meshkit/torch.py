@@ -42,25 +42,17 @@ def init_distributed(
         torch.cuda.set_device(place.local_rank % torch.cuda.device_count())
     chosen = backend or ("nccl" if cuda else "gloo")
     limit = timedelta(seconds=timeout)
-    if node.source == "torchrun" or "TORCHELASTIC_RUN_ID" in os.environ:
-        # torchrun already hosts the store on MASTER_ADDR:MASTER_PORT
-        dist.init_process_group(
-            chosen,
-            init_method="env://",
-            rank=place.rank,
-            world_size=place.world_size,
+    rendezvous: dict[str, Any] = {"init_method": "env://"}  # torchrun hosts the store already
+    if node.source != "torchrun" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        store = TCPStore(
+            node.master_addr,
+            node.master_port,
+            place.world_size,
+            is_master=hosts_store(node, place),
             timeout=limit,
+            wait_for_workers=False,
         )
-        return place
-    store = TCPStore(
-        node.master_addr,
-        node.master_port,
-        place.world_size,
-        is_master=hosts_store(node, place),
-        timeout=limit,
-        wait_for_workers=False,
-    )
-    dist.init_process_group(
-        chosen, store=store, rank=place.rank, world_size=place.world_size, timeout=limit
-    )
+        rendezvous = {"store": store}
+    rank, size = place.rank, place.world_size
+    dist.init_process_group(chosen, rank=rank, world_size=size, timeout=limit, **rendezvous)
     return place

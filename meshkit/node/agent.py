@@ -9,19 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
-from ..protocol import (
-    MAX_LINE,
-    OPS,
-    EnvReply,
-    EnvRequest,
-    PortsReply,
-    PortsRequest,
-    PortState,
-    ProtocolViolation,
-    Reply,
-    decode_request,
-    encode_reply,
-)
+from .. import protocol
+from ..protocol import MAX_LINE, EnvReply, EnvRequest, PortsReply, PortsRequest, PortState
 
 TYPE_CHECKING = False  # no runtime `typing` in the agent (see meshkit/record.py)
 if TYPE_CHECKING:
@@ -61,11 +50,11 @@ def ports(request: PortsRequest) -> PortsReply:
     return PortsReply(states, jobs.keeper_pid(request.job_id) is not None)
 
 
-def handler(op: str) -> Callable[[Any], Reply]:
-    module, _, name = OPS[op][2].partition(".")
+def handler(op: str) -> Callable[[Any], protocol.Reply]:
+    module, _, name = protocol.OPS[op][2].partition(".")
     full = f"meshkit.node.{module}"
     __import__(full)  # not importlib (and its warnings): one more import at every agent's start
-    found: Callable[[Any], Reply] = getattr(sys.modules[full], name)
+    found: Callable[[Any], protocol.Reply] = getattr(sys.modules[full], name)
     return found
 
 
@@ -76,10 +65,10 @@ def serve(requests: IO[str], replies: IO[str]) -> None:
             return
         try:
             if not line.endswith("\n"):
-                raise ProtocolViolation(f"request longer than {MAX_LINE} bytes")
-            op, request = decode_request(line)
-            out = encode_reply(handler(op)(request))
+                raise protocol.ProtocolViolation(f"request longer than {MAX_LINE} bytes")
+            op, request = protocol.decode_request(line)
+            out = protocol.encode_reply(handler(op)(request))
         except Exception as exc:  # one request failed; say so and keep serving
-            out = encode_reply(None, f"{type(exc).__name__}: {exc}")
+            out = protocol.encode_reply(None, f"{type(exc).__name__}: {exc}")
         replies.write(out)
         replies.flush()

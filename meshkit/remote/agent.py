@@ -13,20 +13,10 @@ from typing import TypeVar
 
 import paramiko
 
+from .. import protocol
 from ..errors import AgentGone, ProtocolError, RemoteError
 from ..hostfile import Host
-from ..protocol import (
-    MAX_LINE,
-    NodeFailure,
-    ProtocolViolation,
-    PutReply,
-    PutRequest,
-    Reply,
-    Request,
-    decode_reply,
-    encode_request,
-    op_of,
-)
+from ..protocol import MAX_LINE, PutReply, PutRequest, Reply, Request
 from .connection import Remote, Settings
 from .group import Cluster, Outcome, ProgressFn
 
@@ -74,7 +64,7 @@ class Agent:
         try:
             # sendall, not a buffered stdin file: paramiko's file objects flush again when they
             # are garbage-collected and print a traceback if the agent is already gone.
-            self.channel.sendall(encode_request(request).encode())
+            self.channel.sendall(protocol.encode_request(request).encode())
             raw = self._out.readline(MAX_LINE + 2)
         except (socket.timeout, TimeoutError):
             raise RemoteError(f"the node agent did not answer {op} within {limit:.0f}s") from None
@@ -89,10 +79,10 @@ class Agent:
         if not raw.endswith(b"\n"):
             raise ProtocolError(f"the node agent's reply to {op} exceeds {MAX_LINE} bytes")
         try:
-            reply = decode_reply(op_of(request), raw.decode(errors="replace"))
-        except NodeFailure as exc:
+            reply = protocol.decode_reply(protocol.op_of(request), raw.decode(errors="replace"))
+        except protocol.NodeFailure as exc:
             raise _NodeSaid(f"{op} failed on the node: {exc}") from None
-        except ProtocolViolation as exc:
+        except protocol.ProtocolViolation as exc:
             raise ProtocolError(f"malformed reply to {op} from the node agent: {exc}") from None
         if not isinstance(reply, expect):
             raise ProtocolError(f"the node agent answered {op} with {type(reply).__name__}")
