@@ -201,10 +201,9 @@ def combine(
         )
     slots = hosts[0].slots if hosts else None
     port = master_port or placement.master_port
-    if port is None:
-        port = derive_master_port(
-            hosts or [Host(addr)], f"{session}/{nnodes}" if not hosts else session
-        )
+    if port is None:  # without a hostfile, the node count salts it too
+        salt = session if hosts else f"{session}/{nnodes}"
+        port = derive_master_port(hosts or [Host(addr)], salt)
     return NodeEnv(
         node_rank=placement.node_rank,
         nnodes=nnodes,

@@ -105,12 +105,10 @@ def _split_spec(spec: str) -> tuple[str | None, str, str | None]:
         if not isinstance(_ip(host), ipaddress.IPv6Address):
             raise ValueError(f"{host!r} in brackets is not an IPv6 address")
         return user, host, rest[1:] if rest else None
-    if spec.count(":") >= 2:
-        return user, spec, None
-    if ":" in spec:
-        host, port = spec.split(":", 1)
+    if spec.count(":") == 1:
+        host, port = spec.split(":")
         return user, host, port
-    return user, spec, None
+    return user, spec, None  # no colon, or a bare IPv6 address (no port)
 
 
 def _number(text: str, what: str, low: int, high: int) -> int:

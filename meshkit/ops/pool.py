@@ -58,22 +58,19 @@ def ssh_settings(
     ``password``: ask for one on the terminal (``mesh --password``)."""
     from ..remote import Settings
 
-    configs = [
-        str(p)
-        for p in (conf.ssh_config, Path(hostfile).parent / "ssh_config")
-        if p and Path(p).is_file()
-    ]
+    beside = Path(hostfile).parent / "ssh_config"
+    configs = [str(p) for p in (conf.ssh_config, beside) if p and Path(p).is_file()]
     secret = getpass.getpass("SSH password for all nodes: ") if password else None
     return Settings(
-        connect_timeout=float(conf.connect_timeout),
-        command_timeout=float(conf.command_timeout),
+        connect_timeout=conf.connect_timeout,
+        command_timeout=conf.command_timeout,
         identity=identity or conf.identity,
         password=secret,
         accept_new=accept_new,
         ssh_configs=tuple(configs),
         user=conf.user,
-        port=int(conf.port) if conf.port else None,
-        parallel=int(conf.parallel),
+        port=conf.port,
+        parallel=conf.parallel,
     )
 
 

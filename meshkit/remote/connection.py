@@ -78,22 +78,21 @@ class StrictPolicy(paramiko.MissingHostKeyPolicy):
 
     _lock = threading.Lock()
 
-    def __init__(self, accept_new: bool, store: Path, record: bool = True) -> None:
-        self.accept_new, self.store, self.record = accept_new, store, record
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
 
-    def missing_host_key(
-        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
-    ) -> None:
-        if not self.accept_new:
-            raise UnknownHostKey(hostname, key.get_name(), fingerprint(key))
-        client.get_host_keys().add(hostname, key.get_name(), key)
-        if not self.record:
+    def missing_host_key(self, client: paramiko.SSHClient, name: str, key: paramiko.PKey) -> None:
+        if not self.settings.accept_new:
+            raise UnknownHostKey(name, key.get_name(), fingerprint(key))
+        client.get_host_keys().add(name, key.get_name(), key)
+        if not self.settings.record_new_host_keys:
             return  # --dry-run: trusted for this run only, written nowhere
+        store = self.settings.known_hosts_store
         with self._lock:
-            self.store.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self.store, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            store.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(store, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             with os.fdopen(fd, "a") as out:
-                out.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+                out.write(f"{name} {key.get_name()} {key.get_base64()}\n")
 
 
 @dataclass(frozen=True)
@@ -221,14 +220,9 @@ class Remote:
         # An IdentityFile that does not exist here (e.g. a controller's key named in a shared
         # ssh_config, seen from a node) is skipped, as OpenSSH does.
         conn.connect_kwargs["key_filename"] = [k for k in listed if Path(k).expanduser().is_file()]
-        client = conn.client
-        client.set_missing_host_key_policy(
-            StrictPolicy(
-                settings.accept_new, settings.known_hosts_store, settings.record_new_host_keys
-            )
-        )
+        conn.client.set_missing_host_key_policy(StrictPolicy(settings))
         for path in self._known_hosts_files(conn):
-            self.revoked |= load_known_hosts(client.get_host_keys(), path)
+            self.revoked |= load_known_hosts(conn.client.get_host_keys(), path)
 
     @staticmethod
     def _known_hosts_files(conn: Connection) -> list[str]:

@@ -35,20 +35,11 @@ def _install(rank: str, errors: str) -> None:
             import traceback
 
             now = time.time()
-            data = {
-                "message": {
-                    "message": "".join(traceback.format_exception_only(kind, value)).strip(),
-                    "extraInfo": {
-                        "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
-                        "timestamp": str(int(now)),
-                    },
-                },
-                "meshkit": {
-                    "rank": int(rank),
-                    "node_rank": os.environ.get("NODE_RANK"),
-                    "time": now,
-                },
-            }
+            message = "".join(traceback.format_exception_only(kind, value)).strip()
+            stack = "".join(traceback.format_exception(kind, value, tb))
+            info = {"py_callstack": stack, "timestamp": str(int(now))}
+            ours = {"rank": int(rank), "node_rank": os.environ.get("NODE_RANK"), "time": now}
+            data = {"message": {"message": message, "extraInfo": info}, "meshkit": ours}
             os.makedirs(errors, exist_ok=True)
             path = f"{errors}/rank{rank}.json"
             with open(f"{path}.{os.getpid()}", "w") as handle:
