@@ -38,7 +38,7 @@ BOOLEAN = {"json", "spawn"}
 
 def pick(conf: Config, name: str, flag: Any) -> Any:
     """A flag when given, else the configured value (flags are the last config level)."""
-    return flag if flag is not None else conf.get(name)
+    return flag if flag is not None else getattr(conf, name)
 
 
 def pick_int(conf: Config, name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
@@ -82,9 +82,6 @@ def node_env(
         include=pick(conf, "include", include),
         exclude=pick(conf, "exclude", exclude),
     )
-
-
-# ---- env ------------------------------------------------------------------------------------------
 
 
 def print_env(node: NodeEnv, as_json_output: bool) -> None:

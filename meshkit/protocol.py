@@ -476,8 +476,7 @@ def op_of(request: Request) -> str:
 
 
 def encode_request(request: Request) -> str:
-    op = _OP_OF[type(request)]
-    return _line({"v": VERSION, "op": op, "args": asdict(request)})
+    return _line({"v": VERSION, "op": op_of(request), "args": asdict(request)})
 
 
 def decode_request(line: str) -> tuple[str, Request]:

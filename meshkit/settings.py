@@ -54,9 +54,6 @@ class Config:
     stall_after: str = "30m"  # no output from any rank for this long: stalled ("off")
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
-    def get(self, name: str) -> Any:
-        return getattr(self, name)
-
 
 def _plain(value: Any) -> Any:
     """A deep copy of a default as a file or a MESHKIT_* variable gives it: lists for tuples

@@ -90,17 +90,6 @@ def match_rank(
             return Match(0, normalize(resolved[0][0]) if resolved[0] else hosts[0].host, "lo")
     if len(matches) == 1:
         return matches[0]
-    raise TopologyError(_mismatch(hosts, resolved, local, hostname, path, matches))
-
-
-def _mismatch(
-    hosts: Sequence[Host],
-    resolved: Sequence[Sequence[str]],
-    local: Sequence[LocalAddress],
-    hostname: str,
-    path: str,
-    matches: Sequence[Match],
-) -> list[str]:
     if matches:
         which = ", ".join(
             f"line {hosts[m.rank].lineno} ({hosts[m.rank].label}) via {m.describe()}"
@@ -112,11 +101,11 @@ def _mismatch(
             f"{path}: this machine ({hostname}) matches no line; add one of its addresses to the "
             "hostfile, or set MESHKIT_NODE_RANK / --node-rank"
         )
-    mine = ", ".join(f"{a.interface}={normalize(a.address)}" for a in local) or "none"
+    ours = ", ".join(f"{a.interface}={normalize(a.address)}" for a in local) or "none"
     theirs = ", ".join(
         f"{h.label}={'/'.join(addrs) or 'unresolved'}" for h, addrs in zip(hosts, resolved)
     )
-    return [head, f"  local addresses: {mine}", f"  hostfile addresses: {theirs}"]
+    raise TopologyError([head, f"  local addresses: {ours}", f"  hostfile addresses: {theirs}"])
 
 
 def derive_master_port(hosts: Sequence[Host], session: str) -> int:

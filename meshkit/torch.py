@@ -9,15 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .discovery import discover
-from .distenv import NodeEnv, ProcessPlace, process_place
-
-
-def hosts_store(node: NodeEnv, place: ProcessPlace) -> bool:
-    """Whether this process hosts the rendezvous store: the first process of node 0, which is the
-    node MASTER_ADDR names (discovery guarantees it). Not "global rank 0 wherever the launcher put
-    it": under ``mpirun -H`` in another order that process may be on a node where MASTER_ADDR is
-    not, and then nobody would listen there."""
-    return node.node_rank == 0 and place.local_rank == 0
+from .distenv import ProcessPlace, process_place
 
 
 def init_distributed(
@@ -44,11 +36,13 @@ def init_distributed(
     limit = timedelta(seconds=timeout)
     rendezvous: dict[str, Any] = {"init_method": "env://"}  # torchrun hosts the store already
     if node.source != "torchrun" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # Hosted by node 0's first process: node 0 is the node MASTER_ADDR names (discovery
+        # guarantees it), global rank 0 may not be (mpirun -H in another order).
         store = TCPStore(
             node.master_addr,
             node.master_port,
             place.world_size,
-            is_master=hosts_store(node, place),
+            is_master=node.node_rank == 0 and place.local_rank == 0,
             timeout=limit,
             wait_for_workers=False,
         )
