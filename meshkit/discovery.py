@@ -39,7 +39,7 @@ def _read_hosts(
     except (OSError, UnicodeDecodeError) as exc:
         raise HostfileError(f"{p}: cannot read: {exc}") from None
     hosts = hostfile.select(hostfile.parse(text, p), include, exclude)
-    resolved = localnet.resolve_all(h.host for h in hosts)
+    resolved = {name: localnet.resolve(name) for name in dict.fromkeys(h.host for h in hosts)}
     problems = hostfile.duplicate_problems(hosts, resolved, p)
     if problems:
         raise HostfileError(problems)

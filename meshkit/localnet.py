@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from collections.abc import Iterable
 
 import netifaces
 
@@ -44,10 +43,6 @@ def resolve(host: str) -> tuple[str, ...]:
     except (socket.gaierror, UnicodeError):
         return ()
     return tuple(dict.fromkeys(normalize(str(info[4][0])) for info in infos))
-
-
-def resolve_all(hosts: Iterable[str]) -> dict[str, tuple[str, ...]]:
-    return {h: resolve(h) for h in dict.fromkeys(hosts)}
 
 
 def route_sources(host: str, port: int) -> list[tuple[str, str | None]]:

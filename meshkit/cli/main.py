@@ -58,12 +58,9 @@ def program() -> Program:
             except ParseError as exc:
                 raise Exit(f"meshkit: {exc} (see meshkit <task> --help)", USAGE_EXIT) from None
 
+    name = "meshkit"
     return MeshkitProgram(
-        namespace=ns,
-        name="meshkit",
-        binary="meshkit",
-        binary_names=["meshkit"],
-        version=__version__,
+        namespace=ns, name=name, binary=name, binary_names=[name], version=__version__
     )
 
 
