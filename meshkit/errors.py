@@ -1,15 +1,13 @@
 """Every user-facing error meshkit raises, in one place (one type per kind of failure, as libtmux
 does). The CLI turns any ``MeshkitError`` into its message and a non-zero exit, never a traceback.
-
-``str()`` of each is one line per problem, each naming where (``file:line`` or the host) and the fix.
-Standard library only: node-side code imports this module too.
-"""
+Standard library only: node-side code imports this module too."""
 
 from __future__ import annotations
 
 
 class MeshkitError(Exception):
-    """A problem the user can fix; ``str()`` is one line per problem, each naming where and how."""
+    """A problem the user can fix; ``str()`` is one line per problem, each naming where
+    (``file:line`` or the host) and the fix."""
 
     exit_code = 1
 
