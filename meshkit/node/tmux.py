@@ -51,9 +51,14 @@ def kill_session(name: str) -> None:
 def new_session(name: str, argv: list[str]) -> None:
     """Start ``argv`` detached in a new session ``name``. Nothing passes through a shell or
     tmux's format expansion (no ``-c``): the command changes directory itself."""
-    try:
-        code, err = command.run(["tmux", "new-session", "-d", "-s", name, "--", *argv], TIMEOUT)
-    except OSError as exc:
-        raise TmuxError(f"cannot run tmux: {exc}") from None
+    # A client that reaches the last session's server as it shuts down is told "server exited
+    # unexpectedly" and nothing started; the next try starts a server of its own.
+    for _ in range(2):
+        try:
+            code, err = command.run(["tmux", "new-session", "-d", "-s", name, "--", *argv], TIMEOUT)
+        except OSError as exc:
+            raise TmuxError(f"cannot run tmux: {exc}") from None
+        if "server exited unexpectedly" not in err:
+            break
     if code != 0:
         raise TmuxError(err.strip()[-300:] or f"tmux exited {code}")
