@@ -12,7 +12,7 @@ import ipaddress
 import shlex
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from ..hostfile import Host
 from ..job import Job
@@ -24,7 +24,6 @@ from ..protocol import (
     BandwidthTarget,
     ConnectReply,
     ConnectRequest,
-    ConnectResult,
     DoneReply,
     DoneRequest,
     EnvReply,
@@ -42,22 +41,8 @@ from .sync import Facts, facts_round
 
 # the order of the table: what a training job hits first comes first (a stable sort keeps nodes
 # in rank order within each check)
-ORDER = (
-    "ssh",
-    "rank",
-    "interface",
-    "facts",
-    "versions",
-    "gpus",
-    "workdir",
-    "clock",
-    "master port",
-    "reach",
-    "bandwidth",
-    "networks",
-    "infiniband",
-    "collective",
-)
+ORDER = ["ssh", "rank", "interface", "facts", "versions", "gpus", "workdir", "clock"]
+ORDER += ["master port", "reach", "bandwidth", "networks", "infiniband", "collective"]
 LISTEN_SECONDS = 30.0  # a listener's life: long enough for every node's connect round
 CONNECT_SECONDS = 5.0  # each node retries its connects this long
 CLOCK_SKEW = 2.0  # seconds of clock difference tolerated (on top of the round trip)
@@ -69,7 +54,7 @@ BW_SECONDS, BW_BYTES, BW_REPEATS = 0.2, 64 << 20, 3
 
 @dataclass(frozen=True)
 class Check:
-    check: str
+    check: str  # one of ORDER
     node: str
     peer: str | None
     ok: bool
@@ -77,14 +62,14 @@ class Check:
     fix: str = ""
 
     def as_json(self) -> dict[str, object]:
-        return {
-            "check": self.check,
-            "node": self.node,
-            "peer": self.peer,
-            "ok": self.ok,
-            "detail": self.detail,
-            "fix": self.fix,
-        }
+        return asdict(self)
+
+
+def verdict(
+    check: str, host: Host, ok: bool, detail: str, fix: str = "", peer: str | None = None
+) -> Check:
+    """One row about ``host``; its ``fix`` is said only when it failed."""
+    return Check(check, host.label, peer, ok, detail, "" if ok else fix)
 
 
 @dataclass(frozen=True)
@@ -113,11 +98,7 @@ class Report:
         return [c for c in self.checks if not c.ok]
 
     def as_json(self) -> dict[str, object]:
-        return {
-            "ok": self.ok,
-            "nodes": self.nodes,
-            "checks": [c.as_json() for c in self.checks],
-        }
+        return {"ok": self.ok, "nodes": self.nodes, "checks": [c.as_json() for c in self.checks]}
 
 
 Verify = Callable[[], Sequence[PairFailure]]
@@ -127,7 +108,8 @@ Verify = Callable[[], Sequence[PairFailure]]
 
 
 def ssh_checks(hosts: Sequence[Host], failures: Sequence[PairFailure]) -> list[Check]:
-    """One row per node that logs in everywhere; one row per broken pair."""
+    """One row per node that logs in everywhere; one row per broken pair (verify logs in by the
+    hostfile spelling and checks the host key by hostname: a pair's errors are joined)."""
     checks = []
     for source in hosts:
         broken: dict[Host, list[str]] = {}
@@ -135,28 +117,23 @@ def ssh_checks(hosts: Sequence[Host], failures: Sequence[PairFailure]) -> list[C
             if f.source == source:
                 broken.setdefault(f.target, []).append(f.error)
         if not broken:
-            checks.append(
-                Check("ssh", source.label, None, True, f"logs in to all {len(hosts)} nodes")
-            )
+            checks.append(verdict("ssh", source, True, f"logs in to all {len(hosts)} nodes", ""))
         for target, errors in broken.items():
-            # verify logs in by the hostfile spelling and checks the host key by hostname: one row a pair
             detail = "; ".join(dict.fromkeys(errors))[:300]
-            checks.append(Check("ssh", source.label, target.label, False, detail, ssh_fix(detail)))
+            checks.append(verdict("ssh", source, False, detail, ssh_fix(detail), target.label))
     return checks
 
 
-NETWORK_ERRORS = ("No route to host", "timed out", "Connection refused", "Network is unreachable")
-
-
 def ssh_fix(error: str) -> str:
-    if any(e in error for e in NETWORK_ERRORS):
+    down = ("No route to host", "timed out", "Connection refused", "Network is unreachable")
+    if any(e in error for e in down):
         return "the network between these two nodes is down (route, firewall, sshd not running)"
     return "run `meshkit mesh` (keys, known_hosts), then `meshkit check`"
 
 
 @dataclass(frozen=True)
 class NodeView:
-    """What ``meshkit env --json`` said on one node."""
+    """What discovery (``meshkit env``) said on one node."""
 
     rank: int | None
     master_addr: str | None
@@ -166,19 +143,13 @@ class NodeView:
 
 
 def read_env(outcome: Outcome[EnvReply] | None, failure: str | None) -> NodeView:
-    """One node's env reply as the checks read it."""
     error = env_error(outcome, failure)
     if error is not None or outcome is None or outcome.value is None:
         return NodeView(None, None, None, "", error)
-    found = outcome.value.variables
-    rank = found.get("NODE_RANK", "")
-    return NodeView(
-        int(rank) if rank.isascii() and rank.isdigit() else None,
-        found.get("MASTER_ADDR"),
-        found.get("GLOO_SOCKET_IFNAME") or None,
-        outcome.value.interface_source,
-        None,
-    )
+    found, rank = outcome.value.variables, outcome.value.variables.get("NODE_RANK", "")
+    number = int(rank) if rank.isascii() and rank.isdigit() else None
+    ifname = found.get("GLOO_SOCKET_IFNAME") or None
+    return NodeView(number, found.get("MASTER_ADDR"), ifname, outcome.value.interface_source, None)
 
 
 def env_checks(hosts: Sequence[Host], views: dict[Host, NodeView]) -> list[Check]:
@@ -187,48 +158,28 @@ def env_checks(hosts: Sequence[Host], views: dict[Host, NodeView]) -> list[Check
         view = views[host]
         if view.error is not None:
             checks.append(
-                Check(
-                    "rank",
-                    host.label,
-                    None,
-                    False,
-                    view.error,
-                    "fix the node (see detail) and rerun",
-                )
+                verdict("rank", host, False, view.error, "fix the node (see detail) and rerun")
             )
             continue
-        checks.append(
-            Check(
-                "rank",
-                host.label,
-                None,
-                view.rank == rank,
-                f"NODE_RANK={view.rank} (hostfile line {host.lineno} is rank {rank})",
-                ""
-                if view.rank == rank
-                else "list this node in the hostfile as it sees itself "
-                "(an address of one of its interfaces)",
-            )
+        detail = f"NODE_RANK={view.rank} (hostfile line {host.lineno} is rank {rank})"
+        fix = (
+            "list this node in the hostfile as it sees itself (an address of one of its interfaces)"
         )
-        if view.ifname is None and len(hosts) > 1:
-            checks.append(
-                Check(
-                    "interface",
-                    host.label,
-                    None,
-                    False,
-                    view.interface_source or "no interface found",
-                    "list addresses (not names) in the hostfile, or set GLOO_SOCKET_IFNAME and "
-                    "NCCL_SOCKET_IFNAME (config meshkit.env)",
-                )
-            )
-        else:
-            checks.append(
-                Check(
-                    "interface", host.label, None, True, f"{view.ifname} ({view.interface_source})"
-                )
-            )
+        checks.append(verdict("rank", host, view.rank == rank, detail, fix))
+        found = view.ifname is not None or len(hosts) == 1
+        detail = f"{view.ifname} ({view.interface_source})"
+        fix = (
+            "list addresses (not names) in the hostfile, or set GLOO_SOCKET_IFNAME and "
+            "NCCL_SOCKET_IFNAME (config meshkit.env)"
+        )
+        missing = view.interface_source or "no interface found"
+        checks.append(verdict("interface", host, found, detail if found else missing, fix))
     return checks
+
+
+def versions(f: FactsReply) -> dict[str, str]:
+    found = {"python": f.python, "torch": f.torch, "meshkit": f.meshkit}
+    return {k: v or "-" for k, v in {**found, "CUDA": f.cuda, "NCCL": f.nccl}.items()}
 
 
 def fact_checks(
@@ -243,96 +194,39 @@ def fact_checks(
     CLOCK_SKEW of the controller's (``timing``: when each request left and its reply came back,
     controller time)."""
     checks: list[Check] = []
-    facts, timing = round_.replies, round_.timing
-    master = facts.get(hosts[0])
+    master = round_.replies.get(hosts[0])
     reference = master.value if master is not None else None
     for host in hosts:
-        outcome = facts.get(host)
+        outcome = round_.replies.get(host)
         if outcome is None or outcome.value is None:
             why = unanswered(outcome, host, failures)
-            checks.append(
-                Check("facts", host.label, None, False, str(why), "fix the node and rerun")
-            )
+            checks.append(verdict("facts", host, False, why, "fix the node and rerun"))
             continue
         f = outcome.value
         mine = versions(f)
-        if reference is None or host == hosts[0]:
-            checks.append(Check("versions", host.label, None, True, describe_versions(mine)))
-        else:
-            theirs = versions(reference)
-            differ = [f"{k} {mine[k]} (master: {theirs[k]})" for k in mine if mine[k] != theirs[k]]
-            checks.append(
-                Check(
-                    "versions",
-                    host.label,
-                    None,
-                    not differ,
-                    "; ".join(differ) if differ else describe_versions(mine),
-                    "install the same versions on every node (same venv path)" if differ else "",
-                )
-            )
+        theirs = versions(reference) if reference is not None else mine
+        differ = [f"{k} {mine[k]} (master: {theirs[k]})" for k in mine if mine[k] != theirs[k]]
+        same = ", ".join(f"{k} {v}" for k, v in mine.items() if v != "-")
+        fix = "install the same versions on every node (same venv path)"
+        checks.append(verdict("versions", host, not differ, "; ".join(differ) or same, fix))
         over = f.gpus > 0 and slots is not None and slots > f.gpus
-        checks.append(
-            Check(
-                "gpus",
-                host.label,
-                None,
-                not over,
-                f"{f.gpus} GPUs" + (f", slots={slots}" if slots is not None else ""),
-                f"set slots={f.gpus} (or fewer) in the hostfile" if over else "",
-            )
-        )
+        gpus = f"{f.gpus} GPUs" + (f", slots={slots}" if slots is not None else "")
+        fix = f"set slots={f.gpus} (or fewer) in the hostfile"
+        checks.append(verdict("gpus", host, not over, gpus, fix))
         copy = synced and f.marker.endswith((" is not there", " holds another run's token"))
-        problems = [p for p in (f.writable,) if p] + (
-            [] if f.marker in ("written", "seen") or copy else [f"marker: {f.marker}"]
-        )
-        checks.append(
-            Check(
-                "workdir",
-                host.label,
-                None,
-                not problems,
-                "; ".join(problems)
-                or (
-                    "shared and writable"
-                    if f.marker == "seen"
-                    else "writable (a synced copy)"
-                    if copy
-                    else "writable"
-                ),
-                "put the workdir on storage every node mounts at the same path (or use train --sync)"
-                if problems
-                else "",
-            )
-        )
-        sent, back = timing.get(host, (f.clock, f.clock))
+        problems = [f.writable] if f.writable else []
+        if f.marker not in ("written", "seen") and not copy:
+            problems.append(f"marker: {f.marker}")
+        fine = ("shared and " if f.marker == "seen" else "") + "writable"
+        fine += " (a synced copy)" if copy else ""
+        fix = "put the workdir on storage every node mounts at the same path (or use train --sync)"
+        checks.append(verdict("workdir", host, not problems, "; ".join(problems) or fine, fix))
+        sent, back = round_.timing.get(host, (f.clock, f.clock))
         skew = f.clock - (sent + back) / 2
         late = abs(skew) > CLOCK_SKEW + (back - sent) / 2
-        checks.append(
-            Check(
-                "clock",
-                host.label,
-                None,
-                not late,
-                f"{skew:+.2f}s from the controller",
-                "synchronise clocks (chrony/NTP)" if late else "",
-            )
-        )
+        skewed = f"{skew:+.2f}s from the controller"
+        checks.append(verdict("clock", host, not late, skewed, "synchronise clocks (chrony/NTP)"))
     return checks
-
-
-def versions(f: FactsReply) -> dict[str, str]:
-    return {
-        "python": f.python,
-        "torch": f.torch or "-",
-        "meshkit": f.meshkit,
-        "CUDA": f.cuda or "-",
-        "NCCL": f.nccl or "-",
-    }
-
-
-def describe_versions(v: dict[str, str]) -> str:
-    return ", ".join(f"{k} {val}" for k, val in v.items() if val != "-")
 
 
 def port_check(
@@ -341,28 +235,14 @@ def port_check(
     """``may_move``: the caller (train) moves to a free port itself, so busy is only a note."""
     if outcome is None or outcome.value is None:
         why = outcome.error if outcome else "unreachable"
-        return Check(
-            "master port", master.label, None, False, f"cannot probe: {why}", "fix the node"
-        )
-    reply = outcome.value
-    if reply.error and may_move and "busy" in reply.error:
-        return Check(
-            "master port",
-            master.label,
-            None,
-            True,
-            f"{reply.error} on the master {master.label}; train moves to a free port",
-        )
-    if reply.error:
-        return Check(
-            "master port",
-            master.label,
-            None,
-            False,
-            f"{reply.error} on the master {master.label}",
-            f"stop what holds port {port} there, or pass --master-port (any free port)",
-        )
-    return Check("master port", master.label, None, True, f"port {port} free on the master")
+        return verdict("master port", master, False, f"cannot probe: {why}", "fix the node")
+    error = outcome.value.error
+    if error is None:
+        return verdict("master port", master, True, f"port {port} free on the master", "")
+    moves = may_move and "busy" in error
+    detail = f"{error} on the master {master.label}" + "; train moves to a free port" * moves
+    fix = f"stop what holds port {port} there, or pass --master-port (any free port)"
+    return verdict("master port", master, moves, detail, fix)
 
 
 def reach_checks(
@@ -373,32 +253,31 @@ def reach_checks(
     what: str,
 ) -> list[Check]:
     """``what`` = "master port" (each node -> the master's port) or "reach" (each -> each)."""
+    if what == "master port":
+        fine = f"connects to port {port} on the master"
+        fix = (
+            f"open TCP port {port} on the master to the other nodes (firewall), or pass "
+            "--master-port"
+        )
+    else:
+        fine = "reaches all {} peers on their interfaces"
+        fix = (
+            "check the link and firewalls between these two nodes on this interface; "
+            "gloo/NCCL connect every pair"
+        )
     checks = []
     for host in hosts:
         outcome = replies.get(host)
         if outcome is None:
             continue
         if outcome.value is None:
-            checks.append(Check(what, host.label, None, False, str(outcome.error), "fix the node"))
+            checks.append(verdict(what, host, False, str(outcome.error), "fix the node"))
             continue
         results = outcome.value.results
         broken = [r for r in results if not r.ok]
         if not broken:
-            detail = (
-                f"connects to port {port} on the master"
-                if what == "master port"
-                else f"reaches all {len(results)} peers on their interfaces"
-            )
-            checks.append(Check(what, host.label, None, True, detail))
-        for r in broken:
-            fix = (
-                f"open TCP port {port} on the master to the other nodes (firewall), or pass "
-                "--master-port"
-                if what == "master port"
-                else "check the link and firewalls between these two nodes on this interface; "
-                "gloo/NCCL connect every pair"
-            )
-            checks.append(Check(what, host.label, r.label, False, r.detail, fix))
+            checks.append(verdict(what, host, True, fine.format(len(results)), ""))
+        checks += [verdict(what, host, False, r.detail, fix, r.label) for r in broken]
     return checks
 
 
@@ -406,30 +285,22 @@ def collective_checks(
     hosts: Sequence[Host], replies: dict[Host, Outcome[ProbeReply]], failures: dict[Host, str]
 ) -> list[Check]:
     checks = []
+    fix = (
+        "see the failing checks above; set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME if gloo/NCCL "
+        "picked the wrong interface"
+    )
     for host in hosts:
         outcome = replies.get(host)
         if outcome is None or outcome.value is None:
             why = unanswered(outcome, host, failures)
-            checks.append(Check("collective", host.label, None, False, str(why), "fix the node"))
+            checks.append(verdict("collective", host, False, why, "fix the node"))
             continue
         reply = outcome.value
         line = next((x for x in reply.out.splitlines() if x.startswith("meshkit-probe ")), None)
         ok = reply.code == 0 and line is not None and line.endswith("ok=True")
         detail = line or (reply.err.strip().splitlines() or [f"exit {reply.code}"])[-1]
-        detail = detail.removeprefix("meshkit-probe ")
-        checks.append(
-            Check(
-                "collective",
-                host.label,
-                None,
-                ok,
-                detail[:300],
-                ""
-                if ok
-                else "see the failing checks above; set GLOO_SOCKET_IFNAME/"
-                "NCCL_SOCKET_IFNAME if gloo/NCCL picked the wrong interface",
-            )
-        )
+        detail = detail.removeprefix("meshkit-probe ")[:300]
+        checks.append(verdict("collective", host, ok, detail, fix))
     return checks
 
 
@@ -451,34 +322,39 @@ def run(
     """Every check, in the order a training job would hit them. ``verify`` (the SSH N x N check)
     and ``collective`` are the slow parts; ``quick`` (train --doctor) leaves both out. ``envs``
     and ``facts``: rounds the caller ran already (train runs each once)."""
-    report = Report([h.label for h in hosts])
-    checks = report.checks
-    if verify is not None:
-        checks += ssh_checks(hosts, verify())
-
-    if envs is None:
-        envs = env_round(pool, job)
+    checks = ssh_checks(hosts, verify()) if verify is not None else []
+    envs = env_round(pool, job) if envs is None else envs
     views = {h: read_env(envs.get(h), pool.failures.get(h)) for h in hosts}
     checks += env_checks(hosts, views)
-
     # facts: the master writes the shared-workdir marker, then the others look for it (unless
     # the caller's round did: train's, with the marker written by the machine it runs on)
-    own = facts is None
+    marker = None
     if facts is None:
         facts = facts_round(pool, job.workdir, hosts, hosts[0])
+        marker = facts.marker
     checks += fact_checks(hosts, facts, pool.failures, hosts[0].slots, job.sync)
-    marker = facts.marker if own else None
-
     try:
         checks += network_checks(pool, job, hosts, views, port_may_move)
     finally:
         pool.call_all("", lambda h: DoneRequest(marker if h == hosts[0] else None), DoneReply)
-
     if collective:
         blocked = any(not c.ok for c in checks if c.check in ("master port", "reach", "rank"))
         checks += collective_round(pool, job, hosts, blocked, probe_seconds)
-    checks.sort(key=lambda c: ORDER.index(c.check) if c.check in ORDER else len(ORDER))
-    return report
+    checks.sort(key=lambda c: ORDER.index(c.check))
+    return Report([h.label for h in hosts], checks)
+
+
+def quick(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    envs: Envs | None = None,
+    facts: Facts | None = None,
+) -> Report:
+    """The quick parts, for ``train --doctor`` and the supervisor's health gate: everything but
+    the N x N SSH check (the train connections just proved the controller's side) and the
+    collective probe; a busy master port is only a note, since train then moves to a free one."""
+    return run(pool, job, hosts, collective=False, port_may_move=True, envs=envs, facts=facts)
 
 
 def collective_round(
@@ -493,46 +369,18 @@ def collective_round(
     run (and said so) when the network checks before it failed."""
     if blocked:
         why = "not run: the network checks above failed"
-        return [
-            Check("collective", hosts[0].label, None, False, why, "fix the failures above first")
-        ]
-    argv = [
-        job.python,
-        "-m",
-        "meshkit.templates.collective_probe",
-        "--timeout",
-        f"{probe_seconds:g}",
-    ]
-    run_argv = job.meshkit_argv("run", "--cmd", shlex.join([*argv, *extra]))
+        return [verdict("collective", hosts[0], False, why, "fix the failures above first")]
+    probe = [job.python, "-m", "meshkit.templates.collective_probe"]
+    argv = job.meshkit_argv(
+        "run", "--cmd", shlex.join([*probe, "--timeout", f"{probe_seconds:g}", *extra])
+    )
     replies = pool.call_all(
         "collective",
-        lambda h: ProbeRequest(job.workdir, run_argv, probe_seconds + 30),
+        lambda h: ProbeRequest(job.workdir, argv, probe_seconds + 30),
         ProbeReply,
         timeout=probe_seconds + 60,
     )
     return collective_checks(hosts, replies, pool.failures)
-
-
-def quick(
-    pool: NodePool,
-    job: Job,
-    hosts: Sequence[Host],
-    envs: Envs | None = None,
-    facts: Facts | None = None,
-) -> Report:
-    """The quick parts, for ``train --doctor``: everything but the N x N SSH check (the train
-    connections just proved the controller's side) and the collective probe; a busy master port
-    is only a note, since train then moves to a free one."""
-    return run(
-        pool,
-        job,
-        hosts,
-        verify=None,
-        collective=False,
-        port_may_move=True,
-        envs=envs,
-        facts=facts,
-    )
 
 
 def network_checks(
@@ -544,41 +392,26 @@ def network_checks(
 ) -> list[Check]:
     """The master port free on the master and reachable from every node; every node reaching
     every other on the interface its backends will use."""
-    checks: list[Check] = []
     master, port = hosts[0], job.master_port
-    held = pool.call_all(
-        "port", lambda h: ListenRequest(None, port, LISTEN_SECONDS), ListenReply, [master]
-    )
-    checks.append(port_check(master, port, held.get(master), port_may_move))
-    answer = held.get(master)
-    port_open = answer is not None and answer.value is not None and answer.value.error is None
+    request = ListenRequest(None, port, LISTEN_SECONDS)
+    held = pool.call_all("port", lambda h: request, ListenReply, [master]).get(master)
+    checks = [port_check(master, port, held, port_may_move)]
+    port_open = held is not None and held.value is not None and held.value.error is None
     ok_hosts = [h for h in hosts if views[h].error is None]
     listens = pool.call_all(
-        "listen",
-        lambda h: ListenRequest(views[h].ifname, 0, LISTEN_SECONDS),
-        ListenReply,
-        ok_hosts,
+        "listen", lambda h: ListenRequest(views[h].ifname, 0, LISTEN_SECONDS), ListenReply, ok_hosts
     )
     targets: dict[Host, ProbeTarget] = {}
     for h in ok_hosts:
-        outcome = listens.get(h)
-        if outcome is None or outcome.value is None or outcome.value.error:
-            why = (outcome.value.error if outcome and outcome.value else None) or (
-                outcome.error if outcome else "unreachable"
-            )
+        got = listens.get(h, Outcome[ListenReply](error="unreachable"))
+        if got.value is None or got.value.error:
+            why = got.value.error if got.value else got.error
             checks.append(
-                Check(
-                    "reach",
-                    h.label,
-                    None,
-                    False,
-                    f"cannot listen: {why}",
-                    "fix the node's interface",
-                )
+                verdict("reach", h, False, f"cannot listen: {why}", "fix the node's interface")
             )
             continue
-        address = outcome.value.address
-        targets[h] = ProbeTarget(h.label, h.host if address == "*" else address, outcome.value.port)
+        address = h.host if got.value.address == "*" else got.value.address
+        targets[h] = ProbeTarget(h.label, address, got.value.port)
 
     def connects(h: Host) -> ConnectRequest:
         peers = [t for p, t in targets.items() if p != h]
@@ -588,26 +421,22 @@ def network_checks(
         return ConnectRequest(peers, CONNECT_SECONDS)
 
     replies = pool.call_all("reach", connects, ConnectReply, ok_hosts, timeout=CONNECT_SECONDS + 30)
-    peer_replies = {
-        h: _only(o, lambda r: r.port != port or r.label != master.label) for h, o in replies.items()
-    }
-    master_replies = {
-        h: _only(o, lambda r: r.port == port and r.label == master.label)
-        for h, o in replies.items()
-        if h != master
-    }
     if port_open:
-        checks += reach_checks(hosts, port, master_replies, pool.failures, "master port")
-    checks += reach_checks(hosts, port, peer_replies, pool.failures, "reach")
-    return checks
+        mine = {h: _only(o, master, port, True) for h, o in replies.items() if h != master}
+        checks += reach_checks(hosts, port, mine, pool.failures, "master port")
+    peers = {h: _only(o, master, port, False) for h, o in replies.items()}
+    return checks + reach_checks(hosts, port, peers, pool.failures, "reach")
 
 
 def _only(
-    outcome: Outcome[ConnectReply], keep: Callable[[ConnectResult], bool]
+    outcome: Outcome[ConnectReply], master: Host, port: int, to_master: bool
 ) -> Outcome[ConnectReply]:
+    """A node's connects to the master's port (``to_master``), or those to its peers."""
     if outcome.value is None:
         return outcome
-    return Outcome(ConnectReply([r for r in outcome.value.results if keep(r)]))
+    master_port = (port, master.label)
+    kept = [r for r in outcome.value.results if ((r.port, r.label) == master_port) == to_master]
+    return Outcome(ConnectReply(kept))
 
 
 # ---- doctor --bandwidth ---------------------------------------------------------------------
@@ -693,25 +522,26 @@ def bandwidth_checks(
     slow = {p for p in pairs if min(rates.get(p, 0), rates.get(p[::-1], 0)) < floor}
     mates = {h: {p for p in pairs if h in p} for h in hosts}
     nodes = [h for h in hosts if len(hosts) > 2 and mates[h] and mates[h] <= slow]
+    link = (
+        "look at this link: cable, switch ports and negotiated speed on both ends (ethtool), or "
+        "other traffic on it"
+    )
     checks = []
     for a, b in pairs:
         r, culprit = results[a, b][0], next((h.label for h in nodes if h in (a, b)), None)
-        detail = (
-            f"failed: {r.error}"
-            if r.error
-            else (
+        detail = f"failed: {r.error}"
+        if not r.error:
+            detail = (
                 f"node->peer {rate_text(rates[a, b])}, peer->node {rate_text(rates[b, a])} "
                 f"on {ifnames.get(a) or r.network}; median {rate_text(median)}"
             )
-        )
         fix = (
             f"every pair of {culprit} is slow: look at that node's NIC (ethtool: speed, duplex, "
             "errors), cable and switch port"
-            if culprit
-            else "look at this link: cable, switch ports and negotiated speed on both ends "
-            "(ethtool), or other traffic on it"
-        ) * ((a, b) in slow)
-        checks.append(Check("bandwidth", a.label, b.label, (a, b) not in slow, detail, fix))
+        )
+        checks.append(
+            verdict("bandwidth", a, (a, b) not in slow, detail, fix if culprit else link, b.label)
+        )
     matrix = {(a.label, b.label): v for (a, b), v in rates.items()}
     return checks, Bandwidth(matrix, median, [h.label for h in nodes])
 
@@ -742,21 +572,18 @@ def network_checks_bw(
                 faster[net] = net != mine and faster.get(net, True) and slow
         if len(speed) > 1:
             fastest = max(speed, key=lambda n: (faster[n], speed[n]))
-            detail = ", ".join(
-                f"{n}{' (exported)' * (n == mine)} {rate_text(v)}" for n, v in speed.items()
-            )
-            detail += (
-                f"; fastest: {fastest}" if fastest != mine else "; the exported one is fastest"
-            )
+            shown = [f"{n}{' (exported)' * (n == mine)} {rate_text(v)}" for n, v in speed.items()]
+            best = "the exported one is fastest" if fastest == mine else f"fastest: {fastest}"
             fix = (
                 f"list this node by its {fastest} address in the hostfile, or set "
                 f"GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={fastest} (config meshkit.env)"
-            ) * faster[fastest]
-            checks.append(Check("networks", host.label, None, not faster[fastest], detail, fix))
+            )
+            detail = f"{', '.join(shown)}; {best}"
+            checks.append(verdict("networks", host, not faster[fastest], detail, fix))
         active = ",".join(d.split()[0] for d in reply.infiniband if d.endswith("ACTIVE"))
         found = ", ".join(reply.infiniband)
         detail = f"{found}; NCCL_IB_HCA={active or '(none active)'}" if found else "none found"
-        checks.append(Check("infiniband", host.label, None, True, detail))
+        checks.append(verdict("infiniband", host, True, detail))
     return checks
 
 
@@ -770,36 +597,29 @@ def bandwidth_round(
     """One round: each server (``pairs``' values) listens, each client tests towards it (on its
     first ``networks`` networks in common)."""
     bound = BW_REPEATS * 2 * (BW_SECONDS + 5)  # one test's worst case (a drain after each try)
-    listens = pool.call_all(
-        "listen",
-        lambda h: ListenRequest(None, 0, bound * 4, bandwidth=True),
-        ListenReply,
-        list(pairs.values()),
-    )
-    tests, results = {}, {}
+    request = ListenRequest(None, 0, bound * 4, bandwidth=True)
+    listens = pool.call_all("listen", lambda h: request, ListenReply, list(pairs.values()))
+    tests: dict[Host, list[BandwidthTarget]] = {}
+    results = {}
     for client, server in pairs.items():
         got = listens.get(server, Outcome[ListenReply](error="unreachable"))
         why = got.value.error if got.value else got.error
         port = got.value.port if got.value else 0
-        tests[client] = (
-            []
-            if why
-            else pair_targets(replies[client], replies[server], ifnames[server], server.label, port)
-        )
+        found = pair_targets(replies[client], replies[server], ifnames[server], server.label, port)
+        tests[client] = [] if why else found[:networks]
         why = f"{server.label} cannot listen: {why}" if why else "no network in common"
         results[client, server] = [BandwidthResult(server.label, "", 0.0, 0.0, why)]
-    done = pool.call_all(
-        "bandwidth",
-        lambda h: (
-            BandwidthRequest(tests[h], BW_SECONDS, BW_BYTES, BW_REPEATS) if tests[h] else None
-        ),
-        BandwidthReply,
-        list(pairs),
-        timeout=bound * max((len(t) for t in tests.values()), default=1) + 30,
-    )
-    for (client, server), reply in ((p, done[p[0]]) for p in pairs.items() if p[0] in done):
-        failed = [BandwidthResult(server.label, "", 0.0, 0.0, str(reply.error))]
-        results[client, server] = reply.value.results if reply.value else failed
+
+    def test(h: Host) -> BandwidthRequest | None:
+        return BandwidthRequest(tests[h], BW_SECONDS, BW_BYTES, BW_REPEATS) if tests[h] else None
+
+    timeout = bound * max((len(t) for t in tests.values()), default=1) + 30
+    done = pool.call_all("bandwidth", test, BandwidthReply, list(pairs), timeout=timeout)
+    for client, server in pairs.items():
+        if client in done:
+            reply = done[client]
+            failed = [BandwidthResult(server.label, "", 0.0, 0.0, str(reply.error))]
+            results[client, server] = reply.value.results if reply.value else failed
     return results
 
 
@@ -823,7 +643,7 @@ def bandwidth(
     for h in hosts:
         if h not in replies:
             why = unanswered(found.get(h), h, pool.failures)
-            checks.append(Check("bandwidth", h.label, None, False, str(why), "fix the node"))
+            checks.append(verdict("bandwidth", h, False, why, "fix the node"))
     results: dict[tuple[Host, Host], list[BandwidthResult]] = {}
     todo = [[(hosts[a], hosts[b]) for a, b in r] for r in pair_rounds(len(hosts))]
     try:
@@ -832,14 +652,13 @@ def bandwidth(
                 pairs = {a: b for a, b in round_ if {a, b} <= set(replies)}
                 for pair, got in bandwidth_round(pool, pairs, replies, ifnames, networks).items():
                     old = results.setdefault(pair, got)
-                    results[pair] = [max(two, key=_better) for two in zip(old, got)] + old[
-                        len(got) :
-                    ]
+                    better = [max(two, key=_better) for two in zip(old, got)]
+                    results[pair] = better + old[len(got) :]
             # a pair found slow is measured again (twice at most), later and on the exported
             # network only: on a shared machine one busy second must not name a link (the better
             # measurement counts; a slow link stays slow)
-            verdict, _ = bandwidth_checks(hosts, results, ifnames, min_ratio, min_rate)
-            slow = {(c.node, c.peer) for c in verdict if not c.ok}
+            measured, _ = bandwidth_checks(hosts, results, ifnames, min_ratio, min_rate)
+            slow = {(c.node, c.peer) for c in measured if not c.ok}
             todo = disjoint([(a, b) for a, b in results if (a.label, b.label) in slow])
     finally:
         pool.call_all("", lambda h: DoneRequest(None), DoneReply)
@@ -848,16 +667,15 @@ def bandwidth(
     lacking = [h.label for h in hosts if h not in replies or not replies[h].torch]
     if lacking:
         why = f"not run: no torch on {', '.join(lacking)}"
-        checks.append(Check("collective", hosts[0].label, None, True, why))
+        checks.append(verdict("collective", hosts[0], True, why))
     else:
-        blocked = any(
-            c.check == "rank" or c.detail.startswith("failed:") for c in checks if not c.ok
-        )
+        failed = [c for c in checks if not c.ok]
+        blocked = any(c.check == "rank" or c.detail.startswith("failed:") for c in failed)
         # sized to take about a second on the slowest link measured (1 to 64 MiB)
         size = int(min(max(min(matrix.rates.values(), default=0) / 16, 1 << 20), 64 << 20))
         probe = collective_round(pool, job, hosts, blocked, probe_seconds, ["--bytes", str(size)])
         checks += probe
         words = [w for c in probe for w in c.detail.split() if w.startswith("busbw=")]
         matrix = replace(matrix, busbw=min((float(w[6:]) for w in words), default=None))
-    checks.sort(key=lambda c: ORDER.index(c.check) if c.check in ORDER else len(ORDER))
+    checks.sort(key=lambda c: ORDER.index(c.check))
     return Report([h.label for h in hosts], checks, matrix)
