@@ -57,20 +57,16 @@ def _version(package: str) -> str | None:
     every distribution installed)."""
     want = _normalized(package)
     for entry in sys.path:
-        try:
-            names = os.listdir(entry or ".")
-        except OSError:
-            continue
-        for name in names:
-            stem, _, kind = name.rpartition(".")
-            if kind not in ("dist-info", "egg-info") or _normalized(stem.split("-")[0]) != want:
-                continue
-            path = os.path.join(entry or ".", name)
-            if os.path.isdir(path):
-                path = os.path.join(path, "METADATA" if kind == "dist-info" else "PKG-INFO")
-            found = _metadata_version(path)
-            if found is not None:
-                return found
+        with contextlib.suppress(OSError):
+            for name in os.listdir(entry or "."):
+                stem, _, kind = name.rpartition(".")
+                if kind in ("dist-info", "egg-info") and _normalized(stem.split("-")[0]) == want:
+                    path = os.path.join(entry or ".", name)
+                    if os.path.isdir(path):
+                        path = os.path.join(path, "METADATA" if kind == "dist-info" else "PKG-INFO")
+                    found = _metadata_version(path)
+                    if found is not None:
+                        return found
     return None
 
 
@@ -80,22 +76,13 @@ def _normalized(name: str) -> str:
 
 def _metadata_version(path: str) -> str | None:
     """The ``Version:`` header of a core metadata file (headers end at the first blank line)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if not line.strip():
-                    return None
-                if line.startswith("Version:"):
-                    return line.partition(":")[2].strip() or None
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            if not line.strip():
+                break
+            if line.startswith("Version:"):
+                return line.partition(":")[2].strip() or None
     return None
-
-
-def meshkit_version() -> str:
-    from .. import __version__
-
-    return _version("meshkit") or __version__
 
 
 def torch_cuda() -> str | None:
@@ -115,11 +102,7 @@ def torch_cuda() -> str | None:
 
 
 def nccl_version() -> str | None:
-    for package in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
-        found = _version(package)
-        if found:
-            return found
-    return None
+    return next(filter(None, (_version(f"nvidia-nccl-cu{cuda}") for cuda in (13, 12, 11))), None)
 
 
 def _writable(workdir: str) -> str | None:
@@ -156,17 +139,19 @@ def _marker(request: FactsRequest) -> str:
 
 
 def facts(request: FactsRequest) -> FactsReply:
-    workdir_ok = os.path.isdir(request.workdir)
+    from .. import __version__
+
+    missing = None if os.path.isdir(request.workdir) else f"{request.workdir}: missing"
     return FactsReply(
         hostname=socket.gethostname(),
         python="{}.{}.{}".format(*sys.version_info[:3]),  # platform.python_version(), unimported
-        meshkit=meshkit_version(),
+        meshkit=_version("meshkit") or __version__,
         torch=_version("torch"),
         cuda=torch_cuda(),
         nccl=nccl_version(),
         gpus=gpu_count(),
-        writable=_writable(request.workdir) if workdir_ok else f"{request.workdir}: missing",
-        marker=_marker(request) if workdir_ok else f"{request.workdir}: missing",
+        writable=missing or _writable(request.workdir),
+        marker=missing or _marker(request),
         clock=time.time(),
     )
 
@@ -195,11 +180,8 @@ def port_holder(port: int) -> str | None:
                 text = handle.read()
             for line in text.splitlines()[1:]:
                 fields = line.split()
-                if (
-                    len(fields) > 9
-                    and fields[3] == "0A"
-                    and int(fields[1].rsplit(":", 1)[1], 16) == port
-                ):
+                listening = len(fields) > 9 and fields[3] == "0A"  # 0A: TCP_LISTEN
+                if listening and int(fields[1].rsplit(":", 1)[1], 16) == port:
                     inodes.add(f"socket:[{fields[9]}]")
     if not inodes:
         return None
@@ -231,48 +213,40 @@ def _serve(sock: socket.socket, stop: threading.Event, deadline: float, bandwidt
 
 
 def listen(request: ListenRequest) -> ListenReply:
-    address = ""
+    port, address = request.port, ""
     if request.ifname:
         found = interface_address(request.ifname)
         if found is None:
-            return ListenReply(
-                "", request.port, f"interface {request.ifname} has no IPv4 address here"
-            )
+            return ListenReply("", port, f"interface {request.ifname} has no IPv4 address here")
         address = found
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # as torchrun's store does: a port in TIME_WAIT is free, one with a listener is not
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((address, request.port))
+        sock.bind((address, port))
         sock.listen(64)
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            holder = port_holder(request.port)
+            holder = port_holder(port)
             held = f" (held by {holder})" if holder else ""
-            return ListenReply(address, request.port, f"port {request.port} is busy{held}")
-        return ListenReply(
-            address,
-            request.port,
-            f"cannot listen on {address or '*'}:{request.port}: {exc.strerror or exc}",
-        )
-    port = int(sock.getsockname()[1])
-    stop = threading.Event()
+            return ListenReply(address, port, f"port {port} is busy{held}")
+        why = f"cannot listen on {address or '*'}:{port}: {exc.strerror or exc}"
+        return ListenReply(address, port, why)
+    port, stop = int(sock.getsockname()[1]), threading.Event()
     deadline = time.monotonic() + min(max(request.seconds, 0.1), MAX_SECONDS)
-    threading.Thread(
-        target=_serve, args=(sock, stop, deadline, request.bandwidth), daemon=True
-    ).start()
+    serve = (sock, stop, deadline, request.bandwidth)
+    threading.Thread(target=_serve, args=serve, daemon=True).start()
     _listeners[port] = (sock, stop)
     return ListenReply(address or "*", port, None)
 
 
 def done(request: DoneRequest) -> DoneReply:
-    closed = 0
-    for port, (sock, stop) in list(_listeners.items()):
+    closed = len(_listeners)
+    for sock, stop in _listeners.values():
         stop.set()
         sock.close()  # now, not at the thread's next tick: a job may bind this port next
-        del _listeners[port]
-        closed += 1
+    _listeners.clear()
     if request.marker:
         with contextlib.suppress(OSError):
             os.unlink(request.marker)
@@ -289,21 +263,16 @@ def _connect(target: ProbeTarget, deadline: float) -> ConnectResult:
     """Retry until the deadline: the peer's listener may open a moment after we start. At least
     one attempt is made (of up to ATTEMPT seconds), even when this thread started after the
     deadline: on a loaded node, with hundreds of peers, a probe that never tried is no verdict."""
-    started = time.monotonic()
-    last = ""
+    started, last, where = time.monotonic(), "", f"{target.host}:{target.port}"
     while True:
         left = deadline - time.monotonic()
         if left <= 0 and last:
-            return ConnectResult(
-                target.label, target.port, False, f"{target.host}:{target.port}: {last}"
-            )
+            return ConnectResult(target.label, target.port, False, f"{where}: {last}")
         try:
             timeout = min(left, ATTEMPT) if left > 0 else ATTEMPT
             socket.create_connection((target.host, target.port), timeout=timeout).close()
             took = (time.monotonic() - started) * 1000
-            return ConnectResult(
-                target.label, target.port, True, f"{target.host}:{target.port} in {took:.0f} ms"
-            )
+            return ConnectResult(target.label, target.port, True, f"{where} in {took:.0f} ms")
         except (TimeoutError, socket.timeout):
             last = "no answer (timeout)"
         except OSError as exc:
@@ -313,25 +282,19 @@ def _connect(target: ProbeTarget, deadline: float) -> ConnectResult:
 
 def connect(request: ConnectRequest) -> ConnectReply:
     deadline = time.monotonic() + min(max(request.seconds, 0.1), MAX_SECONDS)
-    results: list[ConnectResult | None] = [None] * len(request.targets)
+    targets = request.targets
+    results = [ConnectResult(t.label, t.port, False, "probe did not finish") for t in targets]
 
     def one(i: int, target: ProbeTarget) -> None:
         results[i] = _connect(target, deadline)
 
-    threads = [
-        threading.Thread(target=one, args=(i, t), daemon=True)
-        for i, t in enumerate(request.targets[:1024])
-    ]
+    tried = enumerate(targets[:1024])  # bounded threads: the rest are said not to have finished
+    threads = [threading.Thread(target=one, args=it, daemon=True) for it in tried]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()) + 3.0)
-    return ConnectReply(
-        [
-            r or ConnectResult(t.label, t.port, False, "probe did not finish")
-            for r, t in zip(results, request.targets)
-        ]
-    )
+    return ConnectReply(results)
 
 
 # ---- throughput between pairs ------------------------------------------------------------------
@@ -422,16 +385,15 @@ def bandwidth(request: BandwidthRequest) -> BandwidthReply:
     """Each try goes over every target in turn (a pair's networks interleaved, so that a busy
     moment weighs on all of them alike); the best try per target counts."""
     targets, seconds = request.targets[:64], min(max(request.seconds, 0.01), MAX_TEST_SECONDS)
+    size = min(max(request.max_bytes, 1), MAX_TEST_BYTES)
     errors: list[str | None] = [None] * len(targets)
     best = [(0.0, 0.0)] * len(targets)
     for _ in range(min(max(request.repeats, 1), 10)):
         for i, target in enumerate(targets):
             try:
                 if errors[i] is None:
-                    rates = _measure(
-                        target, seconds, min(max(request.max_bytes, 1), MAX_TEST_BYTES)
-                    )
-                    best[i] = (max(best[i][0], rates[0]), max(best[i][1], rates[1]))
+                    sent, received = _measure(target, seconds, size)
+                    best[i] = (max(best[i][0], sent), max(best[i][1], received))
             except (OSError, ValueError) as exc:
                 why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 errors[i] = f"{target.host}:{target.port}: {why or type(exc).__name__}"

@@ -44,17 +44,16 @@ def matrix(bw: Bandwidth, nodes: list[str]) -> str:
 
 
 def _cell(v: float, top: float) -> str:
-    return (
-        "<td>-</td>"
-        if v != v
-        else f'<td style="background:hsl({120 * v / top:.0f},70%,60%)">{v:.3g}</td>'
-    )
+    """One rate (Gbit/s): green at the fastest, red at none; NaN: none measured."""
+    if v != v:
+        return "<td>-</td>"
+    return f'<td style="background:hsl({120 * v / top:.0f},70%,60%)">{v:.3g}</td>'
 
 
 def heatmap(bw: Bandwidth, nodes: list[str], path: str) -> None:
     """The pair matrix as a heatmap: PNG through matplotlib (the extra 'plot'), or plain HTML."""
     grid = [[bw.rates.get((a, b), math.nan) / 1e9 for b in nodes] for a in nodes]
-    if path.endswith(".html"):  # green at the fastest, red at none
+    if path.endswith(".html"):
         top = max(bw.rates.values(), default=1.0) / 1e9
         rows = "".join(
             f"<tr><th>{html.escape(a)}</th>" + "".join(_cell(v, top) for v in row) + "</tr>"
@@ -64,14 +63,11 @@ def heatmap(bw: Bandwidth, nodes: list[str], path: str) -> None:
             handle.write(f"<!doctype html><title>meshkit bandwidth</title><table>{rows}</table>\n")
         return
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError(
-            f"--plot {path}: PNG needs matplotlib: pip install 'meshkit[plot]' (or write .html)"
-        ) from None
+        why = "PNG needs matplotlib: pip install 'meshkit[plot]' (or write .html)"
+        raise UsageError(f"--plot {path}: {why}") from None
+    plt.switch_backend("Agg")
     fig, ax = plt.subplots(figsize=(2.2 + 0.7 * len(nodes), 1.2 + 0.55 * len(nodes)))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0)
     ax.set_xticks(range(len(nodes)), [str(i) for i in range(len(nodes))])
@@ -85,6 +81,14 @@ def heatmap(bw: Bandwidth, nodes: list[str], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def _number(text: str, flag: str, low: float, high: float, expected: str) -> float:
+    """``text`` as a number in [low, high]: ASCII digits and at most one point."""
+    digits = text.replace(".", "", 1)
+    if not (digits.isascii() and digits.isdigit() and low <= float(text) <= high):
+        raise UsageError(f"{flag} {text!r}: expected {expected}")
+    return float(text)
 
 
 def render(report: Report) -> str:
@@ -125,15 +129,8 @@ def doctor(
     from ...ops.pool import connect
 
     with reported():
-        try:
-            seconds = float(timeout)
-        except ValueError:
-            seconds = -1.0
-        if not 1 <= seconds <= 600:
-            raise UsageError(f"--timeout {timeout!r}: expected seconds between 1 and 600")
-        ratio = float(min_ratio) if min_ratio.replace(".", "", 1).isdigit() else -1.0
-        if not 0 <= ratio <= 1:
-            raise UsageError(f"--min-ratio {min_ratio!r}: expected a fraction between 0 and 1")
+        seconds = _number(timeout, "--timeout", 1, 600, "seconds between 1 and 600")
+        ratio = _number(min_ratio, "--min-ratio", 0, 1, "a fraction between 0 and 1")
         floor = rate(min_rate, "--min-rate") if min_rate else 0.0
         if plot and not plot.endswith((".png", ".html")):
             raise UsageError(f"--plot {plot!r}: expected a .png or .html file")
@@ -164,13 +161,12 @@ def doctor(
     else:
         print(f"doctor: {len(hosts)} nodes, {source}, master port {job.master_port}")
         print(render(report))
-        bad = report.failures
-        bw = report.bandwidth
+        bad, bw = report.failures, report.bandwidth
         if bw is not None:
             print(f"\n{matrix(bw, report.nodes)}\n")
             print(f"median (of the nodes' medians) {ops.rate_text(bw.median)}", end="")
             print(f"; all_reduce busbw {ops.rate_text(bw.busbw)}" if bw.busbw else "")
-            for f in (f for f in report.failures if f.check == "bandwidth" and f.peer):
+            for f in (f for f in bad if f.check == "bandwidth" and f.peer):
                 print(f"slow pair: {f.node} <-> {f.peer}")
             for node in bw.slow_nodes:
                 print(f"slow node: {node} (every one of its pairs)")
