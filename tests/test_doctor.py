@@ -106,7 +106,7 @@ def test_busy_port_unreachable_peer_and_probe_lines():
         ),
         HOSTS[1]: Outcome(error="agent gone"),
     }
-    checks = doctor.reach_checks(HOSTS, 24000, replies, {}, "reach")
+    checks = doctor.reach_checks(HOSTS, 24000, replies, "reach")
     assert [(c.node, c.peer, c.ok) for c in checks] == [
         ("10.0.0.1", "10.0.0.3", False),
         ("10.0.0.2", None, False),

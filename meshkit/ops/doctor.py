@@ -246,14 +246,12 @@ def port_check(
 
 
 def reach_checks(
-    hosts: Sequence[Host],
-    port: int,
-    replies: dict[Host, Outcome[ConnectReply]],
-    failures: dict[Host, str],
-    what: str,
+    hosts: Sequence[Host], port: int, replies: dict[Host, Outcome[ConnectReply]], what: str
 ) -> list[Check]:
-    """``what`` = "master port" (each node -> the master's port) or "reach" (each -> each)."""
-    if what == "master port":
+    """Of each node's connect round: ``what`` = "master port", its connect to the master's
+    ``port`` (the other nodes'); "reach", those to every peer's listener."""
+    to_master = what == "master port"
+    if to_master:
         fine = f"connects to port {port} on the master"
         fix = (
             f"open TCP port {port} on the master to the other nodes (firewall), or pass "
@@ -268,12 +266,13 @@ def reach_checks(
     checks = []
     for host in hosts:
         outcome = replies.get(host)
-        if outcome is None:
+        if outcome is None or (to_master and host == hosts[0]):
             continue
         if outcome.value is None:
             checks.append(verdict(what, host, False, str(outcome.error), "fix the node"))
             continue
-        results = outcome.value.results
+        master = (port, hosts[0].label)
+        results = [r for r in outcome.value.results if ((r.port, r.label) == master) == to_master]
         broken = [r for r in results if not r.ok]
         if not broken:
             checks.append(verdict(what, host, True, fine.format(len(results)), ""))
@@ -405,10 +404,8 @@ def network_checks(
     for h in ok_hosts:
         got = listens.get(h, Outcome[ListenReply](error="unreachable"))
         if got.value is None or got.value.error:
-            why = got.value.error if got.value else got.error
-            checks.append(
-                verdict("reach", h, False, f"cannot listen: {why}", "fix the node's interface")
-            )
+            why = f"cannot listen: {got.value.error if got.value else got.error}"
+            checks.append(verdict("reach", h, False, why, "fix the node's interface"))
             continue
         address = h.host if got.value.address == "*" else got.value.address
         targets[h] = ProbeTarget(h.label, address, got.value.port)
@@ -422,21 +419,8 @@ def network_checks(
 
     replies = pool.call_all("reach", connects, ConnectReply, ok_hosts, timeout=CONNECT_SECONDS + 30)
     if port_open:
-        mine = {h: _only(o, master, port, True) for h, o in replies.items() if h != master}
-        checks += reach_checks(hosts, port, mine, pool.failures, "master port")
-    peers = {h: _only(o, master, port, False) for h, o in replies.items()}
-    return checks + reach_checks(hosts, port, peers, pool.failures, "reach")
-
-
-def _only(
-    outcome: Outcome[ConnectReply], master: Host, port: int, to_master: bool
-) -> Outcome[ConnectReply]:
-    """A node's connects to the master's port (``to_master``), or those to its peers."""
-    if outcome.value is None:
-        return outcome
-    master_port = (port, master.label)
-    kept = [r for r in outcome.value.results if ((r.port, r.label) == master_port) == to_master]
-    return Outcome(ConnectReply(kept))
+        checks += reach_checks(hosts, port, replies, "master port")
+    return checks + reach_checks(hosts, port, replies, "reach")
 
 
 # ---- doctor --bandwidth ---------------------------------------------------------------------

@@ -17,6 +17,7 @@ import argparse
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 
 
@@ -43,28 +44,18 @@ def main() -> int:
         backend = args.backend
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        device = "cpu"
-        if backend == "nccl":
-            local = int(env.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local)
-            device = f"cuda:{local}"
+        device = f"cuda:{int(env.get('LOCAL_RANK', '0'))}" if backend == "nccl" else "cpu"
+        if device != "cpu":
+            torch.cuda.set_device(device)
         ifname = env.get("NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME", "-")
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-            if not under_torchrun
-            else "env://",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=args.timeout),
-        )
+        init = "env://" if under_torchrun else f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        limit = timedelta(seconds=args.timeout)
+        dist.init_process_group(backend, init, rank=rank, world_size=world, timeout=limit)
         value = torch.tensor([float(rank + 1)], device=device)
         dist.all_reduce(value)
         total = int(value.item())
         timed = ""
         if args.bytes > 0:
-            import time
-
             data = torch.ones(max(args.bytes // 4, 1), device=device)
             dist.all_reduce(data)  # warm-up: connections and buffers
             dist.barrier()
