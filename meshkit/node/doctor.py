@@ -88,16 +88,11 @@ def _metadata_version(path: str) -> str | None:
 def torch_cuda() -> str | None:
     """The CUDA version torch was built with, from torch/version.py (torch is not imported)."""
     spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        try:
-            with open(os.path.join(location, "version.py")) as handle:
-                text = handle.read()
-        except OSError:
-            continue
-        found = re.search(r"^cuda\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
-        return found.group(1) if found else None
+    locations = spec.submodule_search_locations if spec else None
+    for location in locations or []:
+        with contextlib.suppress(OSError), open(os.path.join(location, "version.py")) as handle:
+            found = re.search(r"^cuda\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", handle.read(), re.MULTILINE)
+            return found.group(1) if found else None
     return None
 
 
@@ -428,8 +423,7 @@ def probe(request: ProbeRequest) -> ProbeReply:
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)
-        out, err = child.communicate()
-        return ProbeReply(
-            124, out[-65536:], f"the collective probe took longer than {seconds:.0f}s"
-        )
+        out, _ = child.communicate()
+        took = f"the collective probe took longer than {seconds:.0f}s"
+        return ProbeReply(124, out[-65536:], took)
     return ProbeReply(child.returncode, out[-65536:], err[-65536:])

@@ -157,9 +157,8 @@ def env_checks(hosts: Sequence[Host], views: dict[Host, NodeView]) -> list[Check
     for rank, host in enumerate(hosts):
         view = views[host]
         if view.error is not None:
-            checks.append(
-                verdict("rank", host, False, view.error, "fix the node (see detail) and rerun")
-            )
+            fix = "fix the node (see detail) and rerun"
+            checks.append(verdict("rank", host, False, view.error, fix))
             continue
         detail = f"NODE_RANK={view.rank} (hostfile line {host.lineno} is rank {rank})"
         fix = (
@@ -369,16 +368,10 @@ def collective_round(
     if blocked:
         why = "not run: the network checks above failed"
         return [verdict("collective", hosts[0], False, why, "fix the failures above first")]
-    probe = [job.python, "-m", "meshkit.templates.collective_probe"]
-    argv = job.meshkit_argv(
-        "run", "--cmd", shlex.join([*probe, "--timeout", f"{probe_seconds:g}", *extra])
-    )
-    replies = pool.call_all(
-        "collective",
-        lambda h: ProbeRequest(job.workdir, argv, probe_seconds + 30),
-        ProbeReply,
-        timeout=probe_seconds + 60,
-    )
+    probe = ["-m", "meshkit.templates.collective_probe", "--timeout", f"{probe_seconds:g}", *extra]
+    argv = job.meshkit_argv("run", "--cmd", shlex.join([job.python, *probe]))
+    request = ProbeRequest(job.workdir, argv, probe_seconds + 30)
+    replies = pool.call_all("collective", lambda h: request, ProbeReply, timeout=probe_seconds + 60)
     return collective_checks(hosts, replies, pool.failures)
 
 
@@ -523,9 +516,8 @@ def bandwidth_checks(
             f"every pair of {culprit} is slow: look at that node's NIC (ethtool: speed, duplex, "
             "errors), cable and switch port"
         )
-        checks.append(
-            verdict("bandwidth", a, (a, b) not in slow, detail, fix if culprit else link, b.label)
-        )
+        ok = (a, b) not in slow
+        checks.append(verdict("bandwidth", a, ok, detail, fix if culprit else link, b.label))
     matrix = {(a.label, b.label): v for (a, b), v in rates.items()}
     return checks, Bandwidth(matrix, median, [h.label for h in nodes])
 
