@@ -101,9 +101,6 @@ class Report:
         return {"ok": self.ok, "nodes": self.nodes, "checks": [c.as_json() for c in self.checks]}
 
 
-Verify = Callable[[], Sequence[PairFailure]]
-
-
 # ---- pure verdicts ------------------------------------------------------------------------
 
 
@@ -310,7 +307,7 @@ def run(
     job: Job,
     hosts: Sequence[Host],
     *,
-    verify: Verify | None = None,
+    verify: Callable[[], Sequence[PairFailure]] | None = None,
     collective: bool = True,
     probe_seconds: float = PROBE_SECONDS,
     port_may_move: bool = False,
@@ -633,12 +630,11 @@ def bandwidth(
             # a pair found slow is measured again (twice at most), later and on the exported
             # network only: on a shared machine one busy second must not name a link (the better
             # measurement counts; a slow link stays slow)
-            measured, _ = bandwidth_checks(hosts, results, ifnames, min_ratio, min_rate)
-            slow = {(c.node, c.peer) for c in measured if not c.ok}
+            pair_checks, matrix = bandwidth_checks(hosts, results, ifnames, min_ratio, min_rate)
+            slow = {(c.node, c.peer) for c in pair_checks if not c.ok}
             todo = disjoint([(a, b) for a, b in results if (a.label, b.label) in slow])
     finally:
         pool.call_all("", lambda h: DoneRequest(None), DoneReply)
-    pair_checks, matrix = bandwidth_checks(hosts, results, ifnames, min_ratio, min_rate)
     checks += pair_checks + network_checks_bw(hosts, replies, results, ifnames, min_ratio)
     lacking = [h.label for h in hosts if h not in replies or not replies[h].torch]
     if lacking:

@@ -17,13 +17,7 @@ if TYPE_CHECKING:
     from ...ops.doctor import Bandwidth, Report
 
 DOCTOR_HELP = helps(
-    "hostfile",
-    "session",
-    "workdir",
-    "json",
-    "include",
-    "exclude",
-    "master_port",
+    *("hostfile", "session", "workdir", "json", "include", "exclude", "master_port"),
     quick="leave out the slow parts: the N x N SSH check and the collective probe",
     timeout="seconds the collective probe may take to connect and all_reduce (default 30)",
     bandwidth="instead: every pair's throughput both ways on every shared network, in rounds of "
@@ -92,13 +86,11 @@ def _number(text: str, flag: str, low: float, high: float, expected: str) -> flo
 
 
 def render(report: Report) -> str:
-    return table(
-        ["check", "node", "peer", "ok", "detail", "fix"],
-        [
-            (c.check, c.node, c.peer or "", "ok" if c.ok else "FAIL", c.detail[:90], c.fix[:80])
-            for c in report.checks
-        ],
-    )
+    rows = [
+        (c.check, c.node, c.peer or "", "ok" if c.ok else "FAIL", c.detail[:90], c.fix[:80])
+        for c in report.checks
+    ]
+    return table(["check", "node", "peer", "ok", "detail", "fix"], rows)
 
 
 @task(help=DOCTOR_HELP)
@@ -129,7 +121,7 @@ def doctor(
     from ...ops.pool import connect
 
     with reported():
-        seconds = _number(timeout, "--timeout", 1, 600, "seconds between 1 and 600")
+        wait = _number(timeout, "--timeout", 1, 600, "seconds between 1 and 600")
         ratio = _number(min_ratio, "--min-ratio", 0, 1, "a fraction between 0 and 1")
         floor = rate(min_rate, "--min-rate") if min_rate else 0.0
         if plot and not plot.endswith((".png", ".html")):
@@ -141,19 +133,12 @@ def doctor(
         )
         shown = None if json else progress
         with connect(conf(), job.hostfile, hosts, job.python, shown) as pool:
-            if bandwidth:
-                report = ops.bandwidth(
-                    pool, job, hosts, min_ratio=ratio, min_rate=floor, probe_seconds=seconds
-                )
-            else:
-                report = ops.run(
-                    pool,
-                    job,
-                    hosts,
-                    verify=None if quick else (lambda: verify(pool.cluster, hosts).failures),
-                    collective=not quick,
-                    probe_seconds=seconds,
-                )
+            ssh = None if quick else (lambda: verify(pool.cluster, hosts).failures)
+            report = (
+                ops.bandwidth(pool, job, hosts, min_ratio=ratio, min_rate=floor, probe_seconds=wait)
+                if bandwidth
+                else ops.run(pool, job, hosts, verify=ssh, collective=not quick, probe_seconds=wait)
+            )
         if plot and report.bandwidth is not None:
             heatmap(report.bandwidth, report.nodes, plot)
     if json:
