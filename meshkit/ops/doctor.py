@@ -61,9 +61,6 @@ class Check:
     detail: str
     fix: str = ""
 
-    def as_json(self) -> dict[str, object]:
-        return asdict(self)
-
 
 def verdict(
     check: str, host: Host, ok: bool, detail: str, fix: str = "", peer: str | None = None
@@ -98,7 +95,7 @@ class Report:
         return [c for c in self.checks if not c.ok]
 
     def as_json(self) -> dict[str, object]:
-        return {"ok": self.ok, "nodes": self.nodes, "checks": [c.as_json() for c in self.checks]}
+        return {"ok": self.ok, "nodes": self.nodes, "checks": [asdict(c) for c in self.checks]}
 
 
 # ---- pure verdicts ------------------------------------------------------------------------
@@ -114,7 +111,7 @@ def ssh_checks(hosts: Sequence[Host], failures: Sequence[PairFailure]) -> list[C
             if f.source == source:
                 broken.setdefault(f.target, []).append(f.error)
         if not broken:
-            checks.append(verdict("ssh", source, True, f"logs in to all {len(hosts)} nodes", ""))
+            checks.append(verdict("ssh", source, True, f"logs in to all {len(hosts)} nodes"))
         for target, errors in broken.items():
             detail = "; ".join(dict.fromkeys(errors))[:300]
             checks.append(verdict("ssh", source, False, detail, ssh_fix(detail), target.label))
@@ -234,7 +231,7 @@ def port_check(
         return verdict("master port", master, False, f"cannot probe: {why}", "fix the node")
     error = outcome.value.error
     if error is None:
-        return verdict("master port", master, True, f"port {port} free on the master", "")
+        return verdict("master port", master, True, f"port {port} free on the master")
     moves = may_move and "busy" in error
     detail = f"{error} on the master {master.label}" + "; train moves to a free port" * moves
     fix = f"stop what holds port {port} there, or pass --master-port (any free port)"
@@ -271,7 +268,7 @@ def reach_checks(
         results = [r for r in outcome.value.results if ((r.port, r.label) == master) == to_master]
         broken = [r for r in results if not r.ok]
         if not broken:
-            checks.append(verdict(what, host, True, fine.format(len(results)), ""))
+            checks.append(verdict(what, host, True, fine.format(len(results))))
         checks += [verdict(what, host, False, r.detail, fix, r.label) for r in broken]
     return checks
 
