@@ -73,7 +73,7 @@ def test_versions_gpus_workdir_and_clock_verdicts():
         HOSTS[2]: Outcome(facts(marker="/w/.meshkit/doctor-x is not there", gpus=4)),
     }
     timing = {h: (1000.0, 1000.2) for h in HOSTS}
-    checks = doctor.fact_checks(HOSTS, Facts(replies, timing, "/w/.meshkit/x"), {}, slots=2)
+    checks = doctor.fact_checks(HOSTS, Facts(replies, timing, "/w/.meshkit/x"), {})
     bad = {(c.check, c.node): c for c in checks if not c.ok}
     assert set(bad) == {
         ("versions", "10.0.0.2"),

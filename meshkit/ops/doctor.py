@@ -176,18 +176,15 @@ def versions(f: FactsReply) -> dict[str, str]:
 
 
 def fact_checks(
-    hosts: Sequence[Host],
-    round_: Facts,
-    failures: dict[Host, str],
-    slots: int | None,
-    synced: bool = False,
+    hosts: Sequence[Host], round_: Facts, failures: dict[Host, str], synced: bool = False
 ) -> list[Check]:
-    """Versions equal to the master's; GPUs against slots; the workdir shared and writable (a
+    """Versions equal to the master's; GPUs against the master's slots (every node runs that
+    many ranks); the workdir shared and writable (a
     synced job's nodes hold copies: the master's marker is not expected there); clocks within
     CLOCK_SKEW of the controller's (``timing``: when each request left and its reply came back,
     controller time)."""
     checks: list[Check] = []
-    master = round_.replies.get(hosts[0])
+    slots, master = hosts[0].slots, round_.replies.get(hosts[0])
     reference = master.value if master is not None else None
     for host in hosts:
         outcome = round_.replies.get(host)
@@ -324,14 +321,14 @@ def run(
     if facts is None:
         facts = facts_round(pool, job.workdir, hosts, hosts[0])
         marker = facts.marker
-    checks += fact_checks(hosts, facts, pool.failures, hosts[0].slots, job.sync)
+    checks += fact_checks(hosts, facts, pool.failures, job.sync)
     try:
         checks += network_checks(pool, job, hosts, views, port_may_move)
     finally:
         pool.call_all("", lambda h: DoneRequest(marker if h == hosts[0] else None), DoneReply)
     if collective:
         blocked = any(not c.ok for c in checks if c.check in ("master port", "reach", "rank"))
-        checks += collective_round(pool, job, hosts, blocked, probe_seconds)
+        checks += collective_round(pool, job, hosts, blocked, probe_seconds, [])
     checks.sort(key=lambda c: ORDER.index(c.check))
     return Report([h.label for h in hosts], checks)
 
@@ -350,38 +347,29 @@ def quick(
 
 
 def collective_round(
-    pool: NodePool,
-    job: Job,
-    hosts: Sequence[Host],
-    blocked: bool,
-    probe_seconds: float,
-    extra: Sequence[str] = (),
+    pool: NodePool, job: Job, hosts: Sequence[Host], blocked: bool, seconds: float, extra: list[str]
 ) -> list[Check]:
     """The collective probe through ``meshkit run`` on every node (``extra``: its flags); not
     run (and said so) when the network checks before it failed."""
     if blocked:
         why = "not run: the network checks above failed"
         return [verdict("collective", hosts[0], False, why, "fix the failures above first")]
-    probe = ["-m", "meshkit.templates.collective_probe", "--timeout", f"{probe_seconds:g}", *extra]
+    probe = ["-m", "meshkit.templates.collective_probe", "--timeout", f"{seconds:g}", *extra]
     argv = job.meshkit_argv("run", "--cmd", shlex.join([job.python, *probe]))
-    request = ProbeRequest(job.workdir, argv, probe_seconds + 30)
-    replies = pool.call_all("collective", lambda h: request, ProbeReply, timeout=probe_seconds + 60)
+    request = ProbeRequest(job.workdir, argv, seconds + 30)
+    replies = pool.call_all("collective", lambda h: request, ProbeReply, timeout=seconds + 60)
     return collective_checks(hosts, replies, pool.failures)
 
 
 def network_checks(
-    pool: NodePool,
-    job: Job,
-    hosts: Sequence[Host],
-    views: dict[Host, NodeView],
-    port_may_move: bool = False,
+    pool: NodePool, job: Job, hosts: Sequence[Host], views: dict[Host, NodeView], may_move: bool
 ) -> list[Check]:
     """The master port free on the master and reachable from every node; every node reaching
     every other on the interface its backends will use."""
     master, port = hosts[0], job.master_port
     request = ListenRequest(None, port, LISTEN_SECONDS)
     held = pool.call_all("port", lambda h: request, ListenReply, [master]).get(master)
-    checks = [port_check(master, port, held, port_may_move)]
+    checks = [port_check(master, port, held, may_move)]
     port_open = held is not None and held.value is not None and held.value.error is None
     ok_hosts = [h for h in hosts if views[h].error is None]
     listens = pool.call_all(
