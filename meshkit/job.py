@@ -16,7 +16,7 @@ from pathlib import PurePosixPath
 
 from .digest import sha256_hex
 from .errors import JobError, UsageError
-from .record import asdict, field, record
+from .record import asdict, build, field, record
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 _SESSION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 MAX_ENV_VALUE = 65536
-MAX_JOB_FILE = 1 << 20
 
 
 def check_session(name: str) -> str:
@@ -131,12 +130,6 @@ class Job:
         return str(self.home / "hostfile") if self.sync else self.hostfile
 
     @property
-    def supervisor_file(self) -> PurePosixPath:
-        """The supervisor's record (attempt, restarts left, last reason, state), beside the job
-        file (on every node when the workdir is synced)."""
-        return self.home / "supervisor.json"
-
-    @property
     def supervisor_tmux(self) -> str:
         return f"{self.tmux_session}-sup"
 
@@ -177,11 +170,7 @@ class Job:
         )
 
     def to_json(self) -> str:
-        data = asdict(self)
-        data["setup"] = list(self.setup)
-        data["restart_on"] = list(self.restart_on)
-        data["sync_exclude"] = list(self.sync_exclude)
-        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     def index_json(self) -> str:
         return json.dumps({"workdir": self.workdir, "session": self.session, "id": self.id}) + "\n"
@@ -202,16 +191,10 @@ def index_file(hostfile: str, session: str) -> PurePosixPath:
 
 def from_json(text: str, where: str) -> Job:
     try:
-        data = json.loads(text)
-        data["setup"] = tuple(data.get("setup") or ())
-        data["restart_on"] = tuple(int(c) for c in data.get("restart_on") or ())
-        data["sync_exclude"] = tuple(str(x) for x in data.get("sync_exclude") or ())
-        job = Job(**data)
-        if not all(isinstance(getattr(job, k), str) for k in ("cmd", "workdir", "session")):
-            raise TypeError("cmd, workdir and session must be strings")
+        job = build(Job, json.loads(text), where)
         check_session(job.session)
         check_env(job.env, where)
-    except (ValueError, TypeError, UsageError) as exc:
+    except (ValueError, UsageError) as exc:
         raise JobError(
             f"{where}: not a meshkit job file ({exc}); relaunch with --cmd to replace it"
         ) from None

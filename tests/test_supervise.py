@@ -24,7 +24,7 @@ from meshkit.ops.supervise import (
     restartable,
     views,
 )
-from meshkit.ops.sync import LocalFile, plan
+from meshkit.ops.sync import plan
 from meshkit.protocol import FileState
 from meshkit.record import replace
 
@@ -147,9 +147,9 @@ def test_job_keeps_its_policy_and_marks_later_attempts():
 
 def test_sync_plan_sends_only_what_differs():
     local = [
-        LocalFile("a.py", 3, 10.0, 0o644),
-        LocalFile("b.py", 4, 10.0, 0o644),
-        LocalFile("c.py", 5, 10.0, 0o644),
+        FileState("a.py", 3, 10.0, 0o644),
+        FileState("b.py", 4, 10.0, 0o644),
+        FileState("c.py", 5, 10.0, 0o644),
     ]
     remote = [
         FileState("a.py", 3, 10.0, 0o644),

@@ -53,21 +53,10 @@ def state_dir(job_id: str) -> str:
     return f"{jobs_root()}/{job_id}"
 
 
-_read = read_text
-
-
-def _read_int(path: str) -> int | None:
-    text = _read(path, 64)
+def _read_number(path: str) -> float | None:
+    """A number a state file holds (None: none, or not a number)."""
     try:
-        return int(text.strip()) if text else None
-    except ValueError:
-        return None
-
-
-def _read_float(path: str) -> float | None:
-    text = _read(path, 64)
-    try:
-        return float(text.strip()) if text else None
+        return float((read_text(path, 64) or "").strip())
     except ValueError:
         return None
 
@@ -75,15 +64,15 @@ def _read_float(path: str) -> float | None:
 def keeper_pid(job_id: str) -> int | None:
     """The job's keeper, if it is alive and really is that job's keeper (pids get reused)."""
     d = state_dir(job_id)
-    pid = _read_int(f"{d}/keeper.pid")
-    if pid is None or not procs.alive(pid):
+    pid = int(_read_number(f"{d}/keeper.pid") or 0)
+    if not pid or not procs.alive(pid):
         return None
     argv = procs.cmdline(pid)
     return pid if "keep" in argv and d in argv else None
 
 
 def _label(job_id: str) -> str:
-    text = _read(f"{state_dir(job_id)}/{SPEC}")
+    text = read_text(f"{state_dir(job_id)}/{SPEC}")
     try:
         return str(json.loads(text or "{}").get("label") or job_id)
     except ValueError:
@@ -106,14 +95,14 @@ def jobs(request: JobsRequest) -> JobsReply:
 
 def started_at(job_id: str) -> float | None:
     """When the keeper started the job's current attempt (by this node's clock)."""
-    return _read_float(f"{state_dir(job_id)}/started")
+    return _read_number(f"{state_dir(job_id)}/started")
 
 
 def job_state(job_id: str) -> tuple[JobState, int | None]:
     d = state_dir(job_id)
-    code = _read_int(f"{d}/exit")
+    code = _read_number(f"{d}/exit")
     if code is not None:
-        return "exited", code
+        return "exited", int(code)
     if keeper_pid(job_id) is not None:
         return "running", None
     return "absent", None
@@ -126,7 +115,7 @@ def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
     d = state_dir(job_id)
     tmux_session = ""
     with contextlib.suppress(ValueError, TypeError, AttributeError):
-        tmux_session = str(json.loads(_read(f"{d}/{SPEC}") or "{}").get("tmux_session") or "")
+        tmux_session = str(json.loads(read_text(f"{d}/{SPEC}") or "{}").get("tmux_session") or "")
 
     def below() -> list[int]:
         return procs.descendants(keeper) if keeper else []
@@ -161,16 +150,14 @@ def start(request: StartRequest) -> StartReply:
     if others and not request.replace:
         return StartReply(False, "absent", [], others, "another meshkit job is running here")
     replaced: list[RunningJob] = []
+
+    def failed(why: str) -> StartReply:
+        return StartReply(False, "absent", replaced, [], why)
+
     for victim in [*(others if request.replace else []), RunningJob(job.job_id, job.label)]:
         found, _, left = _stop(victim.job_id)
         if left:
-            return StartReply(
-                False,
-                "absent",
-                replaced,
-                [],
-                f"processes of {victim.label} survived TERM and KILL: {left[:20]}",
-            )
+            return failed(f"processes of {victim.label} survived TERM and KILL: {left[:20]}")
         if found:
             replaced.append(victim)
     d = state_dir(job.job_id)
@@ -183,21 +170,15 @@ def start(request: StartRequest) -> StartReply:
     try:
         tmux.new_session(job.tmux_session, [sys.executable, "-m", "meshkit.node", "keep", d])
     except tmux.TmuxError as exc:
-        return StartReply(False, "absent", replaced, [], str(exc))
+        return failed(str(exc))
     deadline = time.monotonic() + KEEPER_START_TIMEOUT
     while time.monotonic() < deadline:
         state, _ = job_state(job.job_id)
         if state != "absent":
-            error = _read(f"{d}/error", 2000)
+            error = read_text(f"{d}/error", 2000)
             return StartReply(True, state, replaced, [], error.strip() if error else None)
         time.sleep(0.02)
-    return StartReply(
-        False,
-        "absent",
-        replaced,
-        [],
-        f"the job's keeper did not start in {KEEPER_START_TIMEOUT:.0f}s",
-    )
+    return failed(f"the job's keeper did not start in {KEEPER_START_TIMEOUT:.0f}s")
 
 
 def status(request: StatusRequest) -> StatusReply:
@@ -242,9 +223,7 @@ def logs(request: LogsRequest) -> LogsReply:
                     lines = lines[1:]  # the first one is cut
                 keep = max(0, min(request.lines, 100000))
                 return LogsReply(lines[-keep:] if keep else [], size)
-            offset = (
-                min(request.offset, size) if request.offset <= size else 0
-            )  # truncated: restart
+            offset = request.offset if request.offset <= size else 0  # truncated: from the start
             handle.seek(offset)
             data = handle.read(MAX_LOG_BYTES)
     except OSError:

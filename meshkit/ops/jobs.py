@@ -128,9 +128,8 @@ def pick_port(probe: PortsReply, job: Job, master: Host) -> tuple[int, str | Non
             f"ports {ports[0].port}..{ports[-1].port} are all busy on the master {master.label}; "
             "pass --master-port"
         )
-    return free[
-        0
-    ], f"master port {job.master_port} is busy on {master.label}; using {free[0]} on every node"
+    note = f"master port {job.master_port} is busy on {master.label}; using {free[0]} on every node"
+    return free[0], note
 
 
 def preflight(
@@ -319,14 +318,10 @@ def status_rows(
             rows.append(StatusRow(rank, h.label, "absent", None, None, f"error: {error}", error))
             continue
         r = outcome.value
-        started = (
-            datetime.datetime.fromtimestamp(r.started, datetime.timezone.utc).isoformat()
-            if r.started
-            else None
-        )
-        rows.append(
-            StatusRow(rank, h.label, r.state, r.exit_code, started, r.last_line, idle_s=r.idle)
-        )
+        utc = datetime.datetime.fromtimestamp(r.started or 0, datetime.timezone.utc).isoformat()
+        started = utc if r.started else None
+        row = StatusRow(rank, h.label, r.state, r.exit_code, started, r.last_line, idle_s=r.idle)
+        rows.append(row)
     stalled = is_stalled(stall_after, [(r.state, r.idle_s) for r in rows if not r.error])
     return [replace(r, stalled=stalled) for r in rows] if stalled else rows
 
@@ -410,11 +405,7 @@ class LogChunk:
 def logs(
     pool: NodePool, job: Job, hosts: Sequence[Host], ranks: Sequence[int], lines: int
 ) -> list[LogChunk]:
-    chosen = [hosts[r] for r in ranks]
-    replies = pool.call_all(
-        "logs", lambda h: LogsRequest(job.log(hosts.index(h)), lines), LogsReply, chosen
-    )
-    return _chunks(hosts, ranks, replies, pool.failures, {})
+    return next(follow(pool, job, hosts, ranks, lines))
 
 
 def follow(
@@ -428,34 +419,23 @@ def follow(
     """The last ``lines`` lines, then whatever each node appends, polled every ``interval``
     through the same agents (ends when the caller stops iterating, e.g. on Ctrl-C)."""
     offsets: dict[Host, int] = {}
-    chosen = [hosts[r] for r in ranks]
+    phase = "logs"
     while True:
         replies = pool.call_all(
-            "",
+            phase,
             lambda h: LogsRequest(job.log(hosts.index(h)), lines, offsets.get(h)),
             LogsReply,
-            chosen,
+            [hosts[r] for r in ranks],
         )
-        yield _chunks(hosts, ranks, replies, pool.failures, offsets)
+        chunks = []
+        for rank in ranks:
+            h, outcome = hosts[rank], replies.get(hosts[rank])
+            if outcome is None or outcome.value is None:
+                if h not in offsets:
+                    chunks.append(LogChunk(rank, [], unanswered(outcome, h, pool.failures)))
+                continue
+            offsets[h] = outcome.value.offset
+            chunks.append(LogChunk(rank, outcome.value.lines))
+        yield chunks
+        phase = ""  # the progress line once, not every poll
         time.sleep(interval)
-
-
-def _chunks(
-    hosts: Sequence[Host],
-    ranks: Sequence[int],
-    replies: dict[Host, Outcome[LogsReply]],
-    failures: dict[Host, str],
-    offsets: dict[Host, int],
-) -> list[LogChunk]:
-    chunks = []
-    for rank in ranks:
-        h = hosts[rank]
-        outcome = replies.get(h)
-        if outcome is None or outcome.value is None:
-            error = unanswered(outcome, h, failures)
-            if h not in offsets:
-                chunks.append(LogChunk(rank, [], error))
-            continue
-        offsets[h] = outcome.value.offset
-        chunks.append(LogChunk(rank, outcome.value.lines))
-    return chunks

@@ -172,9 +172,3 @@ def saved_or_new(
     if port and port != job.master_port:
         job = replace(job, master_port=port)
     return job, hosts, f"saved job {job.label}"
-
-
-def hostfile_text(job: Job) -> str:
-    """The hostfile as saved with a synced job (a node without the hostfile's path still has
-    this copy beside the job file)."""
-    return read_local(job.hostfile) or ""

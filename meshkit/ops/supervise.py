@@ -11,6 +11,7 @@ through ``say``).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -23,7 +24,7 @@ from ..hostfile import Host
 from ..job import Job
 from ..node.supervise import beat, register
 from ..protocol import SupervisorReply, SupervisorRequest
-from ..record import replace
+from ..record import build, replace
 from . import jobs as ops
 from .pool import NodePool
 
@@ -129,11 +130,7 @@ def views(rows: Sequence[ops.StatusRow], misses: dict[int, int]) -> list[NodeVie
             out.append(NodeView(r.node_rank, r.host, "unreachable" if gone else RUNNING))
             continue
         misses.pop(r.node_rank, None)
-        stamp = None
-        if r.started:
-            import datetime
-
-            stamp = datetime.datetime.fromisoformat(r.started).timestamp()
+        stamp = datetime.datetime.fromisoformat(r.started).timestamp() if r.started else None
         out.append(NodeView(r.node_rank, r.host, r.state, r.exit_code, stamp))
     return out
 
@@ -147,7 +144,7 @@ class Record:
     write only over a copy no newer than the one the writer read (compare-and-set), and readers
     take the newest copy, so a node that was down (its copy gone with its /tmp) costs nothing."""
 
-    supervisor: State
+    supervisor: Literal["running", "relaunching", "gave up", "done"]
     attempt: int
     restarts_left: int
     last_restart_reason: str | None = None
@@ -164,26 +161,9 @@ class Record:
 def record_from_json(text: str | None) -> Record | None:
     """The record, or None when there is none or it is unreadable."""
     try:
-        data = json.loads(text or "null")
-        if data["supervisor"] not in (RUNNING, RELAUNCHING, GAVE_UP, DONE):
-            return None
-        return Record(
-            supervisor=data["supervisor"],
-            attempt=int(data["attempt"]),
-            restarts_left=int(data["restarts_left"]),
-            last_restart_reason=_text(data.get("last_restart_reason")),
-            exit_codes=[None if c is None else int(c) for c in data.get("exit_codes") or []],
-            version=int(data.get("version", 0)),
-            by=int(data.get("by", 0)),
-            held=_text(data.get("held")),
-            diagnosis=_text(data.get("diagnosis")),
-        )
-    except (ValueError, TypeError, KeyError):
+        return build(Record, json.loads(text or "null"), "supervision record")
+    except ValueError:
         return None
-
-
-def _text(value: object) -> str | None:
-    return None if value is None else str(value)
 
 
 def newest(texts: Iterable[str | None]) -> Record | None:
@@ -363,8 +343,11 @@ class Supervisor:
         if still:
             ops.stop(pool, job, hosts, keep_exit=True, only=still)
         codes = [r.exit_code for r in ops.status(pool, job, hosts, phase="")]
-        given = replace(record, supervisor=GAVE_UP, last_restart_reason=why, exit_codes=codes)
+        return self._gave_up(pool, replace(record, exit_codes=codes), why)
+
+    def _gave_up(self, pool: NodePool, record: Record, why: str) -> Record:
         self.say(f"gave up: {why}")
+        given = replace(record, supervisor=GAVE_UP, last_restart_reason=why)
         return self._write(pool, given) or given
 
     @contextlib.contextmanager
@@ -398,10 +381,7 @@ class Supervisor:
             missing = [h.label for h in hosts if h in pool.failures]
             if missing:
                 why = f"{reason or seen.last_restart_reason}; then {', '.join(missing)} did not "
-                why += f"answer within {self.come_back:.0f}s"
-                say(f"gave up: {why}")
-                given = replace(seen, supervisor=GAVE_UP, last_restart_reason=why)
-                return self._write(pool, given) or given
+                return self._gave_up(pool, seen, why + f"answer within {self.come_back:.0f}s")
             if reason is not None:
                 seen = replace(
                     seen,
@@ -423,9 +403,7 @@ class Supervisor:
             while held := self.gate(pool, job, hosts):
                 if time.monotonic() > deadline:
                     why = f"the relaunch was held for {self.come_back:.0f}s by {held[0]}"
-                    say(f"gave up: {why}")
-                    given = replace(claimed, supervisor=GAVE_UP, last_restart_reason=why)
-                    return self._write(pool, given) or given
+                    return self._gave_up(pool, claimed, why)
                 if claimed.held != held[0]:
                     say(f"attempt {attempt}: held by {held[0]}")
                     claimed = self._write(pool, replace(claimed, held=held[0]))  # type: ignore[assignment]

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..errors import LaunchError
 from ..hostfile import Host
 from ..job import Job
+from ..node.sync import MAX_FILES, walk
 from ..protocol import (
     FactsReply,
     FactsRequest,
@@ -25,13 +26,12 @@ from ..protocol import (
     PutRequest,
 )
 from ..remote.group import Outcome
-from .lookup import hostfile_text
+from .lookup import read_local
 from .pool import NodePool
 
 ALWAYS_EXCLUDED = (".meshkit",)  # each node's logs and job state live there: never overwritten
 DEFAULT_EXCLUDE = (".git", "__pycache__")
 CHUNK = 512 * 1024  # raw bytes per put request (base64 keeps the line under protocol.MAX_LINE)
-MAX_FILES = 100000
 MTIME_SLACK = 0.002  # seconds: filesystems keep mtimes at different resolutions
 
 
@@ -101,20 +101,11 @@ def unshared(pool: NodePool, workdir: str, hosts: Sequence[Host]) -> tuple[list[
     return [h for h in hosts if not facts.shared(h)], facts
 
 
-@dataclass(frozen=True)
-class LocalFile:
-    path: str  # relative to the workdir
-    size: int
-    mtime: float
-    mode: int
-
-
-def local_files(root: str, exclude: Sequence[str]) -> list[LocalFile]:
-    from ..node.sync import walk
-
-    found: list[LocalFile] = []
+def local_files(root: str, exclude: Sequence[str]) -> list[FileState]:
+    """The files under ``root`` (paths relative to it), as a node's manifest lists its own."""
+    found: list[FileState] = []
     for state in walk(Path(root), set(exclude) | set(ALWAYS_EXCLUDED)):
-        found.append(LocalFile(state.path, state.size, state.mtime, state.mode))
+        found.append(state)
         if len(found) > MAX_FILES:
             raise LaunchError(
                 f"{root}: more than {MAX_FILES} files to sync; exclude data directories with "
@@ -123,15 +114,14 @@ def local_files(root: str, exclude: Sequence[str]) -> list[LocalFile]:
     return found
 
 
-def plan(local: Sequence[LocalFile], remote: Sequence[FileState]) -> list[LocalFile]:
+def plan(local: Sequence[FileState], remote: Sequence[FileState]) -> list[FileState]:
     """Pure: the local files a node lacks or holds in another size or modification time."""
     there = {f.path: f for f in remote}
-    changed = []
-    for f in local:
-        r = there.get(f.path)
-        if r is None or r.size != f.size or abs(r.mtime - f.mtime) > MTIME_SLACK:
-            changed.append(f)
-    return changed
+
+    def same(f: FileState, r: FileState | None) -> bool:
+        return r is not None and r.size == f.size and abs(r.mtime - f.mtime) <= MTIME_SLACK
+
+    return [f for f in local if not same(f, there.get(f.path))]
 
 
 @dataclass(frozen=True)
@@ -145,7 +135,7 @@ def sync_workdir(
 ) -> SyncReport:
     """Copy the workdir to every node that does not see it (``lacking``, when the caller has just
     asked), then the job's hostfile copy (which the nodes run with) to every node."""
-    text = hostfile_text(job)
+    text = read_local(job.hostfile)
     if not text:
         raise LaunchError(f"{job.hostfile}: cannot read the hostfile to store it with the job")
     if lacking is None:
@@ -185,19 +175,13 @@ def sync_workdir(
     return SyncReport(sent, [h.label for h in hosts if h not in lacking])
 
 
-def _puts(root: str, f: LocalFile) -> list[PutRequest]:
+def _puts(root: str, f: FileState) -> list[PutRequest]:
     """A file as put requests, read now (a file changed since the listing is sent as it is)."""
-    data = (Path(root) / f.path).read_bytes()
     target = str(Path(root) / f.path)
-    chunks = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
+    data = Path(target).read_bytes()
+    chunks = [base64.b64encode(data[i : i + CHUNK]).decode() for i in range(0, len(data), CHUNK)]
+    last = max(0, len(chunks) - 1)
     return [
-        PutRequest(
-            target,
-            base64.b64encode(chunk).decode(),
-            i * CHUNK,
-            i == len(chunks) - 1,
-            f.mode,
-            f.mtime,
-        )
-        for i, chunk in enumerate(chunks)
+        PutRequest(target, chunk, i * CHUNK, i == last, f.mode, f.mtime)
+        for i, chunk in enumerate(chunks or [""])
     ]
