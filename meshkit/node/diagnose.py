@@ -21,7 +21,7 @@ from . import jobs, procs
 from .files import read_text, state_root
 
 MAX_FRAMES = 100  # of the main thread, innermost kept
-MAX_THREADS, MAX_THREAD_FRAMES = 16, 8  # other threads: where they are, not how they got there
+MAX_THREADS = 16  # other threads listed
 MAX_ERRORS = 8  # the earliest error files (the first failure is among them)
 MAX_TRACE = 40  # lines of a traceback
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
@@ -81,14 +81,9 @@ def dump(spy: str, rank: int, pid: int, seconds: float) -> RankStack:
         asked = time.time()
     except OSError:
         asked = None  # no recorder thread (flight recorder off, or not started by meshkit run)
+    argv = [spy, "dump", "--pid", str(pid), "--json"]
     try:
-        done = subprocess.run(
-            [spy, "dump", "--pid", str(pid), "--json"],
-            capture_output=True,
-            text=True,
-            timeout=seconds,
-            check=False,
-        )
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds, check=False)
         threads = json.loads(done.stdout) if done.returncode == 0 else None
     except subprocess.TimeoutExpired:
         return RankStack(rank, pid, [], [], f"py-spy did not answer within {seconds:.0f}s")
@@ -126,9 +121,8 @@ def flight(path: str, asked: float, seconds: float) -> tuple[int | None, str | N
     if not entries:
         return 0, None
     last = max(entries, key=lambda e: e.get("collective_seq_id", 0))
-    return int(
-        last.get("collective_seq_id", 0)
-    ), f"{last.get('profiling_name')} ({last.get('state')})"
+    name = f"{last.get('profiling_name')} ({last.get('state')})"
+    return int(last.get("collective_seq_id", 0)), name
 
 
 def _frames(thread: dict[str, list[dict[str, object]]], keep: int) -> list[str]:

@@ -18,6 +18,7 @@ from . import signals
 JOB_TAG = "MESHKIT_JOB"  # every process of a job inherits it (unless it clears its environment)
 SESSION_TAG = "MESHKIT_SESSION"  # the user's session name, for scripts that want it
 PR_SET_CHILD_SUBREAPER = 36
+TERM_GRACE, KILL_GRACE, POLL = 5.0, 2.0, 0.05  # seconds
 
 
 def become_subreaper() -> bool:
@@ -99,27 +100,19 @@ def cmdline(pid: int) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
-def signal_all(pids: Iterable[int], sig: int) -> int:
-    sent = 0
+def signal_all(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
         try:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
-            continue
-        sent += 1
-    return sent
+            continue  # gone already
 
 
-def end(
-    find: Callable[[], list[int]],
-    term_grace: float = 5.0,
-    kill_grace: float = 2.0,
-    poll: float = 0.05,
-) -> tuple[int, list[int]]:
+def end(find: Callable[[], list[int]]) -> tuple[int, list[int]]:
     """TERM what ``find()`` returns (looking again as new processes appear), then KILL what is
     left, then look once more. Returns how many were signalled and what is still alive."""
     seen: set[int] = set()
-    deadline = time.monotonic() + term_grace
+    deadline = time.monotonic() + TERM_GRACE
     while True:
         current = [p for p in find() if alive(p)]
         fresh = [p for p in current if p not in seen]
@@ -127,11 +120,11 @@ def end(
         seen.update(fresh)
         if not current or time.monotonic() > deadline:
             break
-        time.sleep(poll)
-    deadline = time.monotonic() + kill_grace
+        time.sleep(POLL)
+    deadline = time.monotonic() + KILL_GRACE
     while (current := [p for p in find() if alive(p)]) and time.monotonic() < deadline:
         signal_all(current, signals.SIGKILL)
         seen.update(current)
-        time.sleep(poll)
+        time.sleep(POLL)
     left = [p for p in find() if alive(p)]
     return len(seen), left

@@ -23,34 +23,20 @@ FORWARDED = (signals.SIGTERM, signals.SIGINT, signals.SIGHUP)
 
 
 class Ranks:
-    """The node's rank processes: started together, signalled together, waited for together.
-    ``spawn`` and ``signal_group`` are the only calls that touch processes."""
+    """The node's rank processes: started together, signalled together, waited for together."""
 
-    def __init__(self, script: str, envs: Sequence[dict[str, str]], grace: float = GRACE) -> None:
+    def __init__(self, script: str, envs: Sequence[dict[str, str]]) -> None:
         self.script = script
         self.envs = list(envs)
-        self.grace = grace
         self.running: dict[int, int] = {}  # pid (also its process group) -> local rank
         self.signalled: int | None = None  # the last signal this process was sent
 
-    def spawn(self, env: dict[str, str]) -> int:
-        return os.posix_spawnp(
-            "bash",
-            ["bash", "-c", self.script],
-            env,
-            setpgroup=0,
-            setsigdef=signals.RESET_FOR_EXEC,
-        )
-
-    def signal_group(self, pid: int, number: int) -> None:
-        try:  # noqa: SIM105 - contextlib would be one more import on every node
-            os.killpg(pid, number)
-        except (ProcessLookupError, PermissionError):
-            pass  # that rank and everything in its group is gone already
-
     def signal_all(self, number: int) -> None:
         for pid in list(self.running):
-            self.signal_group(pid, number)
+            try:  # the rank and everything in its process group
+                os.killpg(pid, number)
+            except (ProcessLookupError, PermissionError):
+                continue  # gone already
 
     def _forward(self, number: int, frame: FrameType | None) -> None:
         self.signalled = number
@@ -63,9 +49,13 @@ class Ranks:
         for number in FORWARDED:
             if signals.signal(number, self._forward) == signals.SIG_IGN:
                 signals.signal(number, signals.SIG_IGN)  # ignored on purpose: stays ignored
+        argv = ["bash", "-c", self.script]
         try:
             for local_rank, env in enumerate(self.envs):
-                self.running[self.spawn(env)] = local_rank
+                pid = os.posix_spawnp(
+                    "bash", argv, env, setpgroup=0, setsigdef=signals.RESET_FOR_EXEC
+                )
+                self.running[pid] = local_rank
         except OSError:
             self.signal_all(signals.SIGKILL)
             self._reap(deadline=None)
@@ -95,9 +85,9 @@ class Ranks:
                 code = rank_code
                 # The others would wait on it in their next collective until their timeout.
                 self.signal_all(signals.SIGTERM)
-                deadline = time.monotonic() + self.grace
+                deadline = time.monotonic() + GRACE
         return code
 
 
-def run_ranks(script: str, envs: Sequence[dict[str, str]], grace: float = GRACE) -> int:
-    return Ranks(script, envs, grace).run()
+def run_ranks(script: str, envs: Sequence[dict[str, str]]) -> int:
+    return Ranks(script, envs).run()

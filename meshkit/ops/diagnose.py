@@ -145,16 +145,8 @@ def build(
     else:
         state = "absent"
     groups, outliers = group(ranks)
-    return Diagnosis(
-        state,
-        first_failure(hosts, nodes, errors, replies) if state == "failed" or errors else None,
-        ranks,
-        outliers,
-        groups,
-        nodes,
-        job.stall_after,
-        flight(ranks),
-    )
+    failure = first_failure(hosts, nodes, errors, replies) if state == "failed" or errors else None
+    return Diagnosis(state, failure, ranks, outliers, groups, nodes, job.stall_after, flight(ranks))
 
 
 def flight(ranks: Sequence[Rank]) -> str | None:

@@ -201,6 +201,7 @@ Relaunch = Callable[[NodePool, Job, int], ops.Launch]
 Gate = Callable[[NodePool, Job, Sequence[Host]], list[str]]  # one line per failed check
 # the record, why (None: take over), the exit codes, the diagnosis saved for a stall
 Restart = tuple[Record, str | None, list[int | None], str | None]
+Answers = dict[Host, SupervisorReply]
 
 
 def health(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
@@ -210,9 +211,7 @@ def health(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
     return [f"{c.node}: {c.check}: {c.detail}" for c in quick(pool, job, hosts).failures]
 
 
-def ask(
-    pool: NodePool, job: Job, hosts: Sequence[Host], **kw: object
-) -> dict[Host, SupervisorReply]:
+def ask(pool: NodePool, job: Job, hosts: Sequence[Host], **kw: str | int) -> Answers:
     """The ``supervisor`` op on ``hosts``: the replies of the nodes that answered."""
     request = SupervisorRequest(job.id, job.supervisor_tmux, **kw)  # type: ignore[arg-type]
     replies = pool.call_all("supervisor", lambda h: request, SupervisorReply, hosts)
@@ -228,7 +227,7 @@ def write(
     not answer."""
     new = replace(record, version=record.version + 1, by=by)
     up = [h for h in hosts if h not in pool.failures]
-    kw = {"record": new.to_json(), "version": record.version}
+    kw: dict[str, str | int] = {"record": new.to_json(), "version": record.version}
     first = ask(pool, job, up[:1], **kw)
     if not first or not all(r.written for r in first.values()):
         return None
@@ -285,9 +284,8 @@ class Supervisor:
             live, record, answered = self._look(pool)
             # a node that did not answer (never connected, or its channel died with a reboot)
             # may be back by now: look through a new connection
-            if not answered or (
-                answered < len(self.hosts) and time.monotonic() - since > RECONNECT
-            ):
+            late = time.monotonic() - since > RECONNECT
+            if not answered or (answered < len(self.hosts) and late):
                 return None
             step = next_step(self.me, live, record)
             if record is None:  # every copy is gone: the job was stopped
@@ -309,9 +307,8 @@ class Supervisor:
                     started.setdefault(n.rank, n.started)
             stalled = None
             if self.job.restart_on_stall and any(r.stalled for r in rows):
-                stalled = (
-                    f"the job stalled: no output for {self.job.stall_after:.0f}s (--stall-after)"
-                )
+                stalled = f"the job stalled: no output for {self.job.stall_after:.0f}s"
+                stalled += " (--stall-after)"
             decision = decide(seen, started, self.job.restart_on, record.restarts_left, stalled)
             codes, saved = [n.exit_code for n in seen], None
             if stalled and stalled in str(decision.reason):
@@ -532,10 +529,8 @@ def status(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[ops.StatusRo
     if not job.restarts:
         return rows
     got = ask(pool, job, hosts)
-    live = [i for i, h in enumerate(hosts) if h in got and alive(got[h])]
-    return with_supervision(
-        job, rows, newest(r.record for r in got.values()), min(live, default=None)
-    )
+    leader = min((i for i, h in enumerate(hosts) if h in got and alive(got[h])), default=None)
+    return with_supervision(job, rows, newest(r.record for r in got.values()), leader)
 
 
 @dataclass(frozen=True)
