@@ -142,32 +142,17 @@ class Job:
         if attempt > 1:
             marker = f"===== meshkit: attempt {attempt} of {self.restarts + 1} ====="
             cmd = f"echo {shlex.quote(marker)}\n{cmd}"
-        return NodeJob(
-            job_id=self.id,
-            session=self.session,
-            label=self.label,
-            workdir=self.workdir,
-            tmux_session=self.tmux_session,
-            argv=self.meshkit_argv(
-                "run", *(["--spawn"] if self.spawn else []), "--log", self.log_pattern, "--cmd", cmd
-            ),
-            env=dict(self.env),
-            setup=list(self.setup),
-        )
+        run = [*(["--spawn"] if self.spawn else []), "--log", self.log_pattern, "--cmd", cmd]
+        argv = self.meshkit_argv("run", *run)
+        where = (self.id, self.session, self.label, self.workdir, self.tmux_session)
+        return NodeJob(*where, argv, dict(self.env), list(self.setup))
 
     def env_request(self) -> EnvRequest:
         """Rank discovery on a node, with the flags the job's ``meshkit run`` gets there."""
         from .protocol import EnvRequest
 
-        return EnvRequest(
-            self.workdir,
-            self.node_hostfile,
-            self.session,
-            self.master_port,
-            self.nproc_per_node,
-            self.include,
-            self.exclude,
-        )
+        where = (self.workdir, self.node_hostfile, self.session, self.master_port)
+        return EnvRequest(*where, self.nproc_per_node, self.include, self.exclude)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

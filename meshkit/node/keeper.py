@@ -41,12 +41,7 @@ def keep(directory: str) -> int:
     signals.signal(signals.SIGTERM, _forward)
     write_atomic(f"{d}/keeper.pid", f"{os.getpid()}\n")
     write_atomic(f"{d}/started", f"{time.time():.3f}\n")
-    env = {
-        **os.environ,
-        **job.env,
-        procs.JOB_TAG: job.job_id,
-        procs.SESSION_TAG: job.session,
-    }
+    env = {**os.environ, **job.env, procs.JOB_TAG: job.job_id, procs.SESSION_TAG: job.session}
     try:
         os.chdir(job.workdir)
         # posix_spawn, not subprocess. Like Popen's restore_signals, the job gets SIGPIPE and

@@ -295,11 +295,9 @@ def is_stalled(stall_after: float | None, nodes: Sequence[tuple[str, float | Non
     """Pure: a running job none of whose running nodes has written output for ``stall_after``
     seconds (each node's log, by its own clock). ``nodes``: (state, idle seconds)."""
     running = [idle for state, idle in nodes if state == "running"]
-    return (
-        stall_after is not None
-        and bool(running)
-        and all(i is not None and i >= stall_after for i in running)
-    )
+    if stall_after is None or not running:
+        return False
+    return all(i is not None and i >= stall_after for i in running)
 
 
 def status_rows(

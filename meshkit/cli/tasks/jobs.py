@@ -37,8 +37,7 @@ def _pool(job: Job, hosts: Sequence[Host], wait: float = 0.0) -> Iterator[NodePo
 
 def _print_start(launch: ops.Launch) -> None:
     rows = [
-        (r.node_rank, r.host, r.state, ", ".join(r.replaced) or "", r.error or "")
-        for r in launch.rows
+        (r.node_rank, r.host, r.state, ", ".join(r.replaced), r.error or "") for r in launch.rows
     ]
     print(table(["rank", "host", "state", "replaced", "error"], rows))
 
@@ -60,23 +59,12 @@ def _print_status(rows: Sequence[ops.StatusRow], job: Job) -> None:
             )
             if r.held:
                 print(f"relaunch held by {r.held}")
-    print(
-        table(
-            ["rank", "host", "state", "exit", "started", "stalled", "last line"],
-            [
-                (
-                    r.node_rank,
-                    r.host,
-                    r.state,
-                    r.exit_code,
-                    (r.started or "")[:19],
-                    f"yes ({r.idle_s:.0f}s quiet)" if r.stalled and r.idle_s else "no",
-                    (r.last_line or "")[:70],
-                )
-                for r in rows
-            ],
-        )
-    )
+    cells = []
+    for r in rows:
+        quiet = f"yes ({r.idle_s:.0f}s quiet)" if r.stalled and r.idle_s else "no"
+        when, last = (r.started or "")[:19], (r.last_line or "")[:70]
+        cells.append((r.node_rank, r.host, r.state, r.exit_code, when, quiet, last))
+    print(table(["rank", "host", "state", "exit", "started", "stalled", "last line"], cells))
     if rows and rows[0].diagnosis:
         print(f"diagnosis saved before the stall restart: {rows[0].diagnosis}")
 
@@ -383,25 +371,13 @@ def stop(
     rows, left = stopped.rows, stopped.supervisor_left
     for problem in left:
         print(f"meshkit: {problem}", file=sys.stderr)
-    print(
-        table(
-            ["rank", "host", "job", "signalled", "verified"],
-            [
-                (
-                    r.node_rank,
-                    r.host,
-                    "?" if r.error else "ended" if r.found else "not running",
-                    "?" if r.error else r.signalled,
-                    f"FAILED: {r.error}"
-                    if r.error
-                    else f"{len(r.left)} LEFT: {r.left[:10]}"
-                    if r.left
-                    else "nothing left",
-                )
-                for r in rows
-            ],
-        )
-    )
+    cells = []
+    for r in rows:
+        ended = "?" if r.error else "ended" if r.found else "not running"
+        remaining = f"{len(r.left)} LEFT: {r.left[:10]}" if r.left else "nothing left"
+        verified = f"FAILED: {r.error}" if r.error else remaining
+        cells.append((r.node_rank, r.host, ended, "?" if r.error else r.signalled, verified))
+    print(table(["rank", "host", "job", "signalled", "verified"], cells))
     bad = [r.host for r in rows if not r.ok]
     if left:
         raise Exit("meshkit: the job's supervisor could not be ended (see above)", 1)
