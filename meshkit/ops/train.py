@@ -165,10 +165,6 @@ def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> Supervisor:
         )
     failed = supervise.start_all(pool, job, hosts)
     if failed:
-        raise LaunchError(
-            [
-                *failed,
-                "the job started but not every node's supervisor did; `meshkit stop` ends the job",
-            ]
-        )
+        why = "the job started but not every node's supervisor did; `meshkit stop` ends the job"
+        raise LaunchError([*failed, why])
     return Supervisor(job.supervisor_tmux, str(job.home / "supervisor-node{rank}.log"))

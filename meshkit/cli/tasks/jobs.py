@@ -162,20 +162,16 @@ def train(
                 check=doctor,
             )
         if result.lacking:
-            print(
-                f"workdir {job.workdir} is not shared with {', '.join(result.lacking)}: syncing it"
-            )
+            lacking = ", ".join(result.lacking)
+            print(f"workdir {job.workdir} is not shared with {lacking}: syncing it")
         if result.doctor is not None:
             if not result.doctor.ok:
                 print(render(result.doctor))
-                raise LaunchError(
-                    [
-                        f"{c.node}{' -> ' + c.peer if c.peer else ''}: {c.check}: {c.detail}; "
-                        f"fix: {c.fix}"
-                        for c in result.doctor.failures
-                    ]
-                    + ["train --doctor: checks failed; nothing was started"]
-                )
+                lines = []
+                for f in result.doctor.failures:
+                    peer = f" -> {f.peer}" if f.peer else ""
+                    lines.append(f"{f.node}{peer}: {f.check}: {f.detail}; fix: {f.fix}")
+                raise LaunchError([*lines, "train --doctor: checks failed; nothing was started"])
             print(f"doctor: {len(result.doctor.checks)} quick checks passed")
         launch = result.launch
         assert launch is not None  # only None when the doctor failed, above
