@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import LaunchError
@@ -52,7 +52,6 @@ class Preflight:
     problems: list[str]
     port: int
     note: str | None
-    running: dict[Host, list[RunningJob]] = field(default_factory=dict)
 
 
 def env_round(pool: NodePool, job: Job, phase: str = "env") -> Envs:
@@ -150,12 +149,11 @@ def preflight(
         probe = pool.call_all("ports", lambda h: PortsRequest(job.id, scan), PortsReply, hosts[:1])
         outcome = probe.get(hosts[0])
         if outcome is None or outcome.value is None:
-            problems.append(
-                f"{hosts[0].label}: port probe failed: {outcome.error if outcome else '?'}"
-            )
+            why = outcome.error if outcome else "?"
+            problems.append(f"{hosts[0].label}: port probe failed: {why}")
         else:
             port, note = pick_port(outcome.value, job, hosts[0])
-    return Preflight(problems, port, note, running)
+    return Preflight(problems, port, note)
 
 
 # ---- launch -------------------------------------------------------------------------------
@@ -206,7 +204,7 @@ def launch(
     if job.sync and not dry_run and synced is None:
         from .sync import sync_workdir
 
-        synced = sync_workdir(pool, job, hosts).nodes
+        synced = sync_workdir(pool, job, hosts)
     checked = preflight(pool, job, hosts, env_round(pool, job) if envs is None else envs, replace)
     if checked.problems:
         raise LaunchError([*checked.problems, "train: preflight failed; nothing was started"])

@@ -124,17 +124,12 @@ def plan(local: Sequence[FileState], remote: Sequence[FileState]) -> list[FileSt
     return [f for f in local if not same(f, there.get(f.path))]
 
 
-@dataclass(frozen=True)
-class SyncReport:
-    nodes: dict[str, int]  # host label -> files sent (only nodes that do not share the workdir)
-    shared: list[str]  # nodes that already see the workdir
-
-
 def sync_workdir(
     pool: NodePool, job: Job, hosts: Sequence[Host], lacking: Sequence[Host] | None = None
-) -> SyncReport:
+) -> dict[str, int]:
     """Copy the workdir to every node that does not see it (``lacking``, when the caller has just
-    asked), then the job's hostfile copy (which the nodes run with) to every node."""
+    asked), then the job's hostfile copy (which the nodes run with) to every node. Returns the
+    files sent to each node that does not see it (by its label)."""
     text = read_local(job.hostfile)
     if not text:
         raise LaunchError(f"{job.hostfile}: cannot read the hostfile to store it with the job")
@@ -172,7 +167,7 @@ def sync_workdir(
             queues[h].pop(0)
     for h in hosts:
         pool.write_file(h, str(job.home / "hostfile"), text)
-    return SyncReport(sent, [h.label for h in hosts if h not in lacking])
+    return sent
 
 
 def _puts(root: str, f: FileState) -> list[PutRequest]:

@@ -78,11 +78,6 @@ def plan(
     stall = None if stall_after is None else parse_duration(stall_after)
     if cmd is None:
         job, hosts = saved(conf, hostfile, session, workdir)
-        job = replace(
-            job,
-            restarts=job.restarts if count is None else count,
-            restart_on=job.restart_on if restart_on is None else codes,
-        )
     else:
         job, hosts = new_job(
             conf,
@@ -95,14 +90,17 @@ def plan(
             include=include,
             exclude=exclude,
         )
-        job = replace(job, restarts=count or 0, restart_on=codes, spawn=spawn)
+    # a flag given overrides the saved job's setting (a new job starts from the defaults)
+    job = replace(
+        job,
+        restarts=job.restarts if count is None else count,
+        restart_on=job.restart_on if restart_on is None else codes,
+        spawn=job.spawn or spawn,
+        stall_after=job.stall_after if stall_after is None else stall,
+        restart_on_stall=job.restart_on_stall if restart_on_stall is None else restart_on_stall,
+    )
     if spawn:
         check_spawn_cmd(job.cmd)
-        job = replace(job, spawn=True)
-    if stall_after is not None:
-        job = replace(job, stall_after=stall)
-    if restart_on_stall is not None:
-        job = replace(job, restart_on_stall=restart_on_stall)
     if job.restart_on_stall and (not job.restarts or job.stall_after is None):
         raise UsageError("--restart-on-stall needs --restarts N and a --stall-after (not off)")
     return job, hosts
@@ -126,9 +124,7 @@ def train(
     facts: Facts | None = None
     if fresh and not job.sync and not dry_run:
         lacking, facts = unshared(pool, job.workdir, hosts)
-        if sync or lacking:
-            job = replace(job, sync=True)
-    elif sync:
+    if sync or lacking:
         job = replace(job, sync=True)
     if not dry_run:
         left = supervise.end_supervisor(pool, job, hosts)
@@ -137,7 +133,7 @@ def train(
     copied = None
     if job.sync and not dry_run:
         # before the env round: discovery runs in the workdir on every node
-        copied = sync_workdir(pool, job, hosts, lacking if facts is not None else None).nodes
+        copied = sync_workdir(pool, job, hosts, lacking if facts is not None else None)
     envs = env_round(pool, job)
     report = None
     if check:
