@@ -334,12 +334,7 @@ def logs(
         ranks = [int(node)] if node is not None else list(range(len(hosts)))
         failed = False
         with _pool(job, [hosts[r] for r in ranks]) as pool:
-            chunks = (
-                ops.follow(pool, job, hosts, ranks, int(lines))
-                if follow
-                else iter([ops.logs(pool, job, hosts, ranks, int(lines))])
-            )
-            for batch in chunks:
+            for batch in ops.follow(pool, job, hosts, ranks, int(lines)):
                 for chunk in batch:
                     for line in chunk.lines:
                         print(f"[{chunk.rank}] {line}")
@@ -347,6 +342,8 @@ def logs(
                         failed = True
                         print(f"[{chunk.rank}] (no log: {chunk.error})", file=sys.stderr)
                 sys.stdout.flush()
+                if not follow:
+                    break
     if failed:
         raise Exit(code=1)
 
