@@ -162,12 +162,7 @@ def read_errors(directory: str, started: float | None) -> list[RankError]:
 def log_traceback(path: str) -> list[str]:
     """The log's last Python traceback, through its exception line (a rank killed before its
     hook could write, or a script run with ``python -I``)."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(max(0, handle.seek(0, os.SEEK_END) - 65536))
-            lines = handle.read().decode(errors="replace").splitlines()
-    except OSError:
-        return []
+    lines = jobs.tail(path, 65536)
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
     if not starts:
         return []

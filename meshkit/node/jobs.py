@@ -198,14 +198,18 @@ def idle(path: str, started: float | None) -> float | None:
     return max(0.0, time.time() - max(marks)) if marks else None
 
 
-def last_line(path: str, window: int = 8192) -> str | None:
+def tail(path: str, window: int) -> list[str]:
+    """The lines of the last ``window`` bytes of ``path`` (none when it cannot be read)."""
     try:
         with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, handle.tell() - window))
-            lines = [ln for ln in handle.read().decode(errors="replace").splitlines() if ln.strip()]
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - window))
+            return handle.read().decode(errors="replace").splitlines()
     except OSError:
-        return None
+        return []
+
+
+def last_line(path: str) -> str | None:
+    lines = [ln for ln in tail(path, 8192) if ln.strip()]
     return lines[-1][-300:] if lines else None
 
 

@@ -405,9 +405,8 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
         workdir = lay.shared / "demo"
         workdir.mkdir(parents=True, exist_ok=True)
         templates.copy_to("example_train.py", workdir)
-        print(
-            f"\n== train (torchrun example_train.py, {nproc_per_node} per node, gloo) in {workdir}"
-        )
+        example = f"torchrun example_train.py, {nproc_per_node} per node, gloo"
+        print(f"\n== train ({example}) in {workdir}")
         job, hosts = lookup.new_job(
             conf(),
             "torchrun example_train.py",
@@ -431,16 +430,13 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
             print(line)
         print("\n== status")
         _print_status(rows, launch.job)
-        good = len(results) == len(hosts) * int(nproc_per_node) and all(
-            "ok=True" in ln for ln in results
-        )
-        if not good or any(r.exit_code != 0 for r in rows):
-            raise Exit(
-                "meshkit: demo failed: not every rank reported a correct all_reduce (see above)", 1
-            )
-        print(
-            f"\ndemo ok: {len(results)} ranks on {len(hosts)} nodes agreed on the all_reduce sum."
-        )
+        expected = len(hosts) * int(nproc_per_node)
+        correct = [ln for ln in results if "ok=True" in ln]
+        if not len(correct) == len(results) == expected or any(r.exit_code != 0 for r in rows):
+            why = "not every rank reported a correct all_reduce (see above)"
+            raise Exit(f"meshkit: demo failed: {why}", 1)
+        ranks = f"{len(results)} ranks on {len(hosts)} nodes"
+        print(f"\ndemo ok: {ranks} agreed on the all_reduce sum.")
         print(
             f"explore: ssh -F {lay.ssh_config} node1 | meshkit status --hostfile {lay.hostfile} "
             "--session demo | meshkit sandbox.down"
