@@ -71,12 +71,13 @@ def keeper_pid(job_id: str) -> int | None:
     return pid if "keep" in argv and d in argv else None
 
 
-def _label(job_id: str) -> str:
-    text = read_text(f"{state_dir(job_id)}/{SPEC}")
+def _spec(job_id: str, key: str) -> str | None:
+    """A field of the job's spec as saved here (None when it is gone or unreadable)."""
     try:
-        return str(json.loads(text or "{}").get("label") or job_id)
-    except ValueError:
-        return job_id
+        value = json.loads(read_text(f"{state_dir(job_id)}/{SPEC}") or "{}").get(key)
+    except (ValueError, AttributeError):
+        return None
+    return None if value is None else str(value)
 
 
 def running_jobs() -> list[RunningJob]:
@@ -86,7 +87,7 @@ def running_jobs() -> list[RunningJob]:
     except OSError:
         return []
     # Running means its command has not exited; stragglers an exited job left are not a conflict.
-    return [RunningJob(i, _label(i)) for i in ids if job_state(i)[0] == "running"]
+    return [RunningJob(i, _spec(i, "label") or i) for i in ids if job_state(i)[0] == "running"]
 
 
 def jobs(request: JobsRequest) -> JobsReply:
@@ -113,9 +114,7 @@ def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
     the keeper, then whatever still carries the tag; then look again."""
     keeper = keeper_pid(job_id)
     d = state_dir(job_id)
-    tmux_session = ""
-    with contextlib.suppress(ValueError, TypeError, AttributeError):
-        tmux_session = str(json.loads(read_text(f"{d}/{SPEC}") or "{}").get("tmux_session") or "")
+    tmux_session = _spec(job_id, "tmux_session")
 
     def below() -> list[int]:
         return procs.descendants(keeper) if keeper else []

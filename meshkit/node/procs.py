@@ -36,18 +36,21 @@ def parents() -> dict[int, int]:
     """pid -> parent pid, for every process visible here."""
     table = {}
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as handle:
-                stat = handle.read()
-        except OSError:
-            continue  # exited meanwhile
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; split after the last ')'
-        fields = stat[stat.rfind(")") + 2 :].split()
+        fields = _stat(name).split() if name.isdigit() else []
         if len(fields) > 1 and fields[1].isdigit():
             table[int(name)] = int(fields[1])
     return table
+
+
+def _stat(pid: int | str) -> str:
+    """``/proc/PID/stat`` after ``(comm)``: "state ppid ..." ('' when the process is gone). comm
+    may hold spaces and parentheses: the fields start after the last ')'."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            stat = handle.read()
+    except OSError:
+        return ""
+    return stat[stat.rfind(")") + 2 :]
 
 
 def descendants(root: int, table: dict[int, int] | None = None) -> list[int]:
@@ -83,12 +86,7 @@ def tagged(job_id: str) -> list[int]:
 
 def alive(pid: int) -> bool:
     """Running (a zombie, already dead and waiting to be reaped, does not count)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            stat = handle.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
+    return _stat(pid)[:1] not in ("", "Z", "X")
 
 
 def cmdline(pid: int) -> list[str]:
