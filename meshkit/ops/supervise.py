@@ -41,7 +41,6 @@ RECONNECT = 10.0  # seconds between new connections while some node does not ans
 # The record's states (DESIGN.md, Supervision): RUNNING -> RELAUNCHING (the next attempt claimed)
 # -> RUNNING ..., ending in GAVE_UP or DONE. NOT_RESPONDING is what status shows for a RUNNING or
 # RELAUNCHING record when no node has a live supervisor; it is never written.
-State = ops.SupervisorState
 RUNNING: Final = "running"
 RELAUNCHING: Final = "relaunching"
 GAVE_UP: Final = "gave up"
@@ -248,7 +247,6 @@ class Supervisor:
     me: int
     say: Callable[[str], None]
     interval: float = POLL_INTERVAL
-    come_back: float = COME_BACK
     base_backoff: float = BACKOFF
     relaunch: Relaunch | None = None
     gate: Gate = health
@@ -350,8 +348,8 @@ class Supervisor:
     @contextlib.contextmanager
     def _every_node(self) -> Iterator[NodePool]:
         """A pool once every node answers (trying again every ``RECONNECT`` s, beating between),
-        or, after ``come_back`` s, the pool as it is."""
-        deadline = time.monotonic() + self.come_back
+        or, after ``COME_BACK`` s, the pool as it is."""
+        deadline = time.monotonic() + COME_BACK
         while True:
             beat(self.job.id)
             wait = min(RECONNECT, max(0.0, deadline - time.monotonic()))
@@ -378,7 +376,7 @@ class Supervisor:
             missing = [h.label for h in hosts if h in pool.failures]
             if missing:
                 why = f"{reason or seen.last_restart_reason}; then {', '.join(missing)} did not "
-                return self._gave_up(pool, seen, why + f"answer within {self.come_back:.0f}s")
+                return self._gave_up(pool, seen, why + f"answer within {COME_BACK:.0f}s")
             if reason is not None:
                 seen = replace(
                     seen,
@@ -396,10 +394,10 @@ class Supervisor:
             attempt = claimed.attempt
             say(f"attempt {attempt}: relaunching (of {job.restarts + 1}); stopping the job")
             ops.stop(pool, job, hosts)
-            deadline = time.monotonic() + self.come_back
+            deadline = time.monotonic() + COME_BACK
             while held := self.gate(pool, job, hosts):
                 if time.monotonic() > deadline:
-                    why = f"the relaunch was held for {self.come_back:.0f}s by {held[0]}"
+                    why = f"the relaunch was held for {COME_BACK:.0f}s by {held[0]}"
                     return self._gave_up(pool, claimed, why)
                 if claimed.held != held[0]:
                     say(f"attempt {attempt}: held by {held[0]}")
@@ -497,7 +495,7 @@ def with_supervision(
         return rows
     if record is None:
         return [replace(r, supervised=True) for r in rows]
-    state: State = record.supervisor
+    state: ops.SupervisorState = record.supervisor
     reason = record.last_restart_reason
     if state not in (RUNNING, RELAUNCHING):
         leader = None  # nobody supervises an ended job (its supervisors are on their way out)

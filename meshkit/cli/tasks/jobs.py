@@ -23,11 +23,6 @@ from ..common import HELP, conf, helps, progress, reported, table, task
 JOB_FLAGS = ("hostfile", "session", "workdir")
 
 
-def _find(hostfile: str | None, session: str | None, workdir: str | None) -> tuple[Job, list[Host]]:
-    """The saved job and its nodes, from any node and any directory (see ops.lookup)."""
-    return lookup.saved(conf(), hostfile, session, workdir)
-
-
 @contextmanager
 def _pool(job: Job, hosts: Sequence[Host], wait: float = 0.0) -> Iterator[NodePool]:
     """One connection and one node agent per node for the whole command."""
@@ -225,7 +220,7 @@ def supervise(
         print(f"{now} {message}", flush=True)
 
     with reported():
-        job, hosts = _find(hostfile, session, workdir)
+        job, hosts = lookup.saved(conf(), hostfile, session, workdir)
 
         def quiet(wait: float) -> AbstractContextManager[NodePool]:  # no progress lines per poll
             return connect(conf(), job.hostfile, hosts, job.python, None, wait)
@@ -248,7 +243,7 @@ def status(
     from ...ops import supervise as sup
 
     with reported():
-        job, hosts = _find(hostfile, session, workdir)
+        job, hosts = lookup.saved(conf(), hostfile, session, workdir)
         with _pool(job, hosts) as pool:
             rows = sup.status(pool, job, hosts)
     if json:
@@ -272,7 +267,7 @@ def diagnose(
     from ...ops import diagnose as op
 
     with reported():
-        job, hosts = _find(hostfile, session, workdir)
+        job, hosts = lookup.saved(conf(), hostfile, session, workdir)
         with _pool(job, hosts) as pool:
             found = op.diagnose(pool, job, hosts)
     if json:
@@ -326,7 +321,7 @@ def logs(
 ) -> None:
     """Each node's log, every line prefixed with the node's rank."""
     with reported():
-        job, hosts = _find(hostfile, session, workdir)
+        job, hosts = lookup.saved(conf(), hostfile, session, workdir)
         if node is not None and not 0 <= int(node) < len(hosts):
             raise UsageError(f"--node {node}: the job has ranks 0..{len(hosts) - 1}")
         if not 0 <= int(lines) <= 100000:
@@ -358,7 +353,7 @@ def stop(
     from ...ops import supervise as sup
 
     with reported():
-        job, hosts = _find(hostfile, session, workdir)
+        job, hosts = lookup.saved(conf(), hostfile, session, workdir)
         with _pool(job, hosts) as pool:
             stopped = sup.stop(pool, job, hosts)
     rows, left = stopped.rows, stopped.supervisor_left
