@@ -16,20 +16,7 @@ import re
 import sys
 import time
 
-from ..protocol import (
-    MAX_LOG_BYTES,
-    JobsReply,
-    JobsRequest,
-    LogsReply,
-    LogsRequest,
-    RunningJob,
-    StartReply,
-    StartRequest,
-    StatusReply,
-    StatusRequest,
-    StopReply,
-    StopRequest,
-)
+from .. import protocol as p
 from ..record import asdict
 from . import procs, tmux
 from .files import read_text, state_root, write_atomic
@@ -80,18 +67,18 @@ def _spec(job_id: str, key: str) -> str | None:
     return None if value is None else str(value)
 
 
-def running_jobs() -> list[RunningJob]:
+def running_jobs() -> list[p.RunningJob]:
     root = jobs_root()
     try:
         ids = sorted(name for name in os.listdir(root) if JOB_ID.match(name))
     except OSError:
         return []
     # Running means its command has not exited; stragglers an exited job left are not a conflict.
-    return [RunningJob(i, _spec(i, "label") or i) for i in ids if job_state(i)[0] == "running"]
+    return [p.RunningJob(i, _spec(i, "label") or i) for i in ids if job_state(i)[0] == "running"]
 
 
-def jobs(request: JobsRequest) -> JobsReply:
-    return JobsReply(running_jobs())
+def jobs(request: p.JobsRequest) -> p.JobsReply:
+    return p.JobsReply(running_jobs())
 
 
 def started_at(job_id: str) -> float | None:
@@ -125,7 +112,7 @@ def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
         signalled += more
     if tmux_session:
         tmux.kill_session(tmux_session)
-    left = [p for p in procs.tagged(job_id) + ([keeper] if keeper else []) if procs.alive(p)]
+    left = [n for n in procs.tagged(job_id) + ([keeper] if keeper else []) if procs.alive(n)]
     found = keeper is not None or signalled > 0
     if not left:
         # keep_exit: the job stays "exited" with the code its command ended with (143 when the
@@ -136,24 +123,24 @@ def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
     return found, signalled, left
 
 
-def stop(request: StopRequest) -> StopReply:
+def stop(request: p.StopRequest) -> p.StopReply:
     found, signalled, left = _stop(request.job_id, request.keep_exit)
-    return StopReply(found, signalled, left)
+    return p.StopReply(found, signalled, left)
 
 
-def start(request: StartRequest) -> StartReply:
+def start(request: p.StartRequest) -> p.StartReply:
     """Start the job here unless another meshkit job runs (and ``replace`` was not given);
     the same job's old run is replaced. Then look: is its keeper up (or has it already exited)?"""
     job = request.job
     others = [r for r in running_jobs() if r.job_id != job.job_id]
     if others and not request.replace:
-        return StartReply(False, "absent", [], others, "another meshkit job is running here")
-    replaced: list[RunningJob] = []
+        return p.StartReply(False, "absent", [], others, "another meshkit job is running here")
+    replaced: list[p.RunningJob] = []
 
-    def failed(why: str) -> StartReply:
-        return StartReply(False, "absent", replaced, [], why)
+    def failed(why: str) -> p.StartReply:
+        return p.StartReply(False, "absent", replaced, [], why)
 
-    for victim in [*(others if request.replace else []), RunningJob(job.job_id, job.label)]:
+    for victim in [*(others if request.replace else []), p.RunningJob(job.job_id, job.label)]:
         found, _, left = _stop(victim.job_id)
         if left:
             return failed(f"processes of {victim.label} survived TERM and KILL: {left[:20]}")
@@ -175,15 +162,15 @@ def start(request: StartRequest) -> StartReply:
         state, _ = job_state(job.job_id)
         if state != "absent":
             error = read_text(f"{d}/error", 2000)
-            return StartReply(True, state, replaced, [], error.strip() if error else None)
+            return p.StartReply(True, state, replaced, [], error.strip() if error else None)
         time.sleep(0.02)
     return failed(f"the job's keeper did not start in {KEEPER_START_TIMEOUT:.0f}s")
 
 
-def status(request: StatusRequest) -> StatusReply:
+def status(request: p.StatusRequest) -> p.StatusReply:
     state, code = job_state(request.job_id)
     started = started_at(request.job_id) if state != "absent" else None
-    return StatusReply(state, code, started, last_line(request.log), idle(request.log, started))
+    return p.StatusReply(state, code, started, last_line(request.log), idle(request.log, started))
 
 
 def idle(path: str, started: float | None) -> float | None:
@@ -212,27 +199,27 @@ def last_line(path: str) -> str | None:
     return lines[-1][-300:] if lines else None
 
 
-def logs(request: LogsRequest) -> LogsReply:
+def logs(request: p.LogsRequest) -> p.LogsReply:
     """The last lines, or what was appended since ``offset`` (at most MAX_LOG_BYTES a call)."""
     try:
         with open(request.path, "rb") as handle:
             size = handle.seek(0, os.SEEK_END)
             if request.offset is None:
-                start = max(0, size - MAX_LOG_BYTES)
+                start = max(0, size - p.MAX_LOG_BYTES)
                 handle.seek(start)
-                data = handle.read(MAX_LOG_BYTES)
+                data = handle.read(p.MAX_LOG_BYTES)
                 lines = data.decode(errors="replace").splitlines()
                 if start > 0 and lines:
                     lines = lines[1:]  # the first one is cut
                 keep = max(0, min(request.lines, 100000))
-                return LogsReply(lines[-keep:] if keep else [], size)
+                return p.LogsReply(lines[-keep:] if keep else [], size)
             offset = request.offset if request.offset <= size else 0  # truncated: from the start
             handle.seek(offset)
-            data = handle.read(MAX_LOG_BYTES)
+            data = handle.read(p.MAX_LOG_BYTES)
     except OSError:
-        return LogsReply([], request.offset or 0, missing=True)
+        return p.LogsReply([], request.offset or 0, missing=True)
     complete = data[: data.rfind(b"\n") + 1]  # whole lines only; the rest comes next time
-    return LogsReply(complete.decode(errors="replace").splitlines(), offset + len(complete))
+    return p.LogsReply(complete.decode(errors="replace").splitlines(), offset + len(complete))
 
 
 def port_free(port: int) -> bool:

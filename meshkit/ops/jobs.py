@@ -13,25 +13,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from .. import protocol as p
 from ..errors import LaunchError
 from ..hostfile import Host
 from ..job import Job
-from ..protocol import (
-    EnvReply,
-    JobsReply,
-    JobsRequest,
-    LogsReply,
-    LogsRequest,
-    PortsReply,
-    PortsRequest,
-    RunningJob,
-    StartReply,
-    StartRequest,
-    StatusReply,
-    StatusRequest,
-    StopReply,
-    StopRequest,
-)
 from ..record import replace
 from ..remote.group import Outcome
 from .pool import NodePool, unanswered
@@ -41,7 +26,7 @@ JobState = Literal["running", "exited", "absent"]
 # A job's supervision (ops.supervise): running, relaunching (a claimed attempt), then gave up or
 # done; "not responding" is what status shows when no live supervisor backs the record.
 SupervisorState = Literal["running", "relaunching", "gave up", "done", "not responding"]
-Envs = dict[Host, Outcome[EnvReply]]
+Envs = dict[Host, Outcome[p.EnvReply]]
 
 
 # ---- preflight ----------------------------------------------------------------------------
@@ -57,10 +42,10 @@ class Preflight:
 def env_round(pool: NodePool, job: Job, phase: str = "env") -> Envs:
     """Rank discovery on every node, as the job's ``meshkit run`` will do it there."""
     request = job.env_request()
-    return pool.call_all(phase, lambda h: request, EnvReply)
+    return pool.call_all(phase, lambda h: request, p.EnvReply)
 
 
-def env_error(outcome: Outcome[EnvReply] | None, failure: str | None) -> str | None:
+def env_error(outcome: Outcome[p.EnvReply] | None, failure: str | None) -> str | None:
     """Why a node has no usable discovery: unreachable, its agent failed, or discovery there
     failed (its own message); None when it has one."""
     if outcome is None:
@@ -102,7 +87,9 @@ def env_verdicts(
     return problems
 
 
-def conflict_verdicts(job: Job, running: dict[Host, list[RunningJob]], replace: bool) -> list[str]:
+def conflict_verdicts(
+    job: Job, running: dict[Host, list[p.RunningJob]], replace: bool
+) -> list[str]:
     """Pure: another job running on a node stops the launch unless ``--replace``."""
     if replace:
         return []
@@ -115,13 +102,13 @@ def conflict_verdicts(job: Job, running: dict[Host, list[RunningJob]], replace: 
     ]
 
 
-def pick_port(probe: PortsReply, job: Job, master: Host) -> tuple[int, str | None]:
+def pick_port(probe: p.PortsReply, job: Job, master: Host) -> tuple[int, str | None]:
     """The derived port if free, or held by this very job (replacing it frees the port), else the
     next free one, which every node is then given."""
     ports = probe.ports
     if not ports or ports[0].free or probe.ours:
         return job.master_port, None
-    free = [p.port for p in ports if p.free]
+    free = [s.port for s in ports if s.free]
     if not free:
         raise LaunchError(
             f"ports {ports[0].port}..{ports[-1].port} are all busy on the master {master.label}; "
@@ -138,15 +125,17 @@ def preflight(
     hostfile rank and the same master; which meshkit jobs run there; and on the master, which
     ports are free."""
     ok = [h for h in hosts if env_error(envs.get(h), pool.failures.get(h)) is None]
-    jobs = pool.call_all("jobs", lambda h: JobsRequest(), JobsReply, ok)
+    jobs = pool.call_all("jobs", lambda h: p.JobsRequest(), p.JobsReply, ok)
     running = {h: o.value.running for h, o in jobs.items() if o.value is not None}
     problems = env_verdicts(job, hosts, envs, pool.failures)
     problems += [f"{h.label}: {o.error}" for h, o in jobs.items() if o.error]
     problems += conflict_verdicts(job, running, replace)
     port, note = job.master_port, None
     if not problems:
-        scan = [p for p in range(job.master_port, job.master_port + PORT_SCAN + 1) if p <= 65535]
-        probe = pool.call_all("ports", lambda h: PortsRequest(job.id, scan), PortsReply, hosts[:1])
+        scan = [n for n in range(job.master_port, job.master_port + PORT_SCAN + 1) if n <= 65535]
+        probe = pool.call_all(
+            "ports", lambda h: p.PortsRequest(job.id, scan), p.PortsReply, hosts[:1]
+        )
         outcome = probe.get(hosts[0])
         if outcome is None or outcome.value is None:
             why = outcome.error if outcome else "?"
@@ -215,7 +204,7 @@ def launch(
         pool.write_file(where, str(job.file), job.to_json())
         pool.write_file(where, str(job.index), job.index_json())
     spec = job.node_job(attempt)
-    started = pool.call_all("start", lambda h: StartRequest(spec, replace), StartReply)
+    started = pool.call_all("start", lambda h: p.StartRequest(spec, replace), p.StartReply)
     return Launch(job, start_rows(hosts, started, pool.failures), checked.note, False, synced)
 
 
@@ -224,7 +213,7 @@ def replace_port(job: Job, port: int) -> Job:
 
 
 def start_rows(
-    hosts: Sequence[Host], started: dict[Host, Outcome[StartReply]], failures: dict[Host, str]
+    hosts: Sequence[Host], started: dict[Host, Outcome[p.StartReply]], failures: dict[Host, str]
 ) -> list[StartRow]:
     rows = []
     for rank, h in enumerate(hosts):
@@ -300,7 +289,7 @@ def is_stalled(stall_after: float | None, nodes: Sequence[tuple[str, float | Non
 
 def status_rows(
     hosts: Sequence[Host],
-    replies: dict[Host, Outcome[StatusReply]],
+    replies: dict[Host, Outcome[p.StatusReply]],
     failures: dict[Host, str],
     stall_after: float | None = None,
 ) -> list[StatusRow]:
@@ -326,7 +315,7 @@ def status(
     pool: NodePool, job: Job, hosts: Sequence[Host], phase: str = "status"
 ) -> list[StatusRow]:
     replies = pool.call_all(
-        phase, lambda h: StatusRequest(job.id, job.log(hosts.index(h))), StatusReply
+        phase, lambda h: p.StatusRequest(job.id, job.log(hosts.index(h))), p.StatusReply
     )
     return status_rows(hosts, replies, pool.failures, job.stall_after)
 
@@ -373,7 +362,7 @@ def stop(
     node) that nothing of it is left. A node that cannot be asked is a failure, never "nothing
     left". ``keep_exit`` leaves the exit codes for status (a supervisor that gave up)."""
     chosen = list(hosts if only is None else only)
-    replies = pool.call_all("stop", lambda h: StopRequest(job.id, keep_exit), StopReply, chosen)
+    replies = pool.call_all("stop", lambda h: p.StopRequest(job.id, keep_exit), p.StopReply, chosen)
     rows = []
     for rank, h in enumerate(hosts):
         if h not in chosen:
@@ -419,8 +408,8 @@ def follow(
     while True:
         replies = pool.call_all(
             phase,
-            lambda h: LogsRequest(job.log(hosts.index(h)), lines, offsets.get(h)),
-            LogsReply,
+            lambda h: p.LogsRequest(job.log(hosts.index(h)), lines, offsets.get(h)),
+            p.LogsReply,
             [hosts[r] for r in ranks],
         )
         chunks = []

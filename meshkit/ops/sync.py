@@ -12,19 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import protocol as p
 from ..errors import LaunchError
 from ..hostfile import Host
 from ..job import Job
 from ..node.sync import MAX_FILES, walk
-from ..protocol import (
-    FactsReply,
-    FactsRequest,
-    FileState,
-    ManifestReply,
-    ManifestRequest,
-    PutReply,
-    PutRequest,
-)
 from ..remote.group import Outcome
 from .lookup import read_local
 from .pool import NodePool
@@ -37,10 +29,10 @@ MTIME_SLACK = 0.002  # seconds: filesystems keep mtimes at different resolutions
 
 @dataclass(frozen=True)
 class Facts:
-    """One facts round (``FactsRequest``): each node's reply, and when each request left and its
+    """One facts round (``p.FactsRequest``): each node's reply, and when each request left and its
     reply came back (this machine's clock, for the doctor's clock check)."""
 
-    replies: dict[Host, Outcome[FactsReply]]
+    replies: dict[Host, Outcome[p.FactsReply]]
     timing: dict[Host, tuple[float, float]]
     marker: str
 
@@ -66,7 +58,7 @@ def facts_round(pool: NodePool, workdir: str, hosts: Sequence[Host], writer: Hos
         except OSError as exc:
             raise LaunchError(f"{workdir}: cannot write the shared-storage marker: {exc}") from None
     timing: dict[Host, tuple[float, float]] = {}
-    replies: dict[Host, Outcome[FactsReply]] = {}
+    replies: dict[Host, Outcome[p.FactsReply]] = {}
     others = [h for h in hosts if h != writer]
     rounds = [(True, [writer]), (False, others)] if writer is not None else [(False, others)]
     try:
@@ -75,11 +67,11 @@ def facts_round(pool: NodePool, workdir: str, hosts: Sequence[Host], writer: Hos
 
             def request(
                 host: Host, write: bool = write, sent: dict[Host, float] = sent
-            ) -> FactsRequest:
+            ) -> p.FactsRequest:
                 sent[host] = time.time()
-                return FactsRequest(workdir, marker, token, write)
+                return p.FactsRequest(workdir, marker, token, write)
 
-            replies.update(pool.call_all("facts", request, FactsReply, chosen))
+            replies.update(pool.call_all("facts", request, p.FactsReply, chosen))
             back = time.time()
             timing.update({h: (t, back) for h, t in sent.items()})
     finally:
@@ -101,9 +93,9 @@ def unshared(pool: NodePool, workdir: str, hosts: Sequence[Host]) -> tuple[list[
     return [h for h in hosts if not facts.shared(h)], facts
 
 
-def local_files(root: str, exclude: Sequence[str]) -> list[FileState]:
+def local_files(root: str, exclude: Sequence[str]) -> list[p.FileState]:
     """The files under ``root`` (paths relative to it), as a node's manifest lists its own."""
-    found: list[FileState] = []
+    found: list[p.FileState] = []
     for state in walk(Path(root), set(exclude) | set(ALWAYS_EXCLUDED)):
         found.append(state)
         if len(found) > MAX_FILES:
@@ -114,11 +106,11 @@ def local_files(root: str, exclude: Sequence[str]) -> list[FileState]:
     return found
 
 
-def plan(local: Sequence[FileState], remote: Sequence[FileState]) -> list[FileState]:
+def plan(local: Sequence[p.FileState], remote: Sequence[p.FileState]) -> list[p.FileState]:
     """Pure: the local files a node lacks or holds in another size or modification time."""
     there = {f.path: f for f in remote}
 
-    def same(f: FileState, r: FileState | None) -> bool:
+    def same(f: p.FileState, r: p.FileState | None) -> bool:
         return r is not None and r.size == f.size and abs(r.mtime - f.mtime) <= MTIME_SLACK
 
     return [f for f in local if not same(f, there.get(f.path))]
@@ -139,15 +131,15 @@ def sync_workdir(
     local = local_files(job.workdir, exclude)
     manifests = pool.call_all(
         "manifest",
-        lambda h: ManifestRequest(job.workdir, [*exclude, *ALWAYS_EXCLUDED]),
-        ManifestReply,
+        lambda h: p.ManifestRequest(job.workdir, [*exclude, *ALWAYS_EXCLUDED]),
+        p.ManifestReply,
         lacking,
     )
     problems = [f"{h.label}: {o.error}" for h, o in manifests.items() if o.error]
     problems += [f"{h.label}: unreachable" for h in lacking if h not in manifests]
     if problems:
         raise LaunchError([*problems, "train: cannot sync the workdir; nothing was started"])
-    queues: dict[Host, list[PutRequest]] = {}
+    queues: dict[Host, list[p.PutRequest]] = {}
     for h, outcome in manifests.items():
         assert outcome.value is not None
         queues[h] = [req for f in plan(local, outcome.value.files) for req in _puts(job.workdir, f)]
@@ -156,7 +148,7 @@ def sync_workdir(
         done = pool.call_all(
             "sync",
             lambda h: queues[h][0] if queues.get(h) else None,
-            PutReply,
+            p.PutReply,
             [h for h, q in queues.items() if q],
         )
         for h, put in done.items():
@@ -170,13 +162,13 @@ def sync_workdir(
     return sent
 
 
-def _puts(root: str, f: FileState) -> list[PutRequest]:
+def _puts(root: str, f: p.FileState) -> list[p.PutRequest]:
     """A file as put requests, read now (a file changed since the listing is sent as it is)."""
     target = str(Path(root) / f.path)
     data = Path(target).read_bytes()
     chunks = [base64.b64encode(data[i : i + CHUNK]).decode() for i in range(0, len(data), CHUNK)]
     last = max(0, len(chunks) - 1)
     return [
-        PutRequest(target, chunk, i * CHUNK, i == last, f.mode, f.mtime)
+        p.PutRequest(target, chunk, i * CHUNK, i == last, f.mode, f.mtime)
         for i, chunk in enumerate(chunks or [""])
     ]
