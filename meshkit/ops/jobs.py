@@ -253,28 +253,16 @@ class StatusRow:
     held: str | None = None  # what holds a relaunch: "NODE: CHECK: DETAIL"
 
     def as_json(self) -> dict[str, object]:
-        data: dict[str, object] = {
-            "node_rank": self.node_rank,
-            "host": self.host,
-            "state": self.state,
-            "exit_code": self.exit_code,
-            "started": self.started,
-            "last_line": self.last_line,
-            "stalled": self.stalled,
-            "idle_s": None if self.idle_s is None else round(self.idle_s, 1),
-        }
+        """The ``--json`` shape: the supervision fields only for a supervised job."""
+        keys = ["node_rank", "host", "state", "exit_code", "started", "last_line", "stalled"]
         if self.supervised:
-            data |= {
-                "attempt": self.attempt,
-                "restarts_left": self.restarts_left,
-                "last_restart_reason": self.last_restart_reason,
-                # the fixed names: a claimed relaunch is still a running supervisor
-                "supervisor": "running" if self.supervisor == "relaunching" else self.supervisor,
-                "relaunching": self.supervisor == "relaunching",
-                "diagnosis": self.diagnosis,
-                "leader": self.leader,
-                "held": self.held,
-            }
+            keys += ["attempt", "restarts_left", "last_restart_reason", "diagnosis"]
+            keys += ["leader", "held"]
+        data = {k: getattr(self, k) for k in keys}
+        data["idle_s"] = None if self.idle_s is None else round(self.idle_s, 1)
+        if self.supervised:  # the fixed names: a claimed relaunch is still a running supervisor
+            data["supervisor"] = "running" if self.supervisor == "relaunching" else self.supervisor
+            data["relaunching"] = self.supervisor == "relaunching"
         return data
 
 
