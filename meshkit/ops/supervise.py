@@ -459,15 +459,14 @@ def supervisor_argv(job: Job, rank: int) -> list[str]:
 
 def start_all(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
     """A supervisor in tmux on every node where none is live. Returns the nodes it failed on."""
-    rank = {h: i for i, h in enumerate(hosts)}
-    start = {
-        h: SupervisorRequest(job.id, job.supervisor_tmux, "start", supervisor_argv(job, i))
-        for h, i in rank.items()
-    }
-    replies = pool.call_all("supervisor", start.__getitem__, SupervisorReply, hosts)
-    return [f"{h.label}: {o.error}" for h, o in replies.items() if o.value is None] + [
-        f"{h.label}: {why}" for h, why in pool.failures.items() if h in rank
-    ]
+
+    def start(h: Host) -> SupervisorRequest:
+        argv = supervisor_argv(job, hosts.index(h))
+        return SupervisorRequest(job.id, job.supervisor_tmux, "start", argv)
+
+    replies = pool.call_all("supervisor", start, SupervisorReply, hosts)
+    failed = [f"{h.label}: {o.error}" for h, o in replies.items() if o.value is None]
+    return failed + [f"{h.label}: {why}" for h, why in pool.failures.items() if h in hosts]
 
 
 def end_supervisor(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:

@@ -47,11 +47,9 @@ def _print_status(rows: Sequence[ops.StatusRow], job: Job) -> None:
             print(f"supervisor: not responding: {r.last_restart_reason}")
         else:
             lead = f" (leader: node {r.leader})" if r.leader is not None else ""
-            print(
-                f"supervisor: {r.supervisor}{lead}, attempt {r.attempt} of {job.restarts + 1}, "
-                f"restarts left {r.restarts_left}"
-                + (f", last restart: {r.last_restart_reason}" if r.last_restart_reason else "")
-            )
+            last = f", last restart: {r.last_restart_reason}" if r.last_restart_reason else ""
+            attempt = f"attempt {r.attempt} of {job.restarts + 1}, restarts left {r.restarts_left}"
+            print(f"supervisor: {r.supervisor}{lead}, {attempt}{last}")
             if r.held:
                 print(f"relaunch held by {r.held}")
     cells = []
