@@ -95,14 +95,12 @@ class Diagnosis:
         return data
 
 
-def diagnose(
-    pool: NodePool, job: Job, hosts: Sequence[Host], seconds: float = SECONDS
-) -> Diagnosis:
+def diagnose(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Diagnosis:
     replies = pool.call_all(
         "diagnose",
-        lambda h: DiagnoseRequest(job.id, str(job.home), job.log(hosts.index(h)), seconds),
+        lambda h: DiagnoseRequest(job.id, str(job.home), job.log(hosts.index(h)), SECONDS),
         DiagnoseReply,
-        timeout=seconds + 30,
+        timeout=SECONDS + 30,
     )
     return build(job, hosts, replies, pool.failures)
 

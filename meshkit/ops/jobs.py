@@ -22,6 +22,7 @@ from ..remote.group import Outcome
 from .pool import NodePool, unanswered
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
+FOLLOW = 0.5  # seconds between polls of logs --follow
 JobState = Literal["running", "exited", "absent"]
 # A job's supervision (ops.supervise): running, relaunching (a claimed attempt), then gave up or
 # done; "not responding" is what status shows when no live supervisor backs the record.
@@ -308,16 +309,14 @@ def status(
     return status_rows(hosts, replies, pool.failures, job.stall_after)
 
 
-def wait_done(
-    pool: NodePool, job: Job, hosts: Sequence[Host], timeout: float, interval: float = 1.0
-) -> list[StatusRow]:
+def wait_done(pool: NodePool, job: Job, hosts: Sequence[Host], timeout: float) -> list[StatusRow]:
     """Poll status until no node is running (or ``timeout``)."""
     deadline = time.monotonic() + timeout
     while True:
         rows = status(pool, job, hosts, phase="")
         if all(r.state != "running" for r in rows) or time.monotonic() > deadline:
             return rows
-        time.sleep(interval)
+        time.sleep(1.0)
 
 
 # ---- stop ---------------------------------------------------------------------------------
@@ -382,14 +381,9 @@ def logs(
 
 
 def follow(
-    pool: NodePool,
-    job: Job,
-    hosts: Sequence[Host],
-    ranks: Sequence[int],
-    lines: int,
-    interval: float = 0.5,
+    pool: NodePool, job: Job, hosts: Sequence[Host], ranks: Sequence[int], lines: int
 ) -> Iterator[list[LogChunk]]:
-    """The last ``lines`` lines, then whatever each node appends, polled every ``interval``
+    """The last ``lines`` lines, then whatever each node appends, polled every ``FOLLOW`` s
     through the same agents (ends when the caller stops iterating, e.g. on Ctrl-C)."""
     offsets: dict[Host, int] = {}
     phase = "logs"
@@ -411,4 +405,4 @@ def follow(
             chunks.append(LogChunk(rank, outcome.value.lines))
         yield chunks
         phase = ""  # the progress line once, not every poll
-        time.sleep(interval)
+        time.sleep(FOLLOW)
