@@ -82,24 +82,20 @@ def find_job(
 def saved(
     conf: Config, hostfile: str | None, session: str | None, workdir: str | None
 ) -> tuple[Job, list[Host]]:
-    """The saved job of these flags (over the configuration) and its nodes."""
+    """The saved job of these flags (over the configuration) and its nodes, from its hostfile (a
+    synced job's copy when this machine lacks the path)."""
+    from ..discovery import read_hosts
+
     job = find_job(
         check_session(str(pick(conf, "session", session))),
         workdir=pick(conf, "workdir", workdir),
         hostfile=os.path.abspath(str(pick(conf, "hostfile", hostfile))),
         cwd=os.getcwd(),
     )
-    return job, hosts_of(job)
-
-
-def hosts_of(job: Job) -> list[Host]:
-    """The job's nodes, from its hostfile; a synced job's copy when this machine lacks the path."""
-    from ..discovery import read_hosts
-
     path = job.hostfile
     if job.sync and not os.path.exists(path) and os.path.exists(job.node_hostfile):
         path = job.node_hostfile
-    return read_hosts(path, job.include, job.exclude)
+    return job, read_hosts(path, job.include, job.exclude)
 
 
 def new_job(
