@@ -59,6 +59,7 @@ if rank == odd and mode == "raise":
 t = torch.ones(1)
 dist.all_reduce(t)
 print(f"rank {rank} sum {t.item()}", flush=True)
+dist.destroy_process_group()  # (exiting with gloo's threads alive can abort: std::terminate)
 """
 SLEEP_LINE, REDUCE_LINE = 9, 14
 LAUNCHERS = {"torchrun": ("torchrun hang.py",), "spawn": ("--spawn", "python hang.py")}
