@@ -12,17 +12,7 @@ if TYPE_CHECKING:
 else:
     from _signal import SIG_DFL, SIG_IGN, SIGHUP, SIGINT, SIGKILL, SIGPIPE, SIGTERM, SIGXFSZ, signal
 
-__all__ = [
-    "RESET_FOR_EXEC",
-    "SIGHUP",
-    "SIGINT",
-    "SIGKILL",
-    "SIGTERM",
-    "SIG_DFL",
-    "SIG_IGN",
-    "exit_code",
-    "signal",
-]
+__all__ = ["SIGHUP", "SIGINT", "SIGKILL", "SIGTERM", "SIG_DFL", "SIG_IGN", "signal"]
 
 # Python ignores these in itself, and an ignored signal stays ignored across exec: a command
 # started from Python gets them back at their defaults (as Popen's restore_signals does), or

@@ -30,9 +30,6 @@ SupervisorState = Literal["running", "relaunching", "gave up", "done", "not resp
 Envs = dict[Host, Outcome[p.EnvReply]]
 
 
-# ---- preflight ----------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Preflight:
     problems: list[str]
@@ -146,9 +143,6 @@ def preflight(
     return Preflight(problems, port, note)
 
 
-# ---- launch -------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class StartRow:
     node_rank: int
@@ -228,9 +222,6 @@ def start_rows(
             error = "another meshkit job is running: " + ", ".join(r.label for r in reply.conflicts)
         rows.append(StartRow(rank, h.label, reply.state, error, [r.label for r in reply.replaced]))
     return rows
-
-
-# ---- status -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -319,9 +310,6 @@ def wait_done(pool: NodePool, job: Job, hosts: Sequence[Host], timeout: float) -
         time.sleep(1.0)
 
 
-# ---- stop ---------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class StopRow:
     node_rank: int
@@ -362,9 +350,6 @@ def stop(
             r = outcome.value
             rows.append(StopRow(rank, h.label, r.found, r.signalled, r.left, None))
     return rows
-
-
-# ---- logs ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,6 @@ DONE: Final = "done"
 NOT_RESPONDING: Final = "not responding"
 
 
-# ---- the policy (pure) ----------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class NodeView:
     """One node as the supervisor sees it in one poll."""
@@ -134,9 +131,6 @@ def views(rows: Sequence[ops.StatusRow], misses: dict[int, int]) -> list[NodeVie
     return out
 
 
-# ---- the record: a copy on every node -------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Record:
     """The job's supervision, as status shows it. Every write bumps ``version``; a node keeps a
@@ -190,9 +184,6 @@ def next_step(me: int, live: set[int], record: Record | None) -> Step:
     if min(live | {me}) != me:
         return "follow"
     return "resume" if record.supervisor == RELAUNCHING else "watch"
-
-
-# ---- the loop -------------------------------------------------------------------------------
 
 
 Connect = Callable[[float], AbstractContextManager[NodePool]]
@@ -445,9 +436,6 @@ def _save_diagnosis(
     return path, replace(decision, reason=f"{decision.reason}; outliers: {odd} (diagnosis: {path})")
 
 
-# ---- starting and ending the supervisors ----------------------------------------------------
-
-
 def supervisor_argv(job: Job, rank: int) -> list[str]:
     """``meshkit supervise`` for one node; its output goes to ``supervisor-node<rank>.log``."""
     return [
@@ -480,9 +468,6 @@ def end_supervisor(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]
         if left or all(r.pid is None for r in got.values()):
             return left
     return []
-
-
-# ---- what status shows ------------------------------------------------------------------------
 
 
 def with_supervision(
