@@ -49,13 +49,9 @@ def _read_number(path: str) -> float | None:
 
 
 def keeper_pid(job_id: str) -> int | None:
-    """The job's keeper, if it is alive and really is that job's keeper (pids get reused)."""
+    """The job's keeper, if it is alive and really is that job's keeper."""
     d = state_dir(job_id)
-    pid = int(_read_number(f"{d}/keeper.pid") or 0)
-    if not pid or not procs.alive(pid):
-        return None
-    argv = procs.cmdline(pid)
-    return pid if "keep" in argv and d in argv else None
+    return procs.recorded(f"{d}/keeper.pid", "keep", d)
 
 
 def _spec(job_id: str, key: str) -> str | None:
@@ -96,9 +92,10 @@ def job_state(job_id: str) -> tuple[JobState, int | None]:
     return "absent", None
 
 
-def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
+def stop(request: p.StopRequest) -> p.StopReply:
     """End a job's whole tree: its descendants first (while the keeper still holds them), then
     the keeper, then whatever still carries the tag; then look again."""
+    job_id = request.job_id
     keeper = keeper_pid(job_id)
     d = state_dir(job_id)
     tmux_session = _spec(job_id, "tmux_session")
@@ -117,14 +114,9 @@ def _stop(job_id: str, keep_exit: bool = False) -> tuple[bool, int, list[int]]:
     if not left:
         # keep_exit: the job stays "exited" with the code its command ended with (143 when the
         # TERM above ended it), so status still shows the last attempt's codes.
-        for name in ("keeper.pid",) if keep_exit else ("exit", "started", "keeper.pid"):
+        for name in ("keeper.pid",) if request.keep_exit else ("exit", "started", "keeper.pid"):
             with contextlib.suppress(OSError):
                 os.unlink(f"{d}/{name}")
-    return found, signalled, left
-
-
-def stop(request: p.StopRequest) -> p.StopReply:
-    found, signalled, left = _stop(request.job_id, request.keep_exit)
     return p.StopReply(found, signalled, left)
 
 
@@ -141,10 +133,10 @@ def start(request: p.StartRequest) -> p.StartReply:
         return p.StartReply(False, "absent", replaced, [], why)
 
     for victim in [*(others if request.replace else []), p.RunningJob(job.job_id, job.label)]:
-        found, _, left = _stop(victim.job_id)
-        if left:
-            return failed(f"processes of {victim.label} survived TERM and KILL: {left[:20]}")
-        if found:
+        ended = stop(p.StopRequest(victim.job_id))
+        if ended.left:
+            return failed(f"processes of {victim.label} survived TERM and KILL: {ended.left[:20]}")
+        if ended.found:
             replaced.append(victim)
     d = state_dir(job.job_id)
     os.makedirs(d, mode=0o700, exist_ok=True)

@@ -89,6 +89,19 @@ def alive(pid: int) -> bool:
     return _stat(pid)[:1] not in ("", "Z", "X")
 
 
+def recorded(path: str, *marks: str) -> int | None:
+    """The live process (not this one) whose pid the file ``path`` holds, if each of ``marks``
+    is one of its command line's arguments: pids get reused."""
+    try:
+        with open(path, "rb") as handle:
+            pid = int(handle.read(64).strip())
+    except (OSError, ValueError):
+        return None
+    if pid == os.getpid() or not alive(pid):
+        return None
+    return pid if set(marks) <= set(cmdline(pid)) else None
+
+
 def cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as handle:

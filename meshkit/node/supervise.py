@@ -40,16 +40,8 @@ def beat(job_id: str) -> None:
 
 
 def supervisor_pid(job_id: str) -> int | None:
-    """The live supervisor of ``job_id`` on this node (checked by its command line: pids get
-    reused)."""
-    try:
-        pid = int((read_text(pid_file(job_id), 64) or "").strip())
-    except ValueError:
-        return None
-    if pid == os.getpid() or not procs.alive(pid):
-        return None
-    argv = procs.cmdline(pid)
-    return pid if "supervise" in argv else None
+    """The live supervisor of ``job_id`` on this node."""
+    return procs.recorded(pid_file(job_id), "supervise")
 
 
 def version_of(text: str | None) -> int:

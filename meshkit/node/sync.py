@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import os
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 
 from ..protocol import FileState, ManifestReply, ManifestRequest, PutReply, PutRequest
@@ -38,12 +39,8 @@ def manifest(request: ManifestRequest) -> ManifestReply:
     root = Path(request.root)
     if not root.is_dir():
         return ManifestReply(False, [])
-    files: list[FileState] = []
-    for state in walk(root, set(request.exclude)):
-        files.append(state)
-        if len(files) >= MAX_FILES:
-            return ManifestReply(True, files, truncated=True)
-    return ManifestReply(True, files)
+    files = list(islice(walk(root, set(request.exclude)), MAX_FILES))
+    return ManifestReply(True, files, truncated=len(files) >= MAX_FILES)
 
 
 def _partial(path: Path) -> Path:

@@ -267,19 +267,19 @@ def is_stalled(stall_after: float | None, nodes: Sequence[tuple[str, float | Non
     return all(i is not None and i >= stall_after for i in running)
 
 
-def status_rows(
-    hosts: Sequence[Host],
-    replies: dict[Host, Outcome[p.StatusReply]],
-    failures: dict[Host, str],
-    stall_after: float | None = None,
+def status(
+    pool: NodePool, job: Job, hosts: Sequence[Host], phase: str = "status"
 ) -> list[StatusRow]:
-    """Pure: one row per node; a node that cannot be asked is ``absent`` with the reason. Every
-    row says whether the job is stalled."""
+    """One row per node; a node that cannot be asked is ``absent`` with the reason. Every row
+    says whether the job is stalled."""
+    replies = pool.call_all(
+        phase, lambda h: p.StatusRequest(job.id, job.log(hosts.index(h))), p.StatusReply
+    )
     rows = []
     for rank, h in enumerate(hosts):
         outcome = replies.get(h)
         if outcome is None or outcome.value is None:
-            error = unanswered(outcome, h, failures)
+            error = unanswered(outcome, h, pool.failures)
             rows.append(StatusRow(rank, h.label, "absent", None, None, f"error: {error}", error))
             continue
         r = outcome.value
@@ -287,17 +287,8 @@ def status_rows(
         started = utc if r.started else None
         row = StatusRow(rank, h.label, r.state, r.exit_code, started, r.last_line, idle_s=r.idle)
         rows.append(row)
-    stalled = is_stalled(stall_after, [(r.state, r.idle_s) for r in rows if not r.error])
+    stalled = is_stalled(job.stall_after, [(r.state, r.idle_s) for r in rows if not r.error])
     return [replace(r, stalled=stalled) for r in rows] if stalled else rows
-
-
-def status(
-    pool: NodePool, job: Job, hosts: Sequence[Host], phase: str = "status"
-) -> list[StatusRow]:
-    replies = pool.call_all(
-        phase, lambda h: p.StatusRequest(job.id, job.log(hosts.index(h))), p.StatusReply
-    )
-    return status_rows(hosts, replies, pool.failures, job.stall_after)
 
 
 def wait_done(pool: NodePool, job: Job, hosts: Sequence[Host], timeout: float) -> list[StatusRow]:

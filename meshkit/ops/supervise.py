@@ -189,8 +189,8 @@ def next_step(me: int, live: set[int], record: Record | None) -> Step:
 Connect = Callable[[float], AbstractContextManager[NodePool]]
 Relaunch = Callable[[NodePool, Job, int], ops.Launch]
 Gate = Callable[[NodePool, Job, Sequence[Host]], list[str]]  # one line per failed check
-# the record, why (None: take over), the exit codes, the diagnosis saved for a stall
-Restart = tuple[Record, str | None, list[int | None], str | None]
+# the record read, and the claim to write (the same record: take over the claimed relaunch)
+Restart = tuple[Record, Record]
 Answers = dict[Host, SupervisorReply]
 
 
@@ -280,7 +280,7 @@ class Supervisor:
             if record is None:  # every copy is gone: the job was stopped
                 return Record(GAVE_UP, 0, 0, "the supervision record is gone (meshkit stop)")
             if step in ("end", "resume"):
-                return record if step == "end" else (record, None, [], None)
+                return record if step == "end" else (record, record)
             if step == "follow":
                 started.clear()
                 misses.clear()
@@ -314,7 +314,16 @@ class Supervisor:
                 given = replace(record, diagnosis=saved or record.diagnosis)
                 return self._give_up(pool, given, seen, decision.reason or "")
             else:
-                return (record, decision.reason, codes, saved)
+                claim = replace(
+                    record,
+                    supervisor=RELAUNCHING,
+                    attempt=record.attempt + 1,
+                    restarts_left=record.restarts_left - 1,
+                    last_restart_reason=decision.reason,
+                    exit_codes=codes,
+                    diagnosis=saved or record.diagnosis,
+                )
+                return (record, claim)
 
     def _give_up(self, pool: NodePool, record: Record, seen: list[NodeView], why: str) -> Record:
         # The other nodes usually fail on their own within seconds (torchrun notices a lost
@@ -349,16 +358,14 @@ class Supervisor:
                     yield pool
                     return
 
-    def _relaunch(
-        self, seen: Record, reason: str | None, codes: list[int | None], saved: str | None
-    ) -> Record | None:
-        """Claim the next attempt (``reason`` given) or take over the claimed one, and make it:
-        every node answering, the job stopped everywhere, the health gate, the launch, then a
-        supervisor on every node again. Returns the final record when it gives up; None when it
-        is back to watching, or another supervisor moved on first."""
+    def _relaunch(self, seen: Record, claim: Record) -> Record | None:
+        """Claim the next attempt (``claim`` over ``seen``; the same record: take the claimed one
+        over), and make it: every node answering, the job stopped everywhere, the health gate,
+        the launch, then a supervisor on every node again. Returns the final record when it gives
+        up; None when it is back to watching, or another supervisor moved on first."""
         job, hosts, say = self.job, self.hosts, self.say
-        if reason is not None:
-            say(f"attempt {seen.attempt} failed: {reason}")
+        if claim is not seen:
+            say(f"attempt {seen.attempt} failed: {claim.last_restart_reason}")
             time.sleep(backoff(seen.attempt, self.base_backoff))
         with self._every_node() as pool:
             live, record, _ = self._look(pool)
@@ -366,19 +373,9 @@ class Supervisor:
                 return None
             missing = [h.label for h in hosts if h in pool.failures]
             if missing:
-                why = f"{reason or seen.last_restart_reason}; then {', '.join(missing)} did not "
+                why = f"{claim.last_restart_reason}; then {', '.join(missing)} did not "
                 return self._gave_up(pool, seen, why + f"answer within {COME_BACK:.0f}s")
-            if reason is not None:
-                seen = replace(
-                    seen,
-                    supervisor=RELAUNCHING,
-                    attempt=seen.attempt + 1,
-                    restarts_left=seen.restarts_left - 1,
-                    last_restart_reason=reason,
-                    exit_codes=codes,
-                    diagnosis=saved or seen.diagnosis,
-                )
-            claimed = self._write(pool, seen, every=True)
+            claimed = self._write(pool, claim, every=True)
             if claimed is None:
                 say("another supervisor moved on first; following it")
                 return None

@@ -10,6 +10,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from .. import protocol as p
@@ -95,14 +96,12 @@ def unshared(pool: NodePool, workdir: str, hosts: Sequence[Host]) -> tuple[list[
 
 def local_files(root: str, exclude: Sequence[str]) -> list[p.FileState]:
     """The files under ``root`` (paths relative to it), as a node's manifest lists its own."""
-    found: list[p.FileState] = []
-    for state in walk(Path(root), set(exclude) | set(ALWAYS_EXCLUDED)):
-        found.append(state)
-        if len(found) > MAX_FILES:
-            raise LaunchError(
-                f"{root}: more than {MAX_FILES} files to sync; exclude data directories with "
-                "config sync_exclude"
-            )
+    found = list(islice(walk(Path(root), set(exclude) | set(ALWAYS_EXCLUDED)), MAX_FILES + 1))
+    if len(found) > MAX_FILES:
+        raise LaunchError(
+            f"{root}: more than {MAX_FILES} files to sync; exclude data directories with "
+            "config sync_exclude"
+        )
     return found
 
 
