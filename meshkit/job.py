@@ -115,12 +115,9 @@ class Job:
         """``python -m meshkit TASK`` with the job's discovery flags: the same on every node."""
         argv = [self.python, "-m", "meshkit", task, "--hostfile", self.node_hostfile]
         argv += ["--session", self.session, "--master-port", str(self.master_port)]
-        if self.nproc_per_node:
-            argv += ["--nproc-per-node", str(self.nproc_per_node)]
-        if self.include:
-            argv += ["--include", self.include]
-        if self.exclude:
-            argv += ["--exclude", self.exclude]
+        flags = ("--nproc-per-node", "--include", "--exclude")
+        for flag, value in zip(flags, (self.nproc_per_node, self.include, self.exclude)):
+            argv += [flag, str(value)] if value else []
         return [*argv, *extra]
 
     @property

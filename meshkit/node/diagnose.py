@@ -49,9 +49,8 @@ def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
                 )
     errors = read_errors(os.path.join(request.home, "errors"), started)
     tail = log_traceback(request.log) if state == "exited" and code and not errors else []
-    return DiagnoseReply(
-        state, code, jobs.idle(request.log, started), stacks, errors, tail, problem
-    )
+    idle = jobs.idle(request.log, started)
+    return DiagnoseReply(state, code, idle, stacks, errors, tail, problem)
 
 
 def rank_processes(keeper: int) -> dict[int, int]:

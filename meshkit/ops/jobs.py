@@ -131,10 +131,8 @@ def preflight(
     port, note = job.master_port, None
     if not problems:
         scan = [n for n in range(job.master_port, job.master_port + PORT_SCAN + 1) if n <= 65535]
-        probe = pool.call_all(
-            "ports", lambda h: p.PortsRequest(job.id, scan), p.PortsReply, hosts[:1]
-        )
-        outcome = probe.get(hosts[0])
+        ports = p.PortsRequest(job.id, scan)
+        outcome = pool.call_all("ports", lambda h: ports, p.PortsReply, hosts[:1]).get(hosts[0])
         if outcome is None or outcome.value is None:
             why = outcome.error if outcome else "?"
             problems.append(f"{hosts[0].label}: port probe failed: {why}")

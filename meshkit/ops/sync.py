@@ -128,12 +128,8 @@ def sync_workdir(
         lacking, _ = unshared(pool, job.workdir, hosts)
     exclude = [*DEFAULT_EXCLUDE, *job.sync_exclude]
     local = local_files(job.workdir, exclude)
-    manifests = pool.call_all(
-        "manifest",
-        lambda h: p.ManifestRequest(job.workdir, [*exclude, *ALWAYS_EXCLUDED]),
-        p.ManifestReply,
-        lacking,
-    )
+    listing = p.ManifestRequest(job.workdir, [*exclude, *ALWAYS_EXCLUDED])
+    manifests = pool.call_all("manifest", lambda h: listing, p.ManifestReply, lacking)
     problems = [f"{h.label}: {o.error}" for h, o in manifests.items() if o.error]
     problems += [f"{h.label}: unreachable" for h in lacking if h not in manifests]
     if problems:
@@ -144,12 +140,8 @@ def sync_workdir(
         queues[h] = [req for f in plan(local, outcome.value.files) for req in _puts(job.workdir, f)]
     sent = {h.label: sum(1 for r in q if r.last) for h, q in queues.items()}
     while any(queues.values()):
-        done = pool.call_all(
-            "sync",
-            lambda h: queues[h][0] if queues.get(h) else None,
-            p.PutReply,
-            [h for h, q in queues.items() if q],
-        )
+        busy = [h for h, q in queues.items() if q]
+        done = pool.call_all("sync", lambda h: queues[h][0], p.PutReply, busy)
         for h, put in done.items():
             if put.error:
                 raise LaunchError(
