@@ -103,11 +103,6 @@ class Job:
     def index(self) -> PurePosixPath:
         return index_file(self.hostfile, self.session)
 
-    @property
-    def log_pattern(self) -> str:
-        """What ``meshkit run --log`` is given: it replaces ``{rank}`` in the file name only."""
-        return str(self.home / "node{rank}.log")
-
     def log(self, rank: int) -> str:
         return str(self.home / f"node{rank}.log")
 
@@ -139,7 +134,8 @@ class Job:
         if attempt > 1:
             marker = f"===== meshkit: attempt {attempt} of {self.restarts + 1} ====="
             cmd = f"echo {shlex.quote(marker)}\n{cmd}"
-        run = [*(["--spawn"] if self.spawn else []), "--log", self.log_pattern, "--cmd", cmd]
+        logs = str(self.home / "node{rank}.log")  # `meshkit run --log` fills in {rank}
+        run = [*(["--spawn"] if self.spawn else []), "--log", logs, "--cmd", cmd]
         argv = self.meshkit_argv("run", *run)
         where = (self.id, self.session, self.label, self.workdir, self.tmux_session)
         return NodeJob(*where, argv, dict(self.env), list(self.setup))

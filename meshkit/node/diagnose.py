@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -35,11 +36,9 @@ def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
     stacks: list[RankStack] = []
     problem = None
     if found:
-        spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
-        if not os.access(spy, os.X_OK):
-            import shutil
-
-            spy = shutil.which("py-spy") or ""
+        # the interpreter's own bin first: a venv's, which the agent's PATH may lack
+        path = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', os.defpath)}"
+        spy = shutil.which("py-spy", path=path) or ""
         if not spy:
             problem = f"py-spy is not installed: {sys.executable} -m pip install py-spy"
         else:

@@ -303,27 +303,20 @@ class Supervisor:
             if stalled and stalled in str(decision.reason):
                 saved, decision = _save_diagnosis(pool, self.job, self.hosts, record, decision)
                 self.say(f"saved the diagnosis: {saved}")
+            kept = replace(record, exit_codes=codes, diagnosis=saved or record.diagnosis)
             if decision.action == "wait":
                 time.sleep(self.interval)
             elif decision.action == DONE:
-                final = self._write(pool, replace(record, supervisor=DONE, exit_codes=codes))
+                final = self._write(pool, replace(kept, supervisor=DONE))
                 if final is not None:
                     self.say("done: every node exited 0")
                     return final
             elif decision.action == GAVE_UP:
-                given = replace(record, diagnosis=saved or record.diagnosis)
-                return self._give_up(pool, given, seen, decision.reason or "")
+                return self._give_up(pool, kept, seen, decision.reason or "")
             else:
-                claim = replace(
-                    record,
-                    supervisor=RELAUNCHING,
-                    attempt=record.attempt + 1,
-                    restarts_left=record.restarts_left - 1,
-                    last_restart_reason=decision.reason,
-                    exit_codes=codes,
-                    diagnosis=saved or record.diagnosis,
-                )
-                return (record, claim)
+                why, left = decision.reason, record.restarts_left - 1
+                claim = replace(kept, supervisor=RELAUNCHING, last_restart_reason=why)
+                return (record, replace(claim, attempt=record.attempt + 1, restarts_left=left))
 
     def _give_up(self, pool: NodePool, record: Record, seen: list[NodeView], why: str) -> Record:
         # The other nodes usually fail on their own within seconds (torchrun notices a lost
@@ -433,20 +426,17 @@ def _save_diagnosis(
     return path, replace(decision, reason=f"{decision.reason}; outliers: {odd} (diagnosis: {path})")
 
 
-def supervisor_argv(job: Job, rank: int) -> list[str]:
-    """``meshkit supervise`` for one node; its output goes to ``supervisor-node<rank>.log``."""
-    return [
-        *(job.python, "-m", "meshkit", "supervise"),
-        *("--hostfile", job.node_hostfile, "--session", job.session, "--workdir", job.workdir),
-        *("--rank", str(rank), "--log", str(job.home / f"supervisor-node{rank}.log")),
-    ]
-
-
 def start_all(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
-    """A supervisor in tmux on every node where none is live. Returns the nodes it failed on."""
+    """A supervisor in tmux on every node where none is live (``meshkit supervise``, its output
+    in ``supervisor-node<rank>.log``). Returns the nodes it failed on."""
 
     def start(h: Host) -> SupervisorRequest:
-        argv = supervisor_argv(job, hosts.index(h))
+        rank = hosts.index(h)
+        argv = [
+            *(job.python, "-m", "meshkit", "supervise"),
+            *("--hostfile", job.node_hostfile, "--session", job.session, "--workdir", job.workdir),
+            *("--rank", str(rank), "--log", str(job.home / f"supervisor-node{rank}.log")),
+        ]
         return SupervisorRequest(job.id, job.supervisor_tmux, "start", argv)
 
     replies = pool.call_all("supervisor", start, SupervisorReply, hosts)
