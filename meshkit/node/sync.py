@@ -43,17 +43,13 @@ def manifest(request: ManifestRequest) -> ManifestReply:
     return ManifestReply(True, files, truncated=len(files) >= MAX_FILES)
 
 
-def _partial(path: Path) -> Path:
-    # One agent sends every chunk of a file; two controllers writing one file do not share it.
-    return path.with_name(f".{path.name}.meshkit-{os.getpid()}")
-
-
 def put(request: PutRequest) -> PutReply:
     path = Path(request.path)
     if not path.is_absolute() or ".." in path.parts:
         raise ValueError(f"put: {request.path[:200]!r} is not an absolute path without '..'")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _partial(path)
+    # One agent sends every chunk of a file; two controllers writing one file do not share it.
+    tmp = path.with_name(f".{path.name}.meshkit-{os.getpid()}")
     data = base64.b64decode(request.data.encode(), validate=True)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if request.offset == 0 else 0)
     with os.fdopen(os.open(tmp, flags, 0o600), "wb") as out:

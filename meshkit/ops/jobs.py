@@ -314,23 +314,12 @@ class StopRow:
         return self.error is None and not self.left
 
 
-def stop(
-    pool: NodePool,
-    job: Job,
-    hosts: Sequence[Host],
-    *,
-    keep_exit: bool = False,
-    only: Sequence[Host] | None = None,
-) -> list[StopRow]:
-    """End the job's whole process tree on every node (or ``only`` those), then check (on the
-    node) that nothing of it is left. A node that cannot be asked is a failure, never "nothing
-    left". ``keep_exit`` leaves the exit codes for status (a supervisor that gave up)."""
-    chosen = list(hosts if only is None else only)
-    replies = pool.call_all("stop", lambda h: p.StopRequest(job.id, keep_exit), p.StopReply, chosen)
+def stop(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[StopRow]:
+    """End the job's whole process tree on every node, then check (on the node) that nothing of
+    it is left. A node that cannot be asked is a failure, never "nothing left"."""
+    replies = pool.call_all("stop", lambda h: p.StopRequest(job.id), p.StopReply, hosts)
     rows = []
     for rank, h in enumerate(hosts):
-        if h not in chosen:
-            continue
         outcome = replies.get(h)
         if outcome is None or outcome.value is None:
             error = unanswered(outcome, h, pool.failures)

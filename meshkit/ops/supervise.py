@@ -23,7 +23,7 @@ from ..errors import LaunchError, MeshkitError, RemoteError, UsageError
 from ..hostfile import Host
 from ..job import Job
 from ..node.supervise import beat, register
-from ..protocol import SupervisorReply, SupervisorRequest
+from ..protocol import StopReply, StopRequest, SupervisorReply, SupervisorRequest
 from ..record import build, replace
 from . import jobs as ops
 from .pool import NodePool
@@ -187,11 +187,10 @@ def next_step(me: int, live: set[int], record: Record | None) -> Step:
 
 
 Connect = Callable[[float], AbstractContextManager[NodePool]]
-Relaunch = Callable[[NodePool, Job, int], ops.Launch]
 Gate = Callable[[NodePool, Job, Sequence[Host]], list[str]]  # one line per failed check
+Answers = dict[Host, SupervisorReply]
 # the record read, and the claim to write (the same record: take over the claimed relaunch)
 Restart = tuple[Record, Record]
-Answers = dict[Host, SupervisorReply]
 
 
 def health(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
@@ -239,7 +238,7 @@ class Supervisor:
     say: Callable[[str], None]
     interval: float = POLL_INTERVAL
     base_backoff: float = BACKOFF
-    relaunch: Relaunch | None = None
+    relaunch: Callable[[NodePool, Job, int], ops.Launch] | None = None
     gate: Gate = health
 
     def run(self) -> Record:
@@ -328,8 +327,9 @@ class Supervisor:
             time.sleep(self.interval)
             rows = ops.status(pool, job, hosts, phase="")
             still = [hosts[r.node_rank] for r in rows if r.state == RUNNING and not r.error]
-        if still:
-            ops.stop(pool, job, hosts, keep_exit=True, only=still)
+        if still:  # keep_exit: status shows the exit codes they were ended with
+            ending = StopRequest(job.id, keep_exit=True)
+            pool.call_all("stop", lambda h: ending, StopReply, still)
         codes = [r.exit_code for r in ops.status(pool, job, hosts, phase="")]
         return self._gave_up(pool, replace(record, exit_codes=codes), why)
 
