@@ -97,11 +97,9 @@ def dump(spy: str, rank: int, pid: int, seconds: float) -> RankStack:
             )
         return RankStack(rank, pid, [], [], f"cannot read its stack: {why}")
     threads.sort(key=lambda t: t.get("os_thread_id") != pid)  # the main thread first
-    frames = [_frames(t, MAX_FRAMES) for t in threads]
+    frames = [_frames(t, MAX_FRAMES) for t in threads] or [[]]
     seq, collective = flight(f"{fifo}.json", asked, seconds) if asked else (None, None)
-    return RankStack(
-        rank, pid, frames[0] if frames else [], frames[1 : MAX_THREADS + 1], None, seq, collective
-    )
+    return RankStack(rank, pid, frames[0], frames[1 : MAX_THREADS + 1], None, seq, collective)
 
 
 def flight(path: str, asked: float, seconds: float) -> tuple[int | None, str | None]:

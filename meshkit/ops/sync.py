@@ -60,21 +60,18 @@ def facts_round(pool: NodePool, workdir: str, hosts: Sequence[Host], writer: Hos
             raise LaunchError(f"{workdir}: cannot write the shared-storage marker: {exc}") from None
     timing: dict[Host, tuple[float, float]] = {}
     replies: dict[Host, Outcome[p.FactsReply]] = {}
+    sent: dict[Host, float] = {}
     others = [h for h in hosts if h != writer]
-    rounds = [(True, [writer]), (False, others)] if writer is not None else [(False, others)]
+
+    def request(host: Host) -> p.FactsRequest:
+        sent[host] = time.time()
+        return p.FactsRequest(workdir, marker, token, host == writer)
+
     try:
-        for write, chosen in rounds:
-            sent: dict[Host, float] = {}
-
-            def request(
-                host: Host, write: bool = write, sent: dict[Host, float] = sent
-            ) -> p.FactsRequest:
-                sent[host] = time.time()
-                return p.FactsRequest(workdir, marker, token, write)
-
+        for chosen in ([writer], others) if writer is not None else (others,):
             replies.update(pool.call_all("facts", request, p.FactsReply, chosen))
             back = time.time()
-            timing.update({h: (t, back) for h, t in sent.items()})
+            timing.update({h: (sent[h], back) for h in chosen if h in sent})
     finally:
         if writer is None:
             local.unlink(missing_ok=True)
