@@ -382,14 +382,13 @@ class Supervisor:
                     return self._gave_up(pool, claimed, why)
                 if claimed.held != held[0]:
                     say(f"attempt {attempt}: held by {held[0]}")
-                    claimed = self._write(pool, replace(claimed, held=held[0]))  # type: ignore[assignment]
-                    if claimed is None:
+                    if (claimed := self._write(pool, replace(claimed, held=held[0]))) is None:
                         return None
                 beat(job.id)
                 time.sleep(self.interval)
             # The claim renewed right before the launch: a supervisor that hung while another
             # took this attempt over finds a newer copy here and launches nothing.
-            claimed = self._write(pool, replace(claimed, held=None))  # type: ignore[assignment]
+            claimed = self._write(pool, replace(claimed, held=None))
             if claimed is None:
                 say(f"attempt {attempt}: another supervisor took it over; following it")
                 return None
