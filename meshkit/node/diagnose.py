@@ -43,9 +43,7 @@ def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
             problem = f"py-spy is not installed: {sys.executable} -m pip install py-spy"
         else:
             with ThreadPoolExecutor(len(found)) as pool:
-                stacks = list(
-                    pool.map(lambda r: dump(spy, r, found[r], request.seconds), sorted(found))
-                )
+                stacks = list(pool.map(lambda r: dump(spy, r, found[r], request.seconds), found))
     errors = read_errors(os.path.join(request.home, "errors"), started)
     tail = log_traceback(request.log) if state == "exited" and code and not errors else []
     idle = jobs.idle(request.log, started)
@@ -53,7 +51,7 @@ def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
 
 
 def rank_processes(keeper: int) -> dict[int, int]:
-    """rank -> pid: the job's Python processes carrying ``RANK``, the topmost of each rank."""
+    """rank -> pid, by rank: the job's Python processes carrying ``RANK``, the topmost of each."""
     table = procs.parents()
     found: dict[int, int] = {}
     for pid in procs.descendants(keeper, table):
@@ -67,7 +65,7 @@ def rank_processes(keeper: int) -> dict[int, int]:
         rank = env.get(b"RANK", b"")
         if rank.isdigit():
             found[pid] = int(rank)
-    return {r: p for p, r in found.items() if found.get(table.get(p, 0)) != r}
+    return dict(sorted((r, p) for p, r in found.items() if found.get(table.get(p, 0)) != r))
 
 
 def dump(spy: str, rank: int, pid: int, seconds: float) -> RankStack:

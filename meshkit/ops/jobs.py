@@ -198,28 +198,23 @@ def launch(
         pool.write_file(where, str(job.index), job.index_json())
     spec = job.node_job(attempt)
     started = pool.call_all("start", lambda h: p.StartRequest(spec, replace), p.StartReply)
-    return Launch(job, start_rows(hosts, started, pool.failures), checked.note, False, synced)
-
-
-def replace_port(job: Job, port: int) -> Job:
-    return job if port == job.master_port else replace(job, master_port=port)
-
-
-def start_rows(
-    hosts: Sequence[Host], started: dict[Host, Outcome[p.StartReply]], failures: dict[Host, str]
-) -> list[StartRow]:
     rows = []
     for rank, h in enumerate(hosts):
         outcome = started.get(h)
         if outcome is None or outcome.value is None:
-            rows.append(StartRow(rank, h.label, "absent", unanswered(outcome, h, failures), []))
+            why = unanswered(outcome, h, pool.failures)
+            rows.append(StartRow(rank, h.label, "absent", why, []))
             continue
         reply = outcome.value
         error = reply.error if not reply.started else None
         if reply.conflicts:
             error = "another meshkit job is running: " + ", ".join(r.label for r in reply.conflicts)
         rows.append(StartRow(rank, h.label, reply.state, error, [r.label for r in reply.replaced]))
-    return rows
+    return Launch(job, rows, checked.note, False, synced)
+
+
+def replace_port(job: Job, port: int) -> Job:
+    return job if port == job.master_port else replace(job, master_port=port)
 
 
 @dataclass(frozen=True)

@@ -139,11 +139,10 @@ def sync_workdir(
     while any(queues.values()):
         busy = [h for h, q in queues.items() if q]
         done = pool.call_all("sync", lambda h: queues[h][0], p.PutReply, busy)
-        for h, put in done.items():
-            if put.error:
-                raise LaunchError(
-                    [f"{h.label}: {put.error}", "train: sync failed; nothing was started"]
-                )
+        failed = [f"{h.label}: {put.error}" for h, put in done.items() if put.error]
+        if failed:
+            raise LaunchError([*failed, "train: sync failed; nothing was started"])
+        for h in done:
             queues[h].pop(0)
     for h in hosts:
         pool.write_file(h, str(job.home / "hostfile"), text)
