@@ -114,7 +114,8 @@ def stop(request: p.StopRequest) -> p.StopReply:
     if not left:
         # keep_exit: the job stays "exited" with the code its command ended with (143 when the
         # TERM above ended it), so status still shows the last attempt's codes.
-        for name in ("keeper.pid",) if request.keep_exit else ("exit", "started", "keeper.pid"):
+        stale = ("keeper.pid",) if request.keep_exit else ("exit", "started", "keeper.pid", "error")
+        for name in stale:
             with contextlib.suppress(OSError):
                 os.unlink(f"{d}/{name}")
     return p.StopReply(found, signalled, left)
@@ -138,11 +139,8 @@ def start(request: p.StartRequest) -> p.StartReply:
             return failed(f"processes of {victim.label} survived TERM and KILL: {ended.left[:20]}")
         if ended.found:
             replaced.append(victim)
-    d = state_dir(job.job_id)
+    d = state_dir(job.job_id)  # the stop above left none of its files
     os.makedirs(d, mode=0o700, exist_ok=True)
-    for name in ("exit", "started", "keeper.pid", "error"):
-        with contextlib.suppress(OSError):
-            os.unlink(f"{d}/{name}")
     write_atomic(f"{d}/{SPEC}", json.dumps(asdict(job)))
     tmux.kill_session(job.tmux_session)  # a stale one whose keeper is gone
     try:

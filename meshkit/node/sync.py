@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
+from stat import S_ISREG
 
 from ..protocol import FileState, ManifestReply, ManifestRequest, PutReply, PutRequest
 
@@ -28,11 +29,9 @@ def walk(root: Path, skip: set[str]) -> Iterator[FileState]:
                 st = path.lstat()
             except OSError:
                 continue
-            if not path.is_file() or path.is_symlink():
-                continue
-            yield FileState(
-                str(path.relative_to(root)), st.st_size, st.st_mtime, st.st_mode & 0o777
-            )
+            if S_ISREG(st.st_mode):  # not a symlink, whatever it points to
+                rel = str(path.relative_to(root))
+                yield FileState(rel, st.st_size, st.st_mtime, st.st_mode & 0o777)
 
 
 def manifest(request: ManifestRequest) -> ManifestReply:

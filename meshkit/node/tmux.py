@@ -28,16 +28,14 @@ def server_may_run() -> bool:
         return False
     import socket
 
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(TIMEOUT)
-        probe.connect(path)  # tmux drops a client that closes before identifying itself
-    except ConnectionRefusedError:
-        return False
-    except OSError:
-        return True
-    finally:
-        probe.close()
+        try:
+            probe.connect(path)  # tmux drops a client that closes before identifying itself
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            pass  # anything else: it may run
     return True
 
 
