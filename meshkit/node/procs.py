@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from . import signals
+from .files import read_text
 
 JOB_TAG = "MESHKIT_JOB"  # every process of a job inherits it (unless it clears its environment)
 SESSION_TAG = "MESHKIT_SESSION"  # the user's session name, for scripts that want it
@@ -93,9 +94,8 @@ def recorded(path: str, *marks: str) -> int | None:
     """The live process (not this one) whose pid the file ``path`` holds, if each of ``marks``
     is one of its command line's arguments: pids get reused."""
     try:
-        with open(path, "rb") as handle:
-            pid = int(handle.read(64).strip())
-    except (OSError, ValueError):
+        pid = int((read_text(path, 64) or "").strip())
+    except ValueError:
         return None
     if pid == os.getpid() or not alive(pid):
         return None
