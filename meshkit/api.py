@@ -168,24 +168,10 @@ class Cluster:
     ) -> doctor_op.Report:
         """``meshkit doctor``: can this cluster train? Every check, each with its fix.
         ``bandwidth``: ``doctor --bandwidth`` instead (every pair's throughput both ways)."""
-        if not 1 <= timeout <= 600:
-            raise UsageError(f"timeout={timeout}: expected seconds between 1 and 600")
-        if not 0 < min_ratio <= 1 or min_rate < 0:
-            raise UsageError(f"min_ratio={min_ratio}, min_rate={min_rate}: expected 0..1 and >= 0")
         job, hosts, _ = lookup.saved_or_new(self.conf, self.hostfile, self.session, self.workdir)
-        with connect(self.conf, job.hostfile, hosts, job.python) as pool:
-            if bandwidth:
-                return doctor_op.bandwidth(
-                    pool, job, hosts, min_ratio=min_ratio, min_rate=min_rate, probe_seconds=timeout
-                )
-            return doctor_op.run(
-                pool,
-                job,
-                hosts,
-                verify=None if quick else (lambda: mesh_op.verify(pool.cluster, hosts).failures),
-                collective=not quick,
-                probe_seconds=timeout,
-            )
+        return doctor_op.doctor(
+            self.conf, job, hosts, quick, timeout, bandwidth, min_ratio, min_rate
+        )
 
     @contextmanager
     def _pool(self, job: Job, hosts: list[Host], wait: float = 0.0) -> Iterator[NodePool]:

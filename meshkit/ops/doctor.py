@@ -14,6 +14,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from ..errors import UsageError
 from ..hostfile import Host
 from ..job import Job
 from ..meshplan import PairFailure
@@ -34,9 +35,11 @@ from ..protocol import (
     ProbeRequest,
     ProbeTarget,
 )
-from ..remote.group import Outcome
+from ..remote.group import Outcome, ProgressFn
+from ..settings import Config
 from .jobs import Envs, env_error, env_round
-from .pool import NodePool, unanswered
+from .mesh import verify
+from .pool import NodePool, connect, unanswered
 from .sync import Facts, facts_round
 
 # the order of the table: what a training job hits first comes first (a stable sort keeps nodes
@@ -50,6 +53,12 @@ PROBE_SECONDS = 30.0  # the collective probe's init + all_reduce timeout
 # One throughput try, one way: short and bounded in bytes, so that the best of a few tries rides
 # out a busy moment of a shared machine (the sandbox's 2 cores) rather than averaging it in.
 BW_SECONDS, BW_BYTES, BW_REPEATS = 0.2, 64 << 20, 3
+# what the CLI's flags and the Python API's arguments may be: (low, high, expected)
+LIMITS = {
+    "timeout": (1.0, 600.0, "seconds between 1 and 600"),
+    "min_ratio": (0.0, 1.0, "a fraction between 0 and 1"),
+    "min_rate": (0.0, float("inf"), "a rate of 0 bits/s or more"),
+}
 
 
 @dataclass(frozen=True)
@@ -96,9 +105,6 @@ class Report:
 
     def as_json(self) -> dict[str, object]:
         return {"ok": self.ok, "nodes": self.nodes, "checks": [asdict(c) for c in self.checks]}
-
-
-# ---- pure verdicts ------------------------------------------------------------------------
 
 
 def ssh_checks(hosts: Sequence[Host], failures: Sequence[PairFailure]) -> list[Check]:
@@ -293,7 +299,35 @@ def collective_checks(
     return checks
 
 
-# ---- orchestration ------------------------------------------------------------------------
+def within(name: str, value: float, shown: str) -> float:
+    """``value`` if within ``name``'s limit (NaN is not); else the error, naming it ``shown``."""
+    low, high, expected = LIMITS[name]
+    if not low <= value <= high:
+        raise UsageError(f"{shown}: expected {expected}")
+    return value
+
+
+def doctor(
+    conf: Config,
+    job: Job,
+    hosts: Sequence[Host],
+    quick: bool = False,
+    timeout: float = PROBE_SECONDS,
+    bandwidth: bool = False,
+    min_ratio: float = 0.5,
+    min_rate: float = 0.0,
+    progress: ProgressFn | None = None,
+) -> Report:
+    """``meshkit doctor``, for the CLI and the Python API alike: every check (``quick``: all but
+    the N x N SSH check and the collective probe), or with ``bandwidth`` every pair's throughput
+    (``measure``); ``timeout``: the collective probe's. The limits are checked before connecting."""
+    for name, value in (("timeout", timeout), ("min_ratio", min_ratio), ("min_rate", min_rate)):
+        within(name, value, f"{name}={value:g}")
+    with connect(conf, job.hostfile, hosts, job.python, progress) as pool:
+        if bandwidth:
+            return measure(pool, job, hosts, min_ratio, min_rate, timeout)
+        ssh = None if quick else (lambda: verify(pool.cluster, hosts).failures)
+        return run(pool, job, hosts, verify=ssh, collective=not quick, probe_seconds=timeout)
 
 
 def run(
@@ -396,9 +430,6 @@ def network_checks(
     if port_open:
         checks += reach_checks(hosts, port, replies, "master port")
     return checks + reach_checks(hosts, port, replies, "reach")
-
-
-# ---- doctor --bandwidth ---------------------------------------------------------------------
 
 
 def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
@@ -581,14 +612,13 @@ def bandwidth_round(
     return results
 
 
-def bandwidth(
+def measure(
     pool: NodePool,
     job: Job,
     hosts: Sequence[Host],
-    *,
-    min_ratio: float = 0.5,
-    min_rate: float = 0.0,
-    probe_seconds: float = PROBE_SECONDS,
+    min_ratio: float,
+    min_rate: float,
+    seconds: float,
 ) -> Report:
     """``doctor --bandwidth``: every pair's throughput both ways, on every network the pair
     shares, measured by the agents in rounds of disjoint pairs; then one timed all_reduce."""
@@ -630,7 +660,7 @@ def bandwidth(
         blocked = any(c.check == "rank" or c.detail.startswith("failed:") for c in failed)
         # sized to take about a second on the slowest link measured (1 to 64 MiB)
         size = int(min(max(min(matrix.rates.values(), default=0) / 16, 1 << 20), 64 << 20))
-        probe = collective_round(pool, job, hosts, blocked, probe_seconds, ["--bytes", str(size)])
+        probe = collective_round(pool, job, hosts, blocked, seconds, ["--bytes", str(size)])
         checks += probe
         words = [w for c in probe for w in c.detail.split() if w.startswith("busbw=")]
         matrix = replace(matrix, busbw=min((float(w[6:]) for w in words), default=None))

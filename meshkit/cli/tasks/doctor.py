@@ -77,12 +77,13 @@ def heatmap(bw: Bandwidth, nodes: list[str], path: str) -> None:
     plt.close(fig)
 
 
-def _number(text: str, flag: str, low: float, high: float, expected: str) -> float:
-    """``text`` as a number in [low, high]: ASCII digits and at most one point."""
+def _number(text: str, flag: str, name: str) -> float:
+    """``text`` (ASCII digits, at most one point) within the doctor's limit for ``name``."""
+    from ...ops.doctor import within
+
     digits = text.replace(".", "", 1)
-    if not (digits.isascii() and digits.isdigit() and low <= float(text) <= high):
-        raise UsageError(f"{flag} {text!r}: expected {expected}")
-    return float(text)
+    number = float(text) if digits.isascii() and digits.isdigit() else math.nan
+    return within(name, number, f"{flag} {text!r}")
 
 
 def render(report: Report) -> str:
@@ -117,12 +118,10 @@ def doctor(
     With --bandwidth: the throughput of every pair instead, and the all_reduce's bus bandwidth."""
     from ...ops import doctor as ops
     from ...ops.lookup import saved_or_new
-    from ...ops.mesh import verify
-    from ...ops.pool import connect
 
     with reported():
-        wait = _number(timeout, "--timeout", 1, 600, "seconds between 1 and 600")
-        ratio = _number(min_ratio, "--min-ratio", 0, 1, "a fraction between 0 and 1")
+        wait = _number(timeout, "--timeout", "timeout")
+        ratio = _number(min_ratio, "--min-ratio", "min_ratio")
         floor = rate(min_rate, "--min-rate") if min_rate else 0.0
         if plot and not plot.endswith((".png", ".html")):
             raise UsageError(f"--plot {plot!r}: expected a .png or .html file")
@@ -132,13 +131,7 @@ def doctor(
             conf(), hostfile, session, workdir, master_port, include, exclude
         )
         shown = None if json else progress
-        with connect(conf(), job.hostfile, hosts, job.python, shown) as pool:
-            ssh = None if quick else (lambda: verify(pool.cluster, hosts).failures)
-            report = (
-                ops.bandwidth(pool, job, hosts, min_ratio=ratio, min_rate=floor, probe_seconds=wait)
-                if bandwidth
-                else ops.run(pool, job, hosts, verify=ssh, collective=not quick, probe_seconds=wait)
-            )
+        report = ops.doctor(conf(), job, hosts, quick, wait, bandwidth, ratio, floor, shown)
         if plot and report.bandwidth is not None:
             heatmap(report.bandwidth, report.nodes, plot)
     if json:
