@@ -15,7 +15,7 @@ from .record import Invalid, asdict, build, field, record
 
 TYPE_CHECKING = False  # no runtime `typing`: every agent imports this module (see record.py)
 if TYPE_CHECKING:
-    from typing import Any, Literal, Union
+    from typing import Any, Literal
 
     JobState = Literal["running", "exited", "absent"]
 
@@ -27,11 +27,18 @@ MAX_LOG_BYTES = 256 * 1024  # log bytes one `logs` reply carries
 ProtocolViolation = Invalid  # a line that is not a well-formed request or reply
 
 
-# ---- requests and replies ---------------------------------------------------------------------
+@record
+class Request:
+    """Any op's request (the first column of ``OPS``)."""
 
 
 @record
-class EnvRequest:
+class Reply:
+    """Any op's reply (the second column of ``OPS``)."""
+
+
+@record
+class EnvRequest(Request):
     """Rank discovery on the node for a job in ``cwd`` (its workdir), as ``meshkit run`` will do
     it there (``cwd``'s meshkit.yaml included); the fields are ``meshkit env``'s flags."""
 
@@ -45,7 +52,7 @@ class EnvRequest:
 
 
 @record
-class EnvReply:
+class EnvReply(Reply):
     """The variables the node would export, and where they came from; or why discovery failed
     there (``error``, the message ``meshkit env`` prints; the other fields are then empty)."""
 
@@ -57,7 +64,7 @@ class EnvReply:
 
 
 @record
-class PortsRequest:
+class PortsRequest(Request):
     """Which of ``ports`` a TCP listener could bind here; ``job_id``'s own job may hold one."""
 
     job_id: str
@@ -71,7 +78,7 @@ class PortState:
 
 
 @record
-class PortsReply:
+class PortsReply(Reply):
     ports: list[PortState]
     ours: bool  # the job asked about is running here (so its port is about to be freed)
 
@@ -106,13 +113,13 @@ class RunningJob:
 
 
 @record
-class StartRequest:
+class StartRequest(Request):
     job: NodeJob
     replace: bool = False  # end other meshkit jobs running here (never without the user's say)
 
 
 @record
-class StartReply:
+class StartReply(Reply):
     started: bool
     state: Literal["running", "exited", "absent"]
     replaced: list[RunningJob]
@@ -121,23 +128,23 @@ class StartReply:
 
 
 @record
-class JobsRequest:
+class JobsRequest(Request):
     """The meshkit jobs running on this node."""
 
 
 @record
-class JobsReply:
+class JobsReply(Reply):
     running: list[RunningJob]
 
 
 @record
-class StatusRequest:
+class StatusRequest(Request):
     job_id: str
     log: str
 
 
 @record
-class StatusReply:
+class StatusReply(Reply):
     state: Literal["running", "exited", "absent"]
     exit_code: int | None
     started: float | None
@@ -146,20 +153,20 @@ class StatusReply:
 
 
 @record
-class StopRequest:
+class StopRequest(Request):
     job_id: str
     keep_exit: bool = False  # leave the exit record (a supervisor giving up keeps exit codes)
 
 
 @record
-class StopReply:
+class StopReply(Reply):
     found: bool  # the job had a keeper (or processes) here
     signalled: int
     left: list[int]  # processes of the job still alive after TERM and KILL (looked, not assumed)
 
 
 @record
-class LogsRequest:
+class LogsRequest(Request):
     """The last ``lines`` lines of ``path``, or (``offset`` given) what was appended since."""
 
     path: str
@@ -168,7 +175,7 @@ class LogsRequest:
 
 
 @record
-class LogsReply:
+class LogsReply(Reply):
     lines: list[str]
     offset: int  # where the next `follow` read starts
     missing: bool = False
@@ -178,7 +185,7 @@ class LogsReply:
 
 
 @record
-class FactsRequest:
+class FactsRequest(Request):
     """Versions, GPUs, clock and the workdir: the master writes ``marker`` (holding ``token``)
     first, the other nodes then look for it (the workdir is shared if they all see it)."""
 
@@ -189,7 +196,7 @@ class FactsRequest:
 
 
 @record
-class FactsReply:
+class FactsReply(Reply):
     hostname: str
     python: str
     meshkit: str
@@ -203,7 +210,7 @@ class FactsReply:
 
 
 @record
-class ListenRequest:
+class ListenRequest(Request):
     """A short-lived TCP listener: on ``ifname``'s IPv4 address (None: every address) and
     ``port`` (0: any free one); it closes by itself after ``seconds``. ``bandwidth``: it serves
     throughput tests (``doctor_bandwidth``) instead of only accepting."""
@@ -215,7 +222,7 @@ class ListenRequest:
 
 
 @record
-class ListenReply:
+class ListenReply(Reply):
     address: str
     port: int
     error: str | None  # why it could not listen (a busy port names its holder when known)
@@ -229,7 +236,7 @@ class ProbeTarget:
 
 
 @record
-class ConnectRequest:
+class ConnectRequest(Request):
     """TCP connect to every target at once, retried until ``seconds`` have passed."""
 
     targets: list[ProbeTarget]
@@ -245,24 +252,24 @@ class ConnectResult:
 
 
 @record
-class ConnectReply:
+class ConnectReply(Reply):
     results: list[ConnectResult]
 
 
 @record
-class DoneRequest:
+class DoneRequest(Request):
     """Close this agent's doctor listeners; remove ``marker`` when given."""
 
     marker: str | None = None
 
 
 @record
-class DoneReply:
+class DoneReply(Reply):
     closed: int
 
 
 @record
-class ProbeRequest:
+class ProbeRequest(Request):
     """Run ``argv`` (``meshkit run --cmd <collective probe>``) in ``cwd``, bounded by ``seconds``."""
 
     cwd: str
@@ -271,7 +278,7 @@ class ProbeRequest:
 
 
 @record
-class ProbeReply:
+class ProbeReply(Reply):
     code: int
     out: str
     err: str
@@ -286,7 +293,7 @@ class BandwidthTarget:
 
 
 @record
-class BandwidthRequest:
+class BandwidthRequest(Request):
     """Throughput to each target in turn, both ways, the best of ``repeats`` tries of at most
     ``seconds`` and ``max_bytes`` each way; also this node's networks and InfiniBand devices."""
 
@@ -306,7 +313,7 @@ class BandwidthResult:
 
 
 @record
-class BandwidthReply:
+class BandwidthReply(Reply):
     results: list[BandwidthResult]
     networks: list[str]  # "ifname address/prefixlen", IPv4, neither loopback nor link-local
     infiniband: list[str]  # "device:port state" from /sys/class/infiniband
@@ -317,7 +324,7 @@ class BandwidthReply:
 
 
 @record
-class DiagnoseRequest:
+class DiagnoseRequest(Request):
     """The job's ranks on this node (Python processes in its keeper's tree carrying ``RANK``):
     each one's stack (py-spy, at most ``seconds`` per rank), and the error files its ranks left in
     ``home`` (the job's directory); ``log`` is read for a traceback when there are none."""
@@ -351,7 +358,7 @@ class RankError:
 
 
 @record
-class DiagnoseReply:
+class DiagnoseReply(Reply):
     state: Literal["running", "exited", "absent"]
     exit_code: int | None
     idle: float | None
@@ -365,7 +372,7 @@ class DiagnoseReply:
 
 
 @record
-class SupervisorRequest:
+class SupervisorRequest(Request):
     """The job's supervisor on this node, and this node's copy of the supervision record.
     ``action``: look; ``start`` one (``argv``, in tmux ``tmux_session``) unless one is live here;
     ``end`` it (and drop the copy). ``record``: write it as the copy unless the copy is newer than
@@ -380,7 +387,7 @@ class SupervisorRequest:
 
 
 @record
-class SupervisorReply:
+class SupervisorReply(Reply):
     pid: int | None  # the live supervisor here (found before an ``end``)
     beat: float | None  # seconds since it last beat, on this node's clock (None: none here)
     left: list[int]  # an ended supervisor's processes that survived TERM and KILL
@@ -389,7 +396,7 @@ class SupervisorReply:
 
 
 @record
-class ManifestRequest:
+class ManifestRequest(Request):
     """Size and mtime of every file under ``root`` (relative paths), ``exclude`` names skipped."""
 
     root: str
@@ -405,14 +412,14 @@ class FileState:
 
 
 @record
-class ManifestReply:
+class ManifestReply(Reply):
     exists: bool
     files: list[FileState]
     truncated: bool = False
 
 
 @record
-class PutRequest:
+class PutRequest(Request):
     """A chunk of a file (base64 ``data`` at ``offset``); ``last`` moves it into place with
     ``mode`` and ``mtime`` (until then it is a hidden temporary beside it)."""
 
@@ -425,15 +432,13 @@ class PutRequest:
 
 
 @record
-class PutReply:
+class PutReply(Reply):
     written: int
 
 
-# ---- the table ----------------------------------------------------------------------------------
-
 # op -> (request, reply, handler): the handler is "module.function" of meshkit.node, imported on
 # first use (a status round needs none of doctor, sync or supervise).
-OPS: dict[str, tuple[type[Any], type[Any], str]] = {
+OPS: dict[str, tuple[type[Request], type[Reply], str]] = {
     "env": (EnvRequest, EnvReply, "agent.env"),
     "ports": (PortsRequest, PortsReply, "agent.ports"),
     "start": (StartRequest, StartReply, "jobs.start"),
@@ -454,25 +459,9 @@ OPS: dict[str, tuple[type[Any], type[Any], str]] = {
 }
 _OP_OF = {request: op for op, (request, _, _) in OPS.items()}
 
-if TYPE_CHECKING:  # any op's request, any op's reply, in OPS order (split to fit lines)
-    _RequestA = Union[EnvRequest, PortsRequest, StartRequest, JobsRequest, StatusRequest]
-    _RequestB = Union[StopRequest, LogsRequest, DiagnoseRequest, FactsRequest, ListenRequest]
-    _RequestC = Union[ConnectRequest, DoneRequest, ProbeRequest, BandwidthRequest]
-    _RequestD = Union[SupervisorRequest, ManifestRequest, PutRequest]
-    Request = Union[_RequestA, _RequestB, _RequestC, _RequestD]
-    _ReplyA = Union[EnvReply, PortsReply, StartReply, JobsReply, StatusReply, StopReply, LogsReply]
-    _ReplyB = Union[DiagnoseReply, FactsReply, ListenReply, ConnectReply, DoneReply, ProbeReply]
-    _ReplyC = Union[BandwidthReply, SupervisorReply, ManifestReply, PutReply]
-    Reply = Union[_ReplyA, _ReplyB, _ReplyC]
-else:  # the aliases only annotate; at runtime any name will do
-    Request = Reply = object
-
 
 def op_of(request: Request) -> str:
     return _OP_OF[type(request)]
-
-
-# ---- encoding ---------------------------------------------------------------------------------
 
 
 def encode_request(request: Request) -> str:
