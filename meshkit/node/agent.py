@@ -11,6 +11,7 @@ import sys
 
 from .. import protocol
 from ..protocol import MAX_LINE, EnvReply, EnvRequest, PortsReply, PortsRequest, PortState
+from ..record import asdict
 
 TYPE_CHECKING = False  # no runtime `typing` in the agent (see meshkit/record.py)
 if TYPE_CHECKING:
@@ -28,16 +29,9 @@ def env(request: EnvRequest) -> EnvReply:
     if not os.path.isdir(request.cwd):
         why = f"workdir {request.cwd} is missing (it must be on storage every node shares)"
         return EnvReply({}, "", None, "", why)
+    flags = {k: None if v is None else str(v) for k, v in asdict(request).items() if k != "cwd"}
     try:
-        node = node_env(
-            settings.load(cwd=request.cwd),
-            hostfile=request.hostfile,
-            session=request.session,
-            master_port=str(request.master_port),
-            nproc_per_node=None if request.nproc_per_node is None else str(request.nproc_per_node),
-            include=request.include,
-            exclude=request.exclude,
-        )
+        node = node_env(settings.load(cwd=request.cwd), **flags)
     except MeshkitError as exc:
         return EnvReply({}, "", None, "", str(exc))
     return EnvReply(variables(node), node.source, node.matched, node.interface_source)

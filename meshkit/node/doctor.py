@@ -47,9 +47,6 @@ SIOCGIFADDR = 0x8915
 SIOCGIFNETMASK = 0x891B
 
 
-# ---- facts ------------------------------------------------------------------------------------
-
-
 def _version(package: str) -> str | None:
     """The installed version of ``package``, as ``importlib.metadata.version`` finds it: the first
     ``.dist-info`` (or ``.egg-info``) of that name along ``sys.path``. Read here because importing
@@ -151,8 +148,6 @@ def facts(request: FactsRequest) -> FactsReply:
     )
 
 
-# ---- listeners --------------------------------------------------------------------------------
-
 _listeners: dict[int, tuple[socket.socket, threading.Event]] = {}
 
 
@@ -248,9 +243,6 @@ def done(request: DoneRequest) -> DoneReply:
     return DoneReply(closed)
 
 
-# ---- connect probes ---------------------------------------------------------------------------
-
-
 ATTEMPT = 2.0  # seconds one connect attempt may take
 
 
@@ -291,8 +283,6 @@ def connect(request: ConnectRequest) -> ConnectReply:
         thread.join(max(0.0, deadline - time.monotonic()) + 3.0)
     return ConnectReply(results)
 
-
-# ---- throughput between pairs ------------------------------------------------------------------
 
 CHUNK = 256 * 1024
 HEADER = 32  # "sink" or "send SECONDS BYTES", padded: a fixed size, so no data is read with it
@@ -394,9 +384,6 @@ def bandwidth(request: BandwidthRequest) -> BandwidthReply:
                 errors[i] = f"{target.host}:{target.port}: {why or type(exc).__name__}"
     results = [BandwidthResult(t.label, t.network, *b, e) for t, b, e in zip(targets, best, errors)]
     return BandwidthReply(results, networks(), infiniband(), _version("torch") is not None)
-
-
-# ---- the collective probe ---------------------------------------------------------------------
 
 
 def probe(request: ProbeRequest) -> ProbeReply:

@@ -138,9 +138,13 @@ class AgentPool:
         with Cluster(hosts, settings, progress=progress, on_open=start) as cluster:
             if wait:
                 cluster.wait_for(wait)
-            with cls(cluster, python) as pool:
-                pool._agents.update(started)
+            pool = cls(cluster, python)
+            pool._agents.update(started)
+            try:
                 yield pool
+            finally:
+                for agent in pool._agents.values():
+                    agent.close()
 
     @property
     def failures(self) -> dict[Host, str]:
@@ -180,17 +184,6 @@ class AgentPool:
         if agent is None:
             agent = self._agents[remote.host] = Agent(remote, self.python)
         return agent
-
-    def close(self) -> None:
-        for agent in self._agents.values():
-            agent.close()
-        self._agents.clear()
-
-    def __enter__(self) -> AgentPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _NodeSaid(RemoteError):
