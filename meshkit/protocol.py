@@ -181,9 +181,6 @@ class LogsReply(Reply):
     missing: bool = False
 
 
-# ---- doctor: node-side checks (meshkit/node/doctor.py) ----------------------------------------
-
-
 @record
 class FactsRequest(Request):
     """Versions, GPUs, clock and the workdir: the master writes ``marker`` (holding ``token``)
@@ -230,7 +227,7 @@ class ListenReply(Reply):
 
 @record
 class ProbeTarget:
-    label: str
+    label: str  # the peer as the hostfile spells it
     host: str
     port: int
 
@@ -285,11 +282,8 @@ class ProbeReply(Reply):
 
 
 @record
-class BandwidthTarget:
-    label: str  # the peer as the hostfile spells it
+class BandwidthTarget(ProbeTarget):
     network: str  # this node's interface towards it
-    host: str
-    port: int
 
 
 @record
@@ -318,9 +312,6 @@ class BandwidthReply(Reply):
     networks: list[str]  # "ifname address/prefixlen", IPv4, neither loopback nor link-local
     infiniband: list[str]  # "device:port state" from /sys/class/infiniband
     torch: bool  # torch is installed for this interpreter (the all_reduce needs it)
-
-
-# ---- diagnose: every rank's stack and error (meshkit/node/diagnose.py) -----------------------
 
 
 @record
@@ -366,9 +357,6 @@ class DiagnoseReply(Reply):
     errors: list[RankError]
     log_traceback: list[str]  # the log's last traceback, when no rank left an error file
     problem: str | None = None  # why no stack could be read at all (py-spy missing, say)
-
-
-# ---- supervision and sync -----------------------------------------------------------------------
 
 
 @record
@@ -473,8 +461,7 @@ def decode_request(line: str) -> tuple[str, Request]:
     op = data.get("op")
     if data.get("v") != VERSION or not isinstance(op, str) or op not in OPS:
         raise ProtocolViolation(f"unknown request {str(op)[:40]!r} (protocol v{data.get('v')})")
-    request: Request = build(OPS[op][0], data.get("args"), "args")
-    return op, request
+    return op, build(OPS[op][0], data.get("args"), "args")
 
 
 def encode_reply(reply: Reply | None, error: str | None = None) -> str:
@@ -488,8 +475,7 @@ def decode_reply(op: str, line: str) -> Reply:
     data = _load(line)
     if data.get("ok") is False:
         raise NodeFailure(str(data.get("error"))[:4000])
-    reply: Reply = build(OPS[op][1], data.get("result"), "result")
-    return reply
+    return build(OPS[op][1], data.get("result"), "result")
 
 
 class NodeFailure(Exception):

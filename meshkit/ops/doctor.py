@@ -484,7 +484,7 @@ def pair_targets(
     own = {address for _, address in mine.values()}
     shared = [net for net in theirs if net in mine and theirs[net][1] not in own]
     shared.sort(key=lambda net: theirs[net][0] != server_if)
-    return [BandwidthTarget(label, net, theirs[net][1], port) for net in shared]
+    return [BandwidthTarget(label, theirs[net][1], port, net) for net in shared]
 
 
 def bandwidth_checks(
