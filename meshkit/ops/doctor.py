@@ -131,28 +131,19 @@ def ssh_fix(error: str) -> str:
     return "run `meshkit mesh` (keys, known_hosts), then `meshkit check`"
 
 
-@dataclass(frozen=True)
-class NodeView:
-    """What discovery (``meshkit env``) said on one node."""
-
-    rank: int | None
-    master_addr: str | None
-    ifname: str | None
-    interface_source: str
-    error: str | None
-
-
-def read_env(outcome: Outcome[EnvReply] | None, failure: str | None) -> NodeView:
+def read_env(outcome: Outcome[EnvReply] | None, failure: str | None) -> EnvReply:
+    """What discovery (``meshkit env``) said on one node; why it said nothing as its ``error``."""
     error = env_error(outcome, failure)
     if error is not None or outcome is None or outcome.value is None:
-        return NodeView(None, None, None, "", error)
-    found, rank = outcome.value.variables, outcome.value.variables.get("NODE_RANK", "")
-    number = int(rank) if rank.isascii() and rank.isdigit() else None
-    ifname = found.get("GLOO_SOCKET_IFNAME") or None
-    return NodeView(number, found.get("MASTER_ADDR"), ifname, outcome.value.interface_source, None)
+        return EnvReply({}, "", None, "", error)
+    return outcome.value
 
 
-def env_checks(hosts: Sequence[Host], views: dict[Host, NodeView]) -> list[Check]:
+def ifname(view: EnvReply) -> str | None:
+    return view.variables.get("GLOO_SOCKET_IFNAME") or None
+
+
+def env_checks(hosts: Sequence[Host], views: dict[Host, EnvReply]) -> list[Check]:
     checks = []
     for rank, host in enumerate(hosts):
         view = views[host]
@@ -160,13 +151,15 @@ def env_checks(hosts: Sequence[Host], views: dict[Host, NodeView]) -> list[Check
             fix = "fix the node (see detail) and rerun"
             checks.append(verdict("rank", host, False, view.error, fix))
             continue
-        detail = f"NODE_RANK={view.rank} (hostfile line {host.lineno} is rank {rank})"
+        said = view.variables.get("NODE_RANK", "")
+        number = int(said) if said.isascii() and said.isdigit() else None
+        detail = f"NODE_RANK={number} (hostfile line {host.lineno} is rank {rank})"
         fix = (
             "list this node in the hostfile as it sees itself (an address of one of its interfaces)"
         )
-        checks.append(verdict("rank", host, view.rank == rank, detail, fix))
-        found = view.ifname is not None or len(hosts) == 1
-        detail = f"{view.ifname} ({view.interface_source})"
+        checks.append(verdict("rank", host, number == rank, detail, fix))
+        found = ifname(view) is not None or len(hosts) == 1
+        detail = f"{ifname(view)} ({view.interface_source})"
         fix = (
             "list addresses (not names) in the hostfile, or set GLOO_SOCKET_IFNAME and "
             "NCCL_SOCKET_IFNAME (config meshkit.env)"
@@ -396,7 +389,7 @@ def collective_round(
 
 
 def network_checks(
-    pool: NodePool, job: Job, hosts: Sequence[Host], views: dict[Host, NodeView], may_move: bool
+    pool: NodePool, job: Job, hosts: Sequence[Host], views: dict[Host, EnvReply], may_move: bool
 ) -> list[Check]:
     """The master port free on the master and reachable from every node; every node reaching
     every other on the interface its backends will use."""
@@ -407,7 +400,10 @@ def network_checks(
     port_open = held is not None and held.value is not None and held.value.error is None
     ok_hosts = [h for h in hosts if views[h].error is None]
     listens = pool.call_all(
-        "listen", lambda h: ListenRequest(views[h].ifname, 0, LISTEN_SECONDS), ListenReply, ok_hosts
+        "listen",
+        lambda h: ListenRequest(ifname(views[h]), 0, LISTEN_SECONDS),
+        ListenReply,
+        ok_hosts,
     )
     targets: dict[Host, ProbeTarget] = {}
     for h in ok_hosts:
@@ -423,7 +419,11 @@ def network_checks(
         peers = [t for p, t in targets.items() if p != h]
         if port_open and h != master:
             # to MASTER_ADDR as this node's env spells it, as torchrun's store client will
-            peers.append(ProbeTarget(master.label, views[h].master_addr or master.host, port))
+            peers.append(
+                ProbeTarget(
+                    master.label, views[h].variables.get("MASTER_ADDR") or master.host, port
+                )
+            )
         return ConnectRequest(peers, CONNECT_SECONDS)
 
     replies = pool.call_all("reach", connects, ConnectReply, ok_hosts, timeout=CONNECT_SECONDS + 30)
@@ -625,7 +625,7 @@ def measure(
     envs = env_round(pool, job)
     views = {h: read_env(envs.get(h), pool.failures.get(h)) for h in hosts}
     checks = [c for c in env_checks(hosts, views) if not c.ok or c.check == "interface"]
-    ifnames = {h: views[h].ifname for h in hosts}
+    ifnames = {h: ifname(views[h]) for h in hosts}
     found = pool.call_all("networks", lambda h: BandwidthRequest([], 0, 0, 0), BandwidthReply)
     replies = {h: o.value for h, o in found.items() if o.value is not None}
     for h in hosts:

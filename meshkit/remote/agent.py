@@ -32,10 +32,9 @@ class Agent:
         transport = remote.conn.client.get_transport()
         if transport is None:
             raise RemoteError("the connection is closed")
-        self.channel: paramiko.Channel = transport.open_session(
-            timeout=remote.settings.connect_timeout
-        )
-        self.channel.settimeout(remote.settings.command_timeout)
+        settings = remote.settings
+        self.channel: paramiko.Channel = transport.open_session(timeout=settings.connect_timeout)
+        self.channel.settimeout(settings.command_timeout)
         self.channel.exec_command(shlex.join([python, "-m", "meshkit.node", "serve"]))
         self._out = self.channel.makefile("rb")
 
