@@ -113,9 +113,8 @@ def ssh_checks(hosts: Sequence[Host], failures: Sequence[PairFailure]) -> list[C
     checks = []
     for source in hosts:
         broken: dict[Host, list[str]] = {}
-        for f in failures:
-            if f.source == source:
-                broken.setdefault(f.target, []).append(f.error)
+        for f in (f for f in failures if f.source == source):
+            broken.setdefault(f.target, []).append(f.error)
         if not broken:
             checks.append(verdict("ssh", source, True, f"logs in to all {len(hosts)} nodes"))
         for target, errors in broken.items():
@@ -178,10 +177,9 @@ def fact_checks(
     hosts: Sequence[Host], round_: Facts, failures: dict[Host, str], synced: bool = False
 ) -> list[Check]:
     """Versions equal to the master's; GPUs against the master's slots (every node runs that
-    many ranks); the workdir shared and writable (a
-    synced job's nodes hold copies: the master's marker is not expected there); clocks within
-    CLOCK_SKEW of the controller's (``timing``: when each request left and its reply came back,
-    controller time)."""
+    many ranks); the workdir shared and writable (a synced job's nodes hold copies: the master's
+    marker is not expected there); clocks within CLOCK_SKEW of the controller's (``timing``: when
+    each request left and its reply came back, controller time)."""
     checks: list[Check] = []
     slots, master = hosts[0].slots, round_.replies.get(hosts[0])
     reference = master.value if master is not None else None
