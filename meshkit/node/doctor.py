@@ -203,12 +203,9 @@ def _serve(sock: socket.socket, stop: threading.Event, deadline: float, bandwidt
 
 
 def listen(request: ListenRequest) -> ListenReply:
-    port, address = request.port, ""
-    if request.ifname:
-        found = interface_address(request.ifname)
-        if found is None:
-            return ListenReply("", port, f"interface {request.ifname} has no IPv4 address here")
-        address = found
+    port, address = request.port, interface_address(request.ifname) if request.ifname else ""
+    if address is None:
+        return ListenReply("", port, f"interface {request.ifname} has no IPv4 address here")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # as torchrun's store does: a port in TIME_WAIT is free, one with a listener is not
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
