@@ -22,24 +22,7 @@ import sys
 import threading
 import time
 
-from ..protocol import (
-    BandwidthReply,
-    BandwidthRequest,
-    BandwidthResult,
-    BandwidthTarget,
-    ConnectReply,
-    ConnectRequest,
-    ConnectResult,
-    DoneReply,
-    DoneRequest,
-    FactsReply,
-    FactsRequest,
-    ListenReply,
-    ListenRequest,
-    ProbeReply,
-    ProbeRequest,
-    ProbeTarget,
-)
+from .. import protocol as p
 from .gpus import gpu_count
 
 MAX_SECONDS = 120.0  # no doctor call holds a listener or retries longer than this
@@ -113,7 +96,7 @@ def _writable(workdir: str) -> str | None:
     return None
 
 
-def _marker(request: FactsRequest) -> str:
+def _marker(request: p.FactsRequest) -> str:
     path = request.marker
     try:
         if request.write_marker:
@@ -130,11 +113,11 @@ def _marker(request: FactsRequest) -> str:
     return "seen" if text == request.token else f"{path} holds another run's token"
 
 
-def facts(request: FactsRequest) -> FactsReply:
+def facts(request: p.FactsRequest) -> p.FactsReply:
     from .. import __version__
 
     missing = None if os.path.isdir(request.workdir) else f"{request.workdir}: missing"
-    return FactsReply(
+    return p.FactsReply(
         hostname=socket.gethostname(),
         python="{}.{}.{}".format(*sys.version_info[:3]),  # platform.python_version(), unimported
         meshkit=_version("meshkit") or __version__,
@@ -202,10 +185,10 @@ def _serve(sock: socket.socket, stop: threading.Event, deadline: float, bandwidt
     stop.set()
 
 
-def listen(request: ListenRequest) -> ListenReply:
+def listen(request: p.ListenRequest) -> p.ListenReply:
     port, address = request.port, interface_address(request.ifname) if request.ifname else ""
     if address is None:
-        return ListenReply("", port, f"interface {request.ifname} has no IPv4 address here")
+        return p.ListenReply("", port, f"interface {request.ifname} has no IPv4 address here")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # as torchrun's store does: a port in TIME_WAIT is free, one with a listener is not
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -217,18 +200,18 @@ def listen(request: ListenRequest) -> ListenReply:
         if exc.errno == errno.EADDRINUSE:
             holder = port_holder(port)
             held = f" (held by {holder})" if holder else ""
-            return ListenReply(address, port, f"port {port} is busy{held}")
+            return p.ListenReply(address, port, f"port {port} is busy{held}")
         why = f"cannot listen on {address or '*'}:{port}: {exc.strerror or exc}"
-        return ListenReply(address, port, why)
+        return p.ListenReply(address, port, why)
     port, stop = int(sock.getsockname()[1]), threading.Event()
     deadline = time.monotonic() + min(max(request.seconds, 0.1), MAX_SECONDS)
     serve = (sock, stop, deadline, request.bandwidth)
     threading.Thread(target=_serve, args=serve, daemon=True).start()
     _listeners[port] = (sock, stop)
-    return ListenReply(address or "*", port, None)
+    return p.ListenReply(address or "*", port, None)
 
 
-def done(request: DoneRequest) -> DoneReply:
+def done(request: p.DoneRequest) -> p.DoneReply:
     closed = len(_listeners)
     for sock, stop in _listeners.values():
         stop.set()
@@ -237,13 +220,13 @@ def done(request: DoneRequest) -> DoneReply:
     if request.marker:
         with contextlib.suppress(OSError):
             os.unlink(request.marker)
-    return DoneReply(closed)
+    return p.DoneReply(closed)
 
 
 ATTEMPT = 2.0  # seconds one connect attempt may take
 
 
-def _connect(target: ProbeTarget, deadline: float) -> ConnectResult:
+def _connect(target: p.ProbeTarget, deadline: float) -> p.ConnectResult:
     """Retry until the deadline: the peer's listener may open a moment after we start. At least
     one attempt is made (of up to ATTEMPT seconds), even when this thread started after the
     deadline: on a loaded node, with hundreds of peers, a probe that never tried is no verdict."""
@@ -251,12 +234,12 @@ def _connect(target: ProbeTarget, deadline: float) -> ConnectResult:
     while True:
         left = deadline - time.monotonic()
         if left <= 0 and last:
-            return ConnectResult(target.label, target.port, False, f"{where}: {last}")
+            return p.ConnectResult(target.label, target.port, False, f"{where}: {last}")
         try:
             timeout = min(left, ATTEMPT) if left > 0 else ATTEMPT
             socket.create_connection((target.host, target.port), timeout=timeout).close()
             took = (time.monotonic() - started) * 1000
-            return ConnectResult(target.label, target.port, True, f"{where} in {took:.0f} ms")
+            return p.ConnectResult(target.label, target.port, True, f"{where} in {took:.0f} ms")
         except (TimeoutError, socket.timeout):
             last = "no answer (timeout)"
         except OSError as exc:
@@ -264,12 +247,12 @@ def _connect(target: ProbeTarget, deadline: float) -> ConnectResult:
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
-def connect(request: ConnectRequest) -> ConnectReply:
+def connect(request: p.ConnectRequest) -> p.ConnectReply:
     deadline = time.monotonic() + min(max(request.seconds, 0.1), MAX_SECONDS)
     targets = request.targets
-    results = [ConnectResult(t.label, t.port, False, "probe did not finish") for t in targets]
+    results = [p.ConnectResult(t.label, t.port, False, "probe did not finish") for t in targets]
 
-    def one(i: int, target: ProbeTarget) -> None:
+    def one(i: int, target: p.ProbeTarget) -> None:
         results[i] = _connect(target, deadline)
 
     tried = enumerate(targets[:1024])  # bounded threads: the rest are said not to have finished
@@ -278,7 +261,7 @@ def connect(request: ConnectRequest) -> ConnectReply:
         thread.start()
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()) + 3.0)
-    return ConnectReply(results)
+    return p.ConnectReply(results)
 
 
 CHUNK = 256 * 1024
@@ -322,7 +305,7 @@ def _bandwidth_peer(conn: socket.socket) -> None:
             _pump(conn, float(words[1]), int(words[2]))
 
 
-def _measure(target: BandwidthTarget, seconds: float, max_bytes: int) -> tuple[float, float]:
+def _measure(target: p.BandwidthTarget, seconds: float, max_bytes: int) -> tuple[float, float]:
     """One try each way, in bytes/s, each timed by the side that knows when the data arrived:
     what is still in buffers when sending stops counts until the peer has it."""
     address = (target.host, target.port)
@@ -363,7 +346,7 @@ def infiniband(root: str = "/sys/class/infiniband") -> list[str]:
     return found
 
 
-def bandwidth(request: BandwidthRequest) -> BandwidthReply:
+def bandwidth(request: p.BandwidthRequest) -> p.BandwidthReply:
     """Each try goes over every target in turn (a pair's networks interleaved, so that a busy
     moment weighs on all of them alike); the best try per target counts."""
     targets, seconds = request.targets[:64], min(max(request.seconds, 0.01), MAX_TEST_SECONDS)
@@ -379,13 +362,13 @@ def bandwidth(request: BandwidthRequest) -> BandwidthReply:
             except (OSError, ValueError) as exc:
                 why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 errors[i] = f"{target.host}:{target.port}: {why or type(exc).__name__}"
-    results = [BandwidthResult(t.label, t.network, *b, e) for t, b, e in zip(targets, best, errors)]
-    return BandwidthReply(results, networks(), infiniband(), _version("torch") is not None)
+    found = [p.BandwidthResult(t.label, t.network, *b, e) for t, b, e in zip(targets, best, errors)]
+    return p.BandwidthReply(found, networks(), infiniband(), _version("torch") is not None)
 
 
-def probe(request: ProbeRequest) -> ProbeReply:
+def probe(request: p.ProbeRequest) -> p.ProbeReply:
     if not os.path.isdir(request.cwd):
-        return ProbeReply(1, "", f"cd: {request.cwd}: No such file or directory")
+        return p.ProbeReply(1, "", f"cd: {request.cwd}: No such file or directory")
     import subprocess  # the full doctor's collective probe only
 
     seconds = min(max(request.seconds, 1.0), MAX_SECONDS * 2)
@@ -401,7 +384,7 @@ def probe(request: ProbeRequest) -> ProbeReply:
             start_new_session=True,
         )
     except FileNotFoundError:
-        return ProbeReply(127, "", f"{request.argv[0]}: No such file or directory")
+        return p.ProbeReply(127, "", f"{request.argv[0]}: No such file or directory")
     try:
         out, err = child.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:
@@ -409,5 +392,5 @@ def probe(request: ProbeRequest) -> ProbeReply:
             os.killpg(child.pid, signal.SIGKILL)
         out, _ = child.communicate()
         took = f"the collective probe took longer than {seconds:.0f}s"
-        return ProbeReply(124, out[-65536:], took)
-    return ProbeReply(child.returncode, out[-65536:], err[-65536:])
+        return p.ProbeReply(124, out[-65536:], took)
+    return p.ProbeReply(child.returncode, out[-65536:], err[-65536:])

@@ -14,27 +14,11 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from .. import protocol as p
 from ..errors import UsageError
 from ..hostfile import Host
 from ..job import Job
 from ..meshplan import PairFailure
-from ..protocol import (
-    BandwidthReply,
-    BandwidthRequest,
-    BandwidthResult,
-    BandwidthTarget,
-    ConnectReply,
-    ConnectRequest,
-    DoneReply,
-    DoneRequest,
-    EnvReply,
-    FactsReply,
-    ListenReply,
-    ListenRequest,
-    ProbeReply,
-    ProbeRequest,
-    ProbeTarget,
-)
 from ..remote.group import Outcome, ProgressFn
 from ..settings import Config
 from .jobs import Envs, env_error, env_round
@@ -130,19 +114,19 @@ def ssh_fix(error: str) -> str:
     return "run `meshkit mesh` (keys, known_hosts), then `meshkit check`"
 
 
-def read_env(outcome: Outcome[EnvReply] | None, failure: str | None) -> EnvReply:
+def read_env(outcome: Outcome[p.EnvReply] | None, failure: str | None) -> p.EnvReply:
     """What discovery (``meshkit env``) said on one node; why it said nothing as its ``error``."""
     error = env_error(outcome, failure)
     if error is not None or outcome is None or outcome.value is None:
-        return EnvReply({}, "", None, "", error)
+        return p.EnvReply({}, "", None, "", error)
     return outcome.value
 
 
-def ifname(view: EnvReply) -> str | None:
+def ifname(view: p.EnvReply) -> str | None:
     return view.variables.get("GLOO_SOCKET_IFNAME") or None
 
 
-def env_checks(hosts: Sequence[Host], views: dict[Host, EnvReply]) -> list[Check]:
+def env_checks(hosts: Sequence[Host], views: dict[Host, p.EnvReply]) -> list[Check]:
     checks = []
     for rank, host in enumerate(hosts):
         view = views[host]
@@ -168,7 +152,7 @@ def env_checks(hosts: Sequence[Host], views: dict[Host, EnvReply]) -> list[Check
     return checks
 
 
-def versions(f: FactsReply) -> dict[str, str]:
+def versions(f: p.FactsReply) -> dict[str, str]:
     found = {"python": f.python, "torch": f.torch, "meshkit": f.meshkit}
     return {k: v or "-" for k, v in {**found, "CUDA": f.cuda, "NCCL": f.nccl}.items()}
 
@@ -217,7 +201,7 @@ def fact_checks(
 
 
 def port_check(
-    master: Host, port: int, outcome: Outcome[ListenReply] | None, may_move: bool = False
+    master: Host, port: int, outcome: Outcome[p.ListenReply] | None, may_move: bool = False
 ) -> Check:
     """``may_move``: the caller (train) moves to a free port itself, so busy is only a note."""
     if outcome is None or outcome.value is None:
@@ -233,7 +217,7 @@ def port_check(
 
 
 def reach_checks(
-    hosts: Sequence[Host], port: int, replies: dict[Host, Outcome[ConnectReply]], what: str
+    hosts: Sequence[Host], port: int, replies: dict[Host, Outcome[p.ConnectReply]], what: str
 ) -> list[Check]:
     """Of each node's connect round: ``what`` = "master port", its connect to the master's
     ``port`` (the other nodes'); "reach", those to every peer's listener."""
@@ -268,7 +252,7 @@ def reach_checks(
 
 
 def collective_checks(
-    hosts: Sequence[Host], replies: dict[Host, Outcome[ProbeReply]], failures: dict[Host, str]
+    hosts: Sequence[Host], replies: dict[Host, Outcome[p.ProbeReply]], failures: dict[Host, str]
 ) -> list[Check]:
     checks = []
     fix = (
@@ -350,7 +334,7 @@ def run(
     try:
         checks += network_checks(pool, job, hosts, views, port_may_move)
     finally:
-        pool.call_all("", lambda h: DoneRequest(marker if h == hosts[0] else None), DoneReply)
+        pool.call_all("", lambda h: p.DoneRequest(marker if h == hosts[0] else None), p.DoneReply)
     if collective:
         blocked = any(not c.ok for c in checks if c.check in ("master port", "reach", "rank"))
         checks += collective_round(pool, job, hosts, blocked, probe_seconds, [])
@@ -381,50 +365,44 @@ def collective_round(
         return [verdict("collective", hosts[0], False, why, "fix the failures above first")]
     probe = ["-m", "meshkit.templates.collective_probe", "--timeout", f"{seconds:g}", *extra]
     argv = job.meshkit_argv("run", "--cmd", shlex.join([job.python, *probe]))
-    request = ProbeRequest(job.workdir, argv, seconds + 30)
-    replies = pool.call_all("collective", lambda h: request, ProbeReply, timeout=seconds + 60)
+    request = p.ProbeRequest(job.workdir, argv, seconds + 30)
+    replies = pool.call_all("collective", lambda h: request, p.ProbeReply, timeout=seconds + 60)
     return collective_checks(hosts, replies, pool.failures)
 
 
 def network_checks(
-    pool: NodePool, job: Job, hosts: Sequence[Host], views: dict[Host, EnvReply], may_move: bool
+    pool: NodePool, job: Job, hosts: Sequence[Host], views: dict[Host, p.EnvReply], may_move: bool
 ) -> list[Check]:
     """The master port free on the master and reachable from every node; every node reaching
     every other on the interface its backends will use."""
     master, port = hosts[0], job.master_port
-    request = ListenRequest(None, port, LISTEN_SECONDS)
-    held = pool.call_all("port", lambda h: request, ListenReply, [master]).get(master)
+    request = p.ListenRequest(None, port, LISTEN_SECONDS)
+    held = pool.call_all("port", lambda h: request, p.ListenReply, [master]).get(master)
     checks = [port_check(master, port, held, may_move)]
     port_open = held is not None and held.value is not None and held.value.error is None
     ok_hosts = [h for h in hosts if views[h].error is None]
-    listens = pool.call_all(
-        "listen",
-        lambda h: ListenRequest(ifname(views[h]), 0, LISTEN_SECONDS),
-        ListenReply,
-        ok_hosts,
-    )
-    targets: dict[Host, ProbeTarget] = {}
+    asks = {h: p.ListenRequest(ifname(views[h]), 0, LISTEN_SECONDS) for h in ok_hosts}
+    listens = pool.call_all("listen", asks.get, p.ListenReply, ok_hosts)
+    targets: dict[Host, p.ProbeTarget] = {}
     for h in ok_hosts:
-        got = listens.get(h, Outcome[ListenReply](error="unreachable"))
+        got = listens.get(h, Outcome[p.ListenReply](error="unreachable"))
         if got.value is None or got.value.error:
             why = f"cannot listen: {got.value.error if got.value else got.error}"
             checks.append(verdict("reach", h, False, why, "fix the node's interface"))
             continue
         address = h.host if got.value.address == "*" else got.value.address
-        targets[h] = ProbeTarget(h.label, address, got.value.port)
+        targets[h] = p.ProbeTarget(h.label, address, got.value.port)
 
-    def connects(h: Host) -> ConnectRequest:
-        peers = [t for p, t in targets.items() if p != h]
+    def connects(h: Host) -> p.ConnectRequest:
+        peers = [t for peer, t in targets.items() if peer != h]
         if port_open and h != master:
             # to MASTER_ADDR as this node's env spells it, as torchrun's store client will
-            peers.append(
-                ProbeTarget(
-                    master.label, views[h].variables.get("MASTER_ADDR") or master.host, port
-                )
-            )
-        return ConnectRequest(peers, CONNECT_SECONDS)
+            address = views[h].variables.get("MASTER_ADDR") or master.host
+            peers.append(p.ProbeTarget(master.label, address, port))
+        return p.ConnectRequest(peers, CONNECT_SECONDS)
 
-    replies = pool.call_all("reach", connects, ConnectReply, ok_hosts, timeout=CONNECT_SECONDS + 30)
+    wait = CONNECT_SECONDS + 30
+    replies = pool.call_all("reach", connects, p.ConnectReply, ok_hosts, timeout=wait)
     if port_open:
         checks += reach_checks(hosts, port, replies, "master port")
     return checks + reach_checks(hosts, port, replies, "reach")
@@ -447,12 +425,12 @@ def disjoint(pairs: Sequence[tuple[Host, Host]]) -> list[list[tuple[Host, Host]]
     """``pairs`` in rounds in which no node is twice (greedy: each into the first that has room)."""
     rounds: list[list[tuple[Host, Host]]] = []
     for pair in pairs:
-        free = next((r for r in rounds if not {*pair} & {h for p in r for h in p}), None)
+        free = next((r for r in rounds if not {*pair} & {h for two in r for h in two}), None)
         free.append(pair) if free is not None else rounds.append([pair])
     return rounds
 
 
-def _better(r: BandwidthResult) -> tuple[bool, float]:
+def _better(r: p.BandwidthResult) -> tuple[bool, float]:
     return r.error is None, min(r.sent, r.received)
 
 
@@ -463,7 +441,7 @@ def rate_text(bits: float) -> str:
     return f"{bits:.0f} bit/s"
 
 
-def _subnets(reply: BandwidthReply) -> dict[str, tuple[str, str]]:
+def _subnets(reply: p.BandwidthReply) -> dict[str, tuple[str, str]]:
     """A node's networks: subnet -> (interface, address)."""
     found: dict[str, tuple[str, str]] = {}
     for line in reply.networks:
@@ -474,20 +452,20 @@ def _subnets(reply: BandwidthReply) -> dict[str, tuple[str, str]]:
 
 
 def pair_targets(
-    client: BandwidthReply, server: BandwidthReply, server_if: str | None, label: str, port: int
-) -> list[BandwidthTarget]:
+    client: p.BandwidthReply, server: p.BandwidthReply, server_if: str | None, label: str, port: int
+) -> list[p.BandwidthTarget]:
     """The client's tests towards the server: one per network both are on (the server's exported
     interface's first), never to an address the client holds itself (docker0's 172.17.0.1)."""
     mine, theirs = _subnets(client), _subnets(server)
     own = {address for _, address in mine.values()}
     shared = [net for net in theirs if net in mine and theirs[net][1] not in own]
     shared.sort(key=lambda net: theirs[net][0] != server_if)
-    return [BandwidthTarget(label, theirs[net][1], port, net) for net in shared]
+    return [p.BandwidthTarget(label, theirs[net][1], port, net) for net in shared]
 
 
 def bandwidth_checks(
     hosts: Sequence[Host],
-    results: dict[tuple[Host, Host], list[BandwidthResult]],
+    results: dict[tuple[Host, Host], list[p.BandwidthResult]],
     ifnames: dict[Host, str | None],
     min_ratio: float,
     min_rate: float,
@@ -506,9 +484,9 @@ def bandwidth_checks(
         per_node[b].append(value)
     median = statistics.median([statistics.median(v) for v in per_node.values() if v] or [0.0])
     floor = max(min_ratio * median, min_rate)
-    pairs = sorted(results, key=lambda p: (hosts.index(p[0]), hosts.index(p[1])))
-    slow = {p for p in pairs if min(rates.get(p, 0), rates.get(p[::-1], 0)) < floor}
-    mates = {h: {p for p in pairs if h in p} for h in hosts}
+    pairs = sorted(results, key=lambda two: (hosts.index(two[0]), hosts.index(two[1])))
+    slow = {two for two in pairs if min(rates.get(two, 0), rates.get(two[::-1], 0)) < floor}
+    mates = {h: {two for two in pairs if h in two} for h in hosts}
     nodes = [h for h in hosts if len(hosts) > 2 and mates[h] and mates[h] <= slow]
     link = (
         "look at this link: cable, switch ports and negotiated speed on both ends (ethtool), or "
@@ -535,8 +513,8 @@ def bandwidth_checks(
 
 def network_checks_bw(
     hosts: Sequence[Host],
-    replies: dict[Host, BandwidthReply],
-    results: dict[tuple[Host, Host], list[BandwidthResult]],
+    replies: dict[Host, p.BandwidthReply],
+    results: dict[tuple[Host, Host], list[p.BandwidthResult]],
     ifnames: dict[Host, str | None],
     min_ratio: float,
 ) -> list[Check]:
@@ -546,7 +524,7 @@ def network_checks_bw(
     devices."""
     checks = []
     for host in hosts:
-        reply = replies.get(host, BandwidthReply([], [], [], False))
+        reply = replies.get(host, p.BandwidthReply([], [], [], False))
         names = {net: name for net, (name, _) in _subnets(reply).items()}
         mine = ifnames.get(host) or ""
         speed: dict[str, float] = {}
@@ -577,35 +555,35 @@ def network_checks_bw(
 def bandwidth_round(
     pool: NodePool,
     pairs: dict[Host, Host],
-    replies: dict[Host, BandwidthReply],
+    replies: dict[Host, p.BandwidthReply],
     ifnames: dict[Host, str | None],
     networks: int = 64,
-) -> dict[tuple[Host, Host], list[BandwidthResult]]:
+) -> dict[tuple[Host, Host], list[p.BandwidthResult]]:
     """One round: each server (``pairs``' values) listens, each client tests towards it (on its
     first ``networks`` networks in common)."""
     bound = BW_REPEATS * 2 * (BW_SECONDS + 5)  # one test's worst case (a drain after each try)
-    request = ListenRequest(None, 0, bound * 4, bandwidth=True)
-    listens = pool.call_all("listen", lambda h: request, ListenReply, list(pairs.values()))
-    tests: dict[Host, list[BandwidthTarget]] = {}
+    request = p.ListenRequest(None, 0, bound * 4, bandwidth=True)
+    listens = pool.call_all("listen", lambda h: request, p.ListenReply, list(pairs.values()))
+    tests: dict[Host, list[p.BandwidthTarget]] = {}
     results = {}
     for client, server in pairs.items():
-        got = listens.get(server, Outcome[ListenReply](error="unreachable"))
+        got = listens.get(server, Outcome[p.ListenReply](error="unreachable"))
         why = got.value.error if got.value else got.error
         port = got.value.port if got.value else 0
         found = pair_targets(replies[client], replies[server], ifnames[server], server.label, port)
         tests[client] = [] if why else found[:networks]
         why = f"{server.label} cannot listen: {why}" if why else "no network in common"
-        results[client, server] = [BandwidthResult(server.label, "", 0.0, 0.0, why)]
+        results[client, server] = [p.BandwidthResult(server.label, "", 0.0, 0.0, why)]
 
-    def test(h: Host) -> BandwidthRequest | None:
-        return BandwidthRequest(tests[h], BW_SECONDS, BW_BYTES, BW_REPEATS) if tests[h] else None
+    def test(h: Host) -> p.BandwidthRequest | None:
+        return p.BandwidthRequest(tests[h], BW_SECONDS, BW_BYTES, BW_REPEATS) if tests[h] else None
 
     timeout = bound * max((len(t) for t in tests.values()), default=1) + 30
-    done = pool.call_all("bandwidth", test, BandwidthReply, list(pairs), timeout=timeout)
+    done = pool.call_all("bandwidth", test, p.BandwidthReply, list(pairs), timeout=timeout)
     for client, server in pairs.items():
         if client in done:
             reply = done[client]
-            failed = [BandwidthResult(server.label, "", 0.0, 0.0, str(reply.error))]
+            failed = [p.BandwidthResult(server.label, "", 0.0, 0.0, str(reply.error))]
             results[client, server] = reply.value.results if reply.value else failed
     return results
 
@@ -624,13 +602,13 @@ def measure(
     views = {h: read_env(envs.get(h), pool.failures.get(h)) for h in hosts}
     checks = [c for c in env_checks(hosts, views) if not c.ok or c.check == "interface"]
     ifnames = {h: ifname(views[h]) for h in hosts}
-    found = pool.call_all("networks", lambda h: BandwidthRequest([], 0, 0, 0), BandwidthReply)
+    found = pool.call_all("networks", lambda h: p.BandwidthRequest([], 0, 0, 0), p.BandwidthReply)
     replies = {h: o.value for h, o in found.items() if o.value is not None}
     for h in hosts:
         if h not in replies:
             why = unanswered(found.get(h), h, pool.failures)
             checks.append(verdict("bandwidth", h, False, why, "fix the node"))
-    results: dict[tuple[Host, Host], list[BandwidthResult]] = {}
+    results: dict[tuple[Host, Host], list[p.BandwidthResult]] = {}
     todo = [[(hosts[a], hosts[b]) for a, b in r] for r in pair_rounds(len(hosts))]
     try:
         for networks in (64, 1, 1):
@@ -647,7 +625,7 @@ def measure(
             slow = {(c.node, c.peer) for c in pair_checks if not c.ok}
             todo = disjoint([(a, b) for a, b in results if (a.label, b.label) in slow])
     finally:
-        pool.call_all("", lambda h: DoneRequest(None), DoneReply)
+        pool.call_all("", lambda h: p.DoneRequest(None), p.DoneReply)
     checks += pair_checks + network_checks_bw(hosts, replies, results, ifnames, min_ratio)
     lacking = [h.label for h in hosts if h not in replies or not replies[h].torch]
     if lacking:
