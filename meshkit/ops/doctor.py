@@ -408,6 +408,13 @@ def network_checks(
     return checks + reach_checks(hosts, port, replies, "reach")
 
 
+# doctor --bandwidth's rounds: (client, server) -> its tests, that network's first; each node's
+# exported interface (None: not found); each node's answer to "networks"
+Results = dict[tuple[Host, Host], list[p.BandwidthResult]]
+Ifnames = dict[Host, str | None]
+Replies = dict[Host, p.BandwidthReply]
+
+
 def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
     """Every pair of ``n`` nodes once, in rounds of disjoint pairs (the circle method): n-1
     rounds of n/2 pairs; for odd n, n rounds, each with one node out."""
@@ -464,11 +471,7 @@ def pair_targets(
 
 
 def bandwidth_checks(
-    hosts: Sequence[Host],
-    results: dict[tuple[Host, Host], list[p.BandwidthResult]],
-    ifnames: dict[Host, str | None],
-    min_ratio: float,
-    min_rate: float,
+    hosts: Sequence[Host], results: Results, ifnames: Ifnames, min_ratio: float, min_rate: float
 ) -> tuple[list[Check], Bandwidth]:
     """One check per pair on the exported network (``results``: (client, server) -> its tests,
     that network's first): slow below ``min_ratio`` x the cluster's median or below ``min_rate``
@@ -512,11 +515,7 @@ def bandwidth_checks(
 
 
 def network_checks_bw(
-    hosts: Sequence[Host],
-    replies: dict[Host, p.BandwidthReply],
-    results: dict[tuple[Host, Host], list[p.BandwidthResult]],
-    ifnames: dict[Host, str | None],
-    min_ratio: float,
+    hosts: Sequence[Host], replies: Replies, results: Results, ifnames: Ifnames, min_ratio: float
 ) -> list[Check]:
     """Per node with more than one network: each one's rate (its fastest pair there, the slower
     direction), which is fastest, and whether the exported interface is it (a failure when another
@@ -553,12 +552,8 @@ def network_checks_bw(
 
 
 def bandwidth_round(
-    pool: NodePool,
-    pairs: dict[Host, Host],
-    replies: dict[Host, p.BandwidthReply],
-    ifnames: dict[Host, str | None],
-    networks: int = 64,
-) -> dict[tuple[Host, Host], list[p.BandwidthResult]]:
+    pool: NodePool, pairs: dict[Host, Host], replies: Replies, ifnames: Ifnames, networks: int = 64
+) -> Results:
     """One round: each server (``pairs``' values) listens, each client tests towards it (on its
     first ``networks`` networks in common)."""
     bound = BW_REPEATS * 2 * (BW_SECONDS + 5)  # one test's worst case (a drain after each try)
@@ -608,7 +603,7 @@ def measure(
         if h not in replies:
             why = unanswered(found.get(h), h, pool.failures)
             checks.append(verdict("bandwidth", h, False, why, "fix the node"))
-    results: dict[tuple[Host, Host], list[p.BandwidthResult]] = {}
+    results: Results = {}
     todo = [[(hosts[a], hosts[b]) for a, b in r] for r in pair_rounds(len(hosts))]
     try:
         for networks in (64, 1, 1):
