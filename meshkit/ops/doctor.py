@@ -302,7 +302,7 @@ def doctor(
         if bandwidth:
             return measure(pool, job, hosts, min_ratio, min_rate, timeout)
         ssh = None if quick else (lambda: verify(pool.cluster, hosts).failures)
-        return run(pool, job, hosts, verify=ssh, collective=not quick, probe_seconds=timeout)
+        return run(pool, job, hosts, verify=ssh, probe_seconds=timeout)
 
 
 def run(
@@ -311,15 +311,14 @@ def run(
     hosts: Sequence[Host],
     *,
     verify: Callable[[], Sequence[PairFailure]] | None = None,
-    collective: bool = True,
     probe_seconds: float = PROBE_SECONDS,
     port_may_move: bool = False,
     envs: Envs | None = None,
     facts: Facts | None = None,
 ) -> Report:
-    """Every check, in the order a training job would hit them. ``verify`` (the SSH N x N check)
-    and ``collective`` are the slow parts; ``quick`` (train --doctor) leaves both out. ``envs``
-    and ``facts``: rounds the caller ran already (train runs each once)."""
+    """Every check, in the order a training job would hit them. The slow parts run only with
+    ``verify`` (the SSH N x N check): it, and the collective probe. ``envs`` and ``facts``: rounds
+    the caller ran already (train runs each once)."""
     checks = ssh_checks(hosts, verify()) if verify is not None else []
     envs = env_round(pool, job) if envs is None else envs
     views = {h: read_env(envs.get(h), pool.failures.get(h)) for h in hosts}
@@ -335,7 +334,7 @@ def run(
         checks += network_checks(pool, job, hosts, views, port_may_move)
     finally:
         pool.call_all("", lambda h: p.DoneRequest(marker if h == hosts[0] else None), p.DoneReply)
-    if collective:
+    if verify is not None:
         blocked = any(not c.ok for c in checks if c.check in ("master port", "reach", "rank"))
         checks += collective_round(pool, job, hosts, blocked, probe_seconds, [])
     checks.sort(key=lambda c: ORDER.index(c.check))
@@ -352,7 +351,7 @@ def quick(
     """The quick parts, for ``train --doctor`` and the supervisor's health gate: everything but
     the N x N SSH check (the train connections just proved the controller's side) and the
     collective probe; a busy master port is only a note, since train then moves to a free one."""
-    return run(pool, job, hosts, collective=False, port_may_move=True, envs=envs, facts=facts)
+    return run(pool, job, hosts, port_may_move=True, envs=envs, facts=facts)
 
 
 def collective_round(
