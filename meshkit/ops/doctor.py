@@ -407,8 +407,7 @@ def network_checks(
     return checks + reach_checks(hosts, port, replies, "reach")
 
 
-# doctor --bandwidth's rounds: (client, server) -> its tests, that network's first; each node's
-# exported interface (None: not found); each node's answer to "networks"
+# doctor --bandwidth's maps: (client, server) -> tests; node -> interface; node -> its networks
 Results = dict[tuple[Host, Host], list[p.BandwidthResult]]
 Ifnames = dict[Host, str | None]
 Replies = dict[Host, p.BandwidthReply]
