@@ -132,6 +132,18 @@ def test_rates_parse_as_tc_counts_them():
             rate(bad, "--rate")
 
 
+def test_limits_are_one_check_for_the_cli_and_the_api():
+    """min_ratio=0 (only --min-rate counts) is accepted both ways; the API once refused it."""
+    assert doctor.within("min_ratio", 0.0, "min_ratio=0") == 0.0
+    for name, value, said in (
+        ("min_ratio", 2.0, "min_ratio=2: expected a fraction between 0 and 1"),
+        ("timeout", float("nan"), "timeout=nan: expected seconds between 1 and 600"),
+        ("min_rate", -1.0, "min_rate=-1: expected a rate of 0 bits/s or more"),
+    ):
+        with pytest.raises(UsageError, match=said):
+            doctor.within(name, value, f"{name}={value:g}")
+
+
 # ---- on a sandbox: 4 nodes, two networks each ----------------------------------------------
 
 NAME = named("nbandw")
