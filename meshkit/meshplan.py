@@ -43,9 +43,6 @@ def is_meshkit_temp(name: str) -> bool:
     return bool(_TEMP.match(name))
 
 
-# ---------------------------------------------------------------- user keys
-
-
 @dataclass(frozen=True)
 class KeySlot:
     """One ``~/.ssh/id_*`` pair as found: whether the private half exists, the .pub's text."""
@@ -89,9 +86,6 @@ def choose_user_key(slots: Sequence[KeySlot], node: str) -> UserKey:
         "without its private half; meshkit never overwrites a key file: add the private key, or "
         "remove the stray .pub"
     )
-
-
-# ---------------------------------------------------------------- files sshd would refuse
 
 
 @dataclass(frozen=True)
@@ -174,9 +168,6 @@ def authorized_keys_problem(node: str, value: str | None, where: str, home: str)
         "~/.ssh/authorized_keys, so the keys mesh installs would never be used; add "
         ".ssh/authorized_keys to AuthorizedKeysFile, or leave this node out (--exclude)"
     )
-
-
-# ---------------------------------------------------------------- names a node answers to
 
 
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -303,9 +294,6 @@ def name_conflicts(named: Mapping[Host, Sequence[tuple[str, str]]]) -> list[str]
     ]
 
 
-# ---------------------------------------------------------------- mesh and unmesh plans
-
-
 @dataclass
 class NodeFacts:
     """What inspect found on a node (nothing here came from anywhere but the node and the
@@ -424,9 +412,6 @@ def placeholder_key(host: Host) -> PublicKey:
     raw = struct.pack(">I", 11) + b"ssh-ed25519" + struct.pack(">I", 32)
     raw += hashlib.sha256(host.label.encode()).digest()
     return PublicKey("ssh-ed25519", base64.b64encode(raw).decode(), f"(new key of {host.label})")
-
-
-# ---------------------------------------------------------------- the N x N check
 
 
 @dataclass(frozen=True)

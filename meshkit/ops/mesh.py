@@ -39,8 +39,6 @@ Texts = tuple[str | None, str | None]  # authorized_keys and known_hosts (None: 
 Change = Callable[[Texts], tuple[Texts, T]]  # the files as they are now -> what to write, and why
 
 
-# ---------------------------------------------------------------- inspect
-
 # Every read, write, key and lock of mesh and unmesh goes through one NodeShell per node (one exec
 # channel, so the user's shell and its ~/.bashrc start once per node); SFTP is not used: its
 # subsystem starts the user's shell too, wherever sshd runs sftp-server.
@@ -239,9 +237,6 @@ def own_hostname(remote: Remote) -> str:
         return ""
 
 
-# ---------------------------------------------------------------- keys and install
-
-
 def make_user_key(remote: Remote, shell: NodeShell, user: UserKey) -> UserKey:
     """Create (ssh-keygen) or derive (ssh-keygen -y) the node's user key under the ~/.ssh lock;
     never overwrites (a file that appeared meanwhile is kept, and its public half read)."""
@@ -334,18 +329,9 @@ def _rewrite(
                     shell.one("unlock")
 
 
-@dataclass
-class Written:
-    """What install did on one node: the merges it wrote, and the stale temps it removed."""
-
-    plan: NodePlan
-    cleaned: int = 0
-    remerged: bool = False
-
-
 def install(
     remote: Remote, shell: NodeShell, fact: NodeFacts, planned: NodePlan, wanted: mp.Entries
-) -> Written:
+) -> NodeReport:
     """Write ``planned`` (``_rewrite``), merged again if the files changed since inspect."""
 
     def change(now: Texts) -> tuple[Texts, NodePlan]:
@@ -362,7 +348,10 @@ def install(
         return (auth.text if auth.changed else None, known.text if known.changed else None), done
 
     done, cleaned = _rewrite(shell, fact, "install", change)
-    return Written(done, cleaned, done is not planned)
+    node = _node_report(fact, done, False, cleaned)
+    if done is not planned:
+        node.notes.append("files changed since inspect: merged again before writing")
+    return node
 
 
 def apply_unmesh(
@@ -383,9 +372,6 @@ def apply_unmesh(
     key = planned.remove_key
     then = (f"rm - {key}", f"rm - {key}.pub") if key else ()
     return _rewrite(shell, fact, "unmesh", change, then)[0]
-
-
-# ---------------------------------------------------------------- verify
 
 
 def verify(
@@ -429,21 +415,17 @@ def verify(
     return out
 
 
-# ---------------------------------------------------------------- the operations
-
-
 @dataclass
 class NodeReport:
+    """One node's outcome, with its plan (as written: merged again if the files changed)."""
+
     host: Host
+    plan: NodePlan
     user_key: str  # kept | create | created | derive | derived
-    authorized_added: list[str] = field(default_factory=list)
-    authorized_claimed: int = 0
-    known_added: list[str] = field(default_factory=list)
-    known_claimed: int = 0
-    cleaned: int = 0
     result: str = "unchanged"  # changed | unchanged | failed (or "would change" in a dry run)
     error: str | None = None
     notes: list[str] = field(default_factory=list)
+    cleaned: int = 0
 
 
 @dataclass
@@ -504,14 +486,11 @@ def _inspect_all(
     return {h: facts[h] for h in hosts if h in facts}, failures
 
 
-def _node_report(f: NodeFacts, p: NodePlan, dry_run: bool) -> NodeReport:
+def _node_report(f: NodeFacts, p: NodePlan, dry_run: bool, cleaned: int = 0) -> NodeReport:
     verb = "create" if p.user_key == "generate" else p.user_key
     verb += "d" if not dry_run and verb != "kept" else ""
     result = ("would change" if dry_run else "changed") if p.changes else "unchanged"
-    a, k, stale, notes = p.authorized, p.known, len(p.stale), list(f.notes)
-    return NodeReport(
-        f.host, verb, a.added, a.claimed, k.added, k.claimed, stale, result, None, notes
-    )
+    return NodeReport(f.host, p, verb, result, notes=list(f.notes), cleaned=cleaned)
 
 
 def mesh(
@@ -534,10 +513,9 @@ def mesh(
         facts = list(by_host.values())
         if not facts:
             raise MeshAbort("mesh: no node is reachable")
-        kept, report.notes = mp.drop_shared_addresses({f.host: f.names for f in facts})
+        report.names, report.notes = mp.drop_shared_addresses({f.host: f.names for f in facts})
         for f in facts:
-            f.names = tuple(kept[f.host])
-        report.names = {f.host: list(f.names) for f in facts}
+            f.names = tuple(report.names[f.host])
         report.host_keys_by = {f.host: f.host_keys_by for f in facts}
         # Conflicts between names are known before any key is made: stop before writing. Keys
         # still to be made stand in as placeholders (shown by a dry run, never written).
@@ -575,13 +553,8 @@ def mesh(
             [f.host for f in facts if plans[f.host].changes],
         )
         for f in facts:
-            outcome = written.get(f.host)
-            done = outcome.value if outcome else None
-            node = _node_report(f, done.plan if done else plans[f.host], False)
-            if done is not None:
-                node.cleaned = done.cleaned
-                if done.remerged:
-                    node.notes.append("files changed since inspect: merged again before writing")
+            outcome, plan = written.get(f.host), plans[f.host]
+            node = outcome.value if outcome and outcome.value else _node_report(f, plan, False)
             if outcome is not None and outcome.error is not None:
                 node.result, node.error = "failed", outcome.error
             report.nodes.append(node)
@@ -646,15 +619,12 @@ def unmesh(
                 ),
                 [h for h in hosts if changes[h].changes],
             )
+        verb = "would change" if dry_run else "removed"
         for h in hosts:
-            ch = changes[h]
-            node = UnmeshNode(
-                h, ch, ("would change" if dry_run else "removed") if ch.changes else "unchanged"
-            )
             outcome = done.get(h)
+            plan = outcome.value if outcome and outcome.value else changes[h]
+            node = UnmeshNode(h, plan, verb if changes[h].changes else "unchanged")
             if outcome is not None and outcome.error is not None:
                 node.result, node.error = "failed", outcome.error
-            elif outcome is not None and outcome.value is not None:
-                node.plan = outcome.value
             report.nodes.append(node)
     return report

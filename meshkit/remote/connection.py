@@ -34,9 +34,12 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class UnknownHostKey(paramiko.SSHException):
-    def __init__(self, hostname: str, kind: str, fingerprint: str) -> None:
-        self.hostname, self.kind, self.fingerprint = hostname, kind, fingerprint
-        super().__init__(f"unknown host key for {hostname}")
+    """A host key known_hosts lacks, or (``revoked``) one it marks @revoked: refused."""
+
+    def __init__(self, hostname: str, key: paramiko.PKey, revoked: bool = False) -> None:
+        self.hostname, self.kind, self.fingerprint = hostname, key.get_name(), fingerprint(key)
+        self.revoked = revoked
+        super().__init__(f"{'revoked' if revoked else 'unknown'} host key for {hostname}")
 
 
 def fingerprint(key: paramiko.PKey) -> str:
@@ -83,7 +86,7 @@ class StrictPolicy(paramiko.MissingHostKeyPolicy):
 
     def missing_host_key(self, client: paramiko.SSHClient, name: str, key: paramiko.PKey) -> None:
         if not self.settings.accept_new:
-            raise UnknownHostKey(name, key.get_name(), fingerprint(key))
+            raise UnknownHostKey(name, key)
         client.get_host_keys().add(name, key.get_name(), key)
         if not self.settings.record_new_host_keys:
             return  # --dry-run: trusted for this run only, written nowhere
@@ -126,12 +129,6 @@ class GatewayError(paramiko.SSHException):
     def __init__(self, hop: str, cause: BaseException) -> None:
         self.hop, self.cause = hop, cause
         super().__init__(f"gateway {hop}: {cause}")
-
-
-class RevokedHostKey(paramiko.SSHException):
-    def __init__(self, hostname: str, key: paramiko.PKey) -> None:
-        self.hostname, self.kind, self.fingerprint = hostname, key.get_name(), fingerprint(key)
-        super().__init__(f"revoked host key for {hostname}")
 
 
 def load_known_hosts(keys: paramiko.HostKeys, path: str) -> set[tuple[str, str]]:
@@ -221,18 +218,11 @@ class Remote:
         # ssh_config, seen from a node) is skipped, as OpenSSH does.
         conn.connect_kwargs["key_filename"] = [k for k in listed if Path(k).expanduser().is_file()]
         conn.client.set_missing_host_key_policy(StrictPolicy(settings))
-        for path in self._known_hosts_files(conn):
-            self.revoked |= load_known_hosts(conn.client.get_host_keys(), path)
-
-    @staticmethod
-    def _known_hosts_files(conn: Connection) -> list[str]:
-        listed = str(conn.ssh_config.get("userknownhostsfile", "~/.ssh/known_hosts")).split()
-        candidates = ["/etc/ssh/ssh_known_hosts", "~/.ssh/known_hosts", *listed]
-        return [
-            p
-            for p in dict.fromkeys(str(Path(c).expanduser()) for c in candidates)
-            if Path(p).is_file()
-        ]
+        named = str(conn.ssh_config.get("userknownhostsfile", "~/.ssh/known_hosts")).split()
+        files = ["/etc/ssh/ssh_known_hosts", "~/.ssh/known_hosts", *named]
+        for path in dict.fromkeys(str(Path(f).expanduser()) for f in files):
+            if Path(path).is_file():
+                self.revoked |= load_known_hosts(conn.client.get_host_keys(), path)
 
     def open(self) -> Remote:
         gateway = self.conn.gateway
@@ -247,7 +237,7 @@ class Remote:
             key = hop.transport.get_remote_server_key() if hop.transport else None
             if key is not None and (key.get_name(), key.get_base64()) in self.revoked:
                 self.close()
-                raise RevokedHostKey(hop.host, key)
+                raise UnknownHostKey(hop.host, key, revoked=True)
             hop = hop.gateway
         return self
 
@@ -314,8 +304,6 @@ class Remote:
             return None  # a ProxyCommand: not ours to start again
         return socket.create_connection((host, port), timeout=self.settings.connect_timeout)
 
-    # ------------------------------------------------------------ deadlines
-
     @contextlib.contextmanager
     def bounded(self, phase: str, seconds: float | None = None) -> Iterator[None]:
         """Everything inside finishes within ``seconds`` (default: command_timeout) in total, or
@@ -355,8 +343,6 @@ class Remote:
     def close(self) -> None:
         self.conn.close()
 
-
-# ---------------------------------------------------------------- one shell per node
 
 # The node side of NodeShell: POSIX sh, started once per node by the user's login shell (so its
 # ~/.bashrc runs once). It answers one request per line, in order; every answer is a status line
