@@ -32,8 +32,7 @@ class PublicKey:
     blob: str
     comment: str = ""
 
-    def fingerprint(self) -> str:
-        """OpenSSH's SHA256 fingerprint."""
+    def fingerprint(self) -> str:  # OpenSSH's SHA256 fingerprint
         digest = hashlib.sha256(base64.b64decode(self.blob)).digest()
         return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 

@@ -145,9 +145,8 @@ def sshd_directives(text: str) -> list[tuple[str, str]]:
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        word, *rest = re.split(
-            r"[\s=]+", line, maxsplit=1
-        )  # "Key value", "Key=value", "Key = value"
+        # "Key value", "Key=value", "Key = value"
+        word, *rest = re.split(r"[\s=]+", line, maxsplit=1)
         if word.lower() == "match":
             break
         out.append((word.lower(), rest[0] if rest else ""))

@@ -106,7 +106,7 @@ def _check_files(shell: NodeShell, label: str, home: str, lst: Stats, ssh: Stats
             mode, uid = lst.get(path, (None, None))
             target = ""
             if mode is not None and stat.S_ISLNK(mode):
-                target = shell.one(f"link - {path}").body.decode(errors="replace").strip()
+                target = shell.ask(f"link - {path}")[0].body.decode(errors="replace").strip()
             found.append(mp.FileStat.of("~/" + path, mode, uid, target))
     problems = mp.unsafe_files(label, home_stat, found)
     if problems:
@@ -124,7 +124,8 @@ def _authorized_keys_file(
             for pattern in args.split():
                 full = pattern if pattern.startswith("/") else f"/etc/ssh/{pattern}"
                 folder, _, glob = full.rpartition("/")
-                names = sorted(fnmatch.filter(_listing(shell.one(f"ls - {folder or '/'}")), glob))
+                listed = _listing(shell.ask(f"ls - {folder or '/'}")[0])
+                names = sorted(fnmatch.filter(listed, glob))
                 paths = [f"{folder}/{name}" for name in names]
                 for included, reply in zip(paths, shell.ask(*map(_txt, paths)) if paths else []):
                     text = _body(reply, 256 << 10)
@@ -171,13 +172,12 @@ def inspect(remote: Remote, shell: NodeShell) -> NodeFacts:
     sent when the connection opened (``Shells``)."""
     label = remote.host.label
     with remote.bounded("inspect"):
-        first = shell.receive(len(INSPECT))
-        home, lst, ssh = first[0].text, _stats(first[1]), _stats(first[2])
-        k = len(USER_KEY_SLOTS)
-        publics, rest = first[3 : 3 + k], first[3 + k :]
-        files = {p: _body(r, n) for (p, n), r in zip(SYSTEM_FILES.items(), rest)}
-        authorized, known, in_ssh, in_etc = rest[len(SYSTEM_FILES) : len(SYSTEM_FILES) + 4]
-        standard = dict(zip(HOST_KEY_FILES, rest[len(SYSTEM_FILES) + 4 :]))
+        got = iter(shell.receive(len(INSPECT)))  # in INSPECT's order
+        home, lst, ssh = next(got).text, _stats(next(got)), _stats(next(got))
+        publics = [next(got) for _ in USER_KEY_SLOTS]
+        files = {p: _body(next(got), n) for p, n in SYSTEM_FILES.items()}
+        authorized, known, in_ssh, in_etc = next(got), next(got), next(got), next(got)
+        standard = {name: next(got) for name in HOST_KEY_FILES}
         _check_files(shell, label, home, lst, ssh)
         # sshd must read ~/.ssh/authorized_keys, or the keys mesh installs are never used.
         value, where = _authorized_keys_file(shell, SSHD_CONFIG, files[SSHD_CONFIG], 0)
@@ -246,7 +246,7 @@ def make_user_key(remote: Remote, shell: NodeShell, user: UserKey) -> UserKey:
     if not derive:
         spec = f"{mp.GENERATE[user.path]}:{keys.GENERATED_COMMENT}{keys.check_label(label)}"
     with remote.bounded("keys"):
-        reply = shell.one(f"keygen {spec} {user.path}")
+        reply = shell.ask(f"keygen {spec} {user.path}")[0]
     if reply.status != "ok":
         err = reply.body.decode(errors="replace").strip()[:200] or "could not lock ~/.ssh"
         raise KeyFormatError(
@@ -326,7 +326,7 @@ def _rewrite(
         finally:
             if remote.conn.transport is not None and remote.conn.transport.is_active():
                 with contextlib.suppress(Exception):
-                    shell.one("unlock")
+                    shell.ask("unlock")
 
 
 def install(
@@ -398,7 +398,7 @@ def verify(
             if shell is None:
                 return r.run(script, timeout=timeout)[1]
             data = script.encode()
-            return shell.one((f"sh {len(data)}", data)).body.decode(errors="replace")
+            return shell.ask((f"sh {len(data)}", data))[0].body.decode(errors="replace")
 
     results = cluster.each("verify", run, hosts)
     out = mp.VerifyResult(list(hosts))

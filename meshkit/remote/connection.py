@@ -524,9 +524,6 @@ class NodeShell:
         self.send(*requests)
         return self.receive(len(requests))
 
-    def one(self, request: str | tuple[str, bytes]) -> Reply:
-        return self.ask(request)[0]
-
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.channel.shutdown_write()  # the node shell reads EOF, lets go of a lock, ends
