@@ -351,11 +351,8 @@ def plan(facts: Sequence[NodeFacts], mesh: str) -> dict[Host, NodePlan]:
     """The new authorized_keys and known_hosts of every node (a node whose user key is still to
     be created or derived is left out of the others' files: plan again once keys exist)."""
     wanted = entries(facts, mesh)
-    plans = {}
-    for f in facts:
-        auth, known = wanted.merge(f.authorized or "", f.known or "")
-        plans[f.host] = NodePlan(f.user.action, auth, known, f.stale)
-    return plans
+    merged = {f.host: wanted.merge(f.authorized or "", f.known or "") for f in facts}
+    return {f.host: NodePlan(f.user.action, *merged[f.host], f.stale) for f in facts}
 
 
 def conflicts(facts: Sequence[NodeFacts], plans: Mapping[Host, NodePlan]) -> list[str]:

@@ -39,11 +39,6 @@ Texts = tuple[str | None, str | None]  # authorized_keys and known_hosts (None: 
 Change = Callable[[Texts], tuple[Texts, T]]  # the files as they are now -> what to write, and why
 
 
-# Every read, write, key and lock of mesh and unmesh goes through one NodeShell per node (one exec
-# channel, so the user's shell and its ~/.bashrc start once per node); SFTP is not used: its
-# subsystem starts the user's shell too, wherever sshd runs sftp-server.
-
-
 def _text(reply: Reply, path: str, limit: int = MAX_READ) -> str | None:
     """A file mesh relies on: its text, None when missing; unreadable or too large is an error."""
     if reply.status == "none":

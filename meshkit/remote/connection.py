@@ -447,10 +447,10 @@ class Reply:
 
 class NodeShell:
     """One exec channel on a node's connection, running NODE_SHELL: every file read, key, lock,
-    write and rename the mesh needs, without SFTP and without another channel, so the user's
-    shell and its ~/.bashrc (conda or pyenv init, 0.1 s of CPU on many ML nodes) start once per
-    node. Requests are pipelined: ``ask`` sends them all, then reads every answer in order.
-    Every wait is bounded by the Remote's phase deadline."""
+    write and rename of mesh and unmesh, without another channel and without SFTP (its subsystem
+    starts the user's shell too), so the user's shell and its ~/.bashrc (conda or pyenv init, 0.1 s
+    of CPU on many ML nodes) start once per node. Requests are pipelined: ``ask`` sends them all,
+    then reads every answer in order. Every wait is bounded by the Remote's phase deadline."""
 
     def __init__(self, remote: Remote, *first: str | tuple[str, bytes]) -> None:
         """Start the node shell and send it the ``first`` requests at once, without waiting
