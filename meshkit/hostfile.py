@@ -68,7 +68,7 @@ class Host:
 
     @property
     def is_ip(self) -> bool:
-        return _ip(self.host) is not None
+        return ip_of(self.host) is not None
 
     @property
     def label(self) -> str:
@@ -82,7 +82,7 @@ class Host:
         return self.host if self.port in (None, 22) else f"[{self.host}]:{self.port}"
 
 
-def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def ip_of(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
         return ipaddress.ip_address(text)
     except ValueError:
@@ -101,7 +101,7 @@ def _split_spec(spec: str) -> tuple[str | None, str, str | None]:
         host, rest = spec[1:end], spec[end + 1 :]
         if rest and not rest.startswith(":"):
             raise ValueError(f"unexpected {rest!r} after ']': expected :port or nothing")
-        if not isinstance(_ip(host), ipaddress.IPv6Address):
+        if not isinstance(ip_of(host), ipaddress.IPv6Address):
             raise ValueError(f"{host!r} in brackets is not an IPv6 address")
         return user, host, rest[1:] if rest else None
     if spec.count(":") == 1:
@@ -118,7 +118,7 @@ def _number(text: str, what: str, low: int, high: int) -> int:
 
 def _expand(host: str) -> list[str]:
     """One host token -> the hosts it names (ranges expanded, bounded)."""
-    if _ip(host) is not None:
+    if ip_of(host) is not None:
         return [host]
     if not _fits("range", host):
         raise ValueError(

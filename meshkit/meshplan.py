@@ -6,7 +6,6 @@ and results. Pure: no I/O; ``meshkit.ops.mesh`` gathers the facts and applies th
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import ipaddress
 import re
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 
 from . import keys
 from .errors import KeyFormatError
-from .hostfile import Host
+from .hostfile import Host, ip_of
 from .keys import Merge, PublicKey
 
 AUTHORIZED = ".ssh/authorized_keys"
@@ -170,9 +169,7 @@ def authorized_keys_problem(node: str, value: str | None, where: str, home: str)
 
 
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(text.split("%")[0])
-    return None
+    return ip_of(text.split("%")[0])  # an IPv6 address may carry its zone: fe80::1%eth0
 
 
 def _usable_address(text: str) -> bool:
@@ -214,11 +211,8 @@ def hostnames(kernel_hostname: str, hosts_text: str, domainname: str = "") -> li
     out = [short, name]
     for line in hosts_text.splitlines():
         fields = line.split("#", 1)[0].split()
-        if len(fields) < 2 or not _usable_address(fields[0]):
-            continue
-        aliases = fields[1:]
-        if short in aliases or name in aliases or any(a.startswith(short + ".") for a in aliases):
-            out += [a for a in aliases if a.startswith(short + ".") and _HOSTNAME.match(a)]
+        if fields and _usable_address(fields[0]):
+            out += [a for a in fields[1:] if a.startswith(short + ".") and _HOSTNAME.match(a)]
     domain = domainname.strip()
     if domain and domain != "(none)" and _HOSTNAME.match(domain) and "." not in name:
         out.append(f"{short}.{domain}")

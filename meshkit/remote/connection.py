@@ -466,14 +466,6 @@ class NodeShell:
         if first:
             self.send(*first)
 
-    def _wait_ready(self) -> None:
-        seen = 0
-        while (line := self._line()) != b"=meshkit-ready":
-            seen += len(line)
-            if seen > MAX_NOISE:
-                raise MeshkitError("the node's shell printed too much before starting")
-        self._ready = True
-
     def _line(self) -> bytes:
         while b"\n" not in self._buf:
             self.channel.settimeout(self.remote.remaining())
@@ -500,8 +492,12 @@ class NodeShell:
 
     def receive(self, count: int) -> list[Reply]:
         """The replies to the next ``count`` requests sent, in order."""
-        if not self._ready:
-            self._wait_ready()
+        seen = 0
+        while not self._ready and (line := self._line()) != b"=meshkit-ready":
+            seen += len(line)
+            if seen > MAX_NOISE:
+                raise MeshkitError("the node's shell printed too much before starting")
+        self._ready = True
         replies = []
         for _ in range(count):
             head = self._line().decode(errors="replace")
