@@ -224,12 +224,9 @@ def _claimed_host_keys(
     return found, notes
 
 
-def own_hostname(remote: Remote) -> str:
-    try:
-        code, out, _ = remote.run("head -c 256 /proc/sys/kernel/hostname")
-        return out.strip() if code == 0 else ""
-    except (OSError, MeshkitError):
-        return ""
+def own_hostname(remote: Remote) -> str:  # a failure leaves the node out of ``each``'s results
+    code, out, _ = remote.run("head -c 256 /proc/sys/kernel/hostname")
+    return out.strip() if code == 0 else ""
 
 
 def make_user_key(remote: Remote, shell: NodeShell, user: UserKey) -> UserKey:
@@ -349,9 +346,7 @@ def install(
     return node
 
 
-def apply_unmesh(
-    remote: Remote, shell: NodeShell, planned: UnmeshPlan, fact: NodeFacts, mesh: str
-) -> UnmeshPlan:
+def apply_unmesh(shell: NodeShell, planned: UnmeshPlan, fact: NodeFacts, mesh: str) -> UnmeshPlan:
     """Take this mesh's lines off what is there now (``_rewrite``), then its generated key."""
 
     def change(now: Texts) -> tuple[Texts, UnmeshPlan]:
@@ -605,15 +600,12 @@ def unmesh(
     with Cluster(hosts, settings, progress=progress, on_open=shells.start) as cluster:
         facts, _ = _inspect_all(hosts, cluster, shells, "unmesh")
         changes = {h: mp.plan_unmesh(f, mesh_id, keep_keys) for h, f in facts.items()}
-        done = {}
-        if not dry_run:
-            done = cluster.each(
-                "remove",
-                lambda r: apply_unmesh(
-                    r, shells.shells[r.host], changes[r.host], facts[r.host], mesh_id
-                ),
-                [h for h in hosts if changes[h].changes],
-            )
+
+        def remove(r: Remote) -> UnmeshPlan:
+            return apply_unmesh(shells.shells[r.host], changes[r.host], facts[r.host], mesh_id)
+
+        todo = [h for h in hosts if changes[h].changes and not dry_run]
+        done = cluster.each("remove", remove, todo)
         verb = "would change" if dry_run else "removed"
         for h in hosts:
             outcome = done.get(h)
