@@ -60,10 +60,6 @@ class UserKey:
     path: str
     key: PublicKey | None = None
 
-    @property
-    def generated(self) -> bool:
-        return self.key is not None and self.key.comment.startswith(keys.GENERATED_COMMENT)
-
 
 def choose_user_key(slots: Sequence[KeySlot], node: str) -> UserKey:
     """The first slot with a private key wins; a .pub without its private half (held in an agent
@@ -388,8 +384,9 @@ def plan_unmesh(f: NodeFacts, mesh: str, keep_keys: bool) -> UnmeshPlan:
     keep it or another mesh still lists it."""
     auth, auth_removed, known, known_removed = unmesh_texts(f.authorized, f.known, mesh)
     key_file, kept = None, None
-    if not keep_keys and f.user.generated and f.user.key is not None:
-        if keys.listed_by_others(auth or "", f.user.key, mesh):
+    user = f.user.key
+    if not keep_keys and user is not None and user.comment.startswith(keys.GENERATED_COMMENT):
+        if keys.listed_by_others(auth or "", user, mesh):
             kept = f"~/{f.user.path} stays: another mesh still lists it"
         else:
             key_file = f.user.path

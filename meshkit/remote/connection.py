@@ -209,11 +209,9 @@ class Remote:
         if conn is not self.conn:
             # A gateway gets the same timeouts and --identity as the nodes behind it.
             conn.connect_timeout = int(settings.connect_timeout)
-            for k, v in _connect_kwargs(settings).items():
-                if k == "key_filename":
-                    listed = [*v, *listed]
-                else:
-                    conn.connect_kwargs.setdefault(k, v)
+            extra = _connect_kwargs(settings)
+            listed = [*extra.pop("key_filename", []), *listed]
+            conn.connect_kwargs = {**extra, **conn.connect_kwargs}  # the gateway's own settings win
         # An IdentityFile that does not exist here (e.g. a controller's key named in a shared
         # ssh_config, seen from a node) is skipped, as OpenSSH does.
         conn.connect_kwargs["key_filename"] = [k for k in listed if Path(k).expanduser().is_file()]
@@ -504,15 +502,10 @@ class NodeShell:
             if not head.startswith("="):
                 raise MeshkitError(f"the node's shell answered {head[:80]!r}")
             status, _, text = head[1:].partition(" ")
-            lines: list[bytes] = []
-            encoded: list[bytes] = []
-            while (body := self._line()) != b".":
-                if body.startswith(b"|"):
-                    lines.append(body[1:] + b"\n")
-                else:
-                    encoded.append(body)
-            data = b"".join(lines) + base64.b64decode(b"".join(encoded))
-            replies.append(Reply(status, text, data))
+            body = list(iter(self._line, b"."))  # up to the line "."
+            lines = b"".join(b[1:] + b"\n" for b in body if b.startswith(b"|"))
+            encoded = b"".join(b for b in body if not b.startswith(b"|"))
+            replies.append(Reply(status, text, lines + base64.b64decode(encoded)))
         return replies
 
     def ask(self, *requests: str | tuple[str, bytes]) -> list[Reply]:
