@@ -321,9 +321,7 @@ def _rewrite(
                     shell.ask("unlock")
 
 
-def install(
-    remote: Remote, shell: NodeShell, fact: NodeFacts, planned: NodePlan, wanted: mp.Entries
-) -> NodeReport:
+def install(shell: NodeShell, fact: NodeFacts, planned: NodePlan, wanted: mp.Entries) -> NodeReport:
     """Write ``planned`` (``_rewrite``), merged again if the files changed since inspect."""
 
     def change(now: Texts) -> tuple[Texts, NodePlan]:
@@ -332,7 +330,7 @@ def install(
             auth, known = wanted.merge(now[0] or "", now[1] or "")
             if known.conflicts:
                 raise MeshkitError(
-                    [c.describe(remote.host.label) for c in known.conflicts]
+                    [c.describe(fact.host.label) for c in known.conflicts]
                     + ["known_hosts changed during mesh and now conflicts; nothing written"]
                 )
             done = replace(planned, authorized=auth, known=known)
@@ -461,7 +459,7 @@ class Shells:
 
 
 def _inspect_all(
-    hosts: Sequence[Host], cluster: Cluster, shells: Shells, what: str, skip: bool = False
+    cluster: Cluster, shells: Shells, what: str, skip: bool = False
 ) -> tuple[dict[Host, NodeFacts], dict[Host, str]]:
     """Every node's facts and the nodes that failed (connect or inspect); with any failure and
     not ``skip``, stop before anything is written."""
@@ -472,8 +470,7 @@ def _inspect_all(
         lines += [f"  {h.label}: {err}" for h, err in failures.items()]
         lines.append("  fix them, or rerun with --skip-unreachable to leave them out")
         raise MeshAbort(lines)
-    facts = succeeded(inspected)
-    return {h: facts[h] for h in hosts if h in facts}, failures
+    return succeeded(inspected), failures  # in the hostfile's order, as ``each`` keeps it
 
 
 def _node_report(f: NodeFacts, p: NodePlan, dry_run: bool, cleaned: int = 0) -> NodeReport:
@@ -499,7 +496,7 @@ def mesh(
     report = MeshReport(list(hosts), mesh_id, dry_run)
     shells = Shells()
     with Cluster(hosts, settings, progress=progress, on_open=shells.start) as cluster:
-        by_host, report.left_out = _inspect_all(hosts, cluster, shells, "mesh", skip_unreachable)
+        by_host, report.left_out = _inspect_all(cluster, shells, "mesh", skip_unreachable)
         facts = list(by_host.values())
         if not facts:
             raise MeshAbort("mesh: no node is reachable")
@@ -539,7 +536,7 @@ def mesh(
         wanted = mp.entries(facts, mesh_id)
         written = cluster.each(
             "install",
-            lambda r: install(r, shells.shells[r.host], by_host[r.host], plans[r.host], wanted),
+            lambda r: install(shells.shells[r.host], by_host[r.host], plans[r.host], wanted),
             [f.host for f in facts if plans[f.host].changes],
         )
         for f in facts:
@@ -598,7 +595,7 @@ def unmesh(
     report = UnmeshReport(mesh_id, dry_run)
     shells = Shells()
     with Cluster(hosts, settings, progress=progress, on_open=shells.start) as cluster:
-        facts, _ = _inspect_all(hosts, cluster, shells, "unmesh")
+        facts, _ = _inspect_all(cluster, shells, "unmesh")
         changes = {h: mp.plan_unmesh(f, mesh_id, keep_keys) for h, f in facts.items()}
 
         def remove(r: Remote) -> UnmeshPlan:
