@@ -69,9 +69,8 @@ def choose_user_key(slots: Sequence[KeySlot], node: str) -> UserKey:
             if slot.public is None:
                 return UserKey("derive", slot.path)
             line = slot.public.splitlines()[0] if slot.public.strip() else ""
-            return UserKey(
-                "kept", slot.path, keys.parse_public_key(line, f"{node}: ~/{slot.path}.pub")
-            )
+            key = keys.parse_public_key(line, f"{node}: ~/{slot.path}.pub")
+            return UserKey("kept", slot.path, key)
     taken = {s.path for s in slots if s.private or s.public is not None}
     for path in GENERATE:
         if path not in taken:
@@ -349,9 +348,7 @@ def conflicts(facts: Sequence[NodeFacts], plans: Mapping[Host, NodePlan]) -> lis
     """Everything that stops the mesh before anything is written: shared names, known_hosts lines
     that already give a name another key."""
     lines = name_conflicts({f.host: f.names for f in facts})
-    for f in facts:
-        lines += [c.describe(f.host.label) for c in plans[f.host].known.conflicts]
-    return lines
+    return lines + [c.describe(f.host.label) for f in facts for c in plans[f.host].known.conflicts]
 
 
 @dataclass
@@ -418,8 +415,7 @@ class Target:
     by: str  # "hostfile" or "hostname"
 
     @property
-    def key(self) -> str:
-        """How the script's output names this target: the node's rank, then "h" by hostname."""
+    def key(self) -> str:  # how the script's output names it: its rank, then "h" by hostname
         return f"{self.index}{'h' if self.by == 'hostname' else ''}"
 
 

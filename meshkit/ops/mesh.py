@@ -554,8 +554,7 @@ def mesh(
 def check(
     hosts: Sequence[Host], settings: Settings, progress: ProgressFn | None = None
 ) -> mp.VerifyResult:
-    """Every pair, from the nodes themselves: a login by the hostfile spelling, the host-key
-    check by hostname."""
+    """``verify`` over connections of its own (``meshkit check``)."""
     with Cluster(hosts, settings, progress=progress) as cluster:
         return verify(cluster, hosts)
 
