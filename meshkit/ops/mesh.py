@@ -392,14 +392,12 @@ def verify(
     out = mp.VerifyResult(list(hosts))
     for source in hosts:
         outcome = results.get(source)
-        if outcome is None or outcome.value is None:
-            why = cluster.failures.get(source) or (outcome and outcome.error) or "unreachable"
-            out.failures += [
-                mp.PairFailure(source, t, f"controller cannot use {source.label}: {why}")
-                for t in hosts
-            ]
-        else:
+        if outcome is not None and outcome.value is not None:
             out.failures += mp.parse_verify(source, hosts, outcome.value, own)
+        else:
+            why = cluster.failures.get(source) or (outcome and outcome.error) or "unreachable"
+            cannot = f"controller cannot use {source.label}: {why}"
+            out.failures += [mp.PairFailure(source, t, cannot) for t in hosts]
     return out
 
 
