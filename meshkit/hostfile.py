@@ -68,7 +68,7 @@ class Host:
 
     @property
     def is_ip(self) -> bool:
-        return _ip(self.host) is not None
+        return ip_of(self.host) is not None
 
     @property
     def label(self) -> str:
@@ -77,13 +77,12 @@ class Host:
             return self.host
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
-    def known_hosts_name(self, address: str | None = None) -> str:
+    def known_hosts_name(self) -> str:
         """How OpenSSH names this node in known_hosts: ``host``, or ``[host]:port`` off port 22."""
-        name = address or self.host
-        return name if self.port in (None, 22) else f"[{name}]:{self.port}"
+        return self.host if self.port in (None, 22) else f"[{self.host}]:{self.port}"
 
 
-def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def ip_of(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
         return ipaddress.ip_address(text)
     except ValueError:
@@ -102,7 +101,7 @@ def _split_spec(spec: str) -> tuple[str | None, str, str | None]:
         host, rest = spec[1:end], spec[end + 1 :]
         if rest and not rest.startswith(":"):
             raise ValueError(f"unexpected {rest!r} after ']': expected :port or nothing")
-        if not isinstance(_ip(host), ipaddress.IPv6Address):
+        if not isinstance(ip_of(host), ipaddress.IPv6Address):
             raise ValueError(f"{host!r} in brackets is not an IPv6 address")
         return user, host, rest[1:] if rest else None
     if spec.count(":") == 1:
@@ -119,7 +118,7 @@ def _number(text: str, what: str, low: int, high: int) -> int:
 
 def _expand(host: str) -> list[str]:
     """One host token -> the hosts it names (ranges expanded, bounded)."""
-    if _ip(host) is not None:
+    if ip_of(host) is not None:
         return [host]
     if not _fits("range", host):
         raise ValueError(
@@ -187,26 +186,16 @@ def parse(text: str, path: str = "hostfile") -> list[Host]:
             raise HostfileError(f"{path}:{lineno}: more than {MAX_NODES} nodes; split the cluster")
     if not hosts and not problems:
         problems.append(f"{path}: no hosts; add one line per node: {FORMAT}")
-    problems += _slot_problems(hosts, path)
+    says = [f"slots={h.slots}" if h.slots else "no slots=" for h in hosts]
+    problems += [
+        f"{path}:{h.lineno}: {says[i]} but line {hosts[0].lineno} has {says[0]}; every node runs "
+        "the same number of processes: give every line the same slots="
+        for i, h in enumerate(hosts)
+        if h.slots != hosts[0].slots
+    ]
     if problems:
         raise HostfileError(problems)
     return hosts
-
-
-def _slot_problems(hosts: Sequence[Host], path: str) -> list[str]:
-    if not hosts:
-        return []
-    first = hosts[0]
-
-    def says(h: Host) -> str:
-        return f"slots={h.slots}" if h.slots else "no slots="
-
-    return [
-        f"{path}:{h.lineno}: {says(h)} but line {first.lineno} has {says(first)}; every node runs "
-        "the same number of processes: give every line the same slots="
-        for h in hosts[1:]
-        if h.slots != first.slots
-    ]
 
 
 def duplicate_problems(

@@ -32,8 +32,7 @@ class PublicKey:
     blob: str
     comment: str = ""
 
-    def fingerprint(self) -> str:
-        """OpenSSH's SHA256 fingerprint."""
+    def fingerprint(self) -> str:  # OpenSSH's SHA256 fingerprint
         digest = hashlib.sha256(base64.b64decode(self.blob)).digest()
         return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
@@ -138,7 +137,7 @@ def merge_authorized(
     wanted: dict[str, tuple[str, PublicKey]] = {}
     for label, key in keys:
         wanted.setdefault(key.blob, (label, key))
-    present: dict[str, int] = {}  # blob -> line index
+    present: set[str] = set()  # the blobs the file already authorizes
     lines = existing.splitlines(keepends=True)
     claimed = 0
     for i, line in enumerate(lines):
@@ -151,11 +150,10 @@ def merge_authorized(
         if blob in wanted and blob not in present and ids is not None and mesh_id not in ids:
             lines[i] = _retag(*found, [*ids, mesh_id])
             claimed += 1
-        present.setdefault(blob, i)
+        present.add(blob)
     added = []
     for blob, (label, key) in wanted.items():
         if blob not in present:
-            present[blob] = -1
             head = f"{AUTHORIZED_TAG}{check_label(label)}"
             added.append(f"{key.kind} {key.blob} {_tag(head, [mesh_id])}")
     return Merge(_join("".join(lines), added), added, claimed)

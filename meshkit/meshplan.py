@@ -6,7 +6,6 @@ and results. Pure: no I/O; ``meshkit.ops.mesh`` gathers the facts and applies th
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import ipaddress
 import re
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 
 from . import keys
 from .errors import KeyFormatError
-from .hostfile import Host
+from .hostfile import Host, ip_of
 from .keys import Merge, PublicKey
 
 AUTHORIZED = ".ssh/authorized_keys"
@@ -43,9 +42,6 @@ def is_meshkit_temp(name: str) -> bool:
     return bool(_TEMP.match(name))
 
 
-# ---------------------------------------------------------------- user keys
-
-
 @dataclass(frozen=True)
 class KeySlot:
     """One ``~/.ssh/id_*`` pair as found: whether the private half exists, the .pub's text."""
@@ -64,10 +60,6 @@ class UserKey:
     path: str
     key: PublicKey | None = None
 
-    @property
-    def generated(self) -> bool:
-        return self.key is not None and self.key.comment.startswith(keys.GENERATED_COMMENT)
-
 
 def choose_user_key(slots: Sequence[KeySlot], node: str) -> UserKey:
     """The first slot with a private key wins; a .pub without its private half (held in an agent
@@ -77,9 +69,8 @@ def choose_user_key(slots: Sequence[KeySlot], node: str) -> UserKey:
             if slot.public is None:
                 return UserKey("derive", slot.path)
             line = slot.public.splitlines()[0] if slot.public.strip() else ""
-            return UserKey(
-                "kept", slot.path, keys.parse_public_key(line, f"{node}: ~/{slot.path}.pub")
-            )
+            key = keys.parse_public_key(line, f"{node}: ~/{slot.path}.pub")
+            return UserKey("kept", slot.path, key)
     taken = {s.path for s in slots if s.private or s.public is not None}
     for path in GENERATE:
         if path not in taken:
@@ -89,9 +80,6 @@ def choose_user_key(slots: Sequence[KeySlot], node: str) -> UserKey:
         "without its private half; meshkit never overwrites a key file: add the private key, or "
         "remove the stray .pub"
     )
-
-
-# ---------------------------------------------------------------- files sshd would refuse
 
 
 @dataclass(frozen=True)
@@ -151,9 +139,8 @@ def sshd_directives(text: str) -> list[tuple[str, str]]:
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        word, *rest = re.split(
-            r"[\s=]+", line, maxsplit=1
-        )  # "Key value", "Key=value", "Key = value"
+        # "Key value", "Key=value", "Key = value"
+        word, *rest = re.split(r"[\s=]+", line, maxsplit=1)
         if word.lower() == "match":
             break
         out.append((word.lower(), rest[0] if rest else ""))
@@ -176,13 +163,8 @@ def authorized_keys_problem(node: str, value: str | None, where: str, home: str)
     )
 
 
-# ---------------------------------------------------------------- names a node answers to
-
-
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(text.split("%")[0])
-    return None
+    return ip_of(text.split("%")[0])  # an IPv6 address may carry its zone: fe80::1%eth0
 
 
 def _usable_address(text: str) -> bool:
@@ -224,11 +206,8 @@ def hostnames(kernel_hostname: str, hosts_text: str, domainname: str = "") -> li
     out = [short, name]
     for line in hosts_text.splitlines():
         fields = line.split("#", 1)[0].split()
-        if len(fields) < 2 or not _usable_address(fields[0]):
-            continue
-        aliases = fields[1:]
-        if short in aliases or name in aliases or any(a.startswith(short + ".") for a in aliases):
-            out += [a for a in aliases if a.startswith(short + ".") and _HOSTNAME.match(a)]
+        if fields and _usable_address(fields[0]):
+            out += [a for a in fields[1:] if a.startswith(short + ".") and _HOSTNAME.match(a)]
     domain = domainname.strip()
     if domain and domain != "(none)" and _HOSTNAME.match(domain) and "." not in name:
         out.append(f"{short}.{domain}")
@@ -303,9 +282,6 @@ def name_conflicts(named: Mapping[Host, Sequence[tuple[str, str]]]) -> list[str]
     ]
 
 
-# ---------------------------------------------------------------- mesh and unmesh plans
-
-
 @dataclass
 class NodeFacts:
     """What inspect found on a node (nothing here came from anywhere but the node and the
@@ -364,20 +340,15 @@ def plan(facts: Sequence[NodeFacts], mesh: str) -> dict[Host, NodePlan]:
     """The new authorized_keys and known_hosts of every node (a node whose user key is still to
     be created or derived is left out of the others' files: plan again once keys exist)."""
     wanted = entries(facts, mesh)
-    plans = {}
-    for f in facts:
-        auth, known = wanted.merge(f.authorized or "", f.known or "")
-        plans[f.host] = NodePlan(f.user.action, auth, known, f.stale)
-    return plans
+    merged = {f.host: wanted.merge(f.authorized or "", f.known or "") for f in facts}
+    return {f.host: NodePlan(f.user.action, *merged[f.host], f.stale) for f in facts}
 
 
 def conflicts(facts: Sequence[NodeFacts], plans: Mapping[Host, NodePlan]) -> list[str]:
     """Everything that stops the mesh before anything is written: shared names, known_hosts lines
     that already give a name another key."""
     lines = name_conflicts({f.host: f.names for f in facts})
-    for f in facts:
-        lines += [c.describe(f.host.label) for c in plans[f.host].known.conflicts]
-    return lines
+    return lines + [c.describe(f.host.label) for f in facts for c in plans[f.host].known.conflicts]
 
 
 @dataclass
@@ -410,8 +381,9 @@ def plan_unmesh(f: NodeFacts, mesh: str, keep_keys: bool) -> UnmeshPlan:
     keep it or another mesh still lists it."""
     auth, auth_removed, known, known_removed = unmesh_texts(f.authorized, f.known, mesh)
     key_file, kept = None, None
-    if not keep_keys and f.user.generated and f.user.key is not None:
-        if keys.listed_by_others(auth or "", f.user.key, mesh):
+    user = f.user.key
+    if not keep_keys and user is not None and user.comment.startswith(keys.GENERATED_COMMENT):
+        if keys.listed_by_others(auth or "", user, mesh):
             kept = f"~/{f.user.path} stays: another mesh still lists it"
         else:
             key_file = f.user.path
@@ -424,9 +396,6 @@ def placeholder_key(host: Host) -> PublicKey:
     raw = struct.pack(">I", 11) + b"ssh-ed25519" + struct.pack(">I", 32)
     raw += hashlib.sha256(host.label.encode()).digest()
     return PublicKey("ssh-ed25519", base64.b64encode(raw).decode(), f"(new key of {host.label})")
-
-
-# ---------------------------------------------------------------- the N x N check
 
 
 @dataclass(frozen=True)
@@ -446,8 +415,7 @@ class Target:
     by: str  # "hostfile" or "hostname"
 
     @property
-    def key(self) -> str:
-        """How the script's output names this target: the node's rank, then "h" by hostname."""
+    def key(self) -> str:  # how the script's output names it: its rank, then "h" by hostname
         return f"{self.index}{'h' if self.by == 'hostname' else ''}"
 
 

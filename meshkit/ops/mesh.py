@@ -39,13 +39,6 @@ Texts = tuple[str | None, str | None]  # authorized_keys and known_hosts (None: 
 Change = Callable[[Texts], tuple[Texts, T]]  # the files as they are now -> what to write, and why
 
 
-# ---------------------------------------------------------------- inspect
-
-# Every read, write, key and lock of mesh and unmesh goes through one NodeShell per node (one exec
-# channel, so the user's shell and its ~/.bashrc start once per node); SFTP is not used: its
-# subsystem starts the user's shell too, wherever sshd runs sftp-server.
-
-
 def _text(reply: Reply, path: str, limit: int = MAX_READ) -> str | None:
     """A file mesh relies on: its text, None when missing; unreadable or too large is an error."""
     if reply.status == "none":
@@ -108,7 +101,7 @@ def _check_files(shell: NodeShell, label: str, home: str, lst: Stats, ssh: Stats
             mode, uid = lst.get(path, (None, None))
             target = ""
             if mode is not None and stat.S_ISLNK(mode):
-                target = shell.one(f"link - {path}").body.decode(errors="replace").strip()
+                target = shell.ask(f"link - {path}")[0].body.decode(errors="replace").strip()
             found.append(mp.FileStat.of("~/" + path, mode, uid, target))
     problems = mp.unsafe_files(label, home_stat, found)
     if problems:
@@ -126,7 +119,8 @@ def _authorized_keys_file(
             for pattern in args.split():
                 full = pattern if pattern.startswith("/") else f"/etc/ssh/{pattern}"
                 folder, _, glob = full.rpartition("/")
-                names = sorted(fnmatch.filter(_listing(shell.one(f"ls - {folder or '/'}")), glob))
+                listed = _listing(shell.ask(f"ls - {folder or '/'}")[0])
+                names = sorted(fnmatch.filter(listed, glob))
                 paths = [f"{folder}/{name}" for name in names]
                 for included, reply in zip(paths, shell.ask(*map(_txt, paths)) if paths else []):
                     text = _body(reply, 256 << 10)
@@ -173,13 +167,12 @@ def inspect(remote: Remote, shell: NodeShell) -> NodeFacts:
     sent when the connection opened (``Shells``)."""
     label = remote.host.label
     with remote.bounded("inspect"):
-        first = shell.receive(len(INSPECT))
-        home, lst, ssh = first[0].text, _stats(first[1]), _stats(first[2])
-        k = len(USER_KEY_SLOTS)
-        publics, rest = first[3 : 3 + k], first[3 + k :]
-        files = {p: _body(r, n) for (p, n), r in zip(SYSTEM_FILES.items(), rest)}
-        authorized, known, in_ssh, in_etc = rest[len(SYSTEM_FILES) : len(SYSTEM_FILES) + 4]
-        standard = dict(zip(HOST_KEY_FILES, rest[len(SYSTEM_FILES) + 4 :]))
+        got = iter(shell.receive(len(INSPECT)))  # in INSPECT's order
+        home, lst, ssh = next(got).text, _stats(next(got)), _stats(next(got))
+        publics = [next(got) for _ in USER_KEY_SLOTS]
+        files = {p: _body(next(got), n) for p, n in SYSTEM_FILES.items()}
+        authorized, known, in_ssh, in_etc = next(got), next(got), next(got), next(got)
+        standard = {name: next(got) for name in HOST_KEY_FILES}
         _check_files(shell, label, home, lst, ssh)
         # sshd must read ~/.ssh/authorized_keys, or the keys mesh installs are never used.
         value, where = _authorized_keys_file(shell, SSHD_CONFIG, files[SSHD_CONFIG], 0)
@@ -231,15 +224,9 @@ def _claimed_host_keys(
     return found, notes
 
 
-def own_hostname(remote: Remote) -> str:
-    try:
-        code, out, _ = remote.run("head -c 256 /proc/sys/kernel/hostname")
-        return out.strip() if code == 0 else ""
-    except (OSError, MeshkitError):
-        return ""
-
-
-# ---------------------------------------------------------------- keys and install
+def own_hostname(remote: Remote) -> str:  # a failure leaves the node out of ``each``'s results
+    code, out, _ = remote.run("head -c 256 /proc/sys/kernel/hostname")
+    return out.strip() if code == 0 else ""
 
 
 def make_user_key(remote: Remote, shell: NodeShell, user: UserKey) -> UserKey:
@@ -251,7 +238,7 @@ def make_user_key(remote: Remote, shell: NodeShell, user: UserKey) -> UserKey:
     if not derive:
         spec = f"{mp.GENERATE[user.path]}:{keys.GENERATED_COMMENT}{keys.check_label(label)}"
     with remote.bounded("keys"):
-        reply = shell.one(f"keygen {spec} {user.path}")
+        reply = shell.ask(f"keygen {spec} {user.path}")[0]
     if reply.status != "ok":
         err = reply.body.decode(errors="replace").strip()[:200] or "could not lock ~/.ssh"
         raise KeyFormatError(
@@ -331,21 +318,10 @@ def _rewrite(
         finally:
             if remote.conn.transport is not None and remote.conn.transport.is_active():
                 with contextlib.suppress(Exception):
-                    shell.one("unlock")
+                    shell.ask("unlock")
 
 
-@dataclass
-class Written:
-    """What install did on one node: the merges it wrote, and the stale temps it removed."""
-
-    plan: NodePlan
-    cleaned: int = 0
-    remerged: bool = False
-
-
-def install(
-    remote: Remote, shell: NodeShell, fact: NodeFacts, planned: NodePlan, wanted: mp.Entries
-) -> Written:
+def install(shell: NodeShell, fact: NodeFacts, planned: NodePlan, wanted: mp.Entries) -> NodeReport:
     """Write ``planned`` (``_rewrite``), merged again if the files changed since inspect."""
 
     def change(now: Texts) -> tuple[Texts, NodePlan]:
@@ -354,7 +330,7 @@ def install(
             auth, known = wanted.merge(now[0] or "", now[1] or "")
             if known.conflicts:
                 raise MeshkitError(
-                    [c.describe(remote.host.label) for c in known.conflicts]
+                    [c.describe(fact.host.label) for c in known.conflicts]
                     + ["known_hosts changed during mesh and now conflicts; nothing written"]
                 )
             done = replace(planned, authorized=auth, known=known)
@@ -362,12 +338,13 @@ def install(
         return (auth.text if auth.changed else None, known.text if known.changed else None), done
 
     done, cleaned = _rewrite(shell, fact, "install", change)
-    return Written(done, cleaned, done is not planned)
+    node = _node_report(fact, done, False, cleaned)
+    if done is not planned:
+        node.notes.append("files changed since inspect: merged again before writing")
+    return node
 
 
-def apply_unmesh(
-    remote: Remote, shell: NodeShell, planned: UnmeshPlan, fact: NodeFacts, mesh: str
-) -> UnmeshPlan:
+def apply_unmesh(shell: NodeShell, planned: UnmeshPlan, fact: NodeFacts, mesh: str) -> UnmeshPlan:
     """Take this mesh's lines off what is there now (``_rewrite``), then its generated key."""
 
     def change(now: Texts) -> tuple[Texts, UnmeshPlan]:
@@ -383,9 +360,6 @@ def apply_unmesh(
     key = planned.remove_key
     then = (f"rm - {key}", f"rm - {key}.pub") if key else ()
     return _rewrite(shell, fact, "unmesh", change, then)[0]
-
-
-# ---------------------------------------------------------------- verify
 
 
 def verify(
@@ -412,38 +386,32 @@ def verify(
             if shell is None:
                 return r.run(script, timeout=timeout)[1]
             data = script.encode()
-            return shell.one((f"sh {len(data)}", data)).body.decode(errors="replace")
+            return shell.ask((f"sh {len(data)}", data))[0].body.decode(errors="replace")
 
     results = cluster.each("verify", run, hosts)
     out = mp.VerifyResult(list(hosts))
     for source in hosts:
         outcome = results.get(source)
-        if outcome is None or outcome.value is None:
-            why = cluster.failures.get(source) or (outcome and outcome.error) or "unreachable"
-            out.failures += [
-                mp.PairFailure(source, t, f"controller cannot use {source.label}: {why}")
-                for t in hosts
-            ]
-        else:
+        if outcome is not None and outcome.value is not None:
             out.failures += mp.parse_verify(source, hosts, outcome.value, own)
+        else:
+            why = cluster.failures.get(source) or (outcome and outcome.error) or "unreachable"
+            cannot = f"controller cannot use {source.label}: {why}"
+            out.failures += [mp.PairFailure(source, t, cannot) for t in hosts]
     return out
-
-
-# ---------------------------------------------------------------- the operations
 
 
 @dataclass
 class NodeReport:
+    """One node's outcome, with its plan (as written: merged again if the files changed)."""
+
     host: Host
+    plan: NodePlan
     user_key: str  # kept | create | created | derive | derived
-    authorized_added: list[str] = field(default_factory=list)
-    authorized_claimed: int = 0
-    known_added: list[str] = field(default_factory=list)
-    known_claimed: int = 0
-    cleaned: int = 0
     result: str = "unchanged"  # changed | unchanged | failed (or "would change" in a dry run)
     error: str | None = None
     notes: list[str] = field(default_factory=list)
+    cleaned: int = 0
 
 
 @dataclass
@@ -489,7 +457,7 @@ class Shells:
 
 
 def _inspect_all(
-    hosts: Sequence[Host], cluster: Cluster, shells: Shells, what: str, skip: bool = False
+    cluster: Cluster, shells: Shells, what: str, skip: bool = False
 ) -> tuple[dict[Host, NodeFacts], dict[Host, str]]:
     """Every node's facts and the nodes that failed (connect or inspect); with any failure and
     not ``skip``, stop before anything is written."""
@@ -500,18 +468,14 @@ def _inspect_all(
         lines += [f"  {h.label}: {err}" for h, err in failures.items()]
         lines.append("  fix them, or rerun with --skip-unreachable to leave them out")
         raise MeshAbort(lines)
-    facts = succeeded(inspected)
-    return {h: facts[h] for h in hosts if h in facts}, failures
+    return succeeded(inspected), failures  # in the hostfile's order, as ``each`` keeps it
 
 
-def _node_report(f: NodeFacts, p: NodePlan, dry_run: bool) -> NodeReport:
+def _node_report(f: NodeFacts, p: NodePlan, dry_run: bool, cleaned: int = 0) -> NodeReport:
     verb = "create" if p.user_key == "generate" else p.user_key
     verb += "d" if not dry_run and verb != "kept" else ""
     result = ("would change" if dry_run else "changed") if p.changes else "unchanged"
-    a, k, stale, notes = p.authorized, p.known, len(p.stale), list(f.notes)
-    return NodeReport(
-        f.host, verb, a.added, a.claimed, k.added, k.claimed, stale, result, None, notes
-    )
+    return NodeReport(f.host, p, verb, result, notes=list(f.notes), cleaned=cleaned)
 
 
 def mesh(
@@ -530,14 +494,13 @@ def mesh(
     report = MeshReport(list(hosts), mesh_id, dry_run)
     shells = Shells()
     with Cluster(hosts, settings, progress=progress, on_open=shells.start) as cluster:
-        by_host, report.left_out = _inspect_all(hosts, cluster, shells, "mesh", skip_unreachable)
+        by_host, report.left_out = _inspect_all(cluster, shells, "mesh", skip_unreachable)
         facts = list(by_host.values())
         if not facts:
             raise MeshAbort("mesh: no node is reachable")
-        kept, report.notes = mp.drop_shared_addresses({f.host: f.names for f in facts})
+        report.names, report.notes = mp.drop_shared_addresses({f.host: f.names for f in facts})
         for f in facts:
-            f.names = tuple(kept[f.host])
-        report.names = {f.host: list(f.names) for f in facts}
+            f.names = tuple(report.names[f.host])
         report.host_keys_by = {f.host: f.host_keys_by for f in facts}
         # Conflicts between names are known before any key is made: stop before writing. Keys
         # still to be made stand in as placeholders (shown by a dry run, never written).
@@ -571,17 +534,12 @@ def mesh(
         wanted = mp.entries(facts, mesh_id)
         written = cluster.each(
             "install",
-            lambda r: install(r, shells.shells[r.host], by_host[r.host], plans[r.host], wanted),
+            lambda r: install(shells.shells[r.host], by_host[r.host], plans[r.host], wanted),
             [f.host for f in facts if plans[f.host].changes],
         )
         for f in facts:
-            outcome = written.get(f.host)
-            done = outcome.value if outcome else None
-            node = _node_report(f, done.plan if done else plans[f.host], False)
-            if done is not None:
-                node.cleaned = done.cleaned
-                if done.remerged:
-                    node.notes.append("files changed since inspect: merged again before writing")
+            outcome, plan = written.get(f.host), plans[f.host]
+            node = outcome.value if outcome and outcome.value else _node_report(f, plan, False)
             if outcome is not None and outcome.error is not None:
                 node.result, node.error = "failed", outcome.error
             report.nodes.append(node)
@@ -594,8 +552,7 @@ def mesh(
 def check(
     hosts: Sequence[Host], settings: Settings, progress: ProgressFn | None = None
 ) -> mp.VerifyResult:
-    """Every pair, from the nodes themselves: a login by the hostfile spelling, the host-key
-    check by hostname."""
+    """``verify`` over connections of its own (``meshkit check``)."""
     with Cluster(hosts, settings, progress=progress) as cluster:
         return verify(cluster, hosts)
 
@@ -635,26 +592,20 @@ def unmesh(
     report = UnmeshReport(mesh_id, dry_run)
     shells = Shells()
     with Cluster(hosts, settings, progress=progress, on_open=shells.start) as cluster:
-        facts, _ = _inspect_all(hosts, cluster, shells, "unmesh")
+        facts, _ = _inspect_all(cluster, shells, "unmesh")
         changes = {h: mp.plan_unmesh(f, mesh_id, keep_keys) for h, f in facts.items()}
-        done = {}
-        if not dry_run:
-            done = cluster.each(
-                "remove",
-                lambda r: apply_unmesh(
-                    r, shells.shells[r.host], changes[r.host], facts[r.host], mesh_id
-                ),
-                [h for h in hosts if changes[h].changes],
-            )
+
+        def remove(r: Remote) -> UnmeshPlan:
+            return apply_unmesh(shells.shells[r.host], changes[r.host], facts[r.host], mesh_id)
+
+        todo = [h for h in hosts if changes[h].changes and not dry_run]
+        done = cluster.each("remove", remove, todo)
+        verb = "would change" if dry_run else "removed"
         for h in hosts:
-            ch = changes[h]
-            node = UnmeshNode(
-                h, ch, ("would change" if dry_run else "removed") if ch.changes else "unchanged"
-            )
             outcome = done.get(h)
+            plan = outcome.value if outcome and outcome.value else changes[h]
+            node = UnmeshNode(h, plan, verb if changes[h].changes else "unchanged")
             if outcome is not None and outcome.error is not None:
                 node.result, node.error = "failed", outcome.error
-            elif outcome is not None and outcome.value is not None:
-                node.plan = outcome.value
             report.nodes.append(node)
     return report

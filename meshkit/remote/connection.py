@@ -34,9 +34,12 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class UnknownHostKey(paramiko.SSHException):
-    def __init__(self, hostname: str, kind: str, fingerprint: str) -> None:
-        self.hostname, self.kind, self.fingerprint = hostname, kind, fingerprint
-        super().__init__(f"unknown host key for {hostname}")
+    """A host key known_hosts lacks, or (``revoked``) one it marks @revoked: refused."""
+
+    def __init__(self, hostname: str, key: paramiko.PKey, revoked: bool = False) -> None:
+        self.hostname, self.kind, self.fingerprint = hostname, key.get_name(), fingerprint(key)
+        self.revoked = revoked
+        super().__init__(f"{'revoked' if revoked else 'unknown'} host key for {hostname}")
 
 
 def fingerprint(key: paramiko.PKey) -> str:
@@ -83,7 +86,7 @@ class StrictPolicy(paramiko.MissingHostKeyPolicy):
 
     def missing_host_key(self, client: paramiko.SSHClient, name: str, key: paramiko.PKey) -> None:
         if not self.settings.accept_new:
-            raise UnknownHostKey(name, key.get_name(), fingerprint(key))
+            raise UnknownHostKey(name, key)
         client.get_host_keys().add(name, key.get_name(), key)
         if not self.settings.record_new_host_keys:
             return  # --dry-run: trusted for this run only, written nowhere
@@ -126,12 +129,6 @@ class GatewayError(paramiko.SSHException):
     def __init__(self, hop: str, cause: BaseException) -> None:
         self.hop, self.cause = hop, cause
         super().__init__(f"gateway {hop}: {cause}")
-
-
-class RevokedHostKey(paramiko.SSHException):
-    def __init__(self, hostname: str, key: paramiko.PKey) -> None:
-        self.hostname, self.kind, self.fingerprint = hostname, key.get_name(), fingerprint(key)
-        super().__init__(f"revoked host key for {hostname}")
 
 
 def load_known_hosts(keys: paramiko.HostKeys, path: str) -> set[tuple[str, str]]:
@@ -212,27 +209,18 @@ class Remote:
         if conn is not self.conn:
             # A gateway gets the same timeouts and --identity as the nodes behind it.
             conn.connect_timeout = int(settings.connect_timeout)
-            for k, v in _connect_kwargs(settings).items():
-                if k == "key_filename":
-                    listed = [*v, *listed]
-                else:
-                    conn.connect_kwargs.setdefault(k, v)
+            extra = _connect_kwargs(settings)
+            listed = [*extra.pop("key_filename", []), *listed]
+            conn.connect_kwargs = {**extra, **conn.connect_kwargs}  # the gateway's own settings win
         # An IdentityFile that does not exist here (e.g. a controller's key named in a shared
         # ssh_config, seen from a node) is skipped, as OpenSSH does.
         conn.connect_kwargs["key_filename"] = [k for k in listed if Path(k).expanduser().is_file()]
         conn.client.set_missing_host_key_policy(StrictPolicy(settings))
-        for path in self._known_hosts_files(conn):
-            self.revoked |= load_known_hosts(conn.client.get_host_keys(), path)
-
-    @staticmethod
-    def _known_hosts_files(conn: Connection) -> list[str]:
-        listed = str(conn.ssh_config.get("userknownhostsfile", "~/.ssh/known_hosts")).split()
-        candidates = ["/etc/ssh/ssh_known_hosts", "~/.ssh/known_hosts", *listed]
-        return [
-            p
-            for p in dict.fromkeys(str(Path(c).expanduser()) for c in candidates)
-            if Path(p).is_file()
-        ]
+        named = str(conn.ssh_config.get("userknownhostsfile", "~/.ssh/known_hosts")).split()
+        files = ["/etc/ssh/ssh_known_hosts", "~/.ssh/known_hosts", *named]
+        for path in dict.fromkeys(str(Path(f).expanduser()) for f in files):
+            if Path(path).is_file():
+                self.revoked |= load_known_hosts(conn.client.get_host_keys(), path)
 
     def open(self) -> Remote:
         gateway = self.conn.gateway
@@ -247,7 +235,7 @@ class Remote:
             key = hop.transport.get_remote_server_key() if hop.transport else None
             if key is not None and (key.get_name(), key.get_base64()) in self.revoked:
                 self.close()
-                raise RevokedHostKey(hop.host, key)
+                raise UnknownHostKey(hop.host, key, revoked=True)
             hop = hop.gateway
         return self
 
@@ -314,8 +302,6 @@ class Remote:
             return None  # a ProxyCommand: not ours to start again
         return socket.create_connection((host, port), timeout=self.settings.connect_timeout)
 
-    # ------------------------------------------------------------ deadlines
-
     @contextlib.contextmanager
     def bounded(self, phase: str, seconds: float | None = None) -> Iterator[None]:
         """Everything inside finishes within ``seconds`` (default: command_timeout) in total, or
@@ -355,8 +341,6 @@ class Remote:
     def close(self) -> None:
         self.conn.close()
 
-
-# ---------------------------------------------------------------- one shell per node
 
 # The node side of NodeShell: POSIX sh, started once per node by the user's login shell (so its
 # ~/.bashrc runs once). It answers one request per line, in order; every answer is a status line
@@ -461,10 +445,10 @@ class Reply:
 
 class NodeShell:
     """One exec channel on a node's connection, running NODE_SHELL: every file read, key, lock,
-    write and rename the mesh needs, without SFTP and without another channel, so the user's
-    shell and its ~/.bashrc (conda or pyenv init, 0.1 s of CPU on many ML nodes) start once per
-    node. Requests are pipelined: ``ask`` sends them all, then reads every answer in order.
-    Every wait is bounded by the Remote's phase deadline."""
+    write and rename of mesh and unmesh, without another channel and without SFTP (its subsystem
+    starts the user's shell too), so the user's shell and its ~/.bashrc (conda or pyenv init, 0.1 s
+    of CPU on many ML nodes) start once per node. Requests are pipelined: ``ask`` sends them all,
+    then reads every answer in order. Every wait is bounded by the Remote's phase deadline."""
 
     def __init__(self, remote: Remote, *first: str | tuple[str, bytes]) -> None:
         """Start the node shell and send it the ``first`` requests at once, without waiting
@@ -479,14 +463,6 @@ class NodeShell:
         self.channel.exec_command(f"exec sh -c {shlex.quote(NODE_SHELL)} meshkit {self.token}")
         if first:
             self.send(*first)
-
-    def _wait_ready(self) -> None:
-        seen = 0
-        while (line := self._line()) != b"=meshkit-ready":
-            seen += len(line)
-            if seen > MAX_NOISE:
-                raise MeshkitError("the node's shell printed too much before starting")
-        self._ready = True
 
     def _line(self) -> bytes:
         while b"\n" not in self._buf:
@@ -514,32 +490,28 @@ class NodeShell:
 
     def receive(self, count: int) -> list[Reply]:
         """The replies to the next ``count`` requests sent, in order."""
-        if not self._ready:
-            self._wait_ready()
+        seen = 0
+        while not self._ready and (line := self._line()) != b"=meshkit-ready":
+            seen += len(line)
+            if seen > MAX_NOISE:
+                raise MeshkitError("the node's shell printed too much before starting")
+        self._ready = True
         replies = []
         for _ in range(count):
             head = self._line().decode(errors="replace")
             if not head.startswith("="):
                 raise MeshkitError(f"the node's shell answered {head[:80]!r}")
             status, _, text = head[1:].partition(" ")
-            lines: list[bytes] = []
-            encoded: list[bytes] = []
-            while (body := self._line()) != b".":
-                if body.startswith(b"|"):
-                    lines.append(body[1:] + b"\n")
-                else:
-                    encoded.append(body)
-            data = b"".join(lines) + base64.b64decode(b"".join(encoded))
-            replies.append(Reply(status, text, data))
+            body = list(iter(self._line, b"."))  # up to the line "."
+            lines = b"".join(b[1:] + b"\n" for b in body if b.startswith(b"|"))
+            encoded = b"".join(b for b in body if not b.startswith(b"|"))
+            replies.append(Reply(status, text, lines + base64.b64decode(encoded)))
         return replies
 
     def ask(self, *requests: str | tuple[str, bytes]) -> list[Reply]:
         """Send the requests, then read every reply in order (pipelined: one round trip)."""
         self.send(*requests)
         return self.receive(len(requests))
-
-    def one(self, request: str | tuple[str, bytes]) -> Reply:
-        return self.ask(request)[0]
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

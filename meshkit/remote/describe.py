@@ -9,12 +9,17 @@ from invoke.exceptions import CommandTimedOut
 
 from ..errors import MeshkitError
 from ..hostfile import Host
-from .connection import GatewayError, RevokedHostKey, Settings, UnknownHostKey, fingerprint
+from .connection import GatewayError, Settings, UnknownHostKey, fingerprint
 
 
 def describe(exc: BaseException, host: Host, settings: Settings) -> str:
     """One line: what went wrong with this node and how to fix it."""
     port = host.port or settings.port or 22
+    if isinstance(exc, UnknownHostKey) and exc.revoked:
+        return (
+            f"host key of {exc.hostname} is REVOKED (@revoked in known_hosts): {exc.kind} "
+            f"{exc.fingerprint}; refused"
+        )
     if isinstance(exc, UnknownHostKey):
         return (
             f"unknown host key {exc.kind} {exc.fingerprint}; verify it (ssh-keygen -lf on the node), "
@@ -22,11 +27,6 @@ def describe(exc: BaseException, host: Host, settings: Settings) -> str:
         )
     if isinstance(exc, GatewayError):
         return f"ProxyJump gateway {exc.hop}: " + describe(exc.cause, Host(exc.hop), settings)
-    if isinstance(exc, RevokedHostKey):
-        return (
-            f"host key of {exc.hostname} is REVOKED (@revoked in known_hosts): {exc.kind} "
-            f"{exc.fingerprint}; refused"
-        )
     if isinstance(exc, paramiko.BadHostKeyException):
         return (
             f"HOST KEY CHANGED: expected {fingerprint(exc.expected_key)}, got {fingerprint(exc.key)}; "

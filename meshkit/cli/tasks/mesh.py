@@ -12,6 +12,7 @@ from ...errors import MeshkitError
 from ...hostfile import Host
 
 if TYPE_CHECKING:
+    from ...keys import Merge
     from ...meshplan import VerifyResult
     from ...ops.mesh import MeshReport
 
@@ -115,15 +116,14 @@ def mesh(
             raise Exit(f"meshkit: meshed {len(report.nodes)} nodes; left out: {left}", 1)
 
 
-def _added(lines: list[str], claimed: int) -> str:
-    return f"+{len(lines)}" + (f" ~{claimed}" if claimed else "")
+def _added(merge: Merge) -> str:
+    return f"+{len(merge.added)}" + (f" ~{merge.claimed}" if merge.claimed else "")
 
 
 def _show(report: MeshReport) -> None:
     rows = []
     for n in report.nodes:
-        auth = _added(n.authorized_added, n.authorized_claimed)
-        known = _added(n.known_added, n.known_claimed)
+        auth, known = _added(n.plan.authorized), _added(n.plan.known)
         rows.append((report.hosts.index(n.host), n.host.label, n.user_key, auth, known, n.result))
     print(table(["#", "node", "user key", "authorized_keys", "known_hosts", "result"], rows))
     shared = "~N: lines shared with another mesh"
@@ -143,7 +143,7 @@ def _show(report: MeshReport) -> None:
         if n.cleaned:
             print(f"  {n.host.label}: removed {n.cleaned} stale meshkit temp file(s)")
         if report.dry_run:
-            for line in n.authorized_added + n.known_added:
+            for line in n.plan.authorized.added + n.plan.known.added:
                 print(f"  {n.host.label}: would add: {line[:110]}")
     for h, err in report.left_out.items():
         print(f"  {h.label}: left out: {err}")
