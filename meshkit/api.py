@@ -16,8 +16,8 @@ it cannot report per node. Each call opens one connection and one agent per node
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from typing import TypeVar
 
 from . import settings
 from .errors import UsageError
@@ -29,6 +29,8 @@ from .ops import jobs, lookup, supervise
 from .ops import mesh as mesh_op
 from .ops import train as train_op
 from .ops.pool import NodePool, connect, ssh_settings
+
+T = TypeVar("T")
 
 
 class Cluster:
@@ -96,33 +98,13 @@ class Cluster:
         wait: float = 0.0,
     ) -> train_op.TrainResult:
         """``meshkit train``: start ``cmd`` on every node (None: relaunch the saved job)."""
+        flags = {k: v for k, v in locals().items() if k != "self"}  # each is an Options field
+        flags.update(workdir=self.workdir, session=self.session, hostfile=self.hostfile)
         if not 0 <= wait <= 86400:
             raise UsageError(f"wait={wait}: expected seconds between 0 and 86400")
-        job, hosts = train_op.plan(
-            self.conf,
-            cmd,
-            workdir=self.workdir,
-            session=self.session,
-            hostfile=self.hostfile,
-            nproc_per_node=nproc_per_node,
-            master_port=master_port,
-            restarts=restarts,
-            restart_on=restart_on,
-            spawn=spawn,
-            stall_after=stall_after,
-            restart_on_stall=restart_on_stall,
-        )
-        with self._pool(job, hosts, wait) as pool:
-            return train_op.train(
-                pool,
-                job,
-                hosts,
-                fresh=cmd is not None,
-                sync=sync,
-                replace_others=replace,
-                dry_run=dry_run,
-                check=doctor,
-            )
+        options = train_op.Options(**flags)
+        job, hosts = train_op.plan(self.conf, options)
+        return train_op.train(self.conf, job, hosts, options)
 
     def job(self) -> Job:
         """The saved job of this session (found from any node and any directory)."""
@@ -130,15 +112,11 @@ class Cluster:
 
     def status(self) -> list[jobs.StatusRow]:
         """``meshkit status``: one row per node (a node that cannot be asked has ``error``)."""
-        job, hosts = lookup.saved(self.conf, self.hostfile, self.session, self.workdir)
-        with self._pool(job, hosts) as pool:
-            return supervise.status(pool, job, hosts)
+        return self._on_saved(supervise.status)
 
     def diagnose(self) -> diagnose_op.Diagnosis:
         """``meshkit diagnose``: every rank's live stack, grouped; the outliers; the first failure."""
-        job, hosts = lookup.saved(self.conf, self.hostfile, self.session, self.workdir)
-        with self._pool(job, hosts) as pool:
-            return diagnose_op.diagnose(pool, job, hosts)
+        return self._on_saved(diagnose_op.diagnose)
 
     def logs(self, lines: int = 20, node: int | None = None) -> list[jobs.LogChunk]:
         """``meshkit logs``: the last ``lines`` lines of each node's log (or one node's)."""
@@ -148,14 +126,15 @@ class Cluster:
         if not 0 <= lines <= 100000:
             raise UsageError(f"lines={lines}: expected 0..100000")
         ranks = [node] if node is not None else list(range(len(hosts)))
-        with self._pool(job, [hosts[r] for r in ranks]) as pool:
+        with connect(self.conf, job.hostfile, [hosts[r] for r in ranks], job.python) as pool:
             return jobs.logs(pool, job, hosts, ranks, lines)
 
     def stop(self) -> supervise.Stopped:
         """``meshkit stop``: the supervisor, then the job's whole tree on every node; verified."""
-        job, hosts = lookup.saved(self.conf, self.hostfile, self.session, self.workdir)
-        with self._pool(job, hosts) as pool:
-            return supervise.stop(pool, job, hosts)
+        return self._on_saved(supervise.stop)
+
+    def _on_saved(self, op: Callable[[NodePool, Job, list[Host]], T]) -> T:
+        return lookup.on_saved(self.conf, self.hostfile, self.session, self.workdir, op)[1]
 
     def doctor(
         self,
@@ -172,8 +151,3 @@ class Cluster:
         return doctor_op.doctor(
             self.conf, job, hosts, quick, timeout, bandwidth, min_ratio, min_rate
         )
-
-    @contextmanager
-    def _pool(self, job: Job, hosts: list[Host], wait: float = 0.0) -> Iterator[NodePool]:
-        with connect(self.conf, job.hostfile, hosts, job.python, None, wait) as pool:
-            yield pool

@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from ..envrun import pick, pick_int
 from ..errors import JobError, UsageError
@@ -23,7 +24,11 @@ from ..job import (
     workdir_from_index,
 )
 from ..record import replace
+from ..remote.group import ProgressFn
 from ..settings import Config
+from .pool import NodePool, connect
+
+T = TypeVar("T")
 
 
 def read_local(path: str, limit: int = 1 << 20) -> str | None:
@@ -96,6 +101,21 @@ def saved(
     if job.sync and not os.path.exists(path) and os.path.exists(job.node_hostfile):
         path = job.node_hostfile
     return job, read_hosts(path, job.include, job.exclude)
+
+
+def on_saved(
+    conf: Config,
+    hostfile: str | None,
+    session: str | None,
+    workdir: str | None,
+    op: Callable[[NodePool, Job, list[Host]], T],
+    progress: ProgressFn | None = None,
+) -> tuple[Job, T]:
+    """The saved job of these flags, and ``op`` run on its nodes over one connection per node
+    (status, diagnose, stop: the CLI's and the Python API's)."""
+    job, hosts = saved(conf, hostfile, session, workdir)
+    with connect(conf, job.hostfile, hosts, job.python, progress) as pool:
+        return job, op(pool, job, hosts)
 
 
 def new_job(

@@ -13,11 +13,12 @@ from ..errors import LaunchError, UsageError
 from ..hostfile import Host
 from ..job import Job, parse_duration, parse_restart_on
 from ..record import replace
+from ..remote.group import ProgressFn
 from ..settings import Config
 from . import doctor, supervise
 from .jobs import Launch, env_round, launch
 from .lookup import new_job, saved
-from .pool import NodePool
+from .pool import NodePool, connect
 from .sync import Facts, sync_workdir, unshared
 
 
@@ -54,52 +55,61 @@ def restarts_flag(flag: str | int | None) -> int | None:
     return int(text)
 
 
-def plan(
-    conf: Config,
-    cmd: str | None,
-    *,
-    workdir: str | None = None,
-    session: str | None = None,
-    hostfile: str | None = None,
-    nproc_per_node: str | int | None = None,
-    master_port: str | int | None = None,
-    include: str | None = None,
-    exclude: str | None = None,
-    restarts: str | int | None = None,
-    restart_on: str | None = None,
-    spawn: bool = False,
-    stall_after: str | None = None,
-    restart_on_stall: bool | None = None,
-) -> tuple[Job, list[Host]]:
+@dataclass(frozen=True)
+class Options:
+    """What ``meshkit train`` and ``Cluster.train`` are told (the flags, over the configuration);
+    the one record both build, so neither spells out the parameters again."""
+
+    cmd: str | None = None  # None: relaunch the saved job
+    workdir: str | None = None
+    session: str | None = None
+    hostfile: str | None = None
+    nproc_per_node: str | int | None = None
+    master_port: str | int | None = None
+    include: str | None = None
+    exclude: str | None = None
+    restarts: str | int | None = None
+    restart_on: str | None = None
+    spawn: bool = False
+    stall_after: str | None = None
+    restart_on_stall: bool | None = None  # None: the saved job's setting
+    sync: bool = False  # copy the workdir even where it is shared
+    replace: bool = False  # end other meshkit jobs on the nodes
+    doctor: bool = False  # the doctor's quick checks first (any failure starts nothing)
+    dry_run: bool = False
+    wait: float = 0.0  # seconds to wait for unreachable (rebooting) nodes
+
+
+def plan(conf: Config, o: Options) -> tuple[Job, list[Host]]:
     """The job ``train`` starts: a new one from ``cmd`` and the flags over the configuration, or
     (``cmd`` None) the saved one, keeping its ``--restarts``/``--restart-on``/``--spawn`` unless
     told otherwise. Usage errors first, before anything is read from a node."""
-    count, codes = restarts_flag(restarts), parse_restart_on(restart_on)
-    stall = None if stall_after is None else parse_duration(stall_after)
-    if cmd is None:
-        job, hosts = saved(conf, hostfile, session, workdir)
+    count, codes = restarts_flag(o.restarts), parse_restart_on(o.restart_on)
+    stall = None if o.stall_after is None else parse_duration(o.stall_after)
+    if o.cmd is None:
+        job, hosts = saved(conf, o.hostfile, o.session, o.workdir)
     else:
         job, hosts = new_job(
             conf,
-            cmd,
-            workdir=workdir,
-            session=session,
-            hostfile=hostfile,
-            nproc_per_node=nproc_per_node,
-            master_port=master_port,
-            include=include,
-            exclude=exclude,
+            o.cmd,
+            workdir=o.workdir,
+            session=o.session,
+            hostfile=o.hostfile,
+            nproc_per_node=o.nproc_per_node,
+            master_port=o.master_port,
+            include=o.include,
+            exclude=o.exclude,
         )
     # a flag given overrides the saved job's setting (a new job starts from the defaults)
     job = replace(
         job,
         restarts=job.restarts if count is None else count,
-        restart_on=job.restart_on if restart_on is None else codes,
-        spawn=job.spawn or spawn,
-        stall_after=job.stall_after if stall_after is None else stall,
-        restart_on_stall=job.restart_on_stall if restart_on_stall is None else restart_on_stall,
+        restart_on=job.restart_on if o.restart_on is None else codes,
+        spawn=job.spawn or o.spawn,
+        stall_after=job.stall_after if o.stall_after is None else stall,
+        restart_on_stall=job.restart_on_stall if o.restart_on_stall is None else o.restart_on_stall,
     )
-    if spawn:
+    if o.spawn:
         check_spawn_cmd(job.cmd)
     if job.restart_on_stall and (not job.restarts or job.stall_after is None):
         raise UsageError("--restart-on-stall needs --restarts N and a --stall-after (not off)")
@@ -107,47 +117,39 @@ def plan(
 
 
 def train(
-    pool: NodePool,
-    job: Job,
-    hosts: list[Host],
-    *,
-    fresh: bool,
-    sync: bool = False,
-    replace_others: bool = False,
-    dry_run: bool = False,
-    check: bool = False,
+    conf: Config, job: Job, hosts: list[Host], o: Options, progress: ProgressFn | None = None
 ) -> TrainResult:
-    """Start (``fresh``: a new job) or relaunch ``job`` on every node. ``sync``: copy the workdir
-    even where it is shared; ``check``: the doctor's quick checks first (any failure starts
-    nothing); ``replace_others``: end other meshkit jobs on the nodes."""
+    """Start (``o.cmd`` given) or relaunch the planned ``job`` on every node, over one connection
+    and agent per node."""
     lacking: list[Host] = []
     facts: Facts | None = None
-    if fresh and not job.sync and not dry_run:
-        lacking, facts = unshared(pool, job.workdir, hosts)
-    if sync or lacking:
-        job = replace(job, sync=True)
-    if not dry_run:
-        left = supervise.end_supervisor(pool, job, hosts)
-        if left:
-            raise LaunchError([*left, "train: the old supervisor did not end"])
-    copied = None
-    if job.sync and not dry_run:
-        # before the env round: discovery runs in the workdir on every node
-        copied = sync_workdir(pool, job, hosts, lacking if facts is not None else None)
-    envs = env_round(pool, job)
-    report = None
-    if check:
-        # a copy made since the facts round changed what it saw: the doctor looks again
-        reuse = facts if copied is None else None
-        report = doctor.quick(pool, job, hosts, envs, reuse)
-        if not report.ok:
-            return TrainResult(job, None, [h.label for h in lacking], report)
-    launched = launch(
-        pool, job, hosts, replace=replace_others, dry_run=dry_run, envs=envs, synced=copied
-    )
-    started = None
-    if launched.ok and not launched.dry_run and launched.job.restarts:
-        started = start_supervisor(pool, launched.job, hosts)
+    with connect(conf, job.hostfile, hosts, job.python, progress, o.wait) as pool:
+        if o.cmd is not None and not job.sync and not o.dry_run:
+            lacking, facts = unshared(pool, job.workdir, hosts)
+        if o.sync or lacking:
+            job = replace(job, sync=True)
+        if not o.dry_run:
+            left = supervise.end_supervisor(pool, job, hosts)
+            if left:
+                raise LaunchError([*left, "train: the old supervisor did not end"])
+        copied = None
+        if job.sync and not o.dry_run:
+            # before the env round: discovery runs in the workdir on every node
+            copied = sync_workdir(pool, job, hosts, lacking if facts is not None else None)
+        envs = env_round(pool, job)
+        report = None
+        if o.doctor:
+            # a copy made since the facts round changed what it saw: the doctor looks again
+            reuse = facts if copied is None else None
+            report = doctor.quick(pool, job, hosts, envs, reuse)
+            if not report.ok:
+                return TrainResult(job, None, [h.label for h in lacking], report)
+        launched = launch(
+            pool, job, hosts, replace=o.replace, dry_run=o.dry_run, envs=envs, synced=copied
+        )
+        started = None
+        if launched.ok and not launched.dry_run and launched.job.restarts:
+            started = start_supervisor(pool, launched.job, hosts)
     return TrainResult(launched.job, launched, [h.label for h in lacking], report, started)
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json as jsonlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 from invoke.context import Context
 from invoke.exceptions import Exit
 
 from ...errors import LaunchError, UsageError
-from ...hostfile import Host
 from ...job import Job
 from ...ops import jobs as ops
 from ...ops import lookup
@@ -21,13 +20,6 @@ from ...ops.pool import NodePool, connect
 from ..common import HELP, conf, helps, progress, reported, table, task
 
 JOB_FLAGS = ("hostfile", "session", "workdir")
-
-
-@contextmanager
-def _pool(job: Job, hosts: Sequence[Host], wait: float = 0.0) -> Iterator[NodePool]:
-    """One connection and one node agent per node for the whole command."""
-    with connect(conf(), job.hostfile, hosts, job.python, progress, wait) as pool:
-        yield pool
 
 
 def _print_start(launch: ops.Launch) -> None:
@@ -119,41 +111,20 @@ def train(
     one master and port, no other meshkit job running): any failure starts nothing. After a reboot,
     `meshkit train` alone relaunches the saved job from any node and any directory.
     """
+    flags = {k: v for k, v in locals().items() if k != "c"}  # each is an Options field
     from ...ops import train as op
     from .doctor import render
 
     with reported():
         if not 0 <= float(wait) <= 86400:
             raise UsageError(f"--wait {wait}: expected seconds between 0 and 86400")
-        job, hosts = op.plan(
-            conf(),
-            cmd,
-            workdir=workdir,
-            session=session,
-            hostfile=hostfile,
-            nproc_per_node=nproc_per_node,
-            master_port=master_port,
-            include=include,
-            exclude=exclude,
-            restarts=restarts,
-            restart_on=restart_on,
-            spawn=spawn,
-            stall_after=stall_after,
-            restart_on_stall=restart_on_stall or None,
-        )
+        # a flag not given keeps the saved job's setting (there is no --no-restart-on-stall)
+        given = {"restart_on_stall": restart_on_stall or None, "wait": float(wait)}
+        options = op.Options(**{**flags, **given})
+        job, hosts = op.plan(conf(), options)
         if cmd is None:
             print(f"relaunching saved job {job.label}: {job.cmd}")
-        with _pool(job, hosts, float(wait)) as pool:
-            result = op.train(
-                pool,
-                job,
-                hosts,
-                fresh=cmd is not None,
-                sync=sync,
-                replace_others=replace,
-                dry_run=dry_run,
-                check=doctor,
-            )
+        result = op.train(conf(), job, hosts, options, progress)
         if result.lacking:
             lacking = ", ".join(result.lacking)
             print(f"workdir {job.workdir} is not shared with {lacking}: syncing it")
@@ -241,9 +212,7 @@ def status(
     from ...ops import supervise as sup
 
     with reported():
-        job, hosts = lookup.saved(conf(), hostfile, session, workdir)
-        with _pool(job, hosts) as pool:
-            rows = sup.status(pool, job, hosts)
+        job, rows = lookup.on_saved(conf(), hostfile, session, workdir, sup.status, progress)
     if json:
         print(jsonlib.dumps([r.as_json() for r in rows]))
     else:
@@ -265,9 +234,7 @@ def diagnose(
     from ...ops import diagnose as op
 
     with reported():
-        job, hosts = lookup.saved(conf(), hostfile, session, workdir)
-        with _pool(job, hosts) as pool:
-            found = op.diagnose(pool, job, hosts)
+        job, found = lookup.on_saved(conf(), hostfile, session, workdir, op.diagnose, progress)
     if json:
         print(jsonlib.dumps(found.as_json()))
     else:
@@ -326,7 +293,7 @@ def logs(
             raise UsageError(f"--lines {lines}: expected 0..100000")
         ranks = [int(node)] if node is not None else list(range(len(hosts)))
         failed = False
-        with _pool(job, [hosts[r] for r in ranks]) as pool:
+        with connect(conf(), job.hostfile, [hosts[r] for r in ranks], job.python, progress) as pool:
             for batch in ops.follow(pool, job, hosts, ranks, int(lines)):
                 for chunk in batch:
                     for line in chunk.lines:
@@ -351,9 +318,7 @@ def stop(
     from ...ops import supervise as sup
 
     with reported():
-        job, hosts = lookup.saved(conf(), hostfile, session, workdir)
-        with _pool(job, hosts) as pool:
-            stopped = sup.stop(pool, job, hosts)
+        stopped = lookup.on_saved(conf(), hostfile, session, workdir, sup.stop, progress)[1]
     rows, left = stopped.rows, stopped.supervisor_left
     for problem in left:
         print(f"meshkit: {problem}", file=sys.stderr)
@@ -408,7 +373,7 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
             hostfile=str(lay.hostfile),
             nproc_per_node=str(nproc_per_node),
         )
-        with _pool(job, hosts) as pool:
+        with connect(conf(), job.hostfile, hosts, job.python, progress) as pool:
             launch = ops.launch(pool, job, hosts, replace=True)
             _print_start(launch)
             if not launch.ok:
