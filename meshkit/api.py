@@ -102,7 +102,7 @@ class Cluster:
         flags.update(workdir=self.workdir, session=self.session, hostfile=self.hostfile)
         if not 0 <= wait <= 86400:
             raise UsageError(f"wait={wait}: expected seconds between 0 and 86400")
-        options = train_op.Options(**flags)
+        options = lookup.Options(**flags)
         job, hosts = train_op.plan(self.conf, options)
         return train_op.train(self.conf, job, hosts, options)
 

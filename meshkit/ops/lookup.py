@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -29,6 +30,31 @@ from ..settings import Config
 from .pool import NodePool, connect
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``meshkit train`` and ``Cluster.train`` are told (the flags, over the configuration);
+    the one record both build, so neither spells out the parameters again."""
+
+    cmd: str | None = None  # None: relaunch the saved job
+    workdir: str | None = None
+    session: str | None = None
+    hostfile: str | None = None
+    nproc_per_node: str | int | None = None
+    master_port: str | int | None = None
+    include: str | None = None
+    exclude: str | None = None
+    restarts: str | int | None = None
+    restart_on: str | None = None
+    spawn: bool = False
+    stall_after: str | None = None
+    restart_on_stall: bool | None = None  # None: the saved job's setting
+    sync: bool = False  # copy the workdir even where it is shared
+    replace: bool = False  # end other meshkit jobs on the nodes
+    doctor: bool = False  # the doctor's quick checks first (any failure starts nothing)
+    dry_run: bool = False
+    wait: float = 0.0  # seconds to wait for unreachable (rebooting) nodes
 
 
 def read_local(path: str, limit: int = 1 << 20) -> str | None:
@@ -118,37 +144,26 @@ def on_saved(
         return job, op(pool, job, hosts)
 
 
-def new_job(
-    conf: Config,
-    cmd: str,
-    *,
-    workdir: str | None = None,
-    session: str | None = None,
-    hostfile: str | None = None,
-    nproc_per_node: str | int | None = None,
-    master_port: str | int | None = None,
-    include: str | None = None,
-    exclude: str | None = None,
-) -> tuple[Job, list[Host]]:
+def new_job(conf: Config, o: Options) -> tuple[Job, list[Host]]:
     """A job from flags over the configuration, with the nodes it runs on (read once, also for
     the derived port)."""
     from ..discovery import read_hosts
     from ..topology import derive_master_port
 
-    name = check_session(str(pick(conf, "session", session)))
-    path = os.path.abspath(str(pick(conf, "hostfile", hostfile)))
-    chosen = (pick(conf, "include", include), pick(conf, "exclude", exclude))
+    name = check_session(str(pick(conf, "session", o.session)))
+    path = os.path.abspath(str(pick(conf, "hostfile", o.hostfile)))
+    chosen = (pick(conf, "include", o.include), pick(conf, "exclude", o.exclude))
     hosts = read_hosts(path, *chosen)
-    if not cmd.strip():
+    if not (o.cmd or "").strip():
         raise UsageError("--cmd is empty: give the command every node should run")
     job = Job(
-        cmd=cmd,
-        workdir=os.path.abspath(pick(conf, "workdir", workdir) or os.getcwd()),
+        cmd=o.cmd or "",
+        workdir=os.path.abspath(pick(conf, "workdir", o.workdir) or os.getcwd()),
         session=name,
         hostfile=path,
         python=str(conf.python or sys.executable),
-        master_port=pick_int(conf, "master_port", master_port) or derive_master_port(hosts, name),
-        nproc_per_node=pick_int(conf, "nproc_per_node", nproc_per_node, allow_auto=True),
+        master_port=pick_int(conf, "master_port", o.master_port) or derive_master_port(hosts, name),
+        nproc_per_node=pick_int(conf, "nproc_per_node", o.nproc_per_node, allow_auto=True),
         include=chosen[0],
         exclude=chosen[1],
         setup=tuple(conf.setup),
@@ -173,16 +188,8 @@ def saved_or_new(
     try:
         job, hosts = saved(conf, hostfile, session, workdir)
     except JobError:
-        job, hosts = new_job(
-            conf,
-            "meshkit doctor",
-            workdir=workdir,
-            session=session,
-            hostfile=hostfile,
-            master_port=master_port,
-            include=include,
-            exclude=exclude,
-        )
+        flags = Options("meshkit doctor", workdir, session, hostfile, master_port=master_port)
+        job, hosts = new_job(conf, replace(flags, include=include, exclude=exclude))
         return job, hosts, f"session {job.session!r} (no saved job; port derived)"
     port = pick_int(conf, "master_port", master_port)
     if port and port != job.master_port:

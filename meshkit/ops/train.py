@@ -17,7 +17,7 @@ from ..remote.group import ProgressFn
 from ..settings import Config
 from . import doctor, supervise
 from .jobs import Launch, env_round, launch
-from .lookup import new_job, saved
+from .lookup import Options, new_job, saved
 from .pool import NodePool, connect
 from .sync import Facts, sync_workdir, unshared
 
@@ -55,51 +55,15 @@ def restarts_flag(flag: str | int | None) -> int | None:
     return int(text)
 
 
-@dataclass(frozen=True)
-class Options:
-    """What ``meshkit train`` and ``Cluster.train`` are told (the flags, over the configuration);
-    the one record both build, so neither spells out the parameters again."""
-
-    cmd: str | None = None  # None: relaunch the saved job
-    workdir: str | None = None
-    session: str | None = None
-    hostfile: str | None = None
-    nproc_per_node: str | int | None = None
-    master_port: str | int | None = None
-    include: str | None = None
-    exclude: str | None = None
-    restarts: str | int | None = None
-    restart_on: str | None = None
-    spawn: bool = False
-    stall_after: str | None = None
-    restart_on_stall: bool | None = None  # None: the saved job's setting
-    sync: bool = False  # copy the workdir even where it is shared
-    replace: bool = False  # end other meshkit jobs on the nodes
-    doctor: bool = False  # the doctor's quick checks first (any failure starts nothing)
-    dry_run: bool = False
-    wait: float = 0.0  # seconds to wait for unreachable (rebooting) nodes
-
-
 def plan(conf: Config, o: Options) -> tuple[Job, list[Host]]:
     """The job ``train`` starts: a new one from ``cmd`` and the flags over the configuration, or
     (``cmd`` None) the saved one, keeping its ``--restarts``/``--restart-on``/``--spawn`` unless
     told otherwise. Usage errors first, before anything is read from a node."""
     count, codes = restarts_flag(o.restarts), parse_restart_on(o.restart_on)
     stall = None if o.stall_after is None else parse_duration(o.stall_after)
-    if o.cmd is None:
-        job, hosts = saved(conf, o.hostfile, o.session, o.workdir)
-    else:
-        job, hosts = new_job(
-            conf,
-            o.cmd,
-            workdir=o.workdir,
-            session=o.session,
-            hostfile=o.hostfile,
-            nproc_per_node=o.nproc_per_node,
-            master_port=o.master_port,
-            include=o.include,
-            exclude=o.exclude,
-        )
+    job, hosts = (
+        saved(conf, o.hostfile, o.session, o.workdir) if o.cmd is None else new_job(conf, o)
+    )
     # a flag given overrides the saved job's setting (a new job starts from the defaults)
     job = replace(
         job,

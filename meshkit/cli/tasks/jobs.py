@@ -120,7 +120,7 @@ def train(
             raise UsageError(f"--wait {wait}: expected seconds between 0 and 86400")
         # a flag not given keeps the saved job's setting (there is no --no-restart-on-stall)
         given = {"restart_on_stall": restart_on_stall or None, "wait": float(wait)}
-        options = op.Options(**{**flags, **given})
+        options = lookup.Options(**{**flags, **given})
         job, hosts = op.plan(conf(), options)
         if cmd is None:
             print(f"relaunching saved job {job.label}: {job.cmd}")
@@ -363,16 +363,12 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
         workdir = lay.shared / "demo"
         workdir.mkdir(parents=True, exist_ok=True)
         templates.copy_to("example_train.py", workdir)
-        example = f"torchrun example_train.py, {nproc_per_node} per node, gloo"
+        cmd = "torchrun example_train.py"
+        example = f"{cmd}, {nproc_per_node} per node, gloo"
         print(f"\n== train ({example}) in {workdir}")
-        job, hosts = lookup.new_job(
-            conf(),
-            "torchrun example_train.py",
-            workdir=str(workdir),
-            session="demo",
-            hostfile=str(lay.hostfile),
-            nproc_per_node=str(nproc_per_node),
-        )
+        per_node = str(nproc_per_node)
+        flags = lookup.Options(cmd, str(workdir), "demo", str(lay.hostfile), per_node)
+        job, hosts = lookup.new_job(conf(), flags)
         with connect(conf(), job.hostfile, hosts, job.python, progress) as pool:
             launch = ops.launch(pool, job, hosts, replace=True)
             _print_start(launch)
