@@ -49,8 +49,6 @@ class Cluster:
         self.workdir = workdir
         self.conf = conf if conf is not None else settings.load()
 
-    # ---- the mesh ----------------------------------------------------------------------------
-
     def mesh(
         self,
         *,
@@ -66,19 +64,15 @@ class Cluster:
 
         every = read_hosts(self.hostfile, None, None)  # the mesh's id: --include does not change it
         hosts = read_hosts(self.hostfile, self.conf.include, self.conf.exclude)
-        connection = ssh_settings(
-            self.conf, self.hostfile, identity, accept_new=accept_new_host_keys
-        )
+        st = ssh_settings(self.conf, self.hostfile, identity, accept_new=accept_new_host_keys)
         return mesh_op.mesh(
             hosts,
-            connection,
+            st,
             mesh_id(every),
             skip_unreachable=skip_unreachable,
             dry_run=dry_run,
             check=verify,
         )
-
-    # ---- jobs --------------------------------------------------------------------------------
 
     def train(
         self,

@@ -14,7 +14,6 @@ from invoke.tasks import Task
 from invoke.tasks import task as invoke_task
 
 from .. import settings
-from ..envrun import pick
 from ..errors import MeshkitError, UsageError
 
 if TYPE_CHECKING:
@@ -67,11 +66,6 @@ def reported() -> Iterator[None]:
     except KeyboardInterrupt:
         sys.stdout.flush()
         raise Exit("meshkit: interrupted", 130) from None
-
-
-def option(name: str, flag: Any) -> Any:
-    """A flag when given, else the configured value (flags are the last config level)."""
-    return pick(conf(), name, flag)
 
 
 def rate(text: str, flag: str) -> float:

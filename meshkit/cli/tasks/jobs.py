@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json as jsonlib
 import os
 import sys
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 
 from invoke.context import Context
 from invoke.exceptions import Exit
@@ -16,7 +16,7 @@ from ...job import Job
 from ...ops import jobs as ops
 from ...ops import lookup
 from ...ops.diagnose import Diagnosis, spans
-from ...ops.pool import NodePool, connect
+from ...ops.pool import connect
 from ..common import HELP, conf, helps, progress, reported, table, task
 
 JOB_FLAGS = ("hostfile", "session", "workdir")
@@ -139,23 +139,19 @@ def train(
             print(f"doctor: {len(result.doctor.checks)} quick checks passed")
         launch = result.launch
         assert launch is not None  # only None when the doctor failed, above
-        if launch.synced:
-            for host, count in launch.synced.items():
-                print(f"synced {count} changed files to {host}")
+        for host, count in (launch.synced or {}).items():
+            print(f"synced {count} changed files to {host}")
         if launch.note:
             print(launch.note)
         if launch.dry_run:
-            spec = launch.job.node_job()
-            print(
-                f"would start {launch.job.label} on {len(hosts)} nodes (tmux {spec.tmux_session}):"
-            )
+            spec, label = launch.job.node_job(), f"{launch.job.label} on {len(hosts)} nodes"
+            print(f"would start {label} (tmux {spec.tmux_session}):")
             print("  " + " ".join(spec.argv))
             return
         _print_start(launch)
         if not launch.ok:
-            raise LaunchError(
-                "train: some nodes did not start (see above); `meshkit stop` ends the others"
-            )
+            why = "some nodes did not start (see above); `meshkit stop` ends the others"
+            raise LaunchError(f"train: {why}")
         if result.supervisor is not None:
             sup = result.supervisor
             print(f"supervisors: tmux session {sup.tmux_session} on every node, logs {sup.log}")
@@ -191,10 +187,8 @@ def supervise(
     with reported():
         job, hosts = lookup.saved(conf(), hostfile, session, workdir)
 
-        def quiet(wait: float) -> AbstractContextManager[NodePool]:  # no progress lines per poll
-            return connect(conf(), job.hostfile, hosts, job.python, None, wait)
-
-        record = sup.run(quiet, job, hosts, int(rank), say)
+        quiet = functools.partial(connect, conf(), job.hostfile, hosts, job.python, None)
+        record = sup.run(quiet, job, hosts, int(rank), say)  # quiet: no progress lines per poll
     if record.supervisor != sup.DONE:
         raise Exit(code=1)
 

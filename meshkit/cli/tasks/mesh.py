@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from invoke.context import Context
 from invoke.exceptions import Exit
 
+from ...envrun import pick
 from ...errors import MeshkitError
 from ...hostfile import Host
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from ...meshplan import VerifyResult
     from ...ops.mesh import MeshReport
 
-from ..common import conf, helps, option, progress, reported, table, task
+from ..common import conf, helps, progress, reported, table, task
 
 HOST_FLAGS = ("hostfile", "include", "exclude")
 SSH_HELP = {
@@ -31,8 +32,9 @@ def _hosts(
 ) -> tuple[list[Host], str]:
     from ...discovery import read_hosts
 
-    path = option("hostfile", hostfile)
-    return read_hosts(path, option("include", include), option("exclude", exclude)), str(path)
+    cfg = conf()  # a flag when given, else the configured value
+    path = str(pick(cfg, "hostfile", hostfile))
+    return read_hosts(path, pick(cfg, "include", include), pick(cfg, "exclude", exclude)), path
 
 
 def _mesh_id(hostfile: str | None) -> str:
