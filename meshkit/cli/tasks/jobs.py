@@ -29,29 +29,29 @@ def _print_start(launch: ops.Launch) -> None:
     print(table(["rank", "host", "state", "replaced", "error"], rows))
 
 
-def _print_status(rows: Sequence[ops.StatusRow], job: Job) -> None:
-    print(f"job {job.label} (tmux session {job.tmux_session})")
+def render_status(rows: Sequence[ops.StatusRow], job: Job) -> str:
+    out = [f"job {job.label} (tmux session {job.tmux_session})"]
     if rows and rows[0].supervised:
         r = rows[0]
         if r.supervisor is None:
-            print(f"supervisor: none (restarts {job.restarts})")
+            out.append(f"supervisor: none (restarts {job.restarts})")
         elif r.supervisor == "not responding":
-            print(f"supervisor: not responding: {r.last_restart_reason}")
+            out.append(f"supervisor: not responding: {r.last_restart_reason}")
         else:
             lead = f" (leader: node {r.leader})" if r.leader is not None else ""
             last = f", last restart: {r.last_restart_reason}" if r.last_restart_reason else ""
             attempt = f"attempt {r.attempt} of {job.restarts + 1}, restarts left {r.restarts_left}"
-            print(f"supervisor: {r.supervisor}{lead}, {attempt}{last}")
-            if r.held:
-                print(f"relaunch held by {r.held}")
+            out.append(f"supervisor: {r.supervisor}{lead}, {attempt}{last}")
+            out += [f"relaunch held by {r.held}"] if r.held else []
     cells = []
     for r in rows:
         quiet = f"yes ({r.idle_s:.0f}s quiet)" if r.stalled and r.idle_s else "no"
         when, last = (r.started or "")[:19], (r.last_line or "")[:70]
         cells.append((r.node_rank, r.host, r.state, r.exit_code, when, quiet, last))
-    print(table(["rank", "host", "state", "exit", "started", "stalled", "last line"], cells))
+    out.append(table(["rank", "host", "state", "exit", "started", "stalled", "last line"], cells))
     if rows and rows[0].diagnosis:
-        print(f"diagnosis saved before the stall restart: {rows[0].diagnosis}")
+        out.append(f"diagnosis saved before the stall restart: {rows[0].diagnosis}")
+    return "\n".join(out)
 
 
 TRAIN_HELP = helps(
@@ -207,10 +207,7 @@ def status(
 
     with reported():
         job, rows = lookup.on_saved(conf(), hostfile, session, workdir, sup.status, progress)
-    if json:
-        print(jsonlib.dumps([r.as_json() for r in rows]))
-    else:
-        _print_status(rows, job)
+    print(jsonlib.dumps([r.as_json() for r in rows]) if json else render_status(rows, job))
     if any(r.error for r in rows):
         raise Exit(code=1)
 
@@ -229,10 +226,7 @@ def diagnose(
 
     with reported():
         job, found = lookup.on_saved(conf(), hostfile, session, workdir, op.diagnose, progress)
-    if json:
-        print(jsonlib.dumps(found.as_json()))
-    else:
-        print(render_diagnosis(found, job))
+    print(jsonlib.dumps(found.as_json()) if json else render_diagnosis(found, job))
     if not found.ok:
         raise Exit(code=1)
 
@@ -377,7 +371,7 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
         for line in sorted(results, key=lambda ln: int(ln.split("rank=")[1].split()[0])):
             print(line)
         print("\n== status")
-        _print_status(rows, launch.job)
+        print(render_status(rows, launch.job))
         expected = len(hosts) * int(nproc_per_node)
         correct = [ln for ln in results if "ok=True" in ln]
         if not len(correct) == len(results) == expected or any(r.exit_code != 0 for r in rows):
