@@ -62,16 +62,11 @@ class Cluster:
         from .discovery import read_hosts
         from .meshplan import mesh_id
 
-        every = read_hosts(self.hostfile, None, None)  # the mesh's id: --include does not change it
+        mid = mesh_id(read_hosts(self.hostfile, None, None))  # --include does not change it
         hosts = read_hosts(self.hostfile, self.conf.include, self.conf.exclude)
         st = ssh_settings(self.conf, self.hostfile, identity, accept_new=accept_new_host_keys)
         return mesh_op.mesh(
-            hosts,
-            st,
-            mesh_id(every),
-            skip_unreachable=skip_unreachable,
-            dry_run=dry_run,
-            check=verify,
+            hosts, st, mid, skip_unreachable=skip_unreachable, dry_run=dry_run, check=verify
         )
 
     def train(

@@ -206,14 +206,8 @@ def unmesh(
 
     with reported():
         hosts, path = _hosts(hostfile, include, exclude)
-        report = ops.unmesh(
-            hosts,
-            ssh_settings(conf(), path, identity),
-            _mesh_id(hostfile),
-            keep_keys=keep_keys,
-            dry_run=dry_run,
-            progress=progress,
-        )
+        st, mid = ssh_settings(conf(), path, identity), _mesh_id(hostfile)
+        report = ops.unmesh(hosts, st, mid, keep_keys=keep_keys, dry_run=dry_run, progress=progress)
         rows: list[tuple[str, ...]] = []
         for n in report.nodes:
             lines = (f"-{n.plan.authorized_removed}", f"-{n.plan.known_removed}")
