@@ -20,6 +20,8 @@ from .pool import NodePool, unanswered
 State = Literal["running", "stalled", "failed", "done", "absent"]
 SECONDS = 5.0  # per rank, for py-spy; a node's ranks are read in parallel
 LIBRARY = ("/site-packages/", "/dist-packages/", "/lib/python")  # not the user's own frames
+Replies = dict[Host, Outcome[DiagnoseReply]]
+Errors = dict[int, tuple[int, RankError]]  # rank -> (node rank, its earliest error file)
 
 
 @dataclass(frozen=True)
@@ -106,15 +108,12 @@ def diagnose(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Diagnosis:
 
 
 def build(
-    job: Job,
-    hosts: Sequence[Host],
-    replies: dict[Host, Outcome[DiagnoseReply]],
-    failures: dict[Host, str],
+    job: Job, hosts: Sequence[Host], replies: Replies, failures: dict[Host, str]
 ) -> Diagnosis:
     """Pure: the replies as one diagnosis."""
     nodes: list[NodeRow] = []
     ranks: list[Rank] = []
-    errors: dict[int, tuple[int, RankError]] = {}
+    errors: Errors = {}
     for number, h in enumerate(hosts):
         outcome = replies.get(h)
         if outcome is None or outcome.value is None:
@@ -179,10 +178,7 @@ def group(ranks: Sequence[Rank]) -> tuple[list[Group], list[int]]:
 
 
 def first_failure(
-    hosts: Sequence[Host],
-    nodes: Sequence[NodeRow],
-    errors: dict[int, tuple[int, RankError]],
-    replies: dict[Host, Outcome[DiagnoseReply]],
+    hosts: Sequence[Host], nodes: Sequence[NodeRow], errors: Errors, replies: Replies
 ) -> Failure | None:
     """The rank that raised first (by its error file's time: a peer that died of the closed
     connection raised later); without error files, the first failed node's log traceback."""
