@@ -34,8 +34,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Options:
-    """What ``meshkit train`` and ``Cluster.train`` are told (the flags, over the configuration);
-    the one record both build, so neither spells out the parameters again."""
+    """The flags of a job to start (over the configuration): what ``meshkit train`` and
+    ``Cluster.train`` are told, as one record they (and the doctor's, demo's new job) pass on."""
 
     cmd: str | None = None  # None: relaunch the saved job
     workdir: str | None = None
@@ -100,13 +100,9 @@ def find_job(
         if job is None:
             job = load(cwd)
     if job is None:
-        raise JobError(
-            [
-                f"no saved job {session!r}; looked in:",
-                *(f"  {p}" for p in dict.fromkeys(looked)),
-                "start one with: meshkit train --cmd CMD (or pass --hostfile/--workdir/--session)",
-            ]
-        )
+        where = [f"  {p}" for p in dict.fromkeys(looked)]
+        fix = "start one with: meshkit train --cmd CMD (or pass --hostfile/--workdir/--session)"
+        raise JobError([f"no saved job {session!r}; looked in:", *where, fix])
     return job
 
 

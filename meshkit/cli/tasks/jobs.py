@@ -54,13 +54,9 @@ def render_status(rows: Sequence[ops.StatusRow], job: Job) -> str:
     return "\n".join(out)
 
 
+NEW_JOB_FLAGS = ("hostfile", "session", "include", "exclude", "nproc_per_node", "master_port")
 TRAIN_HELP = helps(
-    "hostfile",
-    "session",
-    "include",
-    "exclude",
-    "nproc_per_node",
-    "master_port",
+    *NEW_JOB_FLAGS,
     cmd="command to run on every node (bash; $NODE_RANK etc. expand there); without it, "
     "relaunch the saved job",
     workdir="directory on shared storage to run in (default: config, else the current "
