@@ -73,9 +73,8 @@ def rate(text: str, flag: str) -> float:
     1000, as tc and ethtool count)."""
     import re
 
-    found = re.fullmatch(
-        r"([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(?:bit(?:/s)?|bps)?", text.strip().lower()
-    )
+    pattern = r"([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(?:bit(?:/s)?|bps)?"
+    found = re.fullmatch(pattern, text.strip().lower())
     number = float(found.group(1)) if found and found.group(1).count(".") < 2 else 0.0
     if not found or number <= 0:
         raise UsageError(f"{flag} {text!r}: expected a rate such as 20Mbit, 1G or 100mbit/s")

@@ -98,12 +98,10 @@ class Diagnosis:
 
 
 def diagnose(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Diagnosis:
-    replies = pool.call_all(
-        "diagnose",
-        lambda h: DiagnoseRequest(job.id, str(job.home), job.log(hosts.index(h)), SECONDS),
-        DiagnoseReply,
-        timeout=SECONDS + 30,
-    )
+    def request(h: Host) -> DiagnoseRequest:
+        return DiagnoseRequest(job.id, str(job.home), job.log(hosts.index(h)), SECONDS)
+
+    replies = pool.call_all("diagnose", request, DiagnoseReply, timeout=SECONDS + 30)
     return build(job, hosts, replies, pool.failures)
 
 

@@ -120,13 +120,11 @@ def train(
 def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> Supervisor:
     """A supervisor in tmux on every node, after the first record is on every node."""
     record = supervise.Record(supervise.RUNNING, 1, job.restarts)
+    stop = "`meshkit stop` ends the job"
     if supervise.write(pool, job, hosts, record, 0, every=True) is None:
-        raise LaunchError(
-            "the job started but its supervision record could not be written on "
-            "every node; `meshkit stop` ends the job"
-        )
+        what = "its supervision record could not be written on every node"
+        raise LaunchError(f"the job started but {what}; {stop}")
     failed = supervise.start_all(pool, job, hosts)
     if failed:
-        why = "the job started but not every node's supervisor did; `meshkit stop` ends the job"
-        raise LaunchError([*failed, why])
+        raise LaunchError([*failed, f"the job started but not every node's supervisor did; {stop}"])
     return Supervisor(job.supervisor_tmux, str(job.home / "supervisor-node{rank}.log"))

@@ -375,7 +375,5 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
             raise Exit(f"meshkit: demo failed: {why}", 1)
         ranks = f"{len(results)} ranks on {len(hosts)} nodes"
         print(f"\ndemo ok: {ranks} agreed on the all_reduce sum.")
-        print(
-            f"explore: ssh -F {lay.ssh_config} node1 | meshkit status --hostfile {lay.hostfile} "
-            "--session demo | meshkit sandbox.down"
-        )
+        watch = f"meshkit status --hostfile {lay.hostfile} --session demo"
+        print(f"explore: ssh -F {lay.ssh_config} node1 | {watch} | meshkit sandbox.down")

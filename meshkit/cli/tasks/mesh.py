@@ -107,10 +107,8 @@ def mesh(
         )
         _show(report)
         if report.failed:
-            raise MeshkitError(
-                [f"  {n.host.label}: {n.error}" for n in report.failed]
-                + ["mesh: some nodes were not changed (above); rerun mesh once they are fixed"]
-            )
+            fix = "mesh: some nodes were not changed (above); rerun mesh once they are fixed"
+            raise MeshkitError([*(f"  {n.host.label}: {n.error}" for n in report.failed), fix])
         if report.verify and _verify_report(report.verify):
             raise Exit("meshkit: mesh installed, but some pairs cannot log in (see above)", 1)
         if report.left_out:
