@@ -45,8 +45,7 @@ class Group:
 
     @property
     def where(self) -> str:
-        """ "all_reduce (train.py:42)": the innermost frame's function, at the innermost frame of
-        the user's own code."""
+        """ "all_reduce (train.py:42)": the innermost function, at the user's own innermost frame."""
         if not self.frames:
             return "?"
         inner = self.frames[-1].rpartition(" (")[0]

@@ -187,7 +187,5 @@ def saved_or_new(
         flags = Options("meshkit doctor", workdir, session, hostfile, master_port=master_port)
         job, hosts = new_job(conf, replace(flags, include=include, exclude=exclude))
         return job, hosts, f"session {job.session!r} (no saved job; port derived)"
-    port = pick_int(conf, "master_port", master_port)
-    if port and port != job.master_port:
-        job = replace(job, master_port=port)
+    job = replace(job, master_port=pick_int(conf, "master_port", master_port) or job.master_port)
     return job, hosts, f"saved job {job.label}"

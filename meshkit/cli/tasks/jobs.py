@@ -23,9 +23,7 @@ JOB_FLAGS = ("hostfile", "session", "workdir")
 
 
 def _print_start(launch: ops.Launch) -> None:
-    rows = [
-        (r.node_rank, r.host, r.state, ", ".join(r.replaced), r.error or "") for r in launch.rows
-    ]
+    rows = [(r.node_rank, r.host, r.state, ", ".join(r.replaced), r.error) for r in launch.rows]
     print(table(["rank", "host", "state", "replaced", "error"], rows))
 
 
