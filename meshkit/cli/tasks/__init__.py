@@ -48,8 +48,7 @@ def env(
     from ...envrun import print_env
 
     with reported():
-        node = _node(locals())
-        print_env(node, json)
+        print_env(_node(locals()), json)
 
 
 LOG_HELP = "also append all output to this file; {rank} becomes the node rank"
