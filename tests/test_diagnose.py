@@ -438,6 +438,9 @@ def test_a_job_run_as_a_non_root_user(tmp_path):
         assert [(s.rank, s.error) for s in found.ranks] == [(0, None), (1, None)], found
         assert found.ranks[0].frames[-1].endswith("r.py:5)"), found.ranks[0].frames
         assert found.ranks[1].frames[-1].endswith("r.py:3)"), found.ranks[1].frames
+        # py-spy ran under the keeper, which reads only its own tree
+        sock = f"/tmp/meshkit-65534/jobs/{job.id}/stacks.sock"
+        assert node_diagnose.ask(sock, 0, agent.pid, 5.0).error.startswith("not a process of this")
         # rank 1 raises; --spawn then ends rank 0 (TERM), which leaves no error of its own
         found = wait_for(lambda: (r := ask(request)) and r.state == "exited" and r, 60)
         assert [(e.rank, e.error) for e in found.errors] == [(1, "KeyError: 'lost shard'")]

@@ -3,28 +3,35 @@ the errors its ranks left. Standard library only (py-spy is a program, run as on
 
 The ranks are the Python processes in the job's keeper tree whose environment carries ``RANK``
 (torchrun's workers, ``--spawn``'s ranks), the topmost of each rank (a data loader's workers carry
-the same ``RANK``). Their errors are the files the rank hook (``node/hook``) wrote when a rank
-raised, newer than this attempt's start.
+the same ``RANK``). The job's keeper reads their stacks (``answer``, in the keeper; ``ask``, here):
+under Yama's ``ptrace_scope`` 1 only it, an ancestor of the ranks, and what it starts may. Their
+errors are the files the rank hook (``node/hook``) wrote when a rank raised, newer than this
+attempt's start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..protocol import DiagnoseReply, DiagnoseRequest, RankError, RankStack
+from ..record import asdict, build
 from . import jobs, procs
-from .files import read_text, state_root
+from .files import STACKS, read_text, state_root
 
 MAX_FRAMES = 100  # of the main thread, innermost kept
 MAX_THREADS = 16  # other threads listed
 MAX_ERRORS = 8  # the earliest error files (the first failure is among them)
 MAX_TRACE = 40  # lines of a traceback
+MAX_SECONDS = 60  # per rank, whatever the request says
+MAX_STACK = 1 << 22  # bytes of one rank's stack as the keeper sends it
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
@@ -35,15 +42,12 @@ def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
     found = rank_processes(keeper) if keeper else {}
     stacks: list[RankStack] = []
     problem = None
-    if found:
-        # the interpreter's own bin first: a venv's, which the agent's PATH may lack
-        path = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', os.defpath)}"
-        spy = shutil.which("py-spy", path=path) or ""
-        if not spy:
-            problem = f"py-spy is not installed: {sys.executable} -m pip install py-spy"
-        else:
-            with ThreadPoolExecutor(len(found)) as pool:
-                stacks = list(pool.map(lambda r: dump(spy, r, found[r], request.seconds), found))
+    if found and not py_spy():
+        problem = f"py-spy is not installed: {sys.executable} -m pip install py-spy"
+    elif found:
+        sock = f"{jobs.state_dir(request.job_id)}/{STACKS}"
+        with ThreadPoolExecutor(len(found)) as pool:
+            stacks = list(pool.map(lambda r: ask(sock, r, found[r], request.seconds), found))
     errors = read_errors(os.path.join(request.home, "errors"), started)
     tail = log_traceback(request.log) if state == "exited" and code and not errors else []
     idle = jobs.idle(request.log, started)
@@ -66,6 +70,39 @@ def rank_processes(keeper: int) -> dict[int, int]:
         if rank.isdigit():
             found[pid] = int(rank)
     return dict(sorted((r, p) for p, r in found.items() if found.get(table.get(p, 0)) != r))
+
+
+def py_spy() -> str | None:
+    # the interpreter's own bin first: a venv's, which the agent's PATH may lack
+    path = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', os.defpath)}"
+    return shutil.which("py-spy", path=path)
+
+
+def ask(sock: str, rank: int, pid: int, seconds: float) -> RankStack:
+    """One rank's stack, from the job's keeper listening on ``sock``."""
+    try:
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.settimeout(2 * seconds + 5)  # py-spy, then the flight recorder: each bounded
+            conn.connect(sock)
+            conn.sendall(f"{rank} {pid} {int(seconds)}\n".encode())
+            return build(RankStack, json.loads(conn.makefile("rb").read(MAX_STACK)), "stack")
+    except (OSError, ValueError) as exc:  # a timeout, no keeper, a reply cut short
+        return RankStack(rank, pid, [], [], f"the job's keeper did not read it: {exc}")
+
+
+def answer(conn: socket.socket) -> None:
+    """In the keeper: the stack of the rank its question names (``RANK PID SECONDS``), if that
+    process is in this keeper's tree."""
+    with conn, contextlib.suppress(OSError, ValueError):  # ask says what it did not get
+        conn.settimeout(5)
+        rank, pid, seconds = (int(w) for w in conn.makefile("rb").readline(100).split())
+        limit, spy = min(max(seconds, 1), MAX_SECONDS), py_spy()
+        if pid not in procs.descendants(os.getpid()) or not spy:
+            stack = RankStack(rank, pid, [], [], "not a process of this job, or no py-spy")
+        else:
+            stack = dump(spy, rank, pid, limit)
+        conn.settimeout(limit)
+        conn.sendall(json.dumps(asdict(stack)).encode())
 
 
 def dump(spy: str, rank: int, pid: int, seconds: float) -> RankStack:

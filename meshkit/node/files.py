@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import os
 
+SPEC = (
+    "spec.json"  # a job's one record (protocol.NodeJob) in its state directory: the keeper runs it
+)
+STACKS = "stacks.sock"  # there too: the keeper answers the agent's questions for a rank's stack
+
 
 def state_root() -> str:
     """This user's meshkit state on this node: jobs, supervisors, the ranks' flight-recorder

@@ -19,8 +19,7 @@ import time
 from .. import protocol as p
 from ..record import asdict
 from . import procs, tmux
-from .files import read_text, state_root, write_atomic
-from .keeper import SPEC
+from .files import SPEC, read_text, state_root, write_atomic
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -1,25 +1,30 @@
 """The keeper: one per job per node, the process tmux runs. It is a child subreaper, so whatever
 the job starts (``setsid``, double forks, ``env -i``) stays in its process tree for ``stop`` to
 find; it runs the job's command, records when it started and how it exited, and stays until the
-last of the job's processes is gone. Standard library only.
+last of the job's processes is gone. It also reads its ranks' stacks for ``meshkit diagnose``
+(``node/diagnose.answer``): under Yama's ``ptrace_scope`` 1 only a process's ancestors may trace it,
+and what they start once it names one its tracer (the rank hook names the keeper); the agent,
+under sshd, is neither. Standard library only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
 import time
 
 from ..protocol import NodeJob
 from ..record import Invalid, build
 from . import procs, signals
-from .files import write_atomic
+from .files import SPEC, STACKS, write_atomic
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from types import FrameType
 
-SPEC = "spec.json"  # the job's one record (protocol.NodeJob), written by the agent's start
+TRACER = "MESHKIT_KEEPER"  # the keeper's pid, for the rank hook's PR_SET_PTRACER
 MAX_SPEC = 1 << 20  # bytes of the spec (the agent wrote it from a request of at most a line)
 
 
@@ -39,9 +44,11 @@ def keep(directory: str) -> int:
     signals.signal(signals.SIGHUP, signals.SIG_IGN)
     signals.signal(signals.SIGINT, signals.SIG_IGN)
     signals.signal(signals.SIGTERM, _forward)
+    _listen(f"{d}/{STACKS}")
     write_atomic(f"{d}/keeper.pid", f"{os.getpid()}\n")
     write_atomic(f"{d}/started", f"{time.time():.3f}\n")
-    env = {**os.environ, **job.env, procs.JOB_TAG: job.job_id, procs.SESSION_TAG: job.session}
+    tags = {procs.JOB_TAG: job.job_id, procs.SESSION_TAG: job.session, TRACER: str(os.getpid())}
+    env = {**os.environ, **job.env, **tags}
     try:
         os.chdir(job.workdir)
         # posix_spawn, not subprocess. Like Popen's restore_signals, the job gets SIGPIPE and
@@ -65,6 +72,30 @@ def keep(directory: str) -> int:
         if pid == child:
             code = signals.exit_code(status)
             write_atomic(f"{d}/exit", f"{code}\n")
+
+
+def _listen(path: str) -> None:
+    """Answer each connection on ``path`` in a thread of its own (``diagnose.answer``)."""
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        if os.path.lexists(path):
+            os.unlink(path)  # the previous attempt's
+        server.bind(path)
+        server.listen(64)
+    except OSError:
+        return  # the job runs anyway; diagnose says it could not ask this keeper
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return  # out of descriptors: diagnose says it could not ask this keeper
+            from .diagnose import answer  # at the first question, not at every launch
+
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, name="meshkit-stacks", daemon=True).start()
 
 
 def _forward(signum: int, frame: FrameType | None) -> None:

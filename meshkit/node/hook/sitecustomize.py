@@ -1,8 +1,9 @@
 """meshkit's rank hook. ``meshkit run --log`` puts this directory first on the job's PYTHONPATH,
 so every Python process of the job imports it at start (as ``sitecustomize``). In a rank (``RANK``
 set) it:
-- lets the node's agent read its stack when Yama's ``ptrace_scope`` is 1, where only an ancestor
-  could (``PR_SET_PTRACER_ANY``): ``meshkit diagnose`` runs py-spy from the agent;
+- lets the job's keeper read its stack when Yama's ``ptrace_scope`` is 1, where only an ancestor
+  may: it names the keeper its tracer (``PR_SET_PTRACER``), so that the py-spy the keeper starts
+  for ``meshkit diagnose`` may read it too, and nothing else of this user may;
 - when torch's flight recorder is on (``TORCH_FR_BUFFER_SIZE``), keeps a thread blocked on a FIFO
   (``/tmp/meshkit-UID/fr-PID``) that, when the agent opens it, writes the recorder's JSON beside it:
   the collectives this rank entered, read while its main thread waits in one;
@@ -22,10 +23,11 @@ def _install(rank: str, errors: str) -> None:
             scope = handle.read().strip()
     except OSError:
         scope = "0"  # no Yama: the same user may trace
-    if scope == "1":
+    keeper = os.environ.get("MESHKIT_KEEPER", "")
+    if scope == "1" and keeper.isdigit():
         import ctypes
 
-        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, ANY
+        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(int(keeper)), 0, 0, 0)  # PR_SET_PTRACER
     previous = sys.excepthook
 
     def record(kind, value, tb):  # type: ignore[no-untyped-def]
