@@ -114,10 +114,23 @@ def stop(request: p.StopRequest) -> p.StopReply:
         # keep_exit: the job stays "exited" with the code its command ended with (143 when the
         # TERM above ended it), so status still shows the last attempt's codes.
         stale = ("keeper.pid",) if request.keep_exit else ("exit", "started", "keeper.pid", "error")
-        for name in stale:
+        paths = [f"{d}/{name}" for name in stale] + flight_files_left()
+        for path in paths:
             with contextlib.suppress(OSError):
-                os.unlink(f"{d}/{name}")
+                os.unlink(path)
     return p.StopReply(found, signalled, left)
+
+
+def flight_files_left() -> list[str]:
+    """The flight-recorder FIFOs and dumps (the rank hook's ``fr-PID``) of processes now gone."""
+    with contextlib.suppress(OSError):
+        names = [(n, n[3:].partition(".")[0]) for n in os.listdir(state_root())]
+        return [
+            f"{state_root()}/{n}"
+            for n, pid in names
+            if n[:3] == "fr-" and pid.isdigit() and not procs.alive(int(pid))
+        ]
+    return []
 
 
 def start(request: p.StartRequest) -> p.StartReply:
