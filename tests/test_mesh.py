@@ -139,6 +139,15 @@ def test_a_dead_node_means_no_node_changes(lay):
     assert ssh_files(lay)["node2"] == before["node2"]
     assert ssh_files(lay)["node1"] != before["node1"]
 
+    out = meshkit("check", "--hostfile", str(lay.hostfile), "--json")
+    down = lay.nodes[2].address
+    why = f"controller cannot use {down}: no answer within 10s on port 22: is the node up"
+    failures = json.loads(out.stdout)["failures"]
+    assert out.returncode == 1 and [f["to"] for f in failures if f["from"] == down] == [
+        n.address for n in lay.nodes
+    ]
+    assert all(f["error"].startswith(why) for f in failures if f["from"] == down), failures
+
 
 def test_stopped_sshd_is_reported_per_host(lay):
     sandbox.kill_node(lay.nodes[1].netns)
