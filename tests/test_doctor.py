@@ -119,10 +119,20 @@ def test_busy_port_unreachable_peer_and_probe_lines():
         HOSTS[1]: Outcome(ProbeReply(4, "meshkit-probe rank=1 error=RuntimeError: timeout\n", "")),
         HOSTS[2]: Outcome(ProbeReply(124, "", "the collective probe took longer than 60s")),
     }
-    got = doctor.collective_checks(HOSTS, probes, {})
+    got = doctor.collective_checks(HOSTS, probes, {}, 30.0)
     assert [c.ok for c in got] == [True, False, False]
     assert got[1].detail == "rank=1 error=RuntimeError: timeout"
     assert got[2].detail == "the collective probe took longer than 60s"
+    assert "GLOO_SOCKET_IFNAME" in got[1].fix
+    # a rank that imported torch for a third of the timeout or more: the fix is the timeout
+    late = "meshkit-probe rank=1 import=14.2s error=DistStoreError: wait timeout\n"
+    probes[HOSTS[1]] = Outcome(ProbeReply(4, late, ""))
+    probes[HOSTS[0]] = Outcome(ProbeReply(0, line.replace(" backend", " import=2.0s backend"), ""))
+    got = doctor.collective_checks(HOSTS, probes, {}, 30.0)
+    assert [c.fix for c in got] == [
+        "",
+        *["torch took 14s to import on 10.0.0.2: raise --timeout"] * 2,
+    ]
 
 
 def test_report_json_has_exactly_the_fixed_keys():
@@ -197,7 +207,8 @@ def test_healthy_cluster_passes_every_check(meshed):
     interfaces = [c["detail"].split()[0] for c in checks if c["check"] == "interface"]
     assert interfaces == ["eth0", "ens3", "eno1"]  # each node its own name
     probes = [c["detail"] for c in checks if c["check"] == "collective"]
-    assert [p.split()[3] for p in probes] == ["ifname=eth0", "ifname=ens3", "ifname=eno1"]
+    ifnames = [w for p in probes for w in p.split() if w.startswith("ifname=")]
+    assert ifnames == ["ifname=eth0", "ifname=ens3", "ifname=eno1"]
     assert all(p.endswith("sum=6 expected=6 ok=True") for p in probes)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import re
 import shlex
 import statistics
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ LISTEN_SECONDS = 30.0  # a listener's life: long enough for every node's connect
 CONNECT_SECONDS = 5.0  # each node retries its connects this long
 CLOCK_SKEW = 2.0  # seconds of clock difference tolerated (on top of the round trip)
 PROBE_SECONDS = 30.0  # the collective probe's init + all_reduce timeout
+IMPORT = re.compile(r"\bimport=(\d+(?:\.\d+)?)s\b")  # the probe's seconds to import torch
 # One throughput try, one way: short and bounded in bytes, so that the best of a few tries rides
 # out a busy moment of a shared machine (the sandbox's 2 cores) rather than averaging it in.
 BW_SECONDS, BW_BYTES, BW_REPEATS = 0.2, 64 << 20, 3
@@ -252,13 +254,17 @@ def reach_checks(
 
 
 def collective_checks(
-    hosts: Sequence[Host], replies: dict[Host, Outcome[p.ProbeReply]], failures: dict[Host, str]
+    hosts: Sequence[Host],
+    replies: dict[Host, Outcome[p.ProbeReply]],
+    failures: dict[Host, str],
+    seconds: float,
 ) -> list[Check]:
     checks = []
     fix = (
         "see the failing checks above; set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME if gloo/NCCL "
         "picked the wrong interface"
     )
+    imports: dict[str, float] = {}
     for host in hosts:
         outcome = replies.get(host)
         if outcome is None or outcome.value is None:
@@ -270,7 +276,14 @@ def collective_checks(
         ok = reply.code == 0 and line is not None and line.endswith("ok=True")
         detail = line or (reply.err.strip().splitlines() or [f"exit {reply.code}"])[-1]
         detail = detail.removeprefix("meshkit-probe ")[:300]
+        if found := IMPORT.search(detail):
+            imports[host.label] = float(found[1])
         checks.append(verdict("collective", host, ok, detail, fix))
+    slowest = max(imports, key=imports.__getitem__, default=None)
+    if slowest and imports[slowest] > seconds / 3 and not all(c.ok for c in checks):
+        # every rank must join within the timeout of the first: a slow start, not the network
+        fix = f"torch took {imports[slowest]:.0f}s to import on {slowest}: raise --timeout"
+        checks = [c if c.ok else replace(c, fix=fix) for c in checks]
     return checks
 
 
@@ -366,7 +379,7 @@ def collective_round(
     argv = job.meshkit_argv("run", "--cmd", shlex.join([job.python, *probe]))
     request = p.ProbeRequest(job.workdir, argv, seconds + 30)
     replies = pool.call_all("collective", lambda h: request, p.ProbeReply, timeout=seconds + 60)
-    return collective_checks(hosts, replies, pool.failures)
+    return collective_checks(hosts, replies, pool.failures, seconds)
 
 
 def network_checks(

@@ -4,11 +4,14 @@ Run it under torchrun (``torchrun collective_probe.py``; RANK/WORLD_SIZE come fr
 once per node under ``meshkit run`` (NODE_RANK/NNODES). Each process prints one line that
 ``meshkit doctor`` and the tests read, and exits 0 only if the sum is right:
 
-    meshkit-probe rank=R world_size=W backend=B ifname=I host=H sum=S expected=E ok=True
+    meshkit-probe rank=R world_size=W import=T backend=B ifname=I host=H sum=S expected=E ok=True
 
 With ``--bytes N`` it then times one all_reduce of N bytes (after one untimed warm-up) and adds
 ``bytes=N seconds=T busbw=B`` (bits/s, as nccl-tests count it: N/T x 2(W-1)/W) before ``sum=``.
-    meshkit-probe rank=R error=...        (exit 3: wrong sum, 4: could not connect/reduce in time)
+    meshkit-probe rank=R import=T error=...   (exit 3: wrong sum, 4: could not connect/reduce in time)
+
+``import=T``: the seconds its ``import torch`` took. Every rank must reach the rendezvous within
+``--timeout`` of the first, so a slow import (a busy node, a venv on a shared filesystem) shows.
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ def main() -> int:
     under_torchrun = "RANK" in env and "LOCAL_RANK" in env
     rank = int(env["RANK"] if under_torchrun else env.get("NODE_RANK", "0"))
     world = int(env["WORLD_SIZE"] if under_torchrun else env.get("NNODES", "1"))
+    started, loaded = time.monotonic(), ""
     try:
         import torch
         import torch.distributed as dist
 
+        loaded = f"import={time.monotonic() - started:.1f}s "
         backend = args.backend
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -71,11 +76,11 @@ def main() -> int:
         dist.destroy_process_group()
     except Exception as exc:  # any failure is the probe's answer, on one line
         detail = " ".join(str(exc).split())[:300]
-        say(f"meshkit-probe rank={rank} error={type(exc).__name__}: {detail}")
+        say(f"meshkit-probe rank={rank} {loaded}error={type(exc).__name__}: {detail}")
         return 4
     expected = world * (world + 1) // 2
     say(
-        f"meshkit-probe rank={rank} world_size={world} backend={backend} ifname={ifname} "
+        f"meshkit-probe rank={rank} world_size={world} {loaded}backend={backend} ifname={ifname} "
         f"host={socket.gethostname()} {timed}sum={total} expected={expected} ok={total == expected}"
     )
     return 0 if total == expected else 3
