@@ -365,6 +365,10 @@ def test_a_stack_that_cannot_be_read_says_what_to_change(tmp_path):
         stack = node_diagnose.dump(str(spy), 0, target.pid, 5.0)
         assert stack.frames == [] and stack.error is not None
         assert "cannot read its stack" in stack.error and "setcap cap_sys_ptrace+ep" in stack.error
+        # in the keeper, its wait for orphans may reap py-spy first: the exit code reads 0
+        spy.write_text("#!/bin/sh\necho 'Error: Operation not permitted (os error 1)' >&2\n")
+        stack = node_diagnose.dump(str(spy), 0, target.pid, 5.0)
+        assert stack.error is not None and "setcap cap_sys_ptrace+ep" in stack.error
         readable = node_diagnose.dump(str(real), 0, target.pid, 5.0)
         assert readable.error is None and readable.frames[-1].startswith("<module> (<string>:1)")
     finally:

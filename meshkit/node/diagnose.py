@@ -117,11 +117,14 @@ def dump(spy: str, rank: int, pid: int, seconds: float) -> RankStack:
     argv = [spy, "dump", "--pid", str(pid), "--json"]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds, check=False)
-        threads = json.loads(done.stdout) if done.returncode == 0 else None
     except subprocess.TimeoutExpired:
         return RankStack(rank, pid, [], [], f"py-spy did not answer within {seconds:.0f}s")
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         return RankStack(rank, pid, [], [], f"py-spy failed: {exc}")
+    # its output, not its exit code: the keeper's own wait for orphans may reap py-spy first
+    threads: object = None
+    with contextlib.suppress(ValueError):
+        threads = json.loads(done.stdout)
     if not isinstance(threads, list):
         why = (done.stderr.strip().splitlines() or ["no output"])[0][:300]
         if "ermission" in why or "not permitted" in why:
