@@ -5,8 +5,8 @@ set) it:
   may: it names the keeper its tracer (``PR_SET_PTRACER``), so that the py-spy the keeper starts
   for ``meshkit diagnose`` may read it too, and nothing else of this user may;
 - when torch's flight recorder is on (``TORCH_FR_BUFFER_SIZE``), keeps a thread blocked on a FIFO
-  (``/tmp/meshkit-UID/fr-PID``) that, when the keeper opens it, writes the recorder's JSON beside it:
-  the collectives this rank entered, read while its main thread waits in one;
+  (``/tmp/meshkit-UID/fr-PID``) that, when the keeper opens it, writes the recorder's JSON beside
+  it: the collectives this rank entered, read while its main thread waits in one;
 - records an uncaught exception in ``$MESHKIT_ERRORS/rank<R>.json``, torchelastic's error-file
   shape plus the time to the microsecond, so ``diagnose`` names the rank that raised first (with
   torchrun or ``--spawn``, with torch's ``@record`` or without).
