@@ -217,12 +217,18 @@ def test_stop_clears_the_flight_recorder_files_of_processes_gone():
     dead.wait()
     root = Path(node_jobs.state_root())
     root.mkdir(mode=0o700, exist_ok=True)
-    mine = [root / f"fr-{os.getpid()}", root / f"fr-{dead.pid}", root / f"fr-{dead.pid}.json"]
+    mine = [
+        root / f"fr-{os.getpid()}",
+        root / "fr-",
+        root / f"fr-{dead.pid}",
+        root / f"fr-{dead.pid}.json",
+    ]
     for path in mine:
         path.write_text("")
     node_jobs.stop(protocol.StopRequest("0" * 16))
-    assert [p.exists() for p in mine] == [True, False, False]
+    assert [p.exists() for p in mine] == [True, True, False, False]
     mine[0].unlink()
+    mine[1].unlink()
 
 
 def test_exit_code_workdir_with_format_characters_and_another_job(private_tmux, tmp_path):

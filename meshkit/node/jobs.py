@@ -125,11 +125,10 @@ def flight_files_left() -> list[str]:
     """The flight-recorder FIFOs and dumps (the rank hook's ``fr-PID``) of processes now gone."""
     with contextlib.suppress(OSError):
         names = [(n, n[3:].partition(".")[0]) for n in os.listdir(state_root())]
-        return [
-            f"{state_root()}/{n}"
-            for n, pid in names
-            if n[:3] == "fr-" and pid.isdigit() and not procs.alive(int(pid))
+        gone = [
+            n for n, pid in names if n[:3] == "fr-" and pid.isdigit() and not procs.alive(int(pid))
         ]
+        return [f"{state_root()}/{n}" for n in gone]
     return []
 
 

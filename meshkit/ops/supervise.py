@@ -29,6 +29,7 @@ from . import jobs as ops
 from .pool import NodePool
 
 POLL_INTERVAL = 2.0  # seconds between polls of every node
+FOLLOWER_POLLS = 3  # a follower polls every 3rd interval: all at every one is N² requests
 MISSES = 2  # consecutive unanswered polls before a node counts as gone (one blip is no failure)
 COME_BACK = 300.0  # seconds a relaunch waits for every node to answer, then for its checks
 BACKOFF = 2.0  # seconds before the first relaunch, doubled for each later one
@@ -283,7 +284,7 @@ class Supervisor:
             if step == "follow":
                 started.clear()
                 misses.clear()
-                time.sleep(self.interval)
+                time.sleep(self.interval * FOLLOWER_POLLS)
                 continue
             if record.attempt != attempt:
                 started.clear()
