@@ -133,6 +133,9 @@ def test_busy_port_unreachable_peer_and_probe_lines():
         "",
         *["torch took 14s to import on 10.0.0.2: raise --timeout"] * 2,
     ]
+    probes[HOSTS[2]] = Outcome(error="agent gone")  # a node that did not answer: its own fix
+    got = doctor.collective_checks(HOSTS, probes, {}, 30.0)
+    assert got[2].fix == "fix the node" and got[1].fix.startswith("torch took 14s")
 
 
 def test_report_json_has_exactly_the_fixed_keys():

@@ -280,10 +280,11 @@ def collective_checks(
             imports[host.label] = float(found[1])
         checks.append(verdict("collective", host, ok, detail, fix))
     slowest = max(imports, key=imports.__getitem__, default=None)
-    if slowest and imports[slowest] > seconds / 3 and not all(c.ok for c in checks):
+    if slowest and imports[slowest] > seconds / 3:
         # every rank must join within the timeout of the first: a slow start, not the network
-        fix = f"torch took {imports[slowest]:.0f}s to import on {slowest}: raise --timeout"
-        checks = [c if c.ok else replace(c, fix=fix) for c in checks]
+        # (a node that did not answer keeps its own fix)
+        slow = f"torch took {imports[slowest]:.0f}s to import on {slowest}: raise --timeout"
+        checks = [replace(c, fix=slow) if c.fix == fix and not c.ok else c for c in checks]
     return checks
 
 
