@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import os
 
-SPEC = (
-    "spec.json"  # a job's one record (protocol.NodeJob) in its state directory: the keeper runs it
-)
-STACKS = "stacks.sock"  # there too: the keeper answers the agent's questions for a rank's stack
+# In a job's state directory: its one record (protocol.NodeJob, which the keeper runs), and the
+# socket on which the keeper answers the agent's questions for a rank's stack
+SPEC, STACKS = "spec.json", "stacks.sock"
 
 
 def state_root() -> str:
