@@ -1,5 +1,6 @@
 """Rank discovery on this node: gathers the inputs (environment, hostfile, addresses) and hands
-them to the pure core. What ``meshkit env`` and ``meshkit run`` call; never imports fabric or torch."""
+them to the pure core. What ``meshkit env`` and ``meshkit run`` call; never imports fabric or
+torch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from . import hostfile, localnet, sources, topology
 from .distenv import NodeEnv, combine, master_problem
 from .errors import HostfileError, SourceError
 from .hostfile import Host
-from .record import replace
+from .record import record, replace
 
 MAX_HOSTFILE_BYTES = 4 * 1024 * 1024
 
@@ -19,31 +20,43 @@ def read_hosts(
     path: str | os.PathLike[str], include: str | None = None, exclude: str | None = None
 ) -> list[Host]:
     """Read, parse, filter and duplicate-check a hostfile (names resolved here)."""
-    return _read_hosts(path, include, exclude)[0]
+    return _read_hosts(path, include, exclude).hosts
+
+
+@record
+class _ResolvedHosts:
+    """The hosts, and what each name resolves to here (looked up once: discovery needs it too)."""
+
+    hosts: list[Host]
+    addresses: dict[str, tuple[str, ...]]
 
 
 def _read_hosts(
     path: str | os.PathLike[str], include: str | None, exclude: str | None
-) -> tuple[list[Host], dict[str, tuple[str, ...]]]:
-    """The hosts, and what each name resolves to here (looked up once: discovery needs it too)."""
-    p = os.fspath(path)  # os.path, not pathlib: `meshkit env` runs on every node at every start
+) -> _ResolvedHosts:
+    # os.path, not pathlib: `meshkit env` runs on every node at every start
+    path_text = os.fspath(path)
     try:
-        if os.stat(p).st_size > MAX_HOSTFILE_BYTES:
-            raise HostfileError(f"{p}: larger than {MAX_HOSTFILE_BYTES} bytes; is this a hostfile?")
-        with open(p) as stream:
+        if os.stat(path_text).st_size > MAX_HOSTFILE_BYTES:
+            raise HostfileError(
+                f"{path_text}: larger than {MAX_HOSTFILE_BYTES} bytes; is this a hostfile?"
+            )
+        with open(path_text) as stream:
             text = stream.read()
     except FileNotFoundError:
         raise HostfileError(
-            f"{p}: no such hostfile; create it (one node per line: {hostfile.FORMAT}) or pass --hostfile"
+            f"{path_text}: no such hostfile; create it (one node per line: {hostfile.FORMAT}) "
+            "or pass --hostfile"
         ) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise HostfileError(f"{p}: cannot read: {exc}") from None
-    hosts = hostfile.select(hostfile.parse(text, p), include, exclude)
-    resolved = {name: localnet.resolve(name) for name in dict.fromkeys(h.host for h in hosts)}
-    problems = hostfile.duplicate_problems(hosts, resolved, p)
+        raise HostfileError(f"{path_text}: cannot read: {exc}") from None
+    hosts = hostfile.select(hostfile.parse(text, path_text), include, exclude)
+    names = dict.fromkeys(host.host for host in hosts)
+    addresses = {name: localnet.resolve(name) for name in names}
+    problems = hostfile.duplicate_problems(hosts, addresses, path_text)
     if problems:
         raise HostfileError(problems)
-    return hosts, resolved
+    return _ResolvedHosts(hosts, addresses)
 
 
 def discover(
@@ -59,29 +72,41 @@ def discover(
 ) -> NodeEnv:
     """This node's ``NodeEnv``: the first launcher source present, else the hostfile matched against
     this machine's addresses. The same inputs give the same answer on every node."""
-    env = dict(os.environ if environ is None else environ)
+    if environ is None:
+        environ = os.environ
+    env = dict(environ)
     if node_rank is not None:
         env["MESHKIT_NODE_RANK"] = str(node_rank)
     env.setdefault("MESHKIT_HOSTNAME", localnet.hostname())
     nodefile = _read_nodefile(env.get("PBS_NODEFILE"))
     placement = sources.from_environment(env, nodefile)
+    # A launcher's placement makes the hostfile optional: it is read only when it exists.
+    read_hostfile = hostfile_path is not None
+    if placement is not None and hostfile_path is not None:
+        read_hostfile = os.path.exists(hostfile_path)
     hosts: list[Host] | None = None
     resolved: dict[str, tuple[str, ...]] = {}
-    if hostfile_path is not None and (placement is None or os.path.exists(hostfile_path)):
-        hosts, resolved = _read_hosts(hostfile_path, include, exclude)
-    match = local = None
+    if hostfile_path is not None and read_hostfile:
+        read = _read_hosts(hostfile_path, include, exclude)
+        hosts = read.hosts
+        resolved = read.addresses
+    match = None
+    local = None
     # OpenMPI cannot tell which node this is: a hostfile, when there is one, decides.
-    hostfile_decides = placement is not None and placement.hostfile_decides and hosts is not None
+    hostfile_decides = False
+    if placement is not None and placement.hostfile_decides and hosts is not None:
+        hostfile_decides = True
     if hosts is not None and (placement is None or hostfile_decides):
-        local, me = localnet.local_addresses(), env["MESHKIT_HOSTNAME"]
-        addresses = [resolved[h.host] for h in hosts]
-        match = topology.match_rank(hosts, addresses, local, me, str(hostfile_path))
+        local = localnet.local_addresses()
+        addresses = [resolved[host.host] for host in hosts]
+        this_host = env["MESHKIT_HOSTNAME"]
+        match = topology.match_rank(hosts, addresses, local, this_host, str(hostfile_path))
     if placement is not None and placement.verify_master and not hostfile_decides:
-        problem = master_problem(
-            placement,
-            localnet.resolve(placement.master_addr) if placement.master_addr else (),
-            [a.address for a in localnet.local_addresses()],
-        )
+        master_addresses: tuple[str, ...] = ()
+        if placement.master_addr:
+            master_addresses = localnet.resolve(placement.master_addr)
+        local_addresses = [entry.address for entry in localnet.local_addresses()]
+        problem = master_problem(placement, master_addresses, local_addresses)
         if problem:
             raise SourceError(problem)
     node = combine(
@@ -105,19 +130,26 @@ def with_interface(
     """Add GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME: the interface of the hostfile address that placed
     this node, else (a launcher placed it, or the hostfile matched by hostname) the interface of
     the route to MASTER_ADDR. The user's own settings win; with both set nothing is looked up."""
-    if all(environ.get(v) for v in topology.SOCKET_IFNAME_VARIABLES):
-        chosen = None
-    else:
-        chosen = topology.interface_of_match(match) if match is not None else None
+    chosen = None
+    user_set_all = all(environ.get(name) for name in topology.SOCKET_IFNAME_VARIABLES)
+    if not user_set_all:
+        if match is not None:
+            chosen = topology.interface_of_match(match)
         if chosen is None:
+            if local is None:
+                local = localnet.local_addresses()
             chosen = topology.interface_by_route(
                 node.master_addr,
                 localnet.route_sources(node.master_addr, node.master_port),
-                local if local is not None else localnet.local_addresses(),
+                local,
                 node.nnodes,
             )
-    ifnames, why = topology.socket_ifnames(chosen, environ)
-    return replace(node, socket_ifnames=tuple(ifnames.items()), interface_source=why)
+    ifnames = topology.socket_ifnames(chosen, environ)
+    return replace(
+        node,
+        socket_ifnames=tuple(ifnames.variables.items()),
+        interface_source=ifnames.reason,
+    )
 
 
 def _read_nodefile(path: str | None) -> str | None:

@@ -1,4 +1,8 @@
-"""Hostfile parsing: text -> ordered ``Host`` entries. Pure: no I/O and no name resolution.
+"""The hostfile: text -> ordered ``Host`` entries, one per node, in rank order.
+
+Pure: no I/O and no name resolution. Every problem in a file is reported at once, each with its
+``path:line``; a file that parses names each node once (same host and port twice is an error) and
+gives every node the same ``slots=``.
 
 Format (one node per line, line order is rank order, ``#`` starts a comment)::
 
@@ -25,9 +29,9 @@ MAX_LINE_CHARS = 1024
 MAX_SLOTS = 1024
 FORMAT = "[user@]host[:port] [slots=N]"
 
-# Checked only for names, users and ranges, and compiled on first use: a hostfile of addresses
-# (what `meshkit run` reads on every node at every launch) then needs neither re nor hostlist
-# nor fnmatch, whose imports (re, enum, functools) were about 5 ms of each run.
+# Checked only for names, users and ranges, and compiled on first use: `meshkit run` reads the
+# hostfile on every node at every launch, and a hostfile of addresses then needs neither re nor
+# hostlist nor fnmatch, whose imports would be a noticeable part of each launch.
 _PATTERNS = {
     "hostname": r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_-]{1,63})*\.?$",
     "user": r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$",
@@ -41,7 +45,8 @@ def _fits(kind: str, text: str) -> bool:
     if pattern is None:
         import re
 
-        pattern = _compiled[kind] = re.compile(_PATTERNS[kind])
+        pattern = re.compile(_PATTERNS[kind])
+        _compiled[kind] = pattern
     return pattern.match(text) is not None
 
 
@@ -75,11 +80,15 @@ class Host:
         """The node's name as written (``host`` or ``host:port``), for tables and messages."""
         if self.port is None:
             return self.host
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        if ":" in self.host:
+            return f"[{self.host}]:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def known_hosts_name(self) -> str:
         """How OpenSSH names this node in known_hosts: ``host``, or ``[host]:port`` off port 22."""
-        return self.host if self.port in (None, 22) else f"[{self.host}]:{self.port}"
+        if self.port in (None, 22):
+            return self.host
+        return f"[{self.host}]:{self.port}"
 
 
 def ip_of(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -98,12 +107,15 @@ def _split_spec(spec: str) -> tuple[str | None, str, str | None]:
         end = spec.find("]")
         if end < 0:
             raise ValueError("'[' without ']': write an IPv6 address as [addr] or [addr]:port")
-        host, rest = spec[1:end], spec[end + 1 :]
+        host = spec[1:end]
+        rest = spec[end + 1 :]
         if rest and not rest.startswith(":"):
             raise ValueError(f"unexpected {rest!r} after ']': expected :port or nothing")
         if not isinstance(ip_of(host), ipaddress.IPv6Address):
             raise ValueError(f"{host!r} in brackets is not an IPv6 address")
-        return user, host, rest[1:] if rest else None
+        if not rest:
+            return user, host, None
+        return user, host, rest[1:]
     if spec.count(":") == 1:
         host, port = spec.split(":")
         return user, host, port
@@ -111,7 +123,8 @@ def _split_spec(spec: str) -> tuple[str | None, str, str | None]:
 
 
 def _number(text: str, what: str, low: int, high: int) -> int:
-    if not (text.isascii() and text.isdigit()) or not low <= int(text) <= high:
+    is_number = text.isascii() and text.isdigit()
+    if not is_number or not low <= int(text) <= high:
         raise ValueError(f"bad {what} {text!r}: expected a whole number {low}..{high}")
     return int(text)
 
@@ -145,7 +158,9 @@ def _parse_line(text: str, lineno: int) -> list[Host]:
     if user is not None and not _fits("user", user):
         raise ValueError(f"bad user {user!r}: expected a login name before '@'")
     names = _expand(host)
-    port = None if port_text is None else _number(port_text, "port", 1, 65535)
+    port = None
+    if port_text is not None:
+        port = _number(port_text, "port", 1, 65535)
     slots = None
     for option in options:
         key, sep, value = option.partition("=")
@@ -178,7 +193,8 @@ def parse(text: str, path: str = "hostfile") -> list[Host]:
             key = (entry.host.lower(), entry.port or 22)
             if key in seen:
                 problems.append(
-                    f"{path}:{lineno}: {entry.label} duplicates line {seen[key]}; list each node once"
+                    f"{path}:{lineno}: {entry.label} duplicates line {seen[key]}; "
+                    "list each node once"
                 )
             seen.setdefault(key, lineno)
             hosts.append(entry)
@@ -186,16 +202,33 @@ def parse(text: str, path: str = "hostfile") -> list[Host]:
             raise HostfileError(f"{path}:{lineno}: more than {MAX_NODES} nodes; split the cluster")
     if not hosts and not problems:
         problems.append(f"{path}: no hosts; add one line per node: {FORMAT}")
-    says = [f"slots={h.slots}" if h.slots else "no slots=" for h in hosts]
-    problems += [
-        f"{path}:{h.lineno}: {says[i]} but line {hosts[0].lineno} has {says[0]}; every node runs "
-        "the same number of processes: give every line the same slots="
-        for i, h in enumerate(hosts)
-        if h.slots != hosts[0].slots
-    ]
+    problems += _uneven_slots_problems(hosts, path)
     if problems:
         raise HostfileError(problems)
     return hosts
+
+
+def _slots_said(host: Host) -> str:
+    if host.slots:
+        return f"slots={host.slots}"
+    return "no slots="
+
+
+def _uneven_slots_problems(hosts: Sequence[Host], path: str) -> list[str]:
+    """Every node runs the same number of processes: each line whose slots= differs from the
+    first line's is a problem."""
+    if not hosts:
+        return []
+    first = hosts[0]
+    problems = []
+    for entry in hosts:
+        if entry.slots != first.slots:
+            problems.append(
+                f"{path}:{entry.lineno}: {_slots_said(entry)} but line {first.lineno} has "
+                f"{_slots_said(first)}; every node runs "
+                "the same number of processes: give every line the same slots="
+            )
+    return problems
 
 
 def duplicate_problems(
@@ -223,9 +256,19 @@ def select(
 ) -> list[Host]:
     """Keep hosts named by ``include`` and drop those named by ``exclude``; each is a comma list of
     names, shell patterns (``gpu*``) or ranges (``node[01-04]``). Order (rank order) is kept."""
-    keep = _patterns(include, "--include") if include else None
-    drop = _patterns(exclude, "--exclude") if exclude else []
-    chosen = [h for h in hosts if (keep is None or _matches(h, keep)) and not _matches(h, drop)]
+    keep = None
+    if include:
+        keep = _patterns(include, "--include")
+    drop: list[str] = []
+    if exclude:
+        drop = _patterns(exclude, "--exclude")
+    chosen = []
+    for host in hosts:
+        if keep is not None and not _matches(host, keep):
+            continue
+        if _matches(host, drop):
+            continue
+        chosen.append(host)
     if not chosen:
         raise HostfileError(
             f"--include {include!r} / --exclude {exclude!r} leave no hosts; "
@@ -238,7 +281,10 @@ def _patterns(text: str, flag: str) -> list[str]:
     if len(text) > MAX_LINE_CHARS:
         raise HostfileError(f"{flag}: longer than {MAX_LINE_CHARS} characters")
     patterns: list[str] = []
-    for part in [p.strip() for p in split(text, ",") if p.strip()]:
+    for raw_part in split(text, ","):
+        part = raw_part.strip()
+        if not part:
+            continue
         if "[" in part and "*" not in part and "?" not in part:
             try:
                 patterns += _expand_range(part)
@@ -254,4 +300,8 @@ def _matches(host: Host, patterns: Sequence[str]) -> bool:
         return False
     import fnmatch  # --include/--exclude only
 
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns for name in (host.host, host.label))
+    for pattern in patterns:
+        for name in (host.host, host.label):
+            if fnmatch.fnmatchcase(name, pattern):
+                return True
+    return False

@@ -39,7 +39,8 @@ def _int(env: Mapping[str, str], name: str, low: int = 0) -> int | None:
     if name not in env:
         return None
     value = env[name].strip()
-    if not (value.isascii() and value.isdigit()) or int(value) < low:
+    is_number = value.isascii() and value.isdigit()
+    if not is_number or int(value) < low:
         raise SourceError(f"{name}={env[name]!r} is not a whole number >= {low}; fix or unset it")
     return int(value)
 
@@ -53,7 +54,9 @@ def explicit(env: Mapping[str, str], _nodefile: str | None = None) -> Placement 
 
 def torchrun(env: Mapping[str, str], _nodefile: str | None = None) -> Placement | None:
     rank = _int(env, "GROUP_RANK")
-    if rank is None or ("TORCHELASTIC_RUN_ID" not in env and "LOCAL_WORLD_SIZE" not in env):
+    if rank is None:
+        return None
+    if "TORCHELASTIC_RUN_ID" not in env and "LOCAL_WORLD_SIZE" not in env:
         return None
     return Placement(
         "torchrun",
@@ -77,7 +80,9 @@ def _tasks_per_node(name: str, text: str) -> int | None:
             f"{name}={text!r}: nodes run different numbers of tasks; run the same number on "
             "every node (srun --ntasks-per-node=N)"
         )
-    return int(counts.pop()) if counts else None
+    if not counts:
+        return None
+    return int(counts.pop())
 
 
 # The step's own tasks first: inside an sbatch allocation, srun may start fewer per node.
@@ -97,24 +102,39 @@ def slurm(env: Mapping[str, str], _nodefile: str | None = None) -> Placement | N
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
     import hostlist
 
-    try:
-        nodes = hostlist.expand_hostlist(nodelist) if nodelist else []
-    except hostlist.BadHostlist as exc:
-        raise SourceError(
-            f"SLURM_JOB_NODELIST={nodelist!r} is not a valid node list: {exc}"
-        ) from None
-    nnodes = (
-        _int(env, "SLURM_NNODES", 1) or _int(env, "SLURM_JOB_NUM_NODES", 1) or (len(nodes) or None)
-    )
-    per_node_var = next((k for k in SLURM_TASKS_PER_NODE if env.get(k)), "")
+    nodes: list[str] = []
+    if nodelist:
+        try:
+            nodes = hostlist.expand_hostlist(nodelist)
+        except hostlist.BadHostlist as exc:
+            raise SourceError(
+                f"SLURM_JOB_NODELIST={nodelist!r} is not a valid node list: {exc}"
+            ) from None
+    # The first of these that gives a count, else the node list's length.
+    nnodes = _int(env, "SLURM_NNODES", 1)
+    if not nnodes:
+        nnodes = _int(env, "SLURM_JOB_NUM_NODES", 1)
+    if not nnodes:
+        nnodes = len(nodes) or None
+    per_node_var = ""
+    for name in SLURM_TASKS_PER_NODE:
+        if env.get(name):
+            per_node_var = name
+            break
+    master_addr = env.get("MASTER_ADDR") or None
+    if master_addr is None and nodes:
+        master_addr = nodes[0]
+    master_port = _int(env, "MASTER_PORT", 1)
+    nproc_per_node = _tasks_per_node(per_node_var, env.get(per_node_var, ""))
+    if not nproc_per_node:
+        nproc_per_node = _int(env, "SLURM_GPUS_ON_NODE", 1)
     return Placement(
         "slurm",
         rank,
         nnodes=nnodes,
-        master_addr=env.get("MASTER_ADDR") or (nodes[0] if nodes else None),
-        master_port=_int(env, "MASTER_PORT", 1),
-        nproc_per_node=_tasks_per_node(per_node_var, env.get(per_node_var, ""))
-        or _int(env, "SLURM_GPUS_ON_NODE", 1),
+        master_addr=master_addr,
+        master_port=master_port,
+        nproc_per_node=nproc_per_node,
         matched="SLURM_NODEID",
         verify_master=bool(env.get("MASTER_ADDR")),
     )
@@ -142,6 +162,35 @@ def _interleaving_policy(env: Mapping[str, str]) -> str | None:
     return None
 
 
+def _openmpi_block_problem(
+    env: Mapping[str, str],
+    rank: int,
+    size: int,
+    local_size: int,
+    local_rank: int,
+    num_nodes: int | None,
+) -> str | None:
+    """Why the global rank cannot tell this node's index (``None`` when it can): the node index
+    is ``rank // local_size`` only when every node runs ``local_size`` processes in one block."""
+    uneven = size % local_size != 0
+    if num_nodes is not None and num_nodes * local_size != size:
+        uneven = True
+    if uneven:
+        nodes = ""
+        if num_nodes is not None:
+            nodes = f" on {num_nodes} nodes"
+        return f"uneven placement: {size} processes{nodes}, {local_size} on this node"
+    policy = _interleaving_policy(env)
+    if policy is not None:
+        return f"this node's ranks are not one block ({policy} interleaves them across nodes)"
+    if rank % local_size != local_rank:
+        return (
+            f"this node's ranks are not one block (rank {rank} is local rank {local_rank} of "
+            f"{local_size}; mpirun --map-by node interleaves them)"
+        )
+    return None
+
+
 def openmpi(env: Mapping[str, str], _nodefile: str | None = None) -> Placement | None:
     """OpenMPI says how many processes run on this node (``OMPI_COMM_WORLD_LOCAL_SIZE``), never
     which node this is: ``OMPI_COMM_WORLD_NODE_RANK`` is the process's index *on* its node. So a
@@ -161,38 +210,35 @@ def openmpi(env: Mapping[str, str], _nodefile: str | None = None) -> Placement |
             "OMPI_COMM_WORLD_LOCAL_SIZE",
             "OMPI_COMM_WORLD_LOCAL_RANK",
         )
+        missing = ", ".join(name for name in needed if name not in env)
         raise SourceError(
-            f"OMPI_COMM_WORLD_RANK is set but {', '.join(k for k in needed if k not in env)} is not; "
+            f"OMPI_COMM_WORLD_RANK is set but {missing} is not; "
             "run under mpirun (Open MPI) or unset OMPI_COMM_WORLD_RANK"
         )
     here = (
         f"OMPI_COMM_WORLD_RANK={rank} OMPI_COMM_WORLD_SIZE={size} "
         f"OMPI_COMM_WORLD_LOCAL_SIZE={local_size} OMPI_COMM_WORLD_LOCAL_RANK={local_rank}"
     )
-    problem = None
-    if size % local_size != 0 or (num_nodes is not None and num_nodes * local_size != size):
-        nodes = f" on {num_nodes} nodes" if num_nodes is not None else ""
-        problem = f"uneven placement: {size} processes{nodes}, {local_size} on this node"
-    elif (policy := _interleaving_policy(env)) is not None:
-        problem = f"this node's ranks are not one block ({policy} interleaves them across nodes)"
-    elif rank % local_size != local_rank:
-        problem = (
-            f"this node's ranks are not one block (rank {rank} is local rank {local_rank} of "
-            f"{local_size}; mpirun --map-by node interleaves them)"
-        )
+    problem = _openmpi_block_problem(env, rank, size, local_size, local_rank, num_nodes)
     master = env.get("MASTER_ADDR") or None
     if problem is None and master is None:
         problem = "MASTER_ADDR is not set"
+    node_rank = None
+    full_problem = None
+    if problem:
+        full_problem = f"Open MPI: {problem} ({here}); {OPENMPI_NO_HOSTFILE}"
+    else:
+        node_rank = rank // local_size
     return Placement(
         "openmpi",
-        None if problem else rank // local_size,
+        node_rank,
         nnodes=size // local_size,
         master_addr=master,
         master_port=_int(env, "MASTER_PORT", 1),
         nproc_per_node=local_size,
         matched=f"OMPI_COMM_WORLD_RANK // OMPI_COMM_WORLD_LOCAL_SIZE = {rank} // {local_size}",
         hostfile_decides=True,
-        problem=f"Open MPI: {problem} ({here}); {OPENMPI_NO_HOSTFILE}" if problem else None,
+        problem=full_problem,
         world_size=size,
         verify_master=True,
     )
@@ -206,22 +252,26 @@ def pbs(env: Mapping[str, str], nodefile: str | None = None) -> Placement | None
         return None
     lines = [line.strip() for line in nodefile.splitlines() if line.strip()]
     nodes = list(dict.fromkeys(lines))
-    me = env.get("MESHKIT_HOSTNAME", "")
-    mine, short = me.split(".", 1)[0], [n.split(".", 1)[0] for n in nodes]
+    this_host = env.get("MESHKIT_HOSTNAME", "")
+    this_short_name = this_host.split(".", 1)[0]
+    short_names = [node.split(".", 1)[0] for node in nodes]
     where = f"PBS_NODEFILE={env['PBS_NODEFILE']}"
-    if me in nodes:
-        rank = nodes.index(me)
-    elif short.count(mine) == 1:
-        rank = short.index(mine)
-    elif mine in short:
+    if this_host in nodes:
+        rank = nodes.index(this_host)
+    elif short_names.count(this_short_name) == 1:
+        rank = short_names.index(this_short_name)
+    elif this_short_name in short_names:
         raise SourceError(
-            f"{where} lists several hosts named {mine} in different domains; this host is {me}"
+            f"{where} lists several hosts named {this_short_name} in different domains; "
+            f"this host is {this_host}"
         )
     else:
-        raise SourceError(f"{where} does not list this host ({me}); it lists {', '.join(nodes)}")
-    counts = {n: lines.count(n) for n in nodes}
+        raise SourceError(
+            f"{where} does not list this host ({this_host}); it lists {', '.join(nodes)}"
+        )
+    counts = {node: lines.count(node) for node in nodes}
     if len(set(counts.values())) > 1:
-        uneven = ", ".join(f"{n}: {c}" for n, c in counts.items())
+        uneven = ", ".join(f"{node}: {count}" for node, count in counts.items())
         raise SourceError(
             f"{where}: uneven slots per node ({uneven}); every node needs the same number of "
             "processes (request select=N:ncpus=K:mpiprocs=K)"
@@ -243,7 +293,8 @@ SOURCES = (explicit, torchrun, slurm, openmpi, pbs)
 
 
 def from_environment(env: Mapping[str, str], nodefile: str | None = None) -> Placement | None:
-    """The first source (in DESIGN order) whose variables are present, or ``None`` for the hostfile."""
+    """The first source (in DESIGN order) whose variables are present, or ``None`` (then the
+    hostfile decides)."""
     for source in SOURCES:
         placement = source(env, nodefile)
         if placement is not None:

@@ -54,12 +54,15 @@ def _is_local_only(address: str) -> bool:
 
 def usable(local: Sequence[LocalAddress]) -> list[LocalAddress]:
     """The addresses that can tell machines apart."""
-    return [
-        LocalAddress(a.interface, normalize(a.address))
-        for a in local
-        if not a.interface.startswith(SHARED_INTERFACE_PREFIXES)
-        and not _is_local_only(normalize(a.address))
-    ]
+    kept = []
+    for entry in local:
+        if entry.interface.startswith(SHARED_INTERFACE_PREFIXES):
+            continue
+        address = normalize(entry.address)
+        if _is_local_only(address):
+            continue
+        kept.append(LocalAddress(entry.interface, address))
+    return kept
 
 
 def match_rank(
@@ -71,47 +74,75 @@ def match_rank(
 ) -> Match:
     """The one hostfile entry that is this machine: by address, then by hostname, then (a one-line
     hostfile of loopback/localhost) by loopback. ``resolved[i]`` are the addresses of ``hosts[i]``."""
-    mine = {a.address: a.interface for a in usable(local)}
-    first: dict[int, Match] = {}  # each line's first matching address
-    for i, addrs in enumerate(resolved):
-        for addr in map(normalize, addrs):
-            if addr in mine:
-                first.setdefault(i, Match(i, addr, mine[addr]))
-    matches = list(first.values())
+    matches = _matches_by_address(resolved, local)
     if not matches:
-        names = (hostname.lower(), hostname.split(".", 1)[0].lower())
-        matches = [
-            Match(i, h.host, "hostname")
-            for i, h in enumerate(hosts)
-            if not h.is_ip and h.host.lower() in names
-        ]
-        one_local = len(hosts) == 1 and all(_is_local_only(normalize(a)) for a in resolved[0])
-        if not matches and one_local:
-            return Match(0, normalize(resolved[0][0]) if resolved[0] else hosts[0].host, "lo")
+        matches = _matches_by_hostname(hosts, hostname)
+        if not matches and _is_one_local_line(hosts, resolved):
+            if resolved[0]:
+                return Match(0, normalize(resolved[0][0]), "lo")
+            return Match(0, hosts[0].host, "lo")
     if len(matches) == 1:
         return matches[0]
     if matches:
         which = ", ".join(
-            f"line {hosts[m.rank].lineno} ({hosts[m.rank].label}) via {m.describe()}"
-            for m in matches
+            f"line {hosts[match.rank].lineno} ({hosts[match.rank].label}) via {match.describe()}"
+            for match in matches
         )
-        head = f"{path}: this machine ({hostname}) matches {len(matches)} lines: {which}; list each machine once"
+        head = (
+            f"{path}: this machine ({hostname}) matches {len(matches)} lines: {which}; "
+            "list each machine once"
+        )
     else:
         head = (
             f"{path}: this machine ({hostname}) matches no line; add one of its addresses to the "
             "hostfile, or set MESHKIT_NODE_RANK / --node-rank"
         )
-    ours = ", ".join(f"{a.interface}={normalize(a.address)}" for a in local) or "none"
+    ours = ", ".join(f"{entry.interface}={normalize(entry.address)}" for entry in local)
     theirs = ", ".join(
-        f"{h.label}={'/'.join(addrs) or 'unresolved'}" for h, addrs in zip(hosts, resolved)
+        f"{host.label}={'/'.join(addresses) or 'unresolved'}"
+        for host, addresses in zip(hosts, resolved)
     )
-    raise TopologyError([head, f"  local addresses: {ours}", f"  hostfile addresses: {theirs}"])
+    raise TopologyError(
+        [head, f"  local addresses: {ours or 'none'}", f"  hostfile addresses: {theirs}"]
+    )
+
+
+def _matches_by_address(
+    resolved: Sequence[Sequence[str]], local: Sequence[LocalAddress]
+) -> list[Match]:
+    """Each hostfile line that resolves to one of this machine's usable addresses, with the first
+    such address."""
+    interface_of = {entry.address: entry.interface for entry in usable(local)}
+    first: dict[int, Match] = {}
+    for rank, addresses in enumerate(resolved):
+        for address in map(normalize, addresses):
+            if address in interface_of:
+                first.setdefault(rank, Match(rank, address, interface_of[address]))
+    return list(first.values())
+
+
+def _matches_by_hostname(hosts: Sequence[Host], hostname: str) -> list[Match]:
+    """The lines that name this machine (its full or its short hostname); addresses never do."""
+    names = (hostname.lower(), hostname.split(".", 1)[0].lower())
+    matches = []
+    for rank, host in enumerate(hosts):
+        if not host.is_ip and host.host.lower() in names:
+            matches.append(Match(rank, host.host, "hostname"))
+    return matches
+
+
+def _is_one_local_line(hosts: Sequence[Host], resolved: Sequence[Sequence[str]]) -> bool:
+    """A one-line hostfile whose every address is this machine's loopback (``localhost``)."""
+    if len(hosts) != 1:
+        return False
+    return all(_is_local_only(normalize(address)) for address in resolved[0])
 
 
 def derive_master_port(hosts: Sequence[Host], session: str) -> int:
     """A port every node derives identically from the node list and the session name, so that two
     clusters (or two sessions) on the same machines do not collide."""
-    canonical = "\n".join(f"{h.user or ''}@{h.host}:{h.port or ''}" for h in hosts) + "\0" + session
+    nodes = "\n".join(f"{host.user or ''}@{host.host}:{host.port or ''}" for host in hosts)
+    canonical = nodes + "\0" + session
     digest = int.from_bytes(sha256(canonical.encode())[:8], "big")
     low, high = PORT_RANGE
     return low + digest % (high - low)
@@ -150,7 +181,7 @@ def interface_by_route(
     with the local source address the kernel would send from (None: no route). In a multi-node job
     a loopback answer (``127.0.1.1 <hostname>`` in /etc/hosts) says nothing about the network, so it
     never decides."""
-    by_address = {normalize(a.address): a.interface for a in local}
+    by_address = {normalize(entry.address): entry.interface for entry in local}
     skipped = []
     for target, source in routes:
         target = normalize(target)
@@ -176,20 +207,31 @@ def interface_by_route(
     )
 
 
-def socket_ifnames(
-    chosen: Interface | None, environ: Mapping[str, str]
-) -> tuple[dict[str, str], str]:
-    """The socket-interface variables to export and the reason: the user's own settings are kept
-    (exported unchanged), the chosen interface fills the others."""
-    out: dict[str, str] = {}
+@record
+class SocketIfnames:
+    """The socket-interface variables to export, and why they have these values."""
+
+    variables: dict[str, str]
+    reason: str
+
+
+def socket_ifnames(chosen: Interface | None, environ: Mapping[str, str]) -> SocketIfnames:
+    """The user's own settings are kept (exported unchanged), the chosen interface fills the
+    others."""
+    variables: dict[str, str] = {}
     kept = []
-    for var in SOCKET_IFNAME_VARIABLES:
-        if environ.get(var):
-            out[var] = environ[var]
-            kept.append(var)
+    for name in SOCKET_IFNAME_VARIABLES:
+        if environ.get(name):
+            variables[name] = environ[name]
+            kept.append(name)
         elif chosen is not None and chosen.name is not None:
-            out[var] = chosen.name
-    reasons = [f"{', '.join(kept)} already set: kept"] if kept else []
+            variables[name] = chosen.name
+    reasons = []
+    if kept:
+        reasons.append(f"{', '.join(kept)} already set: kept")
     if len(kept) < len(SOCKET_IFNAME_VARIABLES):
-        reasons.append(chosen.reason if chosen is not None else "none: no interface found")
-    return out, "; ".join(reasons)
+        if chosen is not None:
+            reasons.append(chosen.reason)
+        else:
+            reasons.append("none: no interface found")
+    return SocketIfnames(variables, "; ".join(reasons))

@@ -143,11 +143,12 @@ def test_scheduler_sources_take_the_interface_that_reaches_master_addr():
 
 def test_user_settings_are_kept_and_fill_only_what_is_missing():
     chosen = Interface("eno1", "10.0.0.1", "hostfile: 10.0.0.1 on eno1 placed this node")
-    out, why = socket_ifnames(chosen, {})
-    assert out == {"GLOO_SOCKET_IFNAME": "eno1", "NCCL_SOCKET_IFNAME": "eno1"}
-    assert why == chosen.reason
-    out, why = socket_ifnames(chosen, {"NCCL_SOCKET_IFNAME": "^docker0,lo"})
-    assert out == {"GLOO_SOCKET_IFNAME": "eno1", "NCCL_SOCKET_IFNAME": "^docker0,lo"}
-    assert why == f"NCCL_SOCKET_IFNAME already set: kept; {chosen.reason}"
-    out, why = socket_ifnames(Interface(None, None, "none: no route"), {})
-    assert out == {} and why == "none: no route"
+    filled = socket_ifnames(chosen, {})
+    assert filled.variables == {"GLOO_SOCKET_IFNAME": "eno1", "NCCL_SOCKET_IFNAME": "eno1"}
+    assert filled.reason == chosen.reason
+    kept = socket_ifnames(chosen, {"NCCL_SOCKET_IFNAME": "^docker0,lo"})
+    assert kept.variables == {"GLOO_SOCKET_IFNAME": "eno1", "NCCL_SOCKET_IFNAME": "^docker0,lo"}
+    assert kept.reason == f"NCCL_SOCKET_IFNAME already set: kept; {chosen.reason}"
+    none_found = socket_ifnames(Interface(None, None, "none: no route"), {})
+    assert none_found.variables == {}
+    assert none_found.reason == "none: no route"
