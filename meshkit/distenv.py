@@ -42,7 +42,8 @@ class NodeEnv:
 
 
 def variables(env: NodeEnv) -> dict[str, str]:
-    """Every exported variable, so both ``run.sh $GPUS_PER_NODE ...`` and a bare ``torchrun`` work."""
+    """Every exported variable, so both ``run.sh $GPUS_PER_NODE ...`` and a bare ``torchrun``
+    work."""
     plain = {
         "NODE_RANK": env.node_rank,
         "NNODES": env.nnodes,
@@ -52,11 +53,10 @@ def variables(env: NodeEnv) -> dict[str, str]:
         "NPROC_PER_NODE": env.nproc_per_node,
         "WORLD_SIZE": env.world_size,
     }
-    torchrun = {
-        f"PET_{k}": plain[k]
-        for k in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE")
-    }
-    return {k: str(v) for k, v in {**plain, **torchrun, **dict(env.socket_ifnames)}.items()}
+    torchrun_names = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE")
+    torchrun = {f"PET_{name}": plain[name] for name in torchrun_names}
+    exported = {**plain, **torchrun, **dict(env.socket_ifnames)}
+    return {name: str(value) for name, value in exported.items()}
 
 
 def rank_variables(env: NodeEnv, local_rank: int) -> dict[str, str]:
@@ -78,7 +78,7 @@ def rank_variables(env: NodeEnv, local_rank: int) -> dict[str, str]:
         "GROUP_WORLD_SIZE": env.nnodes,
         "ROLE_WORLD_SIZE": env.world_size,
     }
-    return {k: str(v) for k, v in values.items()}
+    return {name: str(value) for name, value in values.items()}
 
 
 def log_target(pattern: str, node_rank: str | int) -> str:
@@ -89,7 +89,7 @@ def log_target(pattern: str, node_rank: str | int) -> str:
 
 
 # What shlex.quote leaves bare (its `[^\w@%+=:,./-]` test, ASCII). shlex imports re, and re (with
-# the enum and functools it brings) was the largest import of `meshkit run` on every node.
+# the enum and functools it brings) would be the largest import of `meshkit run` on every node.
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_@%+=:,./-")
 
 
@@ -110,7 +110,8 @@ def logged(cmd: str, target: str) -> str:
 
 def export_lines(env: NodeEnv) -> str:
     """``export K=V`` lines, values shell-quoted so the output is safe to ``eval``."""
-    return "\n".join(f"export {k}={shell_quote(v)}" for k, v in variables(env).items())
+    lines = [f"export {name}={shell_quote(value)}" for name, value in variables(env).items()]
+    return "\n".join(lines)
 
 
 def as_json(env: NodeEnv) -> dict[str, str]:
@@ -136,7 +137,8 @@ LOCAL_RANK_VARIABLES = {
 
 def _index(environ: Mapping[str, str], name: str) -> int:
     value = environ[name].strip()
-    if not (value.isascii() and value.isdigit()):
+    is_number = value.isascii() and value.isdigit()
+    if not is_number:
         raise DistEnvError(f"{name}={environ[name]!r} is not a whole number >= 0")
     return int(value)
 
@@ -148,11 +150,18 @@ def process_place(env: NodeEnv, environ: Mapping[str, str]) -> ProcessPlace:
     cyclic``), and every process agrees with ``meshkit env``. Else the node's first process
     (``LOCAL_RANK`` picks another)."""
     if "RANK" in environ and "WORLD_SIZE" in environ and "LOCAL_RANK" in environ:
-        return ProcessPlace(
-            _index(environ, "RANK"), _index(environ, "WORLD_SIZE"), _index(environ, "LOCAL_RANK")
-        )
-    local_key, size_key = LOCAL_RANK_VARIABLES.get(env.source, ("LOCAL_RANK", ""))
-    local = _index(environ, local_key) if local_key in environ else 0
+        rank = _index(environ, "RANK")
+        world_size = _index(environ, "WORLD_SIZE")
+        local_rank = _index(environ, "LOCAL_RANK")
+        return ProcessPlace(rank, world_size, local_rank)
+    # Without a launcher's own pair, LOCAL_RANK picks the process and nothing checks the size.
+    local_key = "LOCAL_RANK"
+    size_key = ""
+    if env.source in LOCAL_RANK_VARIABLES:
+        local_key, size_key = LOCAL_RANK_VARIABLES[env.source]
+    local = 0
+    if local_key in environ:
+        local = _index(environ, local_key)
     if local >= env.nproc_per_node:
         raise DistEnvError(
             f"{local_key}={local} but this node runs {env.nproc_per_node} processes "
@@ -192,24 +201,39 @@ def combine(
         placement = _hostfile_decides(placement, hosts, match)
     if placement.node_rank is None:
         raise DistEnvError(placement.problem or f"{placement.source} gives no node rank")
-    nnodes = placement.nnodes or (len(hosts) if hosts else None)
-    addr = placement.master_addr or (hosts[0].host if hosts else None)  # a name stays a name
-    if nnodes is None or addr is None:
+    nnodes = placement.nnodes
+    if not nnodes:
+        nnodes = None
+        if hosts:
+            nnodes = len(hosts)
+    # The hostfile's first line, as written: a name stays a name.
+    master_addr = placement.master_addr
+    if not master_addr:
+        master_addr = None
+        if hosts:
+            master_addr = hosts[0].host
+    if nnodes is None or master_addr is None:
         raise DistEnvError(
             f"{placement.source} gives no node count or master address and there is no hostfile; "
             "pass --hostfile (or set MASTER_ADDR)"
         )
-    slots = hosts[0].slots if hosts else None
+    slots = None
+    if hosts:
+        slots = hosts[0].slots
     port = master_port or placement.master_port
-    if port is None:  # without a hostfile, the node count salts it too
-        salt = session if hosts else f"{session}/{nnodes}"
-        port = derive_master_port(hosts or [Host(addr)], salt)
+    if port is None:
+        if hosts:
+            port = derive_master_port(hosts, session)
+        else:  # without a hostfile, the node count salts it too
+            port = derive_master_port([Host(master_addr)], f"{session}/{nnodes}")
+    # The flag, the launcher, the hostfile's slots=, this machine's GPUs: the first that says.
+    processes = nproc_per_node or placement.nproc_per_node or slots or gpu_count() or 1
     return NodeEnv(
         node_rank=placement.node_rank,
         nnodes=nnodes,
-        master_addr=addr,
+        master_addr=master_addr,
         master_port=port,
-        nproc_per_node=nproc_per_node or placement.nproc_per_node or slots or gpu_count() or 1,
+        nproc_per_node=processes,
         source=placement.source,
         matched=placement.matched or placement.source,
     )
@@ -220,20 +244,24 @@ def _hostfile_decides(placement: Placement, hosts: Sequence[Host], match: Match)
     refused when the launcher runs a different number of processes than the hostfile describes
     (the process group would wait forever for the missing ranks)."""
     per_node = placement.nproc_per_node or 1
-    if placement.world_size is not None and placement.world_size != len(hosts) * per_node:
+    hostfile_processes = len(hosts) * per_node
+    if placement.world_size is not None and placement.world_size != hostfile_processes:
         raise DistEnvError(
             f"{placement.source} runs {placement.world_size} processes, {per_node} on this node, "
-            f"but the hostfile lists {len(hosts)} nodes ({len(hosts) * per_node} processes at "
+            f"but the hostfile lists {len(hosts)} nodes ({hostfile_processes} processes at "
             f"{per_node} per node); run {per_node} per node on every hostfile node "
             "(mpirun -npernode N -H <all hostfile nodes>) or fix the hostfile"
         )
+    per_node_variable = PER_NODE_VARIABLES.get(placement.source, placement.source)
     return replace(
         placement,
         node_rank=match.rank,
         nnodes=len(hosts),
         master_addr=None,  # the hostfile's first line
-        matched=f"{match.describe()} (hostfile node {match.rank}); NPROC_PER_NODE from "
-        + PER_NODE_VARIABLES.get(placement.source, placement.source),
+        matched=(
+            f"{match.describe()} (hostfile node {match.rank}); "
+            f"NPROC_PER_NODE from {per_node_variable}"
+        ),
         verify_master=False,
     )
 
@@ -245,11 +273,13 @@ def master_problem(
     must be the node MASTER_ADDR names (the node that hosts the rendezvous), so the master must be
     one of this node's addresses exactly when this is node 0. ``None`` too when the name does not
     resolve here (nothing to compare; the connection will say more)."""
-    if placement.node_rank is None or placement.master_addr is None or not master_addresses:
+    if placement.node_rank is None or placement.master_addr is None:
+        return None
+    if not master_addresses:
         return None
     local = set(local_addresses)
-    is_here = any(a in local for a in master_addresses)
-    loopback = all(a.startswith("127.") or a == "::1" for a in master_addresses)
+    is_here = any(address in local for address in master_addresses)
+    loopback = all(address.startswith("127.") or address == "::1" for address in master_addresses)
     name = f"MASTER_ADDR={placement.master_addr}"
     if loopback and (placement.nnodes or 1) > 1:
         return (

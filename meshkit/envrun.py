@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from .distenv import NodeEnv, as_json, export_lines, log_target, logged, rank_variables, variables
 from .errors import MeshkitError, UsageError
 from .node.signals import reset_for_exec
+from .record import record
 from .settings import Config, load
 from .settings import whole as whole  # ops.train's too
 
@@ -38,16 +39,22 @@ BOOLEAN = {"json", "spawn"}
 
 def pick(conf: Config, name: str, flag: Any) -> Any:
     """A flag when given, else the configured value (flags are the last config level)."""
-    return flag if flag is not None else getattr(conf, name)
+    if flag is not None:
+        return flag
+    return getattr(conf, name)
 
 
 def pick_int(conf: Config, name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
     value = pick(conf, name, flag)
-    if value is None or value == "" or (allow_auto and str(value) == "auto"):
+    if value is None or value == "":
         return None
     text = str(value)
+    if allow_auto and text == "auto":
+        return None
     if not whole(text) or int(text) < 1:
-        hint = " or 'auto'" if allow_auto else ""
+        hint = ""
+        if allow_auto:
+            hint = " or 'auto'"
         raise UsageError(
             f"--{name.replace('_', '-')} {text[:40]!r}: expected a whole number >= 1{hint}"
         )
@@ -93,14 +100,15 @@ def print_env(node: NodeEnv, as_json_output: bool) -> None:
         print(export_lines(node))
 
 
-# ---- run ------------------------------------------------------------------------------------------
+# ---- run ---------------------------------------------------------------------------------------
 
 
 def _script(node: NodeEnv, cmd: str, log: str | None) -> str:
     if not log:
         return cmd
     target = log_target(log, node.node_rank)
-    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    directory = os.path.dirname(target) or "."
+    os.makedirs(directory, exist_ok=True)
     return logged(cmd, target)
 
 
@@ -119,7 +127,10 @@ def _environment(node: NodeEnv, log: str | None) -> dict[str, str]:
     env = {**os.environ, **variables(node), "PATH": path}
     if log:  # a job's: its ranks get the hook that `meshkit diagnose` reads (node/hook)
         hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node", "hook")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (hook, env.get("PYTHONPATH")) if p)
+        python_path = [hook]
+        if env.get("PYTHONPATH"):
+            python_path.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(python_path)
         home = os.path.dirname(os.path.abspath(log))
         env["MESHKIT_ERRORS"] = os.path.join(home, "errors")
         # torch's flight recorder (gloo and NCCL in torch >= 2.7; NCCL's older name too): what
@@ -133,7 +144,8 @@ def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
     """Replace this process with ``bash -c CMD`` carrying the node's variables."""
     script = _script(node, cmd, log)
     sys.stdout.flush()
-    reset_for_exec()  # not Python's SIG_IGN for SIGPIPE: `yes | head` in the command must end quietly
+    # Not Python's SIG_IGN for SIGPIPE: `yes | head` in the command must end quietly.
+    reset_for_exec()
     os.execvpe("bash", ["bash", "-c", script], _environment(node, log))
 
 
@@ -145,12 +157,12 @@ def check_spawn_cmd(cmd: str) -> None:
     launchers per node, each starting its own ranks, and the job would hang in rendezvous."""
     words = cmd.split()
     for i, word in enumerate(words[:8]):
-        if word.rsplit("/", 1)[-1] == "torchrun" or (
-            i and words[i - 1] == "-m" and word in SPAWN_LAUNCHERS
-        ):
+        is_torchrun = word.rsplit("/", 1)[-1] == "torchrun"
+        is_module_launcher = i > 0 and words[i - 1] == "-m" and word in SPAWN_LAUNCHERS
+        if is_torchrun or is_module_launcher:
             raise UsageError(
-                f"--spawn with {word[:60]!r} in --cmd: --spawn starts the node's ranks itself; run the "
-                "script (python train.py), or drop --spawn and let the launcher start them"
+                f"--spawn with {word[:60]!r} in --cmd: --spawn starts the node's ranks itself; "
+                "run the script (python train.py), or drop --spawn and let the launcher start them"
             )
 
 
@@ -163,46 +175,60 @@ def spawn_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
     script = _script(node, cmd, log)
     base = _environment(node, log)
     if node.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
-        base["OMP_NUM_THREADS"] = "1"  # what torchrun sets: N ranks x all cores would oversubscribe
-    envs = [{**base, **rank_variables(node, i)} for i in range(node.nproc_per_node)]
+        # What torchrun sets: N ranks x all cores would oversubscribe.
+        base["OMP_NUM_THREADS"] = "1"
+    envs = []
+    for local_rank in range(node.nproc_per_node):
+        envs.append({**base, **rank_variables(node, local_rank)})
     sys.stdout.flush()
     raise SystemExit(run_ranks(script, envs))
 
 
-# ---- the command line -----------------------------------------------------------------------------
+# ---- the command line -------------------------------------------------------------------------
 
 
 class Fallback(Exception):
     """Not something this parser handles: let the invoke Program do it (and report it)."""
 
 
-def parse(task: str, args: Sequence[str]) -> tuple[dict[str, str | None], set[str]]:
-    """``--name value``, ``--name=value`` and the booleans (``--json``, ``--spawn``): (values,
-    the booleans given). Anything else (help, a positional, an unknown or abbreviated flag, a
-    missing value, a value that looks like a flag) is ``Fallback``. Not argparse: that is about
-    5 ms of imports at every ``meshkit env`` on every node."""
+@record
+class Flags:
+    """A command line's flags: each valued flag's value (``None`` when not given), and the
+    booleans given."""
+
+    values: dict[str, str | None]
+    given: set[str]
+
+
+def parse(task: str, args: Sequence[str]) -> Flags:
+    """``--name value``, ``--name=value`` and the booleans (``--json``, ``--spawn``). Anything else
+    (help, a positional, an unknown or abbreviated flag, a missing value, a value that looks like
+    a flag) is ``Fallback``. Not argparse: its imports would be a noticeable part of every
+    ``meshkit env`` on every node."""
     values: dict[str, str | None] = {name: None for name in FLAGS[task] if name not in BOOLEAN}
     given: set[str] = set()
     rest = list(args)
     while rest:
         arg = rest.pop(0)
-        raw, eq, value = arg[2:].partition("=")
-        name = raw.replace("-", "_")
-        if not arg.startswith("--") or "_" in raw or name not in FLAGS[task]:
+        if not arg.startswith("--"):
+            raise Fallback
+        written_name, equals_sign, value = arg[2:].partition("=")
+        name = written_name.replace("-", "_")
+        if "_" in written_name or name not in FLAGS[task]:
             raise Fallback
         if name in BOOLEAN:
-            if eq:
+            if equals_sign:
                 raise Fallback
             given.add(name)
             continue
-        if not eq:
+        if not equals_sign:
             if not rest or rest[0].startswith("-"):
                 raise Fallback
             value = rest.pop(0)
         values[name] = value
     if task == "run" and values["cmd"] is None:
         raise Fallback
-    return values, given
+    return Flags(values, given)
 
 
 def main(argv: Sequence[str]) -> bool:
@@ -211,18 +237,19 @@ def main(argv: Sequence[str]) -> bool:
     if not argv or argv[0] not in FLAGS:
         return False
     try:
-        flags, given = parse(argv[0], argv[1:])
+        flags = parse(argv[0], argv[1:])
     except Fallback:
         return False
+    values = flags.values
     try:
         conf = load()
-        node = node_env(conf, **{name: flags[name] for name in DISCOVERY_FLAGS})
+        node = node_env(conf, **{name: values[name] for name in DISCOVERY_FLAGS})
         if argv[0] == "env":
-            print_env(node, "json" in given)
-        elif "spawn" in given:
-            spawn_run(node, str(flags["cmd"]), flags["log"])
+            print_env(node, "json" in flags.given)
+        elif "spawn" in flags.given:
+            spawn_run(node, str(values["cmd"]), values["log"])
         else:
-            exec_run(node, str(flags["cmd"]), flags["log"])
+            exec_run(node, str(values["cmd"]), values["log"])
     except MeshkitError as exc:
         print(f"meshkit: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None

@@ -57,11 +57,11 @@ class Config:
 
 def _plain(value: Any) -> Any:
     """A deep copy of a default as a file or a MESHKIT_* variable gives it: lists for tuples
-    (dicts, lists and scalars only; `copy` costs `meshkit env` ms)."""
+    (dicts, lists and scalars only, so `meshkit env` needs no `copy` import)."""
     if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
+        return [_plain(item) for item in value]
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {key: _plain(item) for key, item in value.items()}
     return value
 
 
@@ -73,7 +73,24 @@ def whole(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-def _read_file(base: str) -> tuple[str, dict[str, Any]] | None:
+@record
+class ConfigFile:
+    """A configuration file that was found, and its meshkit section."""
+
+    path: str
+    section: dict[str, Any]
+
+
+@record
+class Setting:
+    """One key's value before checking, and where it came from (for error messages): a file's
+    path, a ``MESHKIT_*`` variable's name, or ``default``."""
+
+    value: Any
+    where: str
+
+
+def _read_file(base: str) -> ConfigFile | None:
     for suffix in SUFFIXES:
         path = os.path.expanduser(f"{base}.{suffix}")
         if not os.path.isfile(path):
@@ -94,43 +111,47 @@ def _read_file(base: str) -> tuple[str, dict[str, Any]] | None:
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: cannot read: {exc}") from None
         except Exception as exc:  # json's ValueError; yaml.YAMLError, which is not one
-            kind = "JSON" if suffix == "json" else "YAML"
+            kind = "YAML"
+            if suffix == "json":
+                kind = "JSON"
             raise ConfigError(f"{path}: not valid {kind}: {str(exc)[:200]}") from None
         data = data or {}
-        section = data.get("meshkit", data) if isinstance(data, dict) else None
+        section = None
+        if isinstance(data, dict):
+            section = data.get("meshkit", data)
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: expected a mapping of meshkit keys (e.g. 'hostfile: x')")
-        return path, section
+        return ConfigFile(path, section)
     return None
 
 
-def raw(
-    environ: Mapping[str, str] | None = None, cwd: str | None = None
-) -> dict[str, tuple[Any, str]]:
-    """Each key's value and where it came from (for error messages), before checking. ``cwd``:
-    the directory whose ``./meshkit.yaml`` counts (default: the working directory)."""
-    environ = os.environ if environ is None else environ
-    merged: dict[str, tuple[Any, str]] = {k: (_plain(v), "default") for k, v in DEFAULTS.items()}
+def raw(environ: Mapping[str, str] | None = None, cwd: str | None = None) -> dict[str, Setting]:
+    """Each key's value and where it came from, before checking. ``cwd``: the directory whose
+    ``./meshkit.yaml`` counts (default: the working directory)."""
+    if environ is None:
+        environ = os.environ
+    merged = {key: Setting(_plain(value), "default") for key, value in DEFAULTS.items()}
     for base in LEVELS:
         if cwd is not None and base.startswith("./"):
             base = os.path.join(cwd, base[2:])
         found = _read_file(base)
         if found is None:
             continue
-        where, section = found
-        for key, value in section.items():
+        where = found.path
+        for key, value in found.section.items():
             if key not in DEFAULTS:
                 known = ", ".join(sorted(DEFAULTS))
                 raise ConfigError(f"{where}: unknown key {str(key)[:40]!r}; the keys are: {known}")
             if key == "sandbox" and isinstance(value, dict):
-                merged[key] = ({**merged[key][0], **value}, where)
+                # Sandbox keys merge one by one: a level may set only `nodes`.
+                merged[key] = Setting({**merged[key].value, **value}, where)
             else:
-                merged[key] = (value, where)
+                merged[key] = Setting(value, where)
     for key, default in DEFAULTS.items():
-        var = f"MESHKIT_{key.upper()}"
-        if var not in environ:
+        variable = f"MESHKIT_{key.upper()}"
+        if variable not in environ:
             continue
-        value = environ[var]
+        value = environ[variable]
         if isinstance(default, (dict, list)):
             import json  # only for such variables: `meshkit env` rarely needs it
 
@@ -138,8 +159,8 @@ def raw(
                 value = json.loads(value)
             except ValueError:
                 kind = type(default).__name__
-                raise ConfigError(f"{var}={value[:60]!r}: expected JSON (a {kind})") from None
-        merged[key] = (value, var)
+                raise ConfigError(f"{variable}={value[:60]!r}: expected JSON (a {kind})") from None
+        merged[key] = Setting(value, variable)
     return merged
 
 
@@ -171,17 +192,20 @@ def _check(name: str, kind: Any, value: Any, where: str) -> Any:
             raise bad(f"a whole number {low}..{high}")
         return number
     if "tuple" in text:
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        items = value
+        if isinstance(value, str):
+            items = [value]
+        if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
             raise bad("a list of shell lines")
         return tuple(items)
     if "dict" in text:
         if not isinstance(value, dict):
             raise bad("a mapping NAME: value")
-        env = {str(k): str(v) for k, v in value.items()}
+        env = {str(key): str(item) for key, item in value.items()}
         if not env:
             return env
-        from .job import check_env  # only when there is something to check: env runs per node
+        # Imported only when there is something to check: `meshkit env` runs on every node.
+        from .job import check_env
 
         try:
             return check_env(env, where)
@@ -195,9 +219,11 @@ def _check(name: str, kind: Any, value: Any, where: str) -> Any:
 def load(environ: Mapping[str, str] | None = None, cwd: str | None = None) -> Config:
     """The checked configuration, from every level (``cwd``: see ``raw``)."""
     merged = raw(environ, cwd)
-    hints = {f.name: f.type for f in fields(Config)}
+    hints = {config_field.name: config_field.type for config_field in fields(Config)}
     values: dict[str, Any] = {}
-    for key, (value, where) in merged.items():
+    for key, setting in merged.items():
+        value = setting.value
+        where = setting.where
         if key == "sandbox":
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: sandbox: expected a mapping with dir, subnet, nodes")
@@ -223,8 +249,10 @@ def load(environ: Mapping[str, str] | None = None, cwd: str | None = None) -> Co
 
 def _check_names(value: Any, where: str) -> tuple[str, ...]:
     """``sync_exclude``: file or directory names (no '/'), matched at any depth."""
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+    items = value
+    if isinstance(value, str):
+        items = [value]
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
         raise ConfigError(f"{where}: sync_exclude: expected a list of file or directory names")
     for item in items:
         if not item or "/" in item or item in (".", "..") or "\0" in item:
