@@ -1,6 +1,6 @@
-"""SHA-256 without ``hashlib``: ``hashlib`` loads OpenSSL's libcrypto (``_hashlib``, about 3 ms),
-and ``meshkit env`` and ``meshkit run`` need one digest each (the derived master port, the job id)
-on every node at every start. CPython's own SHA-256 module gives the same digests."""
+"""SHA-256 without ``hashlib``: ``hashlib`` loads OpenSSL's libcrypto (``_hashlib``), and
+``meshkit env`` and ``meshkit run`` need only one digest each (the derived master port, the job
+id) on every node at every start. CPython's own SHA-256 module gives the same digests."""
 
 from __future__ import annotations
 

@@ -64,7 +64,8 @@ class PhaseTimeout(RemoteError):
     nothing after it waits on the dead link again."""
 
     def __init__(self, phase: str, seconds: float, setting: str = "command_timeout") -> None:
-        self.phase, self.seconds = phase, seconds
+        self.phase = phase
+        self.seconds = seconds
         super().__init__(
             f"{phase}: no answer within {seconds:.0f}s ({setting}); the link or the node is down, "
             "nothing more was done there"
@@ -74,9 +75,13 @@ class PhaseTimeout(RemoteError):
 class AgentGone(RemoteError):
     """The node agent exited (e.g. its interpreter is missing): its exit code and stderr."""
 
-    def __init__(self, code: int, err: str) -> None:
-        self.code, self.err = code, err
-        super().__init__(err.splitlines()[-1] if err.strip() else f"node agent exited {code}")
+    def __init__(self, code: int, stderr: str) -> None:
+        self.code = code
+        self.stderr = stderr
+        message = f"node agent exited {code}"
+        if stderr.strip():
+            message = stderr.splitlines()[-1]
+        super().__init__(message)
 
 
 class ProtocolError(RemoteError):

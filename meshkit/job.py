@@ -110,16 +110,23 @@ class Job:
         """``python -m meshkit TASK`` with the job's discovery flags: the same on every node."""
         argv = [self.python, "-m", "meshkit", task, "--hostfile", self.node_hostfile]
         argv += ["--session", self.session, "--master-port", str(self.master_port)]
-        flags = ("--nproc-per-node", "--include", "--exclude")
-        for flag, value in zip(flags, (self.nproc_per_node, self.include, self.exclude)):
-            argv += [flag, str(value)] if value else []
+        flags = {
+            "--nproc-per-node": self.nproc_per_node,
+            "--include": self.include,
+            "--exclude": self.exclude,
+        }
+        for flag, value in flags.items():
+            if value:
+                argv += [flag, str(value)]
         return [*argv, *extra]
 
     @property
     def node_hostfile(self) -> str:
         """The hostfile the nodes read: a synced job carries its own copy beside the job file
         (the hostfile's own path may exist only on the launching machine)."""
-        return str(self.home / "hostfile") if self.sync else self.hostfile
+        if self.sync:
+            return str(self.home / "hostfile")
+        return self.hostfile
 
     @property
     def supervisor_tmux(self) -> str:
@@ -135,23 +142,41 @@ class Job:
             marker = f"===== meshkit: attempt {attempt} of {self.restarts + 1} ====="
             cmd = f"echo {shlex.quote(marker)}\n{cmd}"
         logs = str(self.home / "node{rank}.log")  # `meshkit run --log` fills in {rank}
-        run = [*(["--spawn"] if self.spawn else []), "--log", logs, "--cmd", cmd]
-        argv = self.meshkit_argv("run", *run)
-        where = (self.id, self.session, self.label, self.workdir, self.tmux_session)
-        return NodeJob(*where, argv, dict(self.env), list(self.setup))
+        run = []
+        if self.spawn:
+            run.append("--spawn")
+        run += ["--log", logs, "--cmd", cmd]
+        return NodeJob(
+            job_id=self.id,
+            session=self.session,
+            label=self.label,
+            workdir=self.workdir,
+            tmux_session=self.tmux_session,
+            argv=self.meshkit_argv("run", *run),
+            env=dict(self.env),
+            setup=list(self.setup),
+        )
 
     def env_request(self) -> EnvRequest:
         """Rank discovery on a node, with the flags the job's ``meshkit run`` gets there."""
         from .protocol import EnvRequest
 
-        where = (self.workdir, self.node_hostfile, self.session, self.master_port)
-        return EnvRequest(*where, self.nproc_per_node, self.include, self.exclude)
+        return EnvRequest(
+            cwd=self.workdir,
+            hostfile=self.node_hostfile,
+            session=self.session,
+            master_port=self.master_port,
+            nproc_per_node=self.nproc_per_node,
+            include=self.include,
+            exclude=self.exclude,
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     def index_json(self) -> str:
-        return json.dumps({"workdir": self.workdir, "session": self.session, "id": self.id}) + "\n"
+        index = {"workdir": self.workdir, "session": self.session, "id": self.id}
+        return json.dumps(index) + "\n"
 
 
 def job_home(workdir: str, session: str) -> PurePosixPath:
@@ -195,9 +220,10 @@ def parse_restart_on(text: str | None) -> tuple[int, ...]:
     if text is None or not str(text).strip():
         return ()
     codes = []
-    for part in str(text).split(","):
-        part = part.strip()
-        if not (part.isascii() and part.isdigit()) or not 1 <= int(part) <= 255:
+    for written in str(text).split(","):
+        part = written.strip()
+        is_number = part.isascii() and part.isdigit()
+        if not is_number or not 1 <= int(part) <= 255:
             raise UsageError(
                 f"--restart-on {str(text)[:60]!r}: {part[:20]!r} is not an exit code 1..255 "
                 "(give a comma list, e.g. 1,137)"
@@ -214,7 +240,11 @@ def parse_duration(text: str | float, where: str = "--stall-after") -> float | N
     raw = str(text).strip().lower()
     if raw == "off":
         return None
-    number, unit = (raw[:-1], raw[-1]) if raw[-1:] in _UNITS else (raw, "s")
+    number = raw
+    unit = "s"
+    if raw[-1:] in _UNITS:
+        number = raw[:-1]
+        unit = raw[-1]
     try:
         seconds = float(number) * _UNITS[unit]
     except ValueError:

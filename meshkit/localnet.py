@@ -17,7 +17,8 @@ def local_addresses() -> list[LocalAddress]:
     for interface in netifaces.interfaces():
         try:
             families = netifaces.ifaddresses(interface)
-        except ValueError:  # gone since the listing (a container's veth, a sandbox's): skip it
+        except ValueError:
+            # Gone since the listing (a container's veth, a sandbox's): skip it.
             continue
         for family in (netifaces.AF_INET, netifaces.AF_INET6):
             for entry in families.get(family, []):
@@ -27,15 +28,15 @@ def local_addresses() -> list[LocalAddress]:
 
 
 def resolve(host: str) -> tuple[str, ...]:
-    """All addresses a hostfile name resolves to here (an address resolves to itself); empty when the
-    name does not resolve, which only matters if nothing else matches."""
+    """All addresses a hostfile name resolves to here (an address resolves to itself); empty when
+    the name does not resolve, which only matters if nothing else matches."""
     try:
         ipaddress.ip_address(host)
         return (normalize(host),)  # what getaddrinfo answers for an address, without its cost
     except ValueError:
         pass
     # Imported here: a hostfile of addresses (the common case) needs neither socket nor the idna
-    # codec it brings, about 5 ms of every `meshkit env` and `meshkit run` on every node.
+    # codec it brings, a noticeable part of every `meshkit env` and `meshkit run` on every node.
     import socket
 
     try:
@@ -52,7 +53,9 @@ def route_sources(host: str, port: int) -> list[tuple[str, str | None]]:
 
     found: list[tuple[str, str | None]] = []
     for address in resolve(host):
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        family = socket.AF_INET
+        if ":" in address:
+            family = socket.AF_INET6
         try:
             with socket.socket(family, socket.SOCK_DGRAM) as probe:
                 probe.connect((address, port))

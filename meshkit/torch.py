@@ -47,6 +47,7 @@ def init_distributed(
             wait_for_workers=False,
         )
         rendezvous = {"store": store}
-    rank, size = place.rank, place.world_size
-    dist.init_process_group(chosen, rank=rank, world_size=size, timeout=limit, **rendezvous)
+    dist.init_process_group(
+        chosen, rank=place.rank, world_size=place.world_size, timeout=limit, **rendezvous
+    )
     return place
