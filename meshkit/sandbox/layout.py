@@ -1,8 +1,8 @@
 """Where everything of one sandbox lives: pure arithmetic on its name, directory, subnet and size.
 
 Several sandboxes run side by side, each under its own name: its own bridges, namespaces, veths,
-subnet and directory. The sandbox named ``default`` keeps the historical names (bridge ``mkbr0``,
-namespaces ``meshkit-n<i>``), so a plain ``meshkit sandbox.up`` is what it always was.
+subnet and directory. The sandbox named ``default`` (a plain ``meshkit sandbox.up``) has the short
+names without a sandbox name in them (bridge ``mkbr0``, namespaces ``meshkit-n<i>``).
 """
 
 from __future__ import annotations
@@ -80,23 +80,27 @@ class Options:
     @classmethod
     def parse(cls, text: str) -> Options:
         """``--networks`` text: a comma list of option names (``-`` or ``_``), or ``all``."""
-        words = [w.strip().replace("-", "_") for w in text.split(",") if w.strip()]
+        words = []
+        for part in text.split(","):
+            if part.strip():
+                words.append(part.strip().replace("-", "_"))
         if words == ["all"]:
             return cls.all()
-        known = {f.name: f.name for f in fields(cls)} | {"docker0": "docker"}
-        unknown = [w for w in words if w not in known]
+        known = {option.name: option.name for option in fields(cls)}
+        known["docker0"] = "docker"
+        unknown = [word for word in words if word not in known]
         if unknown:
             raise SandboxError(
                 f"--networks {text!r}: unknown {', '.join(unknown)}; expected a comma list of "
                 "second, ifnames, docker0, debian-hosts, or all"
             )
-        return cls(**{known[w]: True for w in words})
+        return cls(**{known[word]: True for word in words})
 
     @classmethod
     def from_state(cls, data: object) -> Options:
         if not isinstance(data, Mapping):
             return cls()
-        return cls(**{f.name: bool(data.get(f.name, False)) for f in fields(cls)})
+        return cls(**{option.name: bool(data.get(option.name, False)) for option in fields(cls)})
 
     def as_state(self) -> dict[str, bool]:
         return asdict(self)
@@ -106,7 +110,8 @@ class Options:
         return any(asdict(self).values())
 
     def describe(self) -> str:
-        return ", ".join(k for k, on in asdict(self).items() if on) or "plain"
+        chosen = [name for name, on in asdict(self).items() if on]
+        return ", ".join(chosen) or "plain"
 
 
 @dataclass(frozen=True)
@@ -169,10 +174,12 @@ class Layout:
     @property
     def nodes(self) -> list[Node]:
         first = self.subnet.network_address + FIRST_HOST
-        return [
-            Node(i, f"node{i}", str(first + i), f"{self.netns_prefix}{i}", f"{self.veth_prefix}{i}")
-            for i in range(self.count)
-        ]
+        nodes = []
+        for i in range(self.count):
+            netns = f"{self.netns_prefix}{i}"
+            veth = f"{self.veth_prefix}{i}"
+            nodes.append(Node(i, f"node{i}", str(first + i), netns, veth))
+        return nodes
 
     def node(self, index: int) -> Node:
         if not 0 <= index < self.count:
@@ -212,11 +219,13 @@ def max_nodes(subnet: ipaddress.IPv4Network) -> int:
     return min(MAX_NODES, subnet.num_addresses - FIRST_HOST - 1)
 
 
-def ifnames(lay: Layout) -> list[str]:
+def ifnames(sandbox: Layout) -> list[str]:
     """Every interface name the layout creates on the host (bridges, veths)."""
-    names = [lay.bridge, *(n.veth for n in lay.nodes)]
-    if lay.networks.second:
-        names += [lay.second_bridge, *(lay.second_veth(n) for n in lay.nodes)]
+    names = [sandbox.bridge]
+    names += [node.veth for node in sandbox.nodes]
+    if sandbox.networks.second:
+        names.append(sandbox.second_bridge)
+        names += [sandbox.second_veth(node) for node in sandbox.nodes]
     return names
 
 
@@ -233,23 +242,24 @@ def layout(
     if bashrc not in BASHRCS:
         raise SandboxError(f"--bashrc {bashrc[:40]!r}: expected one of {', '.join(BASHRCS)}")
     try:
-        net = ipaddress.IPv4Network(subnet, strict=True)
+        network = ipaddress.IPv4Network(subnet, strict=True)
     except ValueError as exc:
         raise SandboxError(
             f"sandbox subnet {subnet!r}: {exc}; expected e.g. 10.77.0.0/24"
         ) from None
     if not 1 <= count <= MAX_NODES:
         raise SandboxError(f"--nodes {count}: expected 1..{MAX_NODES}")
-    if count > max_nodes(net):
+    if count > max_nodes(network):
+        holds = max(0, max_nodes(network))
         raise SandboxError(
-            f"subnet {net} is too small for {count} nodes (it holds {max(0, max_nodes(net))}); "
-            "use a /24"
+            f"subnet {network} is too small for {count} nodes (it holds {holds}); use a /24"
         )
-    lay = Layout(Path(root).resolve(), net, count, name, networks or Options(), bashrc)
-    long = [n for n in ifnames(lay) if len(n) > IFNAME_MAX]
+    options = networks or Options()
+    sandbox = Layout(Path(root).resolve(), network, count, name, options, bashrc)
+    long = [ifname for ifname in ifnames(sandbox) if len(ifname) > IFNAME_MAX]
     if long:
         raise SandboxError(
             f"interface name {long[0]!r} is longer than {IFNAME_MAX} characters; "
             "use a shorter sandbox name or fewer nodes"
         )
-    return lay
+    return sandbox

@@ -1,5 +1,6 @@
-"""The sandbox's ways into the system: a command (ip, ssh-keygen, ...) by argv only, bounded in time,
-a failure as a ``SandboxError`` that says which command and why; a node's namespaces; a file."""
+"""The sandbox's ways into the system: a command (ip, ssh-keygen, ...) by argv only, bounded in
+time, a failure as a ``SandboxError`` that says which command and why; a node's namespaces; a
+file."""
 
 from __future__ import annotations
 
@@ -31,24 +32,30 @@ def run(
     except subprocess.TimeoutExpired:
         raise SandboxError(f"{' '.join(argv)}: no answer in {COMMAND_TIMEOUT:.0f}s") from None
     if check and done.returncode != 0:
-        raise SandboxError(f"{' '.join(argv)} failed: {done.stderr.strip() or done.stdout.strip()}")
+        output = done.stderr.strip() or done.stdout.strip()
+        raise SandboxError(f"{' '.join(argv)} failed: {output}")
     return done
 
 
 def ip_batch(lines: Sequence[str], netns: str | None = None) -> None:
     """Many ``ip`` commands in one process (``-batch``), on the host or inside ``netns``."""
-    run(["ip", *(["-n", netns] if netns else []), "-batch", "-"], input="\n".join(lines) + "\n")
+    where = []
+    if netns:
+        where = ["-n", netns]
+    run(["ip", *where, "-batch", "-"], input="\n".join(lines) + "\n")
 
 
 def need(programs: Mapping[str, str], what: str) -> None:
     """Refuse when a program is missing, naming the Debian packages that provide them (the sbin
     directories are searched too: a root shell's PATH may lack them)."""
-    sbin = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
-    missing = {
-        pkg
-        for prog, pkg in programs.items()
-        if not any(Path(d, prog).exists() for d in sbin) and not shutil.which(prog)
-    }
+    directories = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
+    missing = set()
+    for program, package in programs.items():
+        if any(Path(directory, program).exists() for directory in directories):
+            continue
+        if shutil.which(program):
+            continue
+        missing.add(package)
     if missing:
         raise SandboxError(f"{what}; install them: apt-get install {' '.join(sorted(missing))}")
 
@@ -60,7 +67,8 @@ def write(path: Path, text: str, mode: int = 0o644) -> None:
 
 
 def netns_pids(netns: str) -> list[int]:
-    return [int(p) for p in run(["ip", "netns", "pids", netns], check=False).stdout.split()]
+    listed = run(["ip", "netns", "pids", netns], check=False).stdout
+    return [int(pid) for pid in listed.split()]
 
 
 def _exe(pid: int) -> str | None:
@@ -73,7 +81,8 @@ def _exe(pid: int) -> str | None:
 def nsenter(node: Node) -> list[str]:
     """The argv prefix that runs a command inside a node (its net, mount, UTS and PID namespaces),
     entered through its sshd (the node's PID 1), as its console would."""
-    pids = [p for p in netns_pids(node.netns) if _exe(p) == os.path.realpath(SSHD)]
+    sshd = os.path.realpath(SSHD)
+    pids = [pid for pid in netns_pids(node.netns) if _exe(pid) == sshd]
     if not pids:
         raise SandboxError(f"{node.name} has no sshd; is it up?")
     return ["nsenter", "-t", str(min(pids)), "--net", "--mount", "--uts", "--pid", "--"]

@@ -39,8 +39,8 @@ def _load(dir: str | None, name: str | None) -> sandbox.Layout:
         "slurm": "also run a private SLURM cluster on the nodes (slurmctld, one slurmd per node,"
         " munge; Debian slurm-wlm and munge)",
         "networks": "real-world networks, comma list of: second (a second network per node),"
-        " ifnames (interface names differ between nodes), docker0 (the same docker0 address in every"
-        " node), debian-hosts (the '127.0.1.1 <hostname>' line); or 'all'",
+        " ifnames (interface names differ between nodes), docker0 (the same docker0 address in"
+        " every node), debian-hosts (the '127.0.1.1 <hostname>' line); or 'all'",
     }
 )
 def up(
@@ -56,25 +56,26 @@ def up(
     with reported():
         started = time.monotonic()
         label = sandbox.check_name(name or sandbox.DEFAULT)
-        cfg = conf().sandbox
-        net = subnet or sandbox.default_subnet(str(cfg.subnet), label)
+        configured = conf().sandbox
+        chosen_subnet = subnet or sandbox.default_subnet(str(configured.subnet), label)
         options = sandbox.Options.parse(networks or "")
-        lay = sandbox.up(_dir(dir, label), net, int(nodes or cfg.nodes), label, options, slurm)
+        count = int(nodes or configured.nodes)
+        created = sandbox.up(_dir(dir, label), chosen_subnet, count, label, options, slurm)
         took = time.monotonic() - started
-    print(table(["node", "address", "netns"], [(n.name, n.address, n.netns) for n in lay.nodes]))
-    print(
-        f"\n{lay.count} nodes up in {took:.1f}s (controller {lay.controller_address} on {lay.bridge})"
-    )
-    print(f"hostfile:    {lay.hostfile}")
-    print(f"ssh config:  {lay.ssh_config}   (ssh -F {lay.ssh_config} node0)")
-    print(f"shared dir:  {lay.shared}   (every node sees it: put job workdirs here)")
-    if lay.networks.any:
-        print(f"networks:    {lay.networks.describe()}")
-    print(f"next:        meshkit mesh --hostfile {lay.hostfile}")
+    rows = [(node.name, node.address, node.netns) for node in created.nodes]
+    print(table(["node", "address", "netns"], rows))
+    controller = f"controller {created.controller_address} on {created.bridge}"
+    print(f"\n{created.count} nodes up in {took:.1f}s ({controller})")
+    print(f"hostfile:    {created.hostfile}")
+    print(f"ssh config:  {created.ssh_config}   (ssh -F {created.ssh_config} node0)")
+    print(f"shared dir:  {created.shared}   (every node sees it: put job workdirs here)")
+    if created.networks.any:
+        print(f"networks:    {created.networks.describe()}")
+    print(f"next:        meshkit mesh --hostfile {created.hostfile}")
     if slurm:
-        env = f"SLURM_CONF={slurm_conf_path(lay)}"
+        env = f"SLURM_CONF={slurm_conf_path(created)}"
         print(f"slurm:       export {env}   (in a node: nsenter or ssh, then srun/sbatch)")
-        print(f"             e.g. {env} srun -N{lay.count} {sys.executable} -m meshkit env")
+        print(f"             e.g. {env} srun -N{created.count} {sys.executable} -m meshkit env")
 
 
 @task(help=WHERE)
@@ -83,7 +84,10 @@ def down(c: Context, dir: str | None = None, name: str | None = None) -> None:
     with reported():
         sandbox.preflight()
         removed = sandbox.down(_dir(dir, name), name or sandbox.DEFAULT)
-    print(f"removed: {', '.join(removed)}" if removed else "no sandbox to remove")
+    if removed:
+        print(f"removed: {', '.join(removed)}")
+    else:
+        print("no sandbox to remove")
 
 
 @task(help={"node": "index of the node to reboot (0 = node0)", **WHERE})
@@ -100,9 +104,12 @@ def status(c: Context, dir: str | None = None, name: str | None = None, json: bo
     with reported():
         states = sandbox.status(_load(dir, name))
     if json:
-        print(jsonlib.dumps([asdict(s) for s in states]))
+        print(jsonlib.dumps([asdict(state) for state in states]))
         return
-    rows = [(s.node, s.address, "up" if s.sshd else "down", s.processes) for s in states]
+    rows = []
+    for state in states:
+        sshd = "up" if state.sshd else "down"
+        rows.append((state.node, state.address, sshd, state.processes))
     print(table(["node", "address", "sshd", "processes"], rows))
 
 
@@ -110,8 +117,9 @@ PAIR_HELP = {"node": "index of one node (0 = node0)", "peer": "index of the othe
 
 
 def _pair(node: object, peer: object) -> tuple[int, int]:
-    given = [str(v) for v in (node, peer) if v is not None]
-    if len(given) < 2 or not all(v.isascii() and v.isdigit() for v in given):
+    given = [str(value) for value in (node, peer) if value is not None]
+    all_indices = all(value.isascii() and value.isdigit() for value in given)
+    if len(given) < 2 or not all_indices:
         raise UsageError("give both nodes by index: --node I --peer J (e.g. --node 0 --peer 2)")
     return int(given[0]), int(given[1])
 
@@ -156,12 +164,20 @@ def shape(
     dir: str | None = None,
     name: str | None = None,
 ) -> None:
-    """Slow a link both ways (--peer), or a node's whole interface, with tc (undo: sandbox.unshape)."""
+    """Slow a link both ways (--peer), or a node's whole interface, with tc (undo:
+    sandbox.unshape)."""
     with reported():
-        index, other = _pair(node, 0 if peer is None else peer)
+        # Without --peer the node's whole interface is slowed; its index is still checked.
+        if peer is None:
+            index = _pair(node, 0)[0]
+            shaped_peer = None
+        else:
+            index, shaped_peer = _pair(node, peer)
         bits = int(rate(rate_ or "", "--rate"))
-        sandbox.shape(_load(dir, name), index, None if peer is None else other, bits)
-    what = f"node{node} <-> node{peer}" if peer is not None else f"node{node} (all its traffic)"
+        sandbox.shape(_load(dir, name), index, shaped_peer, bits)
+    what = f"node{node} (all its traffic)"
+    if peer is not None:
+        what = f"node{node} <-> node{peer}"
     print(f"shaped: {what} at {rate_} (undo: meshkit sandbox.unshape)")
 
 
