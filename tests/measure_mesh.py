@@ -51,7 +51,8 @@ def reset(lay: sandbox.Layout, bootstrap: str) -> None:
 
 
 def shells(lay: sandbox.Layout) -> tuple[list[int], dict[str, int]]:
-    counts, kinds = [], {}
+    counts = []
+    kinds = {}
     for n in lay.nodes:
         lines = (lay.node_dir(n) / "tmp" / COUNT.rsplit("/", 1)[1]).read_text().splitlines()
         counts.append(len(lines))

@@ -54,7 +54,8 @@ def test_every_simulated_node_agrees_on_everything_but_its_rank():
     envs = [env_for(r) for r in range(3)]
     assert [e.node_rank for e in envs] == [0, 1, 2]
     assert len({(e.nnodes, e.master_addr, e.master_port, e.nproc_per_node) for e in envs}) == 1
-    assert envs[0].master_addr == "10.0.0.1" and envs[0].world_size == 6
+    assert envs[0].master_addr == "10.0.0.1"
+    assert envs[0].world_size == 6
 
 
 def test_precedence_flag_then_launcher_then_hostfile_then_gpus():
@@ -128,7 +129,8 @@ def test_exports_are_eval_safe_and_complete():
 def test_process_place_from_each_launcher():
     e = env_for(1)
     assert process_place(e, {"RANK": "3", "WORLD_SIZE": "6", "LOCAL_RANK": "1"}).rank == 3
-    assert process_place(e, {}).rank == 2 and process_place(e, {"LOCAL_RANK": "1"}).rank == 3
+    assert process_place(e, {}).rank == 2
+    assert process_place(e, {"LOCAL_RANK": "1"}).rank == 3
 
 
 def openmpi_env(node_rank: int) -> NodeEnv:
@@ -216,7 +218,8 @@ def test_launcher_processes_get_the_node_block_whatever_the_launch_order():
                     "OMPI_COMM_WORLD_LOCAL_RANK": str(local),
                 },
             )
-            assert place.world_size == 6 and place.local_rank == local
+            assert place.world_size == 6
+            assert place.local_rank == local
             ranks.append(place.rank)
     assert ranks == [0, 1, 2, 3, 4, 5]
     slurm = replace(env_for(1), source="slurm")

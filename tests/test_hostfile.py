@@ -17,7 +17,8 @@ def test_full_syntax_in_rank_order():
     hosts = parse(text)
     assert [h.host for h in hosts] == ["10.0.0.1", "10.0.0.2", "fd00::3", "fd00::4", "node5"]
     assert hosts[1] == Host("10.0.0.2", "alice", 2222, 4, 4)
-    assert hosts[2].port == 22 and hosts[3].port is None
+    assert hosts[2].port == 22
+    assert hosts[3].port is None
     assert hosts[4].user == "bob"
     assert hosts[2].label == "[fd00::3]:22"
     assert hosts[1].known_hosts_name() == "[10.0.0.2]:2222"
@@ -59,7 +60,8 @@ def test_errors_name_the_line_and_the_format(line, needle):
 def test_every_problem_is_reported_not_just_the_first():
     with pytest.raises(HostfileError) as err:
         parse("a:0\nb:0\n", "hf")
-    assert err.value.problems[0].startswith("hf:1:") and err.value.problems[1].startswith("hf:2:")
+    assert err.value.problems[0].startswith("hf:1:")
+    assert err.value.problems[1].startswith("hf:2:")
 
 
 def test_empty_file_says_how_to_fix():

@@ -146,7 +146,8 @@ def test_meshkit_env_from_a_hostfile_of_addresses_needs_no_re_socket_or_hostlist
     (tmp_path / "hostfile").write_text(f"{mine} slots=2\n10.255.0.2 slots=2\n")
     lean = {"re", "socket", "shlex", "hostlist", "fnmatch", "encodings.idna", "subprocess"}
     printed, loaded = env_imports(tmp_path, [], lean)
-    assert "NODE_RANK=0" in printed and "NPROC_PER_NODE=2" in printed
+    assert "NODE_RANK=0" in printed
+    assert "NPROC_PER_NODE=2" in printed
     assert loaded == []
 
 

@@ -73,7 +73,8 @@ def test_spawn_takes_a_script(cmd):
 def test_the_saved_job_keeps_spawn_and_old_job_files_load():
     job = Job("python t.py", "/w", "s", "/w/hostfile", "/venv/bin/python", 29500, 2, spawn=True)
     again = from_json(job.to_json(), "job.json")
-    assert again.spawn and again == job
+    assert again.spawn
+    assert again == job
     assert job.node_job().argv[3:5] == ["run", "--hostfile"]
     assert "--spawn" in job.node_job().argv
     old = job.to_json().replace('"spawn": true,', "")
@@ -173,7 +174,8 @@ def test_a_signal_ignored_at_the_start_stays_ignored(hostfile):
         assert len(pids_of(marker)) == 3
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
-        assert proc.poll() is None and len(pids_of(marker)) == 3
+        assert proc.poll() is None
+        assert len(pids_of(marker)) == 3
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     finally:

@@ -64,7 +64,9 @@ def test_each_node_has_its_own_identity_and_shares_storage(cluster):
 
 def test_controller_secrets_are_hidden_from_nodes(cluster):
     out = ssh(cluster, "node0", f"ls -A {cluster.root}/controller {cluster.root}/nodes")
-    assert out.returncode == 0 and "id_ed25519" not in out.stdout and "node1" not in out.stdout
+    assert out.returncode == 0
+    assert "id_ed25519" not in out.stdout
+    assert "node1" not in out.stdout
 
 
 def test_env_json_gives_each_node_its_rank_and_the_same_master(cluster):
@@ -86,9 +88,9 @@ def test_env_json_gives_each_node_its_rank_and_the_same_master(cluster):
 
 def test_env_outside_the_cluster_is_a_clear_error(cluster):
     out = meshkit("env", "--hostfile", str(cluster.hostfile))
-    assert (
-        out.returncode != 0 and "matches no line" in out.stderr and "local addresses:" in out.stderr
-    )
+    assert out.returncode != 0
+    assert "matches no line" in out.stderr
+    assert "local addresses:" in out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -105,7 +107,8 @@ def test_reboot_kills_tmux_and_empties_tmp(cluster):
     )
     assert out.returncode == 0, out.stderr
     after = ssh(cluster, "node3", "tmux has-session -t victim; echo rc=$?; ls -A /tmp")
-    assert "rc=1" in after.stdout and "before" not in after.stdout
+    assert "rc=1" in after.stdout
+    assert "before" not in after.stdout
     assert ssh(cluster, "node2", "hostname").stdout.strip() == "node2"  # the others are untouched
 
 
@@ -115,7 +118,8 @@ def test_status_and_bad_input(cluster):
     out = meshkit(
         "sandbox.reboot", "--node", "99", "--dir", str(cluster.root), "--name", cluster.name
     )
-    assert out.returncode != 0 and "nodes 0..3" in out.stderr
+    assert out.returncode != 0
+    assert "nodes 0..3" in out.stderr
 
 
 def test_down_leaves_nothing_and_up_is_idempotent(cluster):
@@ -179,7 +183,8 @@ def test_a_24_holds_244_nodes_and_every_interface_name_fits():
         assert lay.nodes[-1].address == "10.77.3.254"
         assert max(len(n) for n in L.ifnames(lay)) <= L.IFNAME_MAX
     lay = L.layout("/nonexistent", "10.77.3.0/24", 244, longest, networks.Options.all())
-    assert lay.nodes[-1].veth == "mkaaaaaaaa-243" and len(lay.nodes[-1].veth) == 14
+    assert lay.nodes[-1].veth == "mkaaaaaaaa-243"
+    assert len(lay.nodes[-1].veth) == 14
     assert lay.nodes[-1].netns == "meshkit-aaaaaaaa-n243"
     for count, subnet, why in (
         (245, "10.77.3.0/24", "expected 1..244"),
@@ -205,7 +210,8 @@ def test_the_conda_bashrc_costs_a_hook_and_counts_every_shell():
         assert sandbox.load(lay.root).bashrc == "conda"
         sandbox.reset_shells(lay)
         out = ssh(lay, "node1", "echo shlvl=$CONDA_SHLVL")
-        assert out.returncode == 0 and "shlvl=1" in out.stdout, out.stderr
+        assert out.returncode == 0, out.stderr
+        assert "shlvl=1" in out.stdout, out.stderr
         sftp = subprocess.run(
             ["sftp", "-F", str(lay.ssh_config), "-b", "-", "node0"],
             input="ls /tmp\n",

@@ -85,7 +85,9 @@ def test_openmpi_without_hostfile_derives_the_node_from_blocks():
         "10.0.0.1",
     )
     assert p.matched == "OMPI_COMM_WORLD_RANK // OMPI_COMM_WORLD_LOCAL_SIZE = 5 // 4"
-    assert p.hostfile_decides and p.verify_master and p.world_size == 8
+    assert p.hostfile_decides
+    assert p.verify_master
+    assert p.world_size == 8
     # every process of that node agrees, whatever its index on the node
     assert {
         from_environment(ompi(r, 8, 4, r - 4, MASTER_ADDR="m")).node_rank for r in range(4, 8)
@@ -113,8 +115,12 @@ def test_openmpi_refuses_what_it_cannot_derive_and_says_what_is_needed():
     }
     for why, env in cases.items():
         p = from_environment(env)
-        assert p is not None and p.node_rank is None and p.problem is not None
-        assert why in p.problem and "--hostfile" in p.problem and "MASTER_ADDR" in p.problem
+        assert p is not None
+        assert p.node_rank is None
+        assert p.problem is not None
+        assert why in p.problem
+        assert "--hostfile" in p.problem
+        assert "MASTER_ADDR" in p.problem
 
 
 def test_openmpi_half_set_is_an_error():
@@ -150,7 +156,9 @@ def test_pbs_refuses_uneven_slots_and_checks_a_user_master():
     p = from_environment(
         {"PBS_NODEFILE": "/x", "MESHKIT_HOSTNAME": "b", "MASTER_ADDR": "10.0.0.9"}, "a\nb\n"
     )
-    assert p is not None and p.master_addr == "10.0.0.9" and p.verify_master
+    assert p is not None
+    assert p.master_addr == "10.0.0.9"
+    assert p.verify_master
 
 
 def test_order_torchrun_before_slurm_before_openmpi():
@@ -165,6 +173,8 @@ def test_slurm_step_tasks_win_and_uneven_tasks_are_refused():
     p = from_environment(
         env | {"SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
     )
-    assert p is not None and p.nproc_per_node == 2 and p.master_addr == "n1"
+    assert p is not None
+    assert p.nproc_per_node == 2
+    assert p.master_addr == "n1"
     with pytest.raises(SourceError, match=r"SLURM_TASKS_PER_NODE='2\(x1\),1': nodes run different"):
         from_environment(env | {"SLURM_TASKS_PER_NODE": "2(x1),1"})

@@ -80,7 +80,8 @@ def test_two_matching_lines_is_an_error_listing_both_sides():
 def test_no_match_lists_addresses_and_the_fix():
     with pytest.raises(TopologyError) as err:
         match_rank(HOSTS, RESOLVED, node(LocalAddress("eth0", "10.0.0.99")), "stranger", "hf")
-    assert "matches no line" in str(err.value) and "MESHKIT_NODE_RANK" in str(err.value)
+    assert "matches no line" in str(err.value)
+    assert "MESHKIT_NODE_RANK" in str(err.value)
     assert "eth0=10.0.0.99" in str(err.value)
 
 
@@ -101,7 +102,8 @@ def test_master_port_is_the_same_everywhere_and_varies_with_session_and_nodes():
 def test_interface_is_the_one_whose_address_placed_this_node():
     m = match_rank(HOSTS, RESOLVED, node(LocalAddress("ens3", "10.0.0.2")), "n2")
     chosen = interface_of_match(m)
-    assert chosen is not None and (chosen.name, chosen.address) == ("ens3", "10.0.0.2")
+    assert chosen is not None
+    assert (chosen.name, chosen.address) == ("ens3", "10.0.0.2")
     assert chosen.reason == "hostfile: 10.0.0.2 on ens3 placed this node"
     # a hostname match names no address, so no interface: the route decides instead
     by_name = match_rank(parse("alpha\nbeta\n"), [[], []], node(), "beta")
@@ -118,7 +120,8 @@ def test_debian_127_0_1_1_line_never_decides_a_rank_or_an_interface():
     m = match_rank(hosts, [["127.0.1.1"], ["10.0.0.2"]], local, "node0")
     assert (m.rank, m.interface) == (0, "hostname")
     chosen = interface_by_route("node0", [("127.0.1.1", "127.0.0.1")], local, nnodes=2)
-    assert chosen.name is None and "127.0.1.1: loopback" in chosen.reason
+    assert chosen.name is None
+    assert "127.0.1.1: loopback" in chosen.reason
     assert "GLOO_SOCKET_IFNAME" in chosen.reason
     # a name resolving to loopback, listed twice, is not two matches of this machine
     with pytest.raises(TopologyError, match="matches no line"):
@@ -135,7 +138,8 @@ def test_scheduler_sources_take_the_interface_that_reaches_master_addr():
         chosen.reason == "route: MASTER_ADDR gpu01 (192.168.5.1) is reached from 192.168.5.2 on ib0"
     )
     none = interface_by_route("gpu01", [("10.9.9.9", None)], local, nnodes=4)
-    assert none.name is None and "10.9.9.9: no route" in none.reason
+    assert none.name is None
+    assert "10.9.9.9: no route" in none.reason
     assert interface_by_route("x", [], local, 2).reason.startswith("none:")
     # a one-node job on loopback is fine
     assert interface_by_route("localhost", [("127.0.0.1", "127.0.0.1")], local, 1).name == "lo"

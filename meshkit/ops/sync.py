@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
-from .. import protocol as p
+from .. import protocol
 from ..errors import LaunchError
 from ..hostfile import Host
 from ..job import Job
@@ -30,17 +30,19 @@ MTIME_SLACK = 0.002  # seconds: filesystems keep mtimes at different resolutions
 
 @dataclass(frozen=True)
 class Facts:
-    """One facts round (``p.FactsRequest``): each node's reply, and when each request left and its
+    """One facts round (``protocol.FactsRequest``): each node's reply, and when each request left and its
     reply came back (this machine's clock, for the doctor's clock check)."""
 
-    replies: dict[Host, Outcome[p.FactsReply]]
+    replies: dict[Host, Outcome[protocol.FactsReply]]
     timing: dict[Host, tuple[float, float]]
     marker: str
 
     def shared(self, host: Host) -> bool:
         """The one test of "does ``host`` see the workdir": it saw the marker."""
         outcome = self.replies.get(host)
-        return outcome is not None and outcome.value is not None and outcome.value.marker == "seen"
+        if outcome is None or outcome.value is None:
+            return False
+        return outcome.value.marker == "seen"
 
 
 def facts_round(pool: NodePool, workdir: str, hosts: Sequence[Host], writer: Host | None) -> Facts:
@@ -59,19 +61,25 @@ def facts_round(pool: NodePool, workdir: str, hosts: Sequence[Host], writer: Hos
         except OSError as exc:
             raise LaunchError(f"{workdir}: cannot write the shared-storage marker: {exc}") from None
     timing: dict[Host, tuple[float, float]] = {}
-    replies: dict[Host, Outcome[p.FactsReply]] = {}
+    replies: dict[Host, Outcome[protocol.FactsReply]] = {}
     sent: dict[Host, float] = {}
-    others = [h for h in hosts if h != writer]
+    others = [host for host in hosts if host != writer]
+    # The writer's round first, so that its marker is there when the others look.
+    rounds = [others]
+    if writer is not None:
+        rounds = [[writer], others]
 
-    def request(host: Host) -> p.FactsRequest:
+    def request(host: Host) -> protocol.FactsRequest:
         sent[host] = time.time()
-        return p.FactsRequest(workdir, marker, token, host == writer)
+        return protocol.FactsRequest(workdir, marker, token, host == writer)
 
     try:
-        for chosen in ([writer], others) if writer is not None else (others,):
-            replies.update(pool.call_all("facts", request, p.FactsReply, chosen))
+        for chosen in rounds:
+            replies.update(pool.call_all("facts", request, protocol.FactsReply, chosen))
             back = time.time()
-            timing.update({h: (sent[h], back) for h in chosen if h in sent})
+            for host in chosen:
+                if host in sent:
+                    timing[host] = (sent[host], back)
     finally:
         if writer is None:
             local.unlink(missing_ok=True)
@@ -84,16 +92,21 @@ def unshared(pool: NodePool, workdir: str, hosts: Sequence[Host]) -> tuple[list[
     facts = facts_round(pool, workdir, hosts, None)
     # The first request to each node's agent: one that cannot answer (a missing interpreter,
     # say) stops the launch here, with the agent's own reason, as preflight would.
-    problems = [f"{h.label}: cannot connect: {e}" for h, e in pool.failures.items()]
-    problems += [f"{h.label}: {o.error}" for h, o in facts.replies.items() if o.error]
+    problems = [f"{host.label}: cannot connect: {error}" for host, error in pool.failures.items()]
+    for host, outcome in facts.replies.items():
+        if outcome.error:
+            problems.append(f"{host.label}: {outcome.error}")
     if problems:
         raise LaunchError([*problems, "train: preflight failed; nothing was started"])
-    return [h for h in hosts if not facts.shared(h)], facts
+    lacking = [host for host in hosts if not facts.shared(host)]
+    return lacking, facts
 
 
-def local_files(root: str, exclude: Sequence[str]) -> list[p.FileState]:
+def local_files(root: str, exclude: Sequence[str]) -> list[protocol.FileState]:
     """The files under ``root`` (paths relative to it), as a node's manifest lists its own."""
-    found = list(islice(walk(Path(root), set(exclude) | set(ALWAYS_EXCLUDED)), MAX_FILES + 1))
+    excluded = set(exclude) | set(ALWAYS_EXCLUDED)
+    # One more than the limit is enough to tell that there are too many.
+    found = list(islice(walk(Path(root), excluded), MAX_FILES + 1))
     if len(found) > MAX_FILES:
         raise LaunchError(
             f"{root}: more than {MAX_FILES} files to sync; exclude data directories with "
@@ -102,14 +115,19 @@ def local_files(root: str, exclude: Sequence[str]) -> list[p.FileState]:
     return found
 
 
-def plan(local: Sequence[p.FileState], remote: Sequence[p.FileState]) -> list[p.FileState]:
+def plan(
+    local: Sequence[protocol.FileState], remote: Sequence[protocol.FileState]
+) -> list[protocol.FileState]:
     """Pure: the local files a node lacks or holds in another size or modification time."""
-    there = {f.path: f for f in remote}
+    there = {state.path: state for state in remote}
+    return [state for state in local if not _same(state, there.get(state.path))]
 
-    def same(f: p.FileState, r: p.FileState | None) -> bool:
-        return r is not None and r.size == f.size and abs(r.mtime - f.mtime) <= MTIME_SLACK
 
-    return [f for f in local if not same(f, there.get(f.path))]
+def _same(state: protocol.FileState, other: protocol.FileState | None) -> bool:
+    """Same size and modification time (within the filesystems' resolution)."""
+    if other is None or other.size != state.size:
+        return False
+    return abs(other.mtime - state.mtime) <= MTIME_SLACK
 
 
 def sync_workdir(
@@ -125,37 +143,64 @@ def sync_workdir(
         lacking, _ = unshared(pool, job.workdir, hosts)
     exclude = [*DEFAULT_EXCLUDE, *job.sync_exclude]
     local = local_files(job.workdir, exclude)
-    listing = p.ManifestRequest(job.workdir, [*exclude, *ALWAYS_EXCLUDED])
-    manifests = pool.call_all("manifest", lambda h: listing, p.ManifestReply, lacking)
-    problems = [f"{h.label}: {o.error}" for h, o in manifests.items() if o.error]
-    problems += [f"{h.label}: unreachable" for h in lacking if h not in manifests]
+    listing = protocol.ManifestRequest(job.workdir, [*exclude, *ALWAYS_EXCLUDED])
+
+    def manifest_request(host: Host) -> protocol.ManifestRequest:
+        return listing
+
+    manifests = pool.call_all("manifest", manifest_request, protocol.ManifestReply, lacking)
+    problems = []
+    for host, outcome in manifests.items():
+        if outcome.error:
+            problems.append(f"{host.label}: {outcome.error}")
+    for host in lacking:
+        if host not in manifests:
+            problems.append(f"{host.label}: unreachable")
     if problems:
         raise LaunchError([*problems, "train: cannot sync the workdir; nothing was started"])
-    queues: dict[Host, list[p.PutRequest]] = {}
-    for h, outcome in manifests.items():
+    # Each node's put requests, sent one at a time per node, to every node at once.
+    queues: dict[Host, list[protocol.PutRequest]] = {}
+    for host, outcome in manifests.items():
         assert outcome.value is not None
-        queues[h] = [req for f in plan(local, outcome.value.files) for req in _puts(job.workdir, f)]
-    sent = {h.label: sum(1 for r in q if r.last) for h, q in queues.items()}
+        queues[host] = []
+        for state in plan(local, outcome.value.files):
+            queues[host] += _puts(job.workdir, state)
+    sent = {}
+    for host, queue in queues.items():
+        sent[host.label] = sum(1 for put in queue if put.last)  # one last chunk per file
+
+    def next_put(host: Host) -> protocol.PutRequest:
+        return queues[host][0]
+
     while any(queues.values()):
-        busy = [h for h, q in queues.items() if q]
-        done = pool.call_all("sync", lambda h: queues[h][0], p.PutReply, busy)
-        failed = [f"{h.label}: {put.error}" for h, put in done.items() if put.error]
+        busy = [host for host, queue in queues.items() if queue]
+        done = pool.call_all("sync", next_put, protocol.PutReply, busy)
+        failed = []
+        for host, reply in done.items():
+            if reply.error:
+                failed.append(f"{host.label}: {reply.error}")
         if failed:
             raise LaunchError([*failed, "train: sync failed; nothing was started"])
-        for h in done:
-            queues[h].pop(0)
-    for h in hosts:
-        pool.write_file(h, str(job.home / "hostfile"), text)
+        for host in done:
+            queues[host].pop(0)
+    for host in hosts:
+        pool.write_file(host, str(job.home / "hostfile"), text)
     return sent
 
 
-def _puts(root: str, f: p.FileState) -> list[p.PutRequest]:
-    """A file as put requests, read now (a file changed since the listing is sent as it is)."""
-    target = str(Path(root) / f.path)
+def _puts(root: str, state: protocol.FileState) -> list[protocol.PutRequest]:
+    """A file as put requests, read now (a file changed since the listing is sent as it is). An
+    empty file is one empty chunk."""
+    target = str(Path(root) / state.path)
     data = Path(target).read_bytes()
-    chunks = [base64.b64encode(data[i : i + CHUNK]).decode() for i in range(0, len(data), CHUNK)]
-    last = max(0, len(chunks) - 1)
-    return [
-        p.PutRequest(target, chunk, i * CHUNK, i == last, f.mode, f.mtime)
-        for i, chunk in enumerate(chunks or [""])
-    ]
+    chunks = []
+    for offset in range(0, len(data), CHUNK):
+        chunks.append(base64.b64encode(data[offset : offset + CHUNK]).decode())
+    if not chunks:
+        chunks = [""]
+    last = len(chunks) - 1
+    puts = []
+    for i, chunk in enumerate(chunks):
+        offset = i * CHUNK
+        puts.append(protocol.PutRequest(target, chunk, offset, i == last, state.mode, state.mtime))
+    return puts

@@ -22,17 +22,25 @@ def main() -> None:
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:  # nccl reduces only CUDA tensors, each process on its own GPU
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    value = torch.tensor([float(rank + 1)], device="cuda" if cuda else "cpu")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    device = "cuda" if cuda else "cpu"
+    value = torch.tensor([float(rank + 1)], device=device)
     dist.all_reduce(value)
     expected = world * (world + 1) // 2
+    total = int(value.item())
     line = (
-        f"meshkit-example rank={rank} world_size={world} node_rank={os.environ.get('GROUP_RANK')} "
-        f"meshkit_node_rank={os.environ.get('NODE_RANK')} local_rank={os.environ.get('LOCAL_RANK')} "
-        f"host={socket.gethostname()} sum={int(value.item())} expected={expected} "
-        f"ok={int(value.item()) == expected}\n"
+        f"meshkit-example rank={rank} world_size={world} "
+        f"node_rank={os.environ.get('GROUP_RANK')} "
+        f"meshkit_node_rank={os.environ.get('NODE_RANK')} "
+        f"local_rank={os.environ.get('LOCAL_RANK')} "
+        f"host={socket.gethostname()} sum={total} expected={expected} "
+        f"ok={total == expected}\n"
     )
     # One write per line: the node's processes share one pipe, and a single small write is atomic.
     sys.stdout.write(line)
