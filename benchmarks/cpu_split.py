@@ -31,13 +31,15 @@ ROOT = "/var/tmp/meshkit-bench-sandbox-bcpu"
 def timed(argvs: list[list[str]], cwd: Path) -> dict[str, object]:
     """Run the commands at once; wall time, all cores' CPU, and theirs."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    busy, start = machine_busy(), time.perf_counter()
+    busy = machine_busy()
+    start = time.perf_counter()
     procs = [
         subprocess.Popen(a, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
         for a in argvs
     ]
     codes = [p.wait(900) for p in procs]
-    wall, machine = time.perf_counter() - start, machine_busy() - busy
+    wall = time.perf_counter() - start
+    machine = machine_busy() - busy
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     mine = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     return {

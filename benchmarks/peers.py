@@ -80,7 +80,8 @@ def install_meshkit(repo: Path) -> Path:
     interpreter's dependencies and torch, with a torchrun beside it. Its bin directory."""
     root = CACHE / "meshkit"
     subprocess.run(["rm", "-rf", str(root)], check=True, timeout=60)
-    dist, env_dir = root / "dist", root / "venv"
+    dist = root / "dist"
+    env_dir = root / "venv"
     python = env_dir / "bin" / "python"
     try:
         subprocess.run(
@@ -252,7 +253,7 @@ def clush_argv(bin_dir: Path, ssh_config: Path, names: list[str], command: str) 
     ]
 
 
-# --- launches --------------------------------------------------------------------------------------
+# --- launches -------------------------------------------------------------------------------------
 
 
 def pdsh_torchrun_command(

@@ -34,10 +34,13 @@ def sampled_note(doc: Mapping[str, object], prefix: str = "") -> str:
     rows = doc.get("sizes")
     assert isinstance(rows, list)
     found = {}
-    for r in rows:
-        for k in r.get("pairs_checked", {}):
-            if k.startswith(prefix) and (got := stats.sampled_pairs(r, k)) is not None:
-                found[int(r["nodes"])] = got
+    for row in rows:
+        for key in row.get("pairs_checked", {}):
+            if not key.startswith(prefix):
+                continue
+            sampled = stats.sampled_pairs(row, key)
+            if sampled is not None:
+                found[int(row["nodes"])] = sampled
     if not found:
         return ""
     return (
@@ -86,7 +89,8 @@ def plot(doc: Mapping[str, object], out_dir: Path) -> list[Path]:
             for i, (k, points) in enumerate(sorted(medians.items())):
                 if k.startswith(op + "/"):
                     ax.plot(*zip(*points), label=labels.get(k, k), **style(k, i))
-                    if sampled := sampled_points(doc, k, points):
+                    sampled = sampled_points(doc, k, points)
+                    if sampled:
                         ax.plot(*zip(*sampled), "o", mfc="white", color=style(k, i)["color"])
             if op != "round" and floor:
                 ax.plot(*zip(*floor), linestyle=":", color="gray", label="floor")
@@ -109,7 +113,8 @@ def plot(doc: Mapping[str, object], out_dir: Path) -> list[Path]:
     for i, (k, points) in enumerate(sorted(ratios.items())):
         if k != stats.key("round", "floor"):
             ax.plot(*zip(*points), label=labels.get(k, k), **style(k, i))  # type: ignore[arg-type]
-            if sampled := sampled_points(doc, k, points):
+            sampled = sampled_points(doc, k, points)
+            if sampled:
                 ax.plot(*zip(*sampled), "o", mfc="white", color=style(k, i)["color"])
     ax.axhline(1.0, color="gray", linestyle=":")
     ax.axhline(
@@ -146,8 +151,8 @@ def render(doc: Mapping[str, object], out_dir: Path) -> str:
     env = doc.get("env")
     if isinstance(env, dict) and "meshkit_env_s" in env:
         lines.append(
-            f"meshkit env {env['meshkit_env_s']} s vs bare import {env['bare_import_netifaces_s']} s: "
-            f"{env['env/bare']}×"
+            f"meshkit env {env['meshkit_env_s']} s "
+            f"vs bare import {env['bare_import_netifaces_s']} s: {env['env/bare']}×"
         )
     elif isinstance(env, dict):
         lines.append(f"meshkit env not measured: {env.get('failed')}")
@@ -159,17 +164,18 @@ def render(doc: Mapping[str, object], out_dir: Path) -> str:
             lines.append(f"not measured: {peer}: {why}")
     rows = doc.get("sizes")
     if isinstance(rows, list):
-        for r in rows:
-            if load := r.get("machine_load"):
+        for row in rows:
+            load = row.get("machine_load")
+            if load:
                 lines.append(
-                    f"N={r['nodes']} machine: "
+                    f"N={row['nodes']} machine: "
                     + " -> ".join(
-                        f"{x['at']} load {x['load_average_1m']}, "
-                        f"{x['other_sandbox_nodes']} other sandbox nodes"
-                        for x in load
+                        f"{point['at']} load {point['load_average_1m']}, "
+                        f"{point['other_sandbox_nodes']} other sandbox nodes"
+                        for point in load
                     )
                 )
-            for k, msgs in r.get("failures", {}).items():
-                lines.append(f"N={r['nodes']} {k} FAILED: {msgs[0][:200]}")
+            for name, messages in row.get("failures", {}).items():
+                lines.append(f"N={row['nodes']} {name} FAILED: {messages[0][:200]}")
     lines.append("wrote " + ", ".join(str(p) for p in written))
     return "\n".join(lines)

@@ -10,8 +10,8 @@ For each N and each repeat:
   the last mesh, as above --peers-max and --n2-max, on that cluster): its floor,
   ``meshkit check``, one round with pdsh and clush, ``meshkit train`` of the example gloo
   all_reduce (2 processes per node) until every session runs and until every rank is done, logs,
-  status and diagnose (of a running job), stop, doctor --quick and doctor; the launch peers pdsh+torchrun
-  (``%n`` ranks) and torchrunx until every rank is done, each result line checked.
+  status and diagnose (of a running job), stop, doctor --quick and doctor; the launch peers
+  pdsh+torchrun (``%n`` ranks) and torchrunx until every rank is done, each result line checked.
 Every ratio is to the floor of the same cluster in the same repeat (the median of those per-sample
 ratios). The nodes' ~/.bashrc costs what conda's does (``--bashrc``), and every shell a node starts
 is counted per operation. Peers run only up to --peers-max nodes; N² operations only up to
@@ -229,7 +229,7 @@ def check_launch(text: str, n: int) -> None:
         raise StepFailed("; ".join(problems)[:400])
 
 
-# --- one measurement -------------------------------------------------------------------------------
+# --- one measurement ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -253,7 +253,8 @@ class Row:
 
     def on(self, lay: sandbox.Layout, cluster: str) -> None:
         """The samples that follow are taken on ``lay``, named ``cluster`` (unique in the row)."""
-        self.lay, self.current = lay, cluster
+        self.lay = lay
+        self.current = cluster
 
     def sample(
         self,
@@ -414,8 +415,11 @@ def mesh_variants(row: Row, opt: Options, repeat: int) -> sandbox.Layout | None:
         row.sample("round", "floor", lambda: floor(lay))  # noqa: B023
         count_floor_shells(row, lay)
         reset_logs(lay)
+
         # Controller logins are counted before the end-state check adds its own.
-        count = lambda: row.logins.setdefault(f"mesh/{tool}", []).append(logins(lay))  # noqa: B023, E731
+        def count() -> None:
+            row.logins.setdefault(f"mesh/{tool}", []).append(logins(lay))  # noqa: B023
+
         if tool == "seed":
             # The seed exchanges no host keys: its end state is recorded, not required.
             row.sample("mesh", tool, lambda: fn(lay), after=count)  # noqa: B023
@@ -434,10 +438,18 @@ def mesh_variants(row: Row, opt: Options, repeat: int) -> sandbox.Layout | None:
 
             row.sample("mesh", tool, lambda: fn(lay), timed_check, count)  # noqa: B023
             mesh_s = row.raw["mesh/ansible"][-1]
-            full = mesh_s is not None and took and lay.count <= opt.n2_max
-            row.add(stats.ANSIBLE_CHECK, round(mesh_s + took[0], 4) if full else None)  # type: ignore[operator]
+            mesh_and_check = None
+            if mesh_s is not None and took and lay.count <= opt.n2_max:
+                mesh_and_check = round(mesh_s + took[0], 4)
+            row.add(stats.ANSIBLE_CHECK, mesh_and_check)
         else:
-            row.sample("mesh", tool, lambda: fn(lay), lambda: check_pairs(lay, opt.n2_max), count)  # noqa: B023
+            row.sample(
+                "mesh",
+                tool,
+                lambda: fn(lay),  # noqa: B023
+                lambda: check_pairs(lay, opt.n2_max),  # noqa: B023
+                count,
+            )
             if tool == "meshkit_no_verify" and row.raw[f"mesh/{tool}"][-1] is not None:
                 meshed = lay
     return meshed
@@ -981,7 +993,10 @@ def sizes_arg(text: str, repeats: int) -> list[tuple[int, int]]:
         n, sep, r = word.strip().partition("x")
         if not (n.isascii() and n.isdigit()) or (sep and not (r.isascii() and r.isdigit())):
             raise SystemExit(f"--nodes {text!r}: {word!r} is not N or NxR")
-        size, reps = int(n), int(r) if r else repeats
+        size = int(n)
+        reps = repeats
+        if r:
+            reps = int(r)
         if not 1 <= size <= sandbox.MAX_NODES or reps < 1:
             raise SystemExit(f"--nodes {word!r}: N is 1..{sandbox.MAX_NODES}, R at least 1")
         out.append((size, reps))
@@ -1103,7 +1118,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if os.geteuid() != 0:
         raise SystemExit("benchmarks build sandbox clusters: run as root")
     sizes = sizes_arg(args.nodes, args.repeats)
-    if unknown := set(args.without.split(",")) - {""} - set(WITHOUT):
+    unknown = set(args.without.split(",")) - {""} - set(WITHOUT)
+    if unknown:
         raise SystemExit(f"--without: unknown {', '.join(sorted(unknown))}; expected {WITHOUT}")
     try:
         NAME = sandbox.check_name(args.name)
@@ -1170,7 +1186,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         # still leaves every N it finished.
         doc["sizes"] = sorted(rows, key=lambda row: int(str(row["nodes"])))
         (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
-    doc["measured"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())  # type: ignore[index]
+    finished = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    doc["measured"]["finished"] = finished  # type: ignore[index]
     doc["measured"]["cpu_steal_s"] = round(cpu_steal() - steal_before, 1)  # type: ignore[index]
     (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(render.render(doc, out_dir))

@@ -88,7 +88,10 @@ def summarize(
     its own cluster's floor, measured in the same repeat: a fresh cluster and a meshed one
     differ, so a pooled floor misstates both. Without them (results from before), the ratio of
     the medians."""
-    medians = {k: (None if (m := median(v)) is None else round(m, 3)) for k, v in raw.items()}
+    medians: dict[str, float | None] = {}
+    for name, values in raw.items():
+        middle = median(values)
+        medians[name] = None if middle is None else round(middle, 3)
     if cluster is None or floors is None:
         floor = medians.get(FLOOR)
         return medians, {k: ratio(m, floor) for k, m in medians.items()}
@@ -97,11 +100,11 @@ def summarize(
         if k == FLOOR:
             ratios[k] = 1.0 if medians.get(k) is not None else None
             continue
-        paired = [
-            r
-            for s, c in zip(samples, cluster.get(k, ()))
-            if (r := ratio(s, floors.get(c))) is not None
-        ]
+        paired = []
+        for sample, sample_cluster in zip(samples, cluster.get(k, ())):
+            sample_ratio = ratio(sample, floors.get(sample_cluster))
+            if sample_ratio is not None:
+                paired.append(sample_ratio)
         ratios[k] = None if not paired else round(statistics.median(paired), 2)
     return medians, ratios
 
@@ -153,7 +156,9 @@ def table(results: Mapping[str, object], columns: Sequence[tuple[str, str, str]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes: dict[int, tuple[int, int]] = {}
     for r in rows:
-        med, rat, skip = r.get("median_s", {}), r.get("ratio_to_floor", {}), r.get("skipped", {})
+        med = r.get("median_s", {})
+        rat = r.get("ratio_to_floor", {})
+        skip = r.get("skipped", {})
         cells = [str(r["nodes"])]
         for op, tool, _ in present:
             k = key(op, tool)
@@ -215,7 +220,8 @@ def shells_table(results: Mapping[str, object]) -> str:
             if s is None:
                 cells.append("–")
             else:
-                mean, most = s["mean"], s["max"]
+                mean = s["mean"]
+                most = s["max"]
                 cells.append(f"{mean:g}" + ("" if most == mean else f" ({most:g})"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

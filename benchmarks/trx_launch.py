@@ -14,7 +14,8 @@ def work() -> str:
     import torch
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value)
     expected = world * (world + 1) // 2
@@ -29,7 +30,8 @@ def work() -> str:
 def main() -> None:
     import torchrunx  # type: ignore[import-not-found]  # only in the torchrunx venv
 
-    nodes, per_node = int(sys.argv[1]), int(sys.argv[2])
+    nodes = int(sys.argv[1])
+    per_node = int(sys.argv[2])
     launcher = torchrunx.Launcher(
         hostnames=[f"node{i}" for i in range(nodes)],
         workers_per_host=per_node,
