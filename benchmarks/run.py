@@ -202,10 +202,9 @@ def wait_exits(lay: sandbox.Layout, before: dict[str, set[Path]], timeout: float
     next to nothing: it finds each node's new job directory once (``train`` created them all
     before it returned), then each poll stats only the first exit file still missing (every
     node must finish, so the others can wait their turn). Re-listing every node's directory at
-    every poll cost about 0.4 s of CPU per 30 s launch at N=8, all of it taken from meshkit's
-    ranks, while pdsh+torchrun is timed by a blocking wait. Polls are 10 ms apart, so the end
-    is seen about as soon as that blocking wait sees pdsh's (at 50 ms the harness added 25 ms
-    to meshkit's every launch, on average); one stat per poll is still next to no CPU."""
+    every poll would take noticeable CPU from meshkit's ranks, while pdsh+torchrun is timed by a
+    blocking wait. Polls are 10 ms apart, so the end is seen about as soon as that blocking wait
+    sees pdsh's; one stat per poll is still next to no CPU."""
     deadline = time.monotonic() + timeout
     exits: list[tuple[str, str]] = []
     for name, dirs in job_dirs(lay).items():
@@ -685,9 +684,9 @@ def machine_busy() -> float:
 
 def settle(limit: float = 15.0, window: float = 0.5, idle: float = 0.1) -> float:
     """Before a launch: wait until this machine is idle (under ``idle`` of one core busy over
-    ``window`` seconds), at most ``limit`` seconds; the seconds waited. The launches used to run
-    back to back, so whatever one left winding down (sshd sessions closing, interpreters
-    exiting) was taken from the next one's ranks."""
+    ``window`` seconds), at most ``limit`` seconds; the seconds waited. Back to back, whatever
+    one launch left winding down (sshd sessions closing, interpreters exiting) would be taken
+    from the next one's ranks."""
     start = time.monotonic()
     while time.monotonic() - start < limit:
         before = machine_busy()

@@ -86,8 +86,8 @@ def summarize(
     """Medians per ``op/tool`` and their ratios to the floor. With ``cluster`` (each sample's
     cluster) and ``floors`` (each cluster's floor), a ratio is the median of each sample over
     its own cluster's floor, measured in the same repeat: a fresh cluster and a meshed one
-    differ, so a pooled floor misstates both. Without them (results from before), the ratio of
-    the medians."""
+    differ, so a pooled floor misstates both. Without them (results stored without clusters), the
+    ratio of the medians."""
     medians: dict[str, float | None] = {}
     for name, values in raw.items():
         middle = median(values)

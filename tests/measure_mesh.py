@@ -205,10 +205,9 @@ def main() -> None:
                 rows.setdefault("  verify" + tag, []).append(phases.get("verify", 0.0))
                 took, _ = mesh(lay, "--no-verify", tree=tree)
                 rows.setdefault("mesh --no-verify (meshed)" + tag, []).append(took)
-        print(
-            f"N={opts.nodes} bashrc={'slow (0.1 s CPU)' if opts.slow_bashrc else 'empty'} "
-            f"sftp={'sftp-server' if opts.sftp_server else 'internal-sftp'}; medians of {opts.rounds}"
-        )
+        bashrc = "slow (0.1 s CPU)" if opts.slow_bashrc else "empty"
+        sftp = "sftp-server" if opts.sftp_server else "internal-sftp"
+        print(f"N={opts.nodes} bashrc={bashrc} sftp={sftp}; medians of {opts.rounds}")
         for k, v in rows.items():
             unit = "x" if "ratio" in k else "s"
             print(

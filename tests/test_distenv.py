@@ -51,9 +51,10 @@ def env_for(rank, **kw):
 
 
 def test_every_simulated_node_agrees_on_everything_but_its_rank():
-    envs = [env_for(r) for r in range(3)]
-    assert [e.node_rank for e in envs] == [0, 1, 2]
-    assert len({(e.nnodes, e.master_addr, e.master_port, e.nproc_per_node) for e in envs}) == 1
+    envs = [env_for(rank) for rank in range(3)]
+    assert [env.node_rank for env in envs] == [0, 1, 2]
+    shared = {(env.nnodes, env.master_addr, env.master_port, env.nproc_per_node) for env in envs}
+    assert len(shared) == 1
     assert envs[0].master_addr == "10.0.0.1"
     assert envs[0].world_size == 6
 
@@ -62,7 +63,7 @@ def test_precedence_flag_then_launcher_then_hostfile_then_gpus():
     assert env_for(0, port=29500, nproc=8).master_port == 29500
     assert env_for(0, nproc=8).nproc_per_node == 8
     no_slots = parse("a\nb\n")
-    e = combine(
+    node_env = combine(
         None,
         no_slots,
         Match(1, "b", "eth0"),
@@ -71,8 +72,8 @@ def test_precedence_flag_then_launcher_then_hostfile_then_gpus():
         nproc_per_node=None,
         gpu_count=lambda: 4,
     )
-    assert e.nproc_per_node == 4
-    e = combine(
+    assert node_env.nproc_per_node == 4
+    node_env = combine(
         None,
         no_slots,
         Match(1, "b", "eth0"),
@@ -81,14 +82,19 @@ def test_precedence_flag_then_launcher_then_hostfile_then_gpus():
         nproc_per_node=None,
         gpu_count=lambda: 0,
     )
-    assert e.nproc_per_node == 1
+    assert node_env.nproc_per_node == 1
     slurm = Placement(
         "slurm", 1, nnodes=2, master_addr="gpu07", master_port=None, nproc_per_node=None
     )
-    e = combine(
+    node_env = combine(
         slurm, None, None, session="s", master_port=None, nproc_per_node=None, gpu_count=lambda: 2
     )
-    assert (e.master_addr, e.nnodes, e.nproc_per_node, e.source) == ("gpu07", 2, 2, "slurm")
+    assert (node_env.master_addr, node_env.nnodes, node_env.nproc_per_node, node_env.source) == (
+        "gpu07",
+        2,
+        2,
+        "slurm",
+    )
 
 
 def test_rank_outside_node_count_is_an_error():
@@ -105,32 +111,39 @@ def test_rank_outside_node_count_is_an_error():
 
 
 def test_exports_are_eval_safe_and_complete():
-    e = NodeEnv(0, 1, "host'; touch /tmp/pwned; '", 1234, 1, "explicit", "x")
+    node_env = NodeEnv(0, 1, "host'; touch /tmp/pwned; '", 1234, 1, "explicit", "x")
     out = subprocess.run(
-        ["bash", "-c", export_lines(e) + '\nprintf %s "$MASTER_ADDR"'],
+        ["bash", "-c", export_lines(node_env) + '\nprintf %s "$MASTER_ADDR"'],
         capture_output=True,
         text=True,
     )
     assert out.stdout == "host'; touch /tmp/pwned; '"
-    e = replace(e, socket_ifnames=(("GLOO_SOCKET_IFNAME", "ens3"), ("NCCL_SOCKET_IFNAME", "ens3")))
-    assert list(variables(e)) == list(VARIABLES)
-    assert set(as_json(e)) == {*VARIABLES, "source", "matched", "interface_source"}
+    node_env = replace(
+        node_env, socket_ifnames=(("GLOO_SOCKET_IFNAME", "ens3"), ("NCCL_SOCKET_IFNAME", "ens3"))
+    )
+    assert list(variables(node_env)) == list(VARIABLES)
+    assert set(as_json(node_env)) == {*VARIABLES, "source", "matched", "interface_source"}
     assert shlex.split(export_lines(env_for(1)).splitlines()[0]) == ["export", "NODE_RANK=1"]
-    v = variables(env_for(2))
-    assert (v["PET_NODE_RANK"], v["PET_NNODES"], v["PET_NPROC_PER_NODE"], v["WORLD_SIZE"]) == (
+    exported = variables(env_for(2))
+    assert (
+        exported["PET_NODE_RANK"],
+        exported["PET_NNODES"],
+        exported["PET_NPROC_PER_NODE"],
+        exported["WORLD_SIZE"],
+    ) == (
         "2",
         "3",
         "2",
         "6",
     )
-    assert v["GPUS_PER_NODE"] == v["NPROC_PER_NODE"] == "2"
+    assert exported["GPUS_PER_NODE"] == exported["NPROC_PER_NODE"] == "2"
 
 
 def test_process_place_from_each_launcher():
-    e = env_for(1)
-    assert process_place(e, {"RANK": "3", "WORLD_SIZE": "6", "LOCAL_RANK": "1"}).rank == 3
-    assert process_place(e, {}).rank == 2
-    assert process_place(e, {"LOCAL_RANK": "1"}).rank == 3
+    node_env = env_for(1)
+    assert process_place(node_env, {"RANK": "3", "WORLD_SIZE": "6", "LOCAL_RANK": "1"}).rank == 3
+    assert process_place(node_env, {}).rank == 2
+    assert process_place(node_env, {"LOCAL_RANK": "1"}).rank == 3
 
 
 def openmpi_env(node_rank: int) -> NodeEnv:
@@ -157,10 +170,11 @@ def openmpi_env(node_rank: int) -> NodeEnv:
 
 def test_openmpi_with_a_hostfile_the_hostfile_decides_node_rank_and_master():
     envs = [openmpi_env(r) for r in range(3)]
-    assert [e.node_rank for e in envs] == [0, 1, 2]
-    assert {(e.nnodes, e.master_addr, e.nproc_per_node, e.source) for e in envs} == {
-        (3, "10.0.0.1", 2, "openmpi")
-    }
+    assert [env.node_rank for env in envs] == [0, 1, 2]
+    assert {
+        (node_env.nnodes, node_env.master_addr, node_env.nproc_per_node, node_env.source)
+        for node_env in envs
+    } == {(3, "10.0.0.1", 2, "openmpi")}
     assert envs[2].matched == (
         "10.0.0.3 on eth0 (hostfile node 2); NPROC_PER_NODE from OMPI_COMM_WORLD_LOCAL_SIZE"
     )
@@ -207,11 +221,11 @@ def test_launcher_processes_get_the_node_block_whatever_the_launch_order():
     # node rank, so rank 0 is on the master node, and every rank appears once.
     ranks = []
     for node in range(3):
-        e = openmpi_env(node)
+        node_env = openmpi_env(node)
         for local in range(2):
             omp = 6 - 2 * (node + 1) + local
             place = process_place(
-                e,
+                node_env,
                 {
                     "OMPI_COMM_WORLD_RANK": str(omp),
                     "OMPI_COMM_WORLD_SIZE": "6",

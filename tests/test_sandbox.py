@@ -38,10 +38,12 @@ def test_each_node_has_its_own_identity_and_shares_storage(cluster):
     marker = cluster.shared / "visible-everywhere"
     marker.write_text("shared\n")
     probe = (
-        "echo name=$(hostname); echo addr=$(hostname -I); echo ssh=$(ls -A ~/.ssh); hostname > /tmp/mine; "
+        "echo name=$(hostname); echo addr=$(hostname -I); echo ssh=$(ls -A ~/.ssh); "
+        "hostname > /tmp/mine; "
         f"echo tmp=$(ls -A /tmp | grep -c mine); echo shared=$(cat {marker}); "
         "echo hostkey=$(cut -d' ' -f2 /etc/ssh/ssh_host_ed25519_key.pub); "
-        "echo init=$(tr '\\0' ' ' < /proc/1/cmdline | cut -c1-14); echo others=$(pgrep -c -f '[s]shd_config -E')"
+        "echo init=$(tr '\\0' ' ' < /proc/1/cmdline | cut -c1-14); "
+        "echo others=$(pgrep -c -f '[s]shd_config -E')"
     )
     seen = []
     for node in cluster.nodes:

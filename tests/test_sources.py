@@ -9,14 +9,14 @@ def test_nothing_means_hostfile():
 
 
 def test_explicit_wins_over_everything():
-    p = from_environment(
+    placement = from_environment(
         {"MESHKIT_NODE_RANK": "2", "SLURM_NODEID": "0", "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     )
-    assert (p.source, p.node_rank) == ("explicit", 2)
+    assert (placement.source, placement.node_rank) == ("explicit", 2)
 
 
 def test_torchrun_worker():
-    p = from_environment(
+    placement = from_environment(
         {
             "GROUP_RANK": "1",
             "GROUP_WORLD_SIZE": "3",
@@ -26,7 +26,14 @@ def test_torchrun_worker():
             "MASTER_PORT": "29500",
         }
     )
-    assert (p.source, p.node_rank, p.nnodes, p.nproc_per_node, p.master_addr, p.master_port) == (
+    assert (
+        placement.source,
+        placement.node_rank,
+        placement.nnodes,
+        placement.nproc_per_node,
+        placement.master_addr,
+        placement.master_port,
+    ) == (
         "torchrun",
         1,
         3,
@@ -37,7 +44,7 @@ def test_torchrun_worker():
 
 
 def test_slurm_with_nodelist_expansion():
-    p = from_environment(
+    placement = from_environment(
         {
             "SLURM_NODEID": "2",
             "SLURM_NNODES": "4",
@@ -45,7 +52,13 @@ def test_slurm_with_nodelist_expansion():
             "SLURM_NTASKS_PER_NODE": "8(x4)",
         }
     )
-    assert (p.source, p.node_rank, p.nnodes, p.master_addr, p.nproc_per_node) == (
+    assert (
+        placement.source,
+        placement.node_rank,
+        placement.nnodes,
+        placement.master_addr,
+        placement.nproc_per_node,
+    ) == (
         "slurm",
         2,
         4,
@@ -75,19 +88,27 @@ def ompi(rank: int, size: int, local_size: int, local_rank: int, **extra: str) -
 
 def test_openmpi_without_hostfile_derives_the_node_from_blocks():
     # 2 nodes x 4 processes in blocks (-npernode 4): rank 5 is the second process of node 1.
-    p = from_environment(ompi(5, 8, 4, 1, MASTER_ADDR="10.0.0.1", OMPI_MCA_orte_num_nodes="2"))
-    assert p is not None
-    assert (p.source, p.node_rank, p.nnodes, p.nproc_per_node, p.master_addr) == (
+    placement = from_environment(
+        ompi(5, 8, 4, 1, MASTER_ADDR="10.0.0.1", OMPI_MCA_orte_num_nodes="2")
+    )
+    assert placement is not None
+    assert (
+        placement.source,
+        placement.node_rank,
+        placement.nnodes,
+        placement.nproc_per_node,
+        placement.master_addr,
+    ) == (
         "openmpi",
         1,
         2,
         4,
         "10.0.0.1",
     )
-    assert p.matched == "OMPI_COMM_WORLD_RANK // OMPI_COMM_WORLD_LOCAL_SIZE = 5 // 4"
-    assert p.hostfile_decides
-    assert p.verify_master
-    assert p.world_size == 8
+    assert placement.matched == "OMPI_COMM_WORLD_RANK // OMPI_COMM_WORLD_LOCAL_SIZE = 5 // 4"
+    assert placement.hostfile_decides
+    assert placement.verify_master
+    assert placement.world_size == 8
     # every process of that node agrees, whatever its index on the node
     assert {
         from_environment(ompi(r, 8, 4, r - 4, MASTER_ADDR="m")).node_rank for r in range(4, 8)
@@ -114,13 +135,13 @@ def test_openmpi_refuses_what_it_cannot_derive_and_says_what_is_needed():
         ),
     }
     for why, env in cases.items():
-        p = from_environment(env)
-        assert p is not None
-        assert p.node_rank is None
-        assert p.problem is not None
-        assert why in p.problem
-        assert "--hostfile" in p.problem
-        assert "MASTER_ADDR" in p.problem
+        placement = from_environment(env)
+        assert placement is not None
+        assert placement.node_rank is None
+        assert placement.problem is not None
+        assert why in placement.problem
+        assert "--hostfile" in placement.problem
+        assert "MASTER_ADDR" in placement.problem
 
 
 def test_openmpi_half_set_is_an_error():
@@ -136,16 +157,22 @@ def test_openmpi_half_set_is_an_error():
 
 def test_pbs_nodefile_by_hostname():
     nodefile = "n1.cl\nn1.cl\nn2.cl\nn2.cl\nn3.cl\nn3.cl\n"
-    p = from_environment({"PBS_NODEFILE": "/x", "MESHKIT_HOSTNAME": "n2"}, nodefile)
-    assert p is not None
-    assert (p.source, p.node_rank, p.nnodes, p.nproc_per_node, p.master_addr) == (
+    placement = from_environment({"PBS_NODEFILE": "/x", "MESHKIT_HOSTNAME": "n2"}, nodefile)
+    assert placement is not None
+    assert (
+        placement.source,
+        placement.node_rank,
+        placement.nnodes,
+        placement.nproc_per_node,
+        placement.master_addr,
+    ) == (
         "pbs",
         1,
         3,
         2,
         "n1.cl",
     )
-    assert not p.verify_master  # the nodefile's first node is both node 0 and the master
+    assert not placement.verify_master  # the nodefile's first node is both node 0 and the master
     with pytest.raises(SourceError, match="does not list this host"):
         from_environment({"PBS_NODEFILE": "/x", "MESHKIT_HOSTNAME": "zz"}, nodefile)
 
@@ -153,12 +180,12 @@ def test_pbs_nodefile_by_hostname():
 def test_pbs_refuses_uneven_slots_and_checks_a_user_master():
     with pytest.raises(SourceError, match=r"uneven slots per node \(a: 2, b: 1\)"):
         from_environment({"PBS_NODEFILE": "/x", "MESHKIT_HOSTNAME": "b"}, "a\na\nb\n")
-    p = from_environment(
+    placement = from_environment(
         {"PBS_NODEFILE": "/x", "MESHKIT_HOSTNAME": "b", "MASTER_ADDR": "10.0.0.9"}, "a\nb\n"
     )
-    assert p is not None
-    assert p.master_addr == "10.0.0.9"
-    assert p.verify_master
+    assert placement is not None
+    assert placement.master_addr == "10.0.0.9"
+    assert placement.verify_master
 
 
 def test_order_torchrun_before_slurm_before_openmpi():
@@ -170,11 +197,11 @@ def test_order_torchrun_before_slurm_before_openmpi():
 
 def test_slurm_step_tasks_win_and_uneven_tasks_are_refused():
     env = {"SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
-    p = from_environment(
+    placement = from_environment(
         env | {"SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
     )
-    assert p is not None
-    assert p.nproc_per_node == 2
-    assert p.master_addr == "n1"
+    assert placement is not None
+    assert placement.nproc_per_node == 2
+    assert placement.master_addr == "n1"
     with pytest.raises(SourceError, match=r"SLURM_TASKS_PER_NODE='2\(x1\),1': nodes run different"):
         from_environment(env | {"SLURM_TASKS_PER_NODE": "2(x1),1"})

@@ -26,16 +26,16 @@ def node(*addrs):
     [("10.0.0.1", 0), ("10.0.0.2", 1), ("10.0.0.3", 2), ("fd00:0::4", 3)],
 )
 def test_each_node_finds_its_own_rank(addr, rank):
-    m = match_rank(HOSTS, RESOLVED, node(LocalAddress("eth0", addr)), "whatever")
-    assert (m.rank, m.interface) == (rank, "eth0")
+    match = match_rank(HOSTS, RESOLVED, node(LocalAddress("eth0", addr)), "whatever")
+    assert (match.rank, match.interface) == (rank, "eth0")
 
 
 def test_docker_bridge_address_never_decides():
     hosts = parse("172.17.0.1\n10.0.0.2\n")
-    m = match_rank(
+    match = match_rank(
         hosts, [["172.17.0.1"], ["10.0.0.2"]], node(LocalAddress("eth0", "10.0.0.2")), "n2"
     )
-    assert m.rank == 1
+    assert match.rank == 1
     with pytest.raises(TopologyError, match="matches no line"):
         match_rank(
             hosts, [["172.17.0.1"], ["10.0.0.9"]], node(LocalAddress("eth0", "10.0.0.2")), "n2"
@@ -53,13 +53,15 @@ def test_loopback_and_link_local_are_ignored():
 
 def test_hostname_fallback_when_no_address_matches():
     hosts = parse("alpha\nbeta\n")
-    m = match_rank(hosts, [[], []], node(LocalAddress("eth0", "10.9.9.9")), "beta.cluster.local")
-    assert (m.rank, m.interface) == (1, "hostname")
+    match = match_rank(
+        hosts, [[], []], node(LocalAddress("eth0", "10.9.9.9")), "beta.cluster.local"
+    )
+    assert (match.rank, match.interface) == (1, "hostname")
 
 
 def test_single_localhost_line_is_rank_zero():
-    m = match_rank(parse("localhost\n"), [["127.0.0.1", "::1"]], node(), "box")
-    assert m.rank == 0
+    match = match_rank(parse("localhost\n"), [["127.0.0.1", "::1"]], node(), "box")
+    assert match.rank == 0
 
 
 def test_two_matching_lines_is_an_error_listing_both_sides():
@@ -100,8 +102,8 @@ def test_master_port_is_the_same_everywhere_and_varies_with_session_and_nodes():
 
 
 def test_interface_is_the_one_whose_address_placed_this_node():
-    m = match_rank(HOSTS, RESOLVED, node(LocalAddress("ens3", "10.0.0.2")), "n2")
-    chosen = interface_of_match(m)
+    match = match_rank(HOSTS, RESOLVED, node(LocalAddress("ens3", "10.0.0.2")), "n2")
+    chosen = interface_of_match(match)
     assert chosen is not None
     assert (chosen.name, chosen.address) == ("ens3", "10.0.0.2")
     assert chosen.reason == "hostfile: 10.0.0.2 on ens3 placed this node"
@@ -114,11 +116,11 @@ def test_debian_127_0_1_1_line_never_decides_a_rank_or_an_interface():
     # node0 resolves to 127.0.1.1 first on node0 itself (Debian's /etc/hosts), then its address
     hosts = parse("node0\nnode1\n")
     local = node(LocalAddress("eno1", "10.0.0.1"))
-    m = match_rank(hosts, [["127.0.1.1", "10.0.0.1"], ["10.0.0.2"]], local, "node0")
-    assert (m.rank, m.interface, m.address) == (0, "eno1", "10.0.0.1")
+    match = match_rank(hosts, [["127.0.1.1", "10.0.0.1"], ["10.0.0.2"]], local, "node0")
+    assert (match.rank, match.interface, match.address) == (0, "eno1", "10.0.0.1")
     # only 127.0.1.1: the hostname places the node, but no interface comes from loopback
-    m = match_rank(hosts, [["127.0.1.1"], ["10.0.0.2"]], local, "node0")
-    assert (m.rank, m.interface) == (0, "hostname")
+    match = match_rank(hosts, [["127.0.1.1"], ["10.0.0.2"]], local, "node0")
+    assert (match.rank, match.interface) == (0, "hostname")
     chosen = interface_by_route("node0", [("127.0.1.1", "127.0.0.1")], local, nnodes=2)
     assert chosen.name is None
     assert "127.0.1.1: loopback" in chosen.reason

@@ -104,8 +104,11 @@ def main() -> int:
         "env", "--hostfile", str(hostfile), "--nproc-per-node", "auto", "--json", cwd=work
     )
     env = json.loads(out.stdout) if out.returncode == 0 else {}
-    check("meshkit env --nproc-per-node auto gives the GPU count",
-          str(env.get("NPROC_PER_NODE")) == str(cuda), out.stdout.strip() or out.stderr.strip())  # fmt: skip
+    check(
+        "meshkit env --nproc-per-node auto gives the GPU count",
+        str(env.get("NPROC_PER_NODE")) == str(cuda),
+        out.stdout.strip() or out.stderr.strip(),
+    )
     torchrun = shutil.which("torchrun") or f"{sys.executable} -m torch.distributed.run"
     worker = f"{sys.executable} gpu_worker.py {hostfile}"
     for label, cmd, spawn in (
