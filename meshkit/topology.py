@@ -73,7 +73,8 @@ def match_rank(
     path: str = "hostfile",
 ) -> Match:
     """The one hostfile entry that is this machine: by address, then by hostname, then (a one-line
-    hostfile of loopback/localhost) by loopback. ``resolved[i]`` are the addresses of ``hosts[i]``."""
+    hostfile of loopback/localhost) by loopback. ``resolved[i]`` are the addresses of
+    ``hosts[i]``."""
     matches = _matches_by_address(resolved, local)
     if not matches:
         matches = _matches_by_hostname(hosts, hostname)

@@ -30,8 +30,8 @@ MTIME_SLACK = 0.002  # seconds: filesystems keep mtimes at different resolutions
 
 @dataclass(frozen=True)
 class Facts:
-    """One facts round (``protocol.FactsRequest``): each node's reply, and when each request left and its
-    reply came back (this machine's clock, for the doctor's clock check)."""
+    """One facts round (``protocol.FactsRequest``): each node's reply, and when each request left
+    and its reply came back (this machine's clock, for the doctor's clock check)."""
 
     replies: dict[Host, Outcome[protocol.FactsReply]]
     timing: dict[Host, tuple[float, float]]

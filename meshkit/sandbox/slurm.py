@@ -4,8 +4,8 @@ node's death or ``sandbox.down`` ends them with the node's other processes.
 
 Everything is private to the sandbox directory: ``slurm.conf``/``cgroup.conf`` there (clients
 find them through ``SLURM_CONF``), munge with its own key and socket (``AuthInfo=socket=``), state
-and logs there, spools in each node's own ``/tmp``. Nothing of the host's ``/etc/slurm``, ``/etc/munge`` or
-``/run`` is read or written.
+and logs there, spools in each node's own ``/tmp``. Nothing of the host's ``/etc/slurm``,
+``/etc/munge`` or ``/run`` is read or written.
 
 Two facts of running slurmd in a network namespace: ``ip netns exec`` mounts a fresh ``/sys``
 without ``/sys/fs/cgroup``, and slurmd 22.05 refuses to start without its cgroup plugin. A private
