@@ -174,17 +174,21 @@ def test_a_24_holds_244_nodes_and_every_interface_name_fits():
     most 15 characters, and the longest is a veth of the longest sandbox name at the last node."""
     from meshkit.errors import SandboxError
 
-    L = importlib.import_module("meshkit.sandbox.layout")  # the package's `layout` is a function
+    layout_module = importlib.import_module(
+        "meshkit.sandbox.layout"
+    )  # `sandbox.layout` is a function
 
-    assert L.MAX_NODES == 244
-    assert L.max_nodes(ipaddress.IPv4Network("10.77.3.0/24")) == 244
-    assert L.max_nodes(ipaddress.IPv4Network("10.77.3.0/25")) == 116  # .11 .. .126
-    longest = "a" * L.NAME_MAX
+    assert layout_module.MAX_NODES == 244
+    assert layout_module.max_nodes(ipaddress.IPv4Network("10.77.3.0/24")) == 244
+    assert layout_module.max_nodes(ipaddress.IPv4Network("10.77.3.0/25")) == 116  # .11 .. .126
+    longest = "a" * layout_module.NAME_MAX
     for name in (longest, "default", "b"):
-        lay = L.layout("/nonexistent", "10.77.3.0/24", 244, name, networks.Options.all())
+        lay = layout_module.layout(
+            "/nonexistent", "10.77.3.0/24", 244, name, networks.Options.all()
+        )
         assert lay.nodes[-1].address == "10.77.3.254"
-        assert max(len(n) for n in L.ifnames(lay)) <= L.IFNAME_MAX
-    lay = L.layout("/nonexistent", "10.77.3.0/24", 244, longest, networks.Options.all())
+        assert max(len(ifname) for ifname in layout_module.ifnames(lay)) <= layout_module.IFNAME_MAX
+    lay = layout_module.layout("/nonexistent", "10.77.3.0/24", 244, longest, networks.Options.all())
     assert lay.nodes[-1].veth == "mkaaaaaaaa-243"
     assert len(lay.nodes[-1].veth) == 14
     assert lay.nodes[-1].netns == "meshkit-aaaaaaaa-n243"
@@ -194,11 +198,11 @@ def test_a_24_holds_244_nodes_and_every_interface_name_fits():
         (117, "10.77.3.0/25", "holds 116"),
     ):
         with pytest.raises(SandboxError, match=why):
-            L.layout("/nonexistent", subnet, count, "b")
+            layout_module.layout("/nonexistent", subnet, count, "b")
     with pytest.raises(SandboxError, match="use 1-8"):
-        L.layout("/nonexistent", "10.77.3.0/24", 2, "a" * (L.NAME_MAX + 1))
+        layout_module.layout("/nonexistent", "10.77.3.0/24", 2, "a" * (layout_module.NAME_MAX + 1))
     with pytest.raises(SandboxError, match="--bashrc"):
-        L.layout("/nonexistent", "10.77.3.0/24", 2, "b", bashrc="fish")
+        layout_module.layout("/nonexistent", "10.77.3.0/24", 2, "b", bashrc="fish")
 
 
 def test_the_conda_bashrc_costs_a_hook_and_counts_every_shell():
