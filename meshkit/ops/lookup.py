@@ -26,10 +26,14 @@ from ..job import (
 )
 from ..record import replace
 from ..remote.group import ProgressFn
-from ..settings import Config
+from ..settings import Config, whole
 from .pool import NodePool, connect
 
 T = TypeVar("T")
+
+WAIT_LIMIT_S = 86400  # --wait: a day is the longest a reboot may take
+RESTARTS_LIMIT = 1000
+LOG_LINES_LIMIT = 100000
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,33 @@ class Options:
     doctor: bool = False  # the doctor's quick checks first (any failure starts nothing)
     dry_run: bool = False
     wait: float = 0.0  # seconds to wait for unreachable (rebooting) nodes
+
+
+def restarts_flag(flag: str | int | None) -> int | None:
+    """``--restarts`` as a number (None: not given, the saved job's count stays)."""
+    if flag is None:
+        return None
+    text = str(flag).strip()
+    if not whole(text) or not 0 <= int(text) <= RESTARTS_LIMIT:
+        raise UsageError(f"--restarts {str(flag)[:40]!r}: expected a whole number 0..1000")
+    return int(text)
+
+
+def check_options(options: Options) -> None:
+    """The ranges of a job's flags, for ``meshkit train`` and ``Cluster.train`` alike (the
+    messages name the CLI's flags): checked before anything is read from a node."""
+    if not 0 <= options.wait <= WAIT_LIMIT_S:
+        raise UsageError(f"--wait {options.wait}: expected seconds between 0 and 86400")
+    restarts_flag(options.restarts)
+
+
+def check_log_flags(node: int | str | None, lines: int | str, rank_count: int) -> None:
+    """The ranges of ``meshkit logs``'s and ``Cluster.logs``'s flags, for a job of
+    ``rank_count`` nodes."""
+    if node is not None and not 0 <= int(node) < rank_count:
+        raise UsageError(f"--node {node}: the job has ranks 0..{rank_count - 1}")
+    if not 0 <= int(lines) <= LOG_LINES_LIMIT:
+        raise UsageError(f"--lines {lines}: expected 0..100000")
 
 
 def read_local(path: str, limit: int = 1 << 20) -> str | None:
@@ -184,8 +215,16 @@ def saved_or_new(
     try:
         job, hosts = saved(conf, hostfile, session, workdir)
     except JobError:
-        flags = Options("meshkit doctor", workdir, session, hostfile, master_port=master_port)
-        job, hosts = new_job(conf, replace(flags, include=include, exclude=exclude))
+        flags = Options(
+            cmd="meshkit doctor",
+            workdir=workdir,
+            session=session,
+            hostfile=hostfile,
+            master_port=master_port,
+            include=include,
+            exclude=exclude,
+        )
+        job, hosts = new_job(conf, flags)
         return job, hosts, f"session {job.session!r} (no saved job; port derived)"
     job = replace(job, master_port=pick_int(conf, "master_port", master_port) or job.master_port)
     return job, hosts, f"saved job {job.label}"

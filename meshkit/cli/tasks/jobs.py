@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from invoke.context import Context
 from invoke.exceptions import Exit
 
-from ...errors import LaunchError, UsageError
+from ...errors import LaunchError
 from ...job import Job
 from ...ops import jobs as ops
 from ...ops import lookup
@@ -105,16 +105,32 @@ def train(
     one master and port, no other meshkit job running): any failure starts nothing. After a reboot,
     `meshkit train` alone relaunches the saved job from any node and any directory.
     """
-    flags = {k: v for k, v in locals().items() if k != "c"}  # each is an Options field
     from ...ops import train as op
     from .doctor import render
 
     with reported():
-        if not 0 <= float(wait) <= 86400:
-            raise UsageError(f"--wait {wait}: expected seconds between 0 and 86400")
-        # a flag not given keeps the saved job's setting (there is no --no-restart-on-stall)
-        given = {"restart_on_stall": restart_on_stall or None, "wait": float(wait)}
-        options = lookup.Options(**{**flags, **given})
+        options = lookup.Options(
+            cmd=cmd,
+            workdir=workdir,
+            session=session,
+            hostfile=hostfile,
+            nproc_per_node=nproc_per_node,
+            master_port=master_port,
+            include=include,
+            exclude=exclude,
+            restarts=restarts,
+            restart_on=restart_on,
+            spawn=spawn,
+            stall_after=stall_after,
+            # not given keeps the saved job's setting (there is no --no-restart-on-stall)
+            restart_on_stall=restart_on_stall or None,
+            sync=sync,
+            replace=replace,
+            doctor=doctor,
+            dry_run=dry_run,
+            wait=float(wait),
+        )
+        lookup.check_options(options)
         job, hosts = op.plan(conf(), options)
         if cmd is None:
             print(f"relaunching saved job {job.label}: {job.cmd}")
@@ -269,10 +285,7 @@ def logs(
     """Each node's log, every line prefixed with the node's rank."""
     with reported():
         job, hosts = lookup.saved(conf(), hostfile, session, workdir)
-        if node is not None and not 0 <= int(node) < len(hosts):
-            raise UsageError(f"--node {node}: the job has ranks 0..{len(hosts) - 1}")
-        if not 0 <= int(lines) <= 100000:
-            raise UsageError(f"--lines {lines}: expected 0..100000")
+        lookup.check_log_flags(node, lines, len(hosts))
         ranks = [int(node)] if node is not None else list(range(len(hosts)))
         failed = False
         with connect(conf(), job.hostfile, [hosts[r] for r in ranks], job.python, progress) as pool:
@@ -348,8 +361,13 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
         cmd = "torchrun example_train.py"
         example = f"{cmd}, {nproc_per_node} per node, gloo"
         print(f"\n== train ({example}) in {workdir}")
-        per_node = str(nproc_per_node)
-        flags = lookup.Options(cmd, str(workdir), "demo", str(lay.hostfile), per_node)
+        flags = lookup.Options(
+            cmd=cmd,
+            workdir=str(workdir),
+            session="demo",
+            hostfile=str(lay.hostfile),
+            nproc_per_node=str(nproc_per_node),
+        )
         job, hosts = lookup.new_job(conf(), flags)
         with connect(conf(), job.hostfile, hosts, job.python, progress) as pool:
             launch = ops.launch(pool, job, hosts, replace=True)
