@@ -29,7 +29,8 @@ def test_median_ignores_failed_samples_and_ratio_needs_both():
     assert stats.median([3.0, None, 1.0, 2.0]) == 2.0
     assert stats.median([None, None]) is None
     assert stats.ratio(2.5, 1.25) == 2.0
-    assert stats.ratio(None, 1.0) is None and stats.ratio(1.0, None) is None
+    assert stats.ratio(None, 1.0) is None
+    assert stats.ratio(1.0, None) is None
     assert stats.ratio(1.0, 0.0) is None
 
 
@@ -242,11 +243,13 @@ def test_launch_orders_balance_position_and_predecessor_over_six_repeats():
     from benchmarks.run import launch_order
 
     orders = [launch_order(r) for r in range(6)]
-    assert len(set(orders)) == 6 and launch_order(6) == orders[0]
+    assert len(set(orders)) == 6
+    assert launch_order(6) == orders[0]
     for position in range(3):
         assert Counter(o[position] for o in orders) == {0: 2, 1: 2, 2: 2}
     after = Counter((o[i], o[i + 1]) for o in orders for i in range(2))
-    assert set(after.values()) == {2} and len(after) == 6
+    assert set(after.values()) == {2}
+    assert len(after) == 6
 
 
 def test_settle_returns_once_the_machine_is_idle_and_never_waits_past_its_limit():

@@ -3,6 +3,7 @@ doctor from a script, returning the records the CLI renders and printing nothing
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from pathlib import Path
@@ -19,13 +20,15 @@ REPO = Path(__file__).resolve().parent.parent
 def test_a_script_meshes_trains_watches_and_stops_a_job(cluster, capsys):
     api = Cluster(str(cluster.hostfile), session="api", workdir=str(cluster.shared / "api"))
     report = api.mesh(verify=False)
-    assert report.ok and len(report.nodes) == SANDBOX_NODES
+    assert report.ok
+    assert len(report.nodes) == SANDBOX_NODES
 
     workdir = cluster.shared / "api"
     workdir.mkdir()
     shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir)
     started = api.train("torchrun example_train.py", nproc_per_node=1)
-    assert started.ok and started.launch is not None
+    assert started.ok
+    assert started.launch is not None
     assert [r.state for r in started.launch.rows] in (["running"] * 3, ["exited"] * 3) or all(
         r.ok for r in started.launch.rows
     )
@@ -42,7 +45,8 @@ def test_a_script_meshes_trains_watches_and_stops_a_job(cluster, capsys):
     assert [c.rank for c in chunks] == list(range(SANDBOX_NODES))
     assert all(any("ok=True" in line for line in c.lines) for c in chunks)
     stopped = api.stop()
-    assert stopped.ok and all(r.left == [] for r in stopped.rows)
+    assert stopped.ok
+    assert all(r.left == [] for r in stopped.rows)
 
     report = api.doctor(quick=True)
     assert report.ok, [c for c in report.checks if not c.ok]
@@ -62,3 +66,14 @@ def test_bad_input_raises_the_clis_errors(cluster):
         Cluster(str(cluster.hostfile), session="api2").train("true", nproc_per_node="²")
     with pytest.raises(UsageError, match="min_ratio"):
         Cluster(str(cluster.hostfile)).doctor(bandwidth=True, min_ratio=2)
+
+
+def test_the_range_checks_are_the_clis_and_come_before_any_node(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    api = Cluster(str(tmp_path / "no-hostfile"))
+    wait = "--wait 90000: expected seconds between 0 and 86400"
+    with pytest.raises(UsageError, match=re.escape(wait)):
+        api.train("true", wait=90000)
+    restarts = "--restarts '1001': expected a whole number 0..1000"
+    with pytest.raises(UsageError, match=re.escape(restarts)):
+        api.train("true", restarts=1001)
