@@ -61,11 +61,17 @@ class Cluster:
         from .discovery import read_hosts
         from .meshplan import mesh_id
 
-        mid = mesh_id(read_hosts(self.hostfile, None, None))  # --include does not change it
+        # the mesh's identity is the whole hostfile's: --include does not change it
+        identity_of_mesh = mesh_id(read_hosts(self.hostfile, None, None))
         hosts = read_hosts(self.hostfile, self.conf.include, self.conf.exclude)
-        st = ssh_settings(self.conf, self.hostfile, identity, accept_new=accept_new_host_keys)
+        ssh = ssh_settings(self.conf, self.hostfile, identity, accept_new=accept_new_host_keys)
         return mesh_op.mesh(
-            hosts, st, mid, skip_unreachable=skip_unreachable, dry_run=dry_run, check=verify
+            hosts,
+            ssh,
+            identity_of_mesh,
+            skip_unreachable=skip_unreachable,
+            dry_run=dry_run,
+            check=verify,
         )
 
     def train(
@@ -110,7 +116,8 @@ class Cluster:
 
     def job(self) -> Job:
         """The saved job of this session (found from any node and any directory)."""
-        return lookup.saved(self.conf, self.hostfile, self.session, self.workdir)[0]
+        job, _ = lookup.saved(self.conf, self.hostfile, self.session, self.workdir)
+        return job
 
     def status(self) -> list[jobs.StatusRow]:
         """``meshkit status``: one row per node (a node that cannot be asked has ``error``)."""
@@ -134,7 +141,8 @@ class Cluster:
         return self._on_saved(supervise.stop)
 
     def _on_saved(self, op: Callable[[NodePool, Job, list[Host]], T]) -> T:
-        return lookup.on_saved(self.conf, self.hostfile, self.session, self.workdir, op)[1]
+        _, result = lookup.on_saved(self.conf, self.hostfile, self.session, self.workdir, op)
+        return result
 
     def doctor(
         self,

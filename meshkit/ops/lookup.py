@@ -131,9 +131,9 @@ def find_job(
         if job is None:
             job = load(cwd)
     if job is None:
-        where = [f"  {p}" for p in dict.fromkeys(looked)]
+        places = [f"  {path}" for path in dict.fromkeys(looked)]
         fix = "start one with: meshkit train --cmd CMD (or pass --hostfile/--workdir/--session)"
-        raise JobError([f"no saved job {session!r}; looked in:", *where, fix])
+        raise JobError([f"no saved job {session!r}; looked in:", *places, fix])
     return job
 
 
@@ -171,28 +171,35 @@ def on_saved(
         return job, op(pool, job, hosts)
 
 
-def new_job(conf: Config, o: Options) -> tuple[Job, list[Host]]:
+def new_job(conf: Config, options: Options) -> tuple[Job, list[Host]]:
     """A job from flags over the configuration, with the nodes it runs on (read once, also for
     the derived port)."""
     from ..discovery import read_hosts
     from ..topology import derive_master_port
 
-    name = check_session(str(pick(conf, "session", o.session)))
-    path = os.path.abspath(str(pick(conf, "hostfile", o.hostfile)))
-    chosen = (pick(conf, "include", o.include), pick(conf, "exclude", o.exclude))
-    hosts = read_hosts(path, *chosen)
-    if not (o.cmd or "").strip():
+    name = check_session(str(pick(conf, "session", options.session)))
+    path = os.path.abspath(str(pick(conf, "hostfile", options.hostfile)))
+    include = pick(conf, "include", options.include)
+    exclude = pick(conf, "exclude", options.exclude)
+    hosts = read_hosts(path, include, exclude)
+    cmd = options.cmd or ""
+    if not cmd.strip():
         raise UsageError("--cmd is empty: give the command every node should run")
+    workdir = pick(conf, "workdir", options.workdir) or os.getcwd()
+    master_port = pick_int(conf, "master_port", options.master_port)
+    if not master_port:
+        master_port = derive_master_port(hosts, name)
+    nproc_per_node = pick_int(conf, "nproc_per_node", options.nproc_per_node, allow_auto=True)
     job = Job(
-        cmd=o.cmd or "",
-        workdir=os.path.abspath(pick(conf, "workdir", o.workdir) or os.getcwd()),
+        cmd=cmd,
+        workdir=os.path.abspath(workdir),
         session=name,
         hostfile=path,
         python=str(conf.python or sys.executable),
-        master_port=pick_int(conf, "master_port", o.master_port) or derive_master_port(hosts, name),
-        nproc_per_node=pick_int(conf, "nproc_per_node", o.nproc_per_node, allow_auto=True),
-        include=chosen[0],
-        exclude=chosen[1],
+        master_port=master_port,
+        nproc_per_node=nproc_per_node,
+        include=include,
+        exclude=exclude,
         setup=tuple(conf.setup),
         env=check_env(dict(conf.env)),
         sync_exclude=tuple(conf.sync_exclude),
@@ -226,5 +233,7 @@ def saved_or_new(
         )
         job, hosts = new_job(conf, flags)
         return job, hosts, f"session {job.session!r} (no saved job; port derived)"
-    job = replace(job, master_port=pick_int(conf, "master_port", master_port) or job.master_port)
+    port_flag = pick_int(conf, "master_port", master_port)
+    if port_flag:
+        job = replace(job, master_port=port_flag)
     return job, hosts, f"saved job {job.label}"

@@ -17,7 +17,7 @@ from . import doctor, jobs, mesh, sandbox
 
 @task(help=helps(*DISCOVERY_FLAGS, "json"))
 def env(
-    c: Context,
+    context: Context,
     hostfile: str | None = None,
     json: bool = False,
     node_rank: str | None = None,
@@ -53,7 +53,7 @@ LOG_HELP = "also append all output to this file; {rank} becomes the node rank"
 
 @task(help=helps(*DISCOVERY_FLAGS, "cmd", "spawn", log=LOG_HELP))
 def run(
-    c: Context,
+    context: Context,
     cmd: str | None = None,
     hostfile: str | None = None,
     node_rank: str | None = None,
@@ -90,6 +90,7 @@ def run(
         exec_run(node, cmd, log)
 
 
-ns = Collection(env, run, mesh.mesh, mesh.check, mesh.unmesh, doctor.doctor, jobs.train, sandbox.ns)
-for job in (jobs.status, jobs.diagnose, jobs.logs, jobs.stop, jobs.supervise, jobs.demo):
-    ns.add_task(job)
+ns = Collection(env, run, mesh.mesh, mesh.check, mesh.unmesh, doctor.doctor, jobs.train)
+ns.add_collection(sandbox.ns)
+for job_task in (jobs.status, jobs.diagnose, jobs.logs, jobs.stop, jobs.supervise, jobs.demo):
+    ns.add_task(job_task)
