@@ -124,7 +124,8 @@ class Cluster:
         return self._on_saved(supervise.status)
 
     def diagnose(self) -> diagnose_op.Diagnosis:
-        """``meshkit diagnose``: every rank's live stack, grouped; the outliers; the first failure."""
+        """``meshkit diagnose``: every rank's live stack, grouped; the outliers; the first
+        failure."""
         return self._on_saved(diagnose_op.diagnose)
 
     def logs(self, lines: int = 20, node: int | None = None) -> list[jobs.LogChunk]:

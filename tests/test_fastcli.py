@@ -17,10 +17,12 @@ from meshkit.errors import ConfigError
 
 @pytest.mark.parametrize("task", sorted(fastcli.FLAGS))
 def test_same_flags_as_the_invoke_task_and_no_short_flags(task):
-    invoke_args = {(a.name, a.kind is bool) for a in ns[task].get_arguments()}
+    invoke_args = {(argument.name, argument.kind is bool) for argument in ns[task].get_arguments()}
     fast_args = {(name, name in fastcli.BOOLEAN) for name in fastcli.FLAGS[task]}
     assert fast_args == invoke_args
-    assert all(not a.nicknames for a in ns[task].get_arguments())  # -h is help, nothing else
+    assert all(
+        not argument.nicknames for argument in ns[task].get_arguments()
+    )  # -h is help, nothing else
 
 
 def both_paths(args, cwd, env):

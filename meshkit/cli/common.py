@@ -26,7 +26,8 @@ HELP = {
     "session": "job/session name (default: config meshkit.session, 'meshkit')",
     "json": "print JSON instead of text",
     "node_rank": "this node's rank, skipping discovery (also MESHKIT_NODE_RANK)",
-    "master_port": "master port (default: derived from the hostfile and session, same on every node)",
+    "master_port": "master port (default: derived from the hostfile and session, same on every "
+    "node)",
     "nproc_per_node": "processes per node, or 'auto' (hostfile slots, else GPUs, else 1)",
     "cmd": "the command to run (bash); $NODE_RANK, $MASTER_ADDR etc. expand in it",
     "spawn": "start NPROC_PER_NODE copies of the command on each node, each with torchrun's "
