@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from . import settings
-from .errors import UsageError
 from .hostfile import Host
 from .job import Job
 from .ops import diagnose as diagnose_op
@@ -62,11 +61,17 @@ class Cluster:
         from .discovery import read_hosts
         from .meshplan import mesh_id
 
-        mid = mesh_id(read_hosts(self.hostfile, None, None))  # --include does not change it
+        # the mesh's identity is the whole hostfile's: --include does not change it
+        identity_of_mesh = mesh_id(read_hosts(self.hostfile, None, None))
         hosts = read_hosts(self.hostfile, self.conf.include, self.conf.exclude)
-        st = ssh_settings(self.conf, self.hostfile, identity, accept_new=accept_new_host_keys)
+        ssh = ssh_settings(self.conf, self.hostfile, identity, accept_new=accept_new_host_keys)
         return mesh_op.mesh(
-            hosts, st, mid, skip_unreachable=skip_unreachable, dry_run=dry_run, check=verify
+            hosts,
+            ssh,
+            identity_of_mesh,
+            skip_unreachable=skip_unreachable,
+            dry_run=dry_run,
+            check=verify,
         )
 
     def train(
@@ -87,35 +92,49 @@ class Cluster:
         wait: float = 0.0,
     ) -> train_op.TrainResult:
         """``meshkit train``: start ``cmd`` on every node (None: relaunch the saved job)."""
-        flags = {k: v for k, v in locals().items() if k != "self"}  # each is an Options field
-        flags.update(workdir=self.workdir, session=self.session, hostfile=self.hostfile)
-        if not 0 <= wait <= 86400:
-            raise UsageError(f"wait={wait}: expected seconds between 0 and 86400")
-        options = lookup.Options(**flags)
+        options = lookup.Options(
+            cmd=cmd,
+            workdir=self.workdir,
+            session=self.session,
+            hostfile=self.hostfile,
+            nproc_per_node=nproc_per_node,
+            master_port=master_port,
+            restarts=restarts,
+            restart_on=restart_on,
+            spawn=spawn,
+            stall_after=stall_after,
+            restart_on_stall=restart_on_stall,
+            sync=sync,
+            replace=replace,
+            doctor=doctor,
+            dry_run=dry_run,
+            wait=wait,
+        )
+        lookup.check_options(options)
         job, hosts = train_op.plan(self.conf, options)
         return train_op.train(self.conf, job, hosts, options)
 
     def job(self) -> Job:
         """The saved job of this session (found from any node and any directory)."""
-        return lookup.saved(self.conf, self.hostfile, self.session, self.workdir)[0]
+        job, _ = lookup.saved(self.conf, self.hostfile, self.session, self.workdir)
+        return job
 
     def status(self) -> list[jobs.StatusRow]:
         """``meshkit status``: one row per node (a node that cannot be asked has ``error``)."""
         return self._on_saved(supervise.status)
 
     def diagnose(self) -> diagnose_op.Diagnosis:
-        """``meshkit diagnose``: every rank's live stack, grouped; the outliers; the first failure."""
+        """``meshkit diagnose``: every rank's live stack, grouped; the outliers; the first
+        failure."""
         return self._on_saved(diagnose_op.diagnose)
 
     def logs(self, lines: int = 20, node: int | None = None) -> list[jobs.LogChunk]:
         """``meshkit logs``: the last ``lines`` lines of each node's log (or one node's)."""
         job, hosts = lookup.saved(self.conf, self.hostfile, self.session, self.workdir)
-        if node is not None and not 0 <= node < len(hosts):
-            raise UsageError(f"node={node}: the job has ranks 0..{len(hosts) - 1}")
-        if not 0 <= lines <= 100000:
-            raise UsageError(f"lines={lines}: expected 0..100000")
+        lookup.check_log_flags(node, lines, len(hosts))
         ranks = [node] if node is not None else list(range(len(hosts)))
-        with connect(self.conf, job.hostfile, [hosts[r] for r in ranks], job.python) as pool:
+        chosen = [hosts[rank] for rank in ranks]
+        with connect(self.conf, job.hostfile, chosen, job.python) as pool:
             return jobs.logs(pool, job, hosts, ranks, lines)
 
     def stop(self) -> supervise.Stopped:
@@ -123,7 +142,8 @@ class Cluster:
         return self._on_saved(supervise.stop)
 
     def _on_saved(self, op: Callable[[NodePool, Job, list[Host]], T]) -> T:
-        return lookup.on_saved(self.conf, self.hostfile, self.session, self.workdir, op)[1]
+        _, result = lookup.on_saved(self.conf, self.hostfile, self.session, self.workdir, op)
+        return result
 
     def doctor(
         self,

@@ -1,5 +1,5 @@
-"""The benchmark's pure parts: medians, ratios, the README table, and the parsers that decide whether
-a tool reached its end state. Runs no benchmark and builds no cluster."""
+"""The benchmark's pure parts: medians, ratios, the README table, and the parsers that decide
+whether a tool reached its end state. Runs no benchmark and builds no cluster."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def test_median_ignores_failed_samples_and_ratio_needs_both():
     assert stats.median([3.0, None, 1.0, 2.0]) == 2.0
     assert stats.median([None, None]) is None
     assert stats.ratio(2.5, 1.25) == 2.0
-    assert stats.ratio(None, 1.0) is None and stats.ratio(1.0, None) is None
+    assert stats.ratio(None, 1.0) is None
+    assert stats.ratio(1.0, None) is None
     assert stats.ratio(1.0, 0.0) is None
 
 
@@ -43,7 +44,7 @@ def test_summarize_gives_medians_and_ratios_to_the_floor_of_the_same_n():
 
 def doc() -> dict[str, object]:
     rows = []
-    for n, floor in ((2, 0.5), (4, 0.8)):
+    for nodes, floor in ((2, 0.5), (4, 0.8)):
         medians, ratios = stats.summarize(
             {
                 "round/floor": [floor],
@@ -53,14 +54,14 @@ def doc() -> dict[str, object]:
         )
         rows.append(
             {
-                "nodes": n,
+                "nodes": nodes,
                 "median_s": medians,
                 "ratio_to_floor": ratios,
-                "skipped": {"mesh/seed": "peers only up to --peers-max 2"} if n == 4 else {},
+                "skipped": {"mesh/seed": "peers only up to --peers-max 2"} if nodes == 4 else {},
                 "failures": {"mesh/ansible": ["exit 2: unreachable"]},
             }
         )
-        if n == 2:
+        if nodes == 2:
             rows[-1]["median_s"]["mesh/seed"] = 3.0  # type: ignore[index]
             rows[-1]["ratio_to_floor"]["mesh/seed"] = 6.0  # type: ignore[index]
     return {
@@ -73,7 +74,8 @@ def doc() -> dict[str, object]:
 def test_table_has_one_row_per_n_and_only_measured_columns():
     text = stats.table(doc())
     lines = text.splitlines()
-    assert lines[0] == "| N | floor (ssh true ×N) | mesh --no-verify | Ansible mesh | seed script |"
+    header = "| N | floor (ssh true ×N) | mesh --no-verify | Ansible mesh | seed script |"
+    assert lines[0] == header
     assert lines[1] == "|---|---|---|---|---|"
     assert lines[2] == "| 2 | 0.50 | 0.75 (1.50×) | failed | 3.00 (6.00×) |"
     assert lines[3] == "| 4 | 0.80 | 1.20 (1.50×) | failed | – |"
@@ -121,22 +123,22 @@ def test_shells_per_node_are_the_median_of_means_and_the_most_on_any_node():
 
 
 def test_a_figure_checked_on_a_sample_of_the_pairs_says_so():
-    d = doc()
-    rows = d["sizes"]
+    document = doc()
+    rows = document["sizes"]
     assert isinstance(rows, list)
     rows[1]["pairs_checked"] = {"mesh/meshkit_no_verify": [[16, 16 * 16]]}
     rows[0]["pairs_checked"] = {"mesh/meshkit_no_verify": [[4, 4]]}
-    lines = stats.table(d).splitlines()
+    lines = stats.table(document).splitlines()
     assert lines[2].split(" | ")[2] == "0.75 (1.50×)"
     assert lines[3].split(" | ")[2] == "1.20 (1.50×)ˢ"
     assert lines[-1] == (
         "ˢ end state checked on a sample of the pairs (above --n2-max): N=4: 16 of 256 pairs."
     )
     assert (
-        render.sampled_note(d)
+        render.sampled_note(document)
         == "open marks: end state checked on a sample of pairs (N=4: 16 of 256)"
     )
-    head = stats.headline(d).splitlines()[0]
+    head = stats.headline(document).splitlines()[0]
     assert head == "| N | floor (ssh true ×N), s | mesh --no-verify |"
 
 
@@ -155,9 +157,11 @@ def test_series_skips_missing_values():
 
 def test_launch_reached_when_every_rank_printed_the_right_sum_two_per_host():
     world = 4
-    text = "\n".join(f"node{r // 2}: " + line(r, world, f"node{r // 2}") for r in range(world))
+    text = "\n".join(
+        f"node{rank // 2}: " + line(rank, world, f"node{rank // 2}") for rank in range(world)
+    )
     found = stats.rank_lines(text)
-    assert [x.rank for x in found] == [0, 1, 2, 3]
+    assert [launch.rank for launch in found] == [0, 1, 2, 3]
     assert stats.launch_problems(found, nodes=2, per_node=2) == []
 
 
@@ -174,7 +178,8 @@ def test_launch_problems_name_missing_ranks_wrong_sums_and_crowded_hosts():
 def test_answered_reads_pdsh_and_gathered_clush_output():
     names = ["node0", "node1", "node2"]
     assert stats.answered("node1: node1\nnode0: node0\n", names) == ["node0", "node1"]
-    clush = "---------------\nnode0\n---------------\nnode0\n---------------\nnode2\n---------------\nnode2\n"
+    rule = "---------------"
+    clush = f"{rule}\nnode0\n{rule}\nnode0\n{rule}\nnode2\n{rule}\nnode2\n"
     assert stats.answered(clush, names) == ["node0", "node2"]
     assert stats.answered("node1: ssh: connect to host node1: Connection refused", names) == []
 
@@ -222,13 +227,13 @@ def test_wait_exits_reads_each_nodes_new_job_only_and_names_who_is_missing(tmp_p
     from meshkit.sandbox.layout import Layout
 
     lay = Layout(tmp_path, ipaddress.IPv4Network("10.9.0.0/24"), 2)
-    jobs = [lay.node_dir(n) / "tmp" / f"meshkit-{os.getuid()}" / "jobs" for n in lay.nodes]
-    for d in jobs:
-        (d / "old").mkdir(parents=True)
-        (d / "old" / "exit").write_text("9\n")  # an earlier job's: never read
+    jobs = [lay.node_dir(node) / "tmp" / f"meshkit-{os.getuid()}" / "jobs" for node in lay.nodes]
+    for directory in jobs:
+        (directory / "old").mkdir(parents=True)
+        (directory / "old" / "exit").write_text("9\n")  # an earlier job's: never read
     before = run.job_dirs(lay)
-    for d in jobs:
-        (d / "new").mkdir()
+    for directory in jobs:
+        (directory / "new").mkdir()
     (jobs[0] / "new" / "exit").write_text("0\n")
     with pytest.raises(run.StepFailed, match=r"ranks done on \['node0'\] only"):
         run.wait_exits(lay, before, timeout=0.1)
@@ -241,12 +246,14 @@ def test_launch_orders_balance_position_and_predecessor_over_six_repeats():
 
     from benchmarks.run import launch_order
 
-    orders = [launch_order(r) for r in range(6)]
-    assert len(set(orders)) == 6 and launch_order(6) == orders[0]
+    orders = [launch_order(repeat) for repeat in range(6)]
+    assert len(set(orders)) == 6
+    assert launch_order(6) == orders[0]
     for position in range(3):
-        assert Counter(o[position] for o in orders) == {0: 2, 1: 2, 2: 2}
-    after = Counter((o[i], o[i + 1]) for o in orders for i in range(2))
-    assert set(after.values()) == {2} and len(after) == 6
+        assert Counter(order[position] for order in orders) == {0: 2, 1: 2, 2: 2}
+    after = Counter((order[i], order[i + 1]) for order in orders for i in range(2))
+    assert set(after.values()) == {2}
+    assert len(after) == 6
 
 
 def test_settle_returns_once_the_machine_is_idle_and_never_waits_past_its_limit():
@@ -262,12 +269,14 @@ def test_four_launch_orders_are_a_williams_square():
     in every four repeats."""
     from benchmarks.run import launch_order
 
-    orders = [launch_order(r, 4) for r in range(4)]
+    orders = [launch_order(repeat, 4) for repeat in range(4)]
     assert launch_order(4, 4) == orders[0]
     for place in range(4):
-        assert sorted(o[place] for o in orders) == [0, 1, 2, 3]
-    pairs = [(o[i], o[i + 1]) for o in orders for i in range(3)]
-    assert sorted(pairs) == sorted((a, b) for a in range(4) for b in range(4) if a != b)
+        assert sorted(order[place] for order in orders) == [0, 1, 2, 3]
+    pairs = [(order[i], order[i + 1]) for order in orders for i in range(3)]
+    assert sorted(pairs) == sorted(
+        (first, then) for first in range(4) for then in range(4) if first != then
+    )
 
 
 def test_a_row_pairs_each_sample_with_its_clusters_floor_and_counts_its_shells(
@@ -291,14 +300,15 @@ def test_a_row_pairs_each_sample_with_its_clusters_floor_and_counts_its_shells(
     def shells(lay: sandbox.Layout, per_node: list[int], seconds: float) -> Callable[[], None]:
         def step() -> None:
             for node, count in zip(lay.nodes, per_node):
-                with open(lay.node_dir(node) / "tmp" / ".meshkit-shells", "a") as f:
-                    f.write("".join(f"cmd {i}\n" for i in range(count)))
+                with open(lay.node_dir(node) / "tmp" / ".meshkit-shells", "a") as handle:
+                    handle.write("".join(f"cmd {i}\n" for i in range(count)))
             clock[0] += seconds
 
         return step
 
     row = Row(2)
-    fresh, meshed = cluster("fresh"), cluster("meshed")
+    fresh = cluster("fresh")
+    meshed = cluster("meshed")
     row.on(fresh, "r1/mesh/meshkit_no_verify")
     row.sample("round", "floor", shells(fresh, [1, 1], 0.1))
     count_floor_shells(row, fresh)

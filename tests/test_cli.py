@@ -31,15 +31,15 @@ def workdir(tmp_path):
 def test_env_with_explicit_rank_prints_eval_able_exports(workdir):
     out = run(["env", "--node-rank", "1"], workdir)
     assert out.returncode == 0, out.stderr
-    assert (
-        "export NODE_RANK=1\n" in out.stdout and "export MASTER_ADDR=10.255.255.1\n" in out.stdout
-    )
+    assert "export NODE_RANK=1\n" in out.stdout
+    assert "export MASTER_ADDR=10.255.255.1\n" in out.stdout
 
 
 def test_env_json_keys_and_config_layers(workdir):
     (workdir / "meshkit.yaml").write_text("session: alpha\nmaster_port: 23456\n")
     data = json.loads(run(["env", "--json", "--node-rank", "0"], workdir).stdout)
-    assert data["MASTER_PORT"] == "23456" and data["source"] == "explicit"
+    assert data["MASTER_PORT"] == "23456"
+    assert data["source"] == "explicit"
     data = json.loads(
         run(["env", "--json", "--node-rank", "0"], workdir, MESHKIT_MASTER_PORT="24000").stdout
     )
@@ -58,11 +58,15 @@ def test_bad_input_is_one_clear_line_no_traceback(workdir):
     (workdir / "hostfile").write_text("good\nbad:port\n")
     out = run(["env"], workdir)
     assert out.returncode != 0
-    assert "hostfile:2: bad port 'port'" in out.stderr and "Traceback" not in out.stderr
+    assert "hostfile:2: bad port 'port'" in out.stderr
+    assert "Traceback" not in out.stderr
     out = run(["env", "--hostfile", "missing"], workdir)
-    assert out.returncode != 0 and "missing: no such hostfile" in out.stderr
+    assert out.returncode != 0
+    assert "missing: no such hostfile" in out.stderr
     out = run(["env", "--nproc-per-node", "zero"], workdir)
-    assert out.returncode != 0 and "'auto'" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode != 0
+    assert "'auto'" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_run_execs_with_variables_and_exit_code(workdir):
@@ -70,7 +74,8 @@ def test_run_execs_with_variables_and_exit_code(workdir):
         ["run", "--node-rank", "1", "--cmd", 'echo "$NODE_RANK/$NNODES $PET_MASTER_ADDR"; exit 3'],
         workdir,
     )
-    assert out.stdout.strip() == "1/2 10.255.255.1" and out.returncode == 3
+    assert out.stdout.strip() == "1/2 10.255.255.1"
+    assert out.returncode == 3
 
 
 def test_env_and_run_never_import_ssh_or_torch(workdir):
@@ -90,19 +95,24 @@ def test_env_and_run_never_import_ssh_or_torch(workdir):
 
 def test_help_lists_every_task_and_flags(workdir):
     out = run(["--list"], workdir)
-    assert "env" in out.stdout and "run" in out.stdout
+    assert "env" in out.stdout
+    assert "run" in out.stdout
     out = run(["env", "--help"], workdir)
-    assert "--hostfile" in out.stdout and "--json" in out.stdout and "--node-rank" in out.stdout
+    assert "--hostfile" in out.stdout
+    assert "--json" in out.stdout
+    assert "--node-rank" in out.stdout
 
 
 def test_dash_h_is_help_everywhere_and_usage_errors_exit_2(workdir):
     for args in (["-h"], ["--help"], ["mesh", "-h"], ["status", "-h"], ["train", "--help"]):
         out = run(args, workdir)
-        assert out.returncode == 0 and "Usage" in out.stdout, (args, out.stderr)
+        assert out.returncode == 0, (args, out.stderr)
+        assert "Usage" in out.stdout, (args, out.stderr)
     top = run(["--help"], workdir).stdout
     for meaningless in ("--pty", "--echo", "--warn-only", "--write-pyc", "--prompt-for-sudo"):
         assert meaningless not in top
-    assert "--version" in top and "Exit codes" in top
+    assert "--version" in top
+    assert "Exit codes" in top
     for args in (
         ["status", "--bogus"],
         ["nosuchtask"],
@@ -110,4 +120,5 @@ def test_dash_h_is_help_everywhere_and_usage_errors_exit_2(workdir):
     ):
         out = run(args, workdir)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
-        assert "Traceback" not in out.stderr and out.stderr.startswith("meshkit: ")
+        assert "Traceback" not in out.stderr
+        assert out.stderr.startswith("meshkit: ")

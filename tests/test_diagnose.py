@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import meshkit, need_root
-from test_train import on_node, wait_for
+from helpers.sandbox_jobs import on_node, wait_for
 
 from meshkit import sandbox
 from meshkit.hostfile import Host

@@ -17,10 +17,12 @@ from meshkit.errors import ConfigError
 
 @pytest.mark.parametrize("task", sorted(fastcli.FLAGS))
 def test_same_flags_as_the_invoke_task_and_no_short_flags(task):
-    invoke_args = {(a.name, a.kind is bool) for a in ns[task].get_arguments()}
+    invoke_args = {(argument.name, argument.kind is bool) for argument in ns[task].get_arguments()}
     fast_args = {(name, name in fastcli.BOOLEAN) for name in fastcli.FLAGS[task]}
     assert fast_args == invoke_args
-    assert all(not a.nicknames for a in ns[task].get_arguments())  # -h is help, nothing else
+    assert all(
+        not argument.nicknames for argument in ns[task].get_arguments()
+    )  # -h is help, nothing else
 
 
 def both_paths(args, cwd, env):
@@ -69,22 +71,27 @@ def test_same_output_with_config_files_and_env(tmp_path, config):
             slow.stderr,
         ), args
     fast, slow = both_paths(["env", "--node-rank", "0"], tmp_path, {"MESHKIT_MASTER_PORT": "21000"})
-    assert "export MASTER_PORT=21000" in fast.stdout and fast.stdout == slow.stdout
+    assert "export MASTER_PORT=21000" in fast.stdout
+    assert fast.stdout == slow.stdout
 
 
 def test_errors_match_and_unknown_flags_fall_back(tmp_path):
     (tmp_path / "hostfile").write_text("a\nb:0\n")
     fast, slow = both_paths(["env"], tmp_path, {})
-    assert fast.returncode == slow.returncode == 1 and fast.stderr == slow.stderr
+    assert fast.returncode == slow.returncode == 1
+    assert fast.stderr == slow.stderr
     fast, slow = both_paths(["env", "--bogus"], tmp_path, {})
-    assert fast.returncode != 0 and "--bogus" in fast.stdout + fast.stderr
+    assert fast.returncode != 0
+    assert "--bogus" in fast.stdout + fast.stderr
 
 
 def test_settings_layering_without_invoke(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "meshkit.yaml").write_text("meshkit:\n  session: beta\n  sandbox:\n    nodes: 5\n")
     conf = settings.load({"MESHKIT_CONNECT_TIMEOUT": "4", "MESHKIT_SESSION": "gamma"})
-    assert conf.session == "gamma" and conf.connect_timeout == 4.0 and conf.sandbox.nodes == 5
+    assert conf.session == "gamma"
+    assert conf.connect_timeout == 4.0
+    assert conf.sandbox.nodes == 5
     assert conf.sandbox.subnet == "10.77.0.0/24"
 
 
@@ -109,12 +116,15 @@ def test_bad_configuration_is_a_clear_usage_error(tmp_path, monkeypatch, text, e
     (tmp_path / "hostfile").write_text("10.255.255.1\n")
     fast, slow = both_paths(["env", "--node-rank", "0"], tmp_path, env)
     assert fast.returncode == slow.returncode == 2, (fast.stderr, slow.stderr)
-    assert message in fast.stderr and "Traceback" not in fast.stderr + slow.stderr
+    assert message in fast.stderr
+    assert "Traceback" not in fast.stderr + slow.stderr
 
 
 def test_the_fast_parser_takes_only_what_it_is_sure_of():
     values, given = fastcli.parse("env", ["--json", "--hostfile=h f", "--node-rank", "2"])
-    assert given == {"json"} and values["hostfile"] == "h f" and values["node_rank"] == "2"
+    assert given == {"json"}
+    assert values["hostfile"] == "h f"
+    assert values["node_rank"] == "2"
     assert values["session"] is None
     for args in (
         ["--host", "h"],  # abbreviated: argparse (allow_abbrev=False) and invoke refuse it

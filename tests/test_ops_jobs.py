@@ -5,77 +5,19 @@ status and stop analysis - with canned node replies."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
 
 import pytest
+from helpers.fake_pool import HOSTS, FakePool, env_ok, healthy
 
 from meshkit import protocol as p
 from meshkit.errors import LaunchError, RemoteError
-from meshkit.hostfile import Host
 from meshkit.job import Job
 from meshkit.ops import jobs as ops
 from meshkit.remote.group import Outcome
 
-HOSTS = [Host("10.0.0.1", lineno=1), Host("10.0.0.2", lineno=2), Host("10.0.0.3", lineno=3)]
-
-
-def env_ok(rank: int, port: int = 25000, master: str = "10.0.0.1") -> p.EnvReply:
-    data = {"NODE_RANK": str(rank), "NNODES": "3", "MASTER_ADDR": master}
-    data |= {"MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "eth0"}
-    return p.EnvReply(data, "hostfile", f"10.0.0.{rank + 1} on eth0", "hostfile: eth0")
-
-
-class FakePool:
-    """Each node answers from ``replies[op][host]`` (a Reply, or an exception to raise)."""
-
-    def __init__(self, replies: dict[str, dict[Host, object]], failures=None) -> None:
-        self.replies, self.failures = replies, dict(failures or {})
-        self.calls: list[tuple[str, Host, p.Request]] = []
-        self.files: dict[tuple[Host, str], str] = {}
-
-    def call_all(
-        self,
-        phase: str,
-        request_for: Callable[[Host], p.Request | None],
-        expect: type,
-        hosts: Sequence[Host] | None = None,
-        timeout: float | None = None,
-    ) -> dict[Host, Outcome]:
-        out = {}
-        for h in hosts if hosts is not None else HOSTS:
-            if h in self.failures:
-                continue
-            request = request_for(h)
-            if request is None:
-                continue
-            op = p.op_of(request)
-            self.calls.append((op, h, request))
-            answer = self.replies.get(op, {}).get(h)
-            if isinstance(answer, Exception):
-                out[h] = Outcome(exc=answer, error=str(answer))
-            else:
-                assert isinstance(answer, expect), (op, h, answer)
-                out[h] = Outcome(answer)
-        return out
-
-    def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
-        self.files[(host, path)] = text
-
 
 def job() -> Job:
     return Job("train", "/w", "s", "/shared/hostfile", "/venv/bin/python", 25000)
-
-
-def healthy(**override: dict[Host, object]) -> dict[str, dict[Host, object]]:
-    base: dict[str, dict[Host, object]] = {
-        "env": {h: env_ok(i) for i, h in enumerate(HOSTS)},
-        "jobs": {h: p.JobsReply([]) for h in HOSTS},
-        "ports": {HOSTS[0]: p.PortsReply([p.PortState(25000, True)], False)},
-        "start": {h: p.StartReply(True, "running", [], []) for h in HOSTS},
-        "status": {h: p.StatusReply("running", None, 1.7e9, "step 3") for h in HOSTS},
-        "stop": {h: p.StopReply(True, 4, []) for h in HOSTS},
-    }
-    return base | override
 
 
 def test_launch_saves_the_job_and_its_index_through_the_master_then_starts_everywhere():

@@ -163,7 +163,7 @@ def test_sync_plan_sends_only_what_differs():
 
 from contextlib import nullcontext  # noqa: E402
 
-from test_ops_jobs import HOSTS, FakePool, healthy  # noqa: E402
+from helpers.fake_pool import HOSTS, FakePool, healthy  # noqa: E402
 
 from meshkit import protocol as p  # noqa: E402
 from meshkit.node.supervise import version_of  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import meshkit
-from test_train import NPROC, RESULT, check_results, job_processes, on_node, wait_for
+from helpers.sandbox_jobs import NPROC, RESULT, check_results, job_processes, on_node, wait_for
 
 from meshkit import sandbox
 

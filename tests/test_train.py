@@ -4,25 +4,18 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import shutil
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from conftest import meshkit
+from helpers.sandbox_jobs import NPROC, RESULT, check_results, job_processes, on_node, wait_for
 
 from meshkit import sandbox
 
 SANDBOX_NODES = 3
-NPROC = 2
 REPO = Path(__file__).resolve().parent.parent
-RESULT = re.compile(
-    r"meshkit-example rank=(\d+) world_size=(\d+) node_rank=\S+ meshkit_node_rank=(\d+) local_rank=\S+ "
-    r"host=(\S+) sum=(\d+) expected=(\d+)"
-)
 
 
 @pytest.fixture(scope="module")
@@ -35,27 +28,11 @@ def meshed(cluster):
     return cluster, workdir
 
 
-def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: float = 240):
-    """meshkit run *inside* a node, as a user logged in there would."""
-    line = f"cd {shlex.quote(str(workdir))} && {env} {shlex.join([sys.executable, '-m', 'meshkit', *args])}"
-    return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
-
-
 def train_on(lay, index: int, workdir: Path, session: str, *args: str):
     """``meshkit train`` with the sandbox's hostfile, run inside node ``index``."""
     return on_node(
         lay, index, workdir, "train", "--hostfile", str(lay.hostfile), "--session", session, *args
     )
-
-
-def wait_for(predicate, timeout: float = 120, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"not reached within {timeout}s")
 
 
 def results(workdir: Path, session: str, nodes: int) -> list[tuple[int, re.Match[str]]]:
@@ -67,30 +44,10 @@ def results(workdir: Path, session: str, nodes: int) -> list[tuple[int, re.Match
     return found
 
 
-def check_results(found, nodes: int) -> None:
-    world = nodes * NPROC
-    assert sorted(int(m.group(1)) for _, m in found) == list(range(world))
-    for log_rank, m in found:
-        assert int(m.group(2)) == world and m.group(5) == m.group(6) == str(
-            world * (world + 1) // 2
-        )
-        assert (
-            int(m.group(3)) == log_rank and m.group(4) == f"node{log_rank}"
-        )  # ran where NODE_RANK says
-
-
 def status(lay, workdir: Path, session: str, index: int = 0):
     out = on_node(lay, index, workdir, "status", "--session", session, "--json")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
-
-
-def job_processes(lay) -> list[str]:
-    left = []
-    for node in lay.nodes:
-        out = sandbox.node_exec(node, ["pgrep", "-af", "example_train|torchrun|meshkit run"])
-        left += [f"{node.name}: {line}" for line in out.stdout.splitlines() if "pgrep" not in line]
-    return left
 
 
 def test_bare_torchrun_from_a_worker_status_reboot_relaunch_stop(meshed):

@@ -26,7 +26,8 @@ HELP = {
     "session": "job/session name (default: config meshkit.session, 'meshkit')",
     "json": "print JSON instead of text",
     "node_rank": "this node's rank, skipping discovery (also MESHKIT_NODE_RANK)",
-    "master_port": "master port (default: derived from the hostfile and session, same on every node)",
+    "master_port": "master port (default: derived from the hostfile and session, same on every "
+    "node)",
     "nproc_per_node": "processes per node, or 'auto' (hostfile slots, else GPUs, else 1)",
     "cmd": "the command to run (bash); $NODE_RANK, $MASTER_ADDR etc. expand in it",
     "spawn": "start NPROC_PER_NODE copies of the command on each node, each with torchrun's "
@@ -45,7 +46,8 @@ def task(**options: Any) -> Callable[[Callable[..., None]], Task[Any]]:
 
 def helps(*names: str, **extra: str) -> dict[str, str]:
     """Help texts for the flags a task takes: shared wording from HELP, plus the task's own."""
-    return {**{n: HELP[n] for n in names}, **extra}
+    shared = {name: HELP[name] for name in names}
+    return {**shared, **extra}
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,18 +85,30 @@ def rate(text: str, flag: str) -> float:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain aligned text table."""
-    cells = [list(map(str, headers))] + [["" if v is None else str(v) for v in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells)
+    lines = [[str(header) for header in headers]]
+    for row in rows:
+        lines.append(["" if value is None else str(value) for value in row])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
+    text = []
+    for line in lines:
+        padded = [cell.ljust(width) for cell, width in zip(line, widths)]
+        text.append("  ".join(padded).rstrip())
+    return "\n".join(text)
 
 
 def progress(event: PhaseEvent) -> None:
     """``phase  done/total`` on stderr: redrawn in place on a terminal, one line when finished."""
-    out, line = sys.stderr, f"  {event.phase:<9} {event.done}/{event.total}"
-    if not event.phase or not (event.finished or out.isatty()):
+    out = sys.stderr
+    terminal = out.isatty()
+    if not event.phase:
         return
+    if not event.finished and not terminal:
+        return  # elsewhere only the finished phase's line, not every step
+    line = f"  {event.phase:<9} {event.done}/{event.total}"
     if event.finished:
-        tail = f", {event.failed} failed" if event.failed else ""
-        line += f"{tail}  ({event.elapsed:.2f}s)\n"
-    out.write(("\r" if out.isatty() else "") + line)
+        failed = f", {event.failed} failed" if event.failed else ""
+        line += f"{failed}  ({event.elapsed:.2f}s)\n"
+    if terminal:
+        line = "\r" + line
+    out.write(line)
     out.flush()

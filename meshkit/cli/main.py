@@ -66,7 +66,11 @@ def program() -> Program:
 
 def _is_core(flags: str) -> bool:
     """Whether a help row (``-h, --help``, ``--complete[=...]``) names one of CORE_FLAGS."""
-    return any(part.split("=")[0].split("[")[0].strip() in CORE_FLAGS for part in flags.split(","))
+    for part in flags.split(","):
+        flag = part.split("=")[0].split("[")[0].strip()
+        if flag in CORE_FLAGS:
+            return True
+    return False
 
 
 def main() -> None:

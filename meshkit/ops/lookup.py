@@ -26,10 +26,14 @@ from ..job import (
 )
 from ..record import replace
 from ..remote.group import ProgressFn
-from ..settings import Config
+from ..settings import Config, whole
 from .pool import NodePool, connect
 
 T = TypeVar("T")
+
+WAIT_LIMIT_S = 86400  # --wait: a day is the longest a reboot may take
+RESTARTS_LIMIT = 1000
+LOG_LINES_LIMIT = 100000
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,33 @@ class Options:
     doctor: bool = False  # the doctor's quick checks first (any failure starts nothing)
     dry_run: bool = False
     wait: float = 0.0  # seconds to wait for unreachable (rebooting) nodes
+
+
+def restarts_flag(flag: str | int | None) -> int | None:
+    """``--restarts`` as a number (None: not given, the saved job's count stays)."""
+    if flag is None:
+        return None
+    text = str(flag).strip()
+    if not whole(text) or not 0 <= int(text) <= RESTARTS_LIMIT:
+        raise UsageError(f"--restarts {str(flag)[:40]!r}: expected a whole number 0..1000")
+    return int(text)
+
+
+def check_options(options: Options) -> None:
+    """The ranges of a job's flags, for ``meshkit train`` and ``Cluster.train`` alike (the
+    messages name the CLI's flags): checked before anything is read from a node."""
+    if not 0 <= options.wait <= WAIT_LIMIT_S:
+        raise UsageError(f"--wait {options.wait}: expected seconds between 0 and 86400")
+    restarts_flag(options.restarts)
+
+
+def check_log_flags(node: int | str | None, lines: int | str, rank_count: int) -> None:
+    """The ranges of ``meshkit logs``'s and ``Cluster.logs``'s flags, for a job of
+    ``rank_count`` nodes."""
+    if node is not None and not 0 <= int(node) < rank_count:
+        raise UsageError(f"--node {node}: the job has ranks 0..{rank_count - 1}")
+    if not 0 <= int(lines) <= LOG_LINES_LIMIT:
+        raise UsageError(f"--lines {lines}: expected 0..100000")
 
 
 def read_local(path: str, limit: int = 1 << 20) -> str | None:
@@ -100,9 +131,9 @@ def find_job(
         if job is None:
             job = load(cwd)
     if job is None:
-        where = [f"  {p}" for p in dict.fromkeys(looked)]
+        places = [f"  {path}" for path in dict.fromkeys(looked)]
         fix = "start one with: meshkit train --cmd CMD (or pass --hostfile/--workdir/--session)"
-        raise JobError([f"no saved job {session!r}; looked in:", *where, fix])
+        raise JobError([f"no saved job {session!r}; looked in:", *places, fix])
     return job
 
 
@@ -140,28 +171,35 @@ def on_saved(
         return job, op(pool, job, hosts)
 
 
-def new_job(conf: Config, o: Options) -> tuple[Job, list[Host]]:
+def new_job(conf: Config, options: Options) -> tuple[Job, list[Host]]:
     """A job from flags over the configuration, with the nodes it runs on (read once, also for
     the derived port)."""
     from ..discovery import read_hosts
     from ..topology import derive_master_port
 
-    name = check_session(str(pick(conf, "session", o.session)))
-    path = os.path.abspath(str(pick(conf, "hostfile", o.hostfile)))
-    chosen = (pick(conf, "include", o.include), pick(conf, "exclude", o.exclude))
-    hosts = read_hosts(path, *chosen)
-    if not (o.cmd or "").strip():
+    name = check_session(str(pick(conf, "session", options.session)))
+    path = os.path.abspath(str(pick(conf, "hostfile", options.hostfile)))
+    include = pick(conf, "include", options.include)
+    exclude = pick(conf, "exclude", options.exclude)
+    hosts = read_hosts(path, include, exclude)
+    cmd = options.cmd or ""
+    if not cmd.strip():
         raise UsageError("--cmd is empty: give the command every node should run")
+    workdir = pick(conf, "workdir", options.workdir) or os.getcwd()
+    master_port = pick_int(conf, "master_port", options.master_port)
+    if not master_port:
+        master_port = derive_master_port(hosts, name)
+    nproc_per_node = pick_int(conf, "nproc_per_node", options.nproc_per_node, allow_auto=True)
     job = Job(
-        cmd=o.cmd or "",
-        workdir=os.path.abspath(pick(conf, "workdir", o.workdir) or os.getcwd()),
+        cmd=cmd,
+        workdir=os.path.abspath(workdir),
         session=name,
         hostfile=path,
         python=str(conf.python or sys.executable),
-        master_port=pick_int(conf, "master_port", o.master_port) or derive_master_port(hosts, name),
-        nproc_per_node=pick_int(conf, "nproc_per_node", o.nproc_per_node, allow_auto=True),
-        include=chosen[0],
-        exclude=chosen[1],
+        master_port=master_port,
+        nproc_per_node=nproc_per_node,
+        include=include,
+        exclude=exclude,
         setup=tuple(conf.setup),
         env=check_env(dict(conf.env)),
         sync_exclude=tuple(conf.sync_exclude),
@@ -184,8 +222,18 @@ def saved_or_new(
     try:
         job, hosts = saved(conf, hostfile, session, workdir)
     except JobError:
-        flags = Options("meshkit doctor", workdir, session, hostfile, master_port=master_port)
-        job, hosts = new_job(conf, replace(flags, include=include, exclude=exclude))
+        flags = Options(
+            cmd="meshkit doctor",
+            workdir=workdir,
+            session=session,
+            hostfile=hostfile,
+            master_port=master_port,
+            include=include,
+            exclude=exclude,
+        )
+        job, hosts = new_job(conf, flags)
         return job, hosts, f"session {job.session!r} (no saved job; port derived)"
-    job = replace(job, master_port=pick_int(conf, "master_port", master_port) or job.master_port)
+    port_flag = pick_int(conf, "master_port", master_port)
+    if port_flag:
+        job = replace(job, master_port=port_flag)
     return job, hosts, f"saved job {job.label}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..envrun import check_spawn_cmd, whole
+from ..envrun import check_spawn_cmd
 from ..errors import LaunchError, UsageError
 from ..hostfile import Host
 from ..job import Job, parse_duration, parse_restart_on
@@ -17,7 +17,7 @@ from ..remote.group import ProgressFn
 from ..settings import Config
 from . import doctor, supervise
 from .jobs import Launch, env_round, launch
-from .lookup import Options, new_job, saved
+from .lookup import Options, new_job, restarts_flag, saved
 from .pool import NodePool, connect
 from .sync import Facts, sync_workdir, unshared
 
@@ -44,15 +44,6 @@ class TrainResult:
     @property
     def ok(self) -> bool:
         return self.launch is not None and self.launch.ok
-
-
-def restarts_flag(flag: str | int | None) -> int | None:
-    if flag is None:
-        return None
-    text = str(flag).strip()
-    if not whole(text) or not 0 <= int(text) <= 1000:
-        raise UsageError(f"--restarts {str(flag)[:40]!r}: expected a whole number 0..1000")
-    return int(text)
 
 
 def plan(conf: Config, o: Options) -> tuple[Job, list[Host]]:

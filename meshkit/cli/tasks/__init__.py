@@ -6,13 +6,8 @@ the top: SSH (fabric/paramiko) is imported inside the tasks that need it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from invoke.collection import Collection
 from invoke.context import Context
-
-if TYPE_CHECKING:
-    from ...distenv import NodeEnv
 
 from ...envrun import DISCOVERY_FLAGS
 from ...errors import UsageError
@@ -20,17 +15,9 @@ from ..common import conf, helps, reported, task
 from . import doctor, jobs, mesh, sandbox
 
 
-def _node(flags: dict[str, Any]) -> NodeEnv:
-    """Discovery with this task's flags (envrun's own parser's: tests/test_fastcli.py keeps them
-    equal) over the configuration."""
-    from ...envrun import node_env
-
-    return node_env(conf(), **{name: flags[name] for name in DISCOVERY_FLAGS})
-
-
 @task(help=helps(*DISCOVERY_FLAGS, "json"))
 def env(
-    c: Context,
+    context: Context,
     hostfile: str | None = None,
     json: bool = False,
     node_rank: str | None = None,
@@ -45,10 +32,20 @@ def env(
     Sources, first match wins: --node-rank/MESHKIT_NODE_RANK, torchrun, SLURM, OpenMPI, PBS, then
     the hostfile matched against this machine's addresses. Use: eval "$(meshkit env)".
     """
-    from ...envrun import print_env
+    from ...envrun import node_env, print_env
 
     with reported():
-        print_env(_node(locals()), json)
+        node = node_env(
+            conf(),
+            hostfile=hostfile,
+            node_rank=node_rank,
+            session=session,
+            master_port=master_port,
+            nproc_per_node=nproc_per_node,
+            include=include,
+            exclude=exclude,
+        )
+        print_env(node, json)
 
 
 LOG_HELP = "also append all output to this file; {rank} becomes the node rank"
@@ -56,7 +53,7 @@ LOG_HELP = "also append all output to this file; {rank} becomes the node rank"
 
 @task(help=helps(*DISCOVERY_FLAGS, "cmd", "spawn", log=LOG_HELP))
 def run(
-    c: Context,
+    context: Context,
     cmd: str | None = None,
     hostfile: str | None = None,
     node_rank: str | None = None,
@@ -73,17 +70,27 @@ def run(
     This is what every node runs inside tmux for `meshkit train`. With --spawn, CMD runs
     NPROC_PER_NODE times, each with its rank's variables, as torchrun would start it.
     """
-    from ...envrun import exec_run, spawn_run
+    from ...envrun import exec_run, node_env, spawn_run
 
     with reported():
         if cmd is None:  # a flag, not a positional: `meshkit run -h` is help
             raise UsageError("run: give the command: meshkit run --cmd CMD")
-        node = _node(locals())
+        node = node_env(
+            conf(),
+            hostfile=hostfile,
+            node_rank=node_rank,
+            session=session,
+            master_port=master_port,
+            nproc_per_node=nproc_per_node,
+            include=include,
+            exclude=exclude,
+        )
         if spawn:
             spawn_run(node, cmd, log)
         exec_run(node, cmd, log)
 
 
-ns = Collection(env, run, mesh.mesh, mesh.check, mesh.unmesh, doctor.doctor, jobs.train, sandbox.ns)
-for job in (jobs.status, jobs.diagnose, jobs.logs, jobs.stop, jobs.supervise, jobs.demo):
-    ns.add_task(job)
+ns = Collection(env, run, mesh.mesh, mesh.check, mesh.unmesh, doctor.doctor, jobs.train)
+ns.add_collection(sandbox.ns)
+for job_task in (jobs.status, jobs.diagnose, jobs.logs, jobs.stop, jobs.supervise, jobs.demo):
+    ns.add_task(job_task)

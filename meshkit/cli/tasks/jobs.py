@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from invoke.context import Context
 from invoke.exceptions import Exit
 
-from ...errors import LaunchError, UsageError
+from ...errors import LaunchError
 from ...job import Job
 from ...ops import jobs as ops
 from ...ops import lookup
@@ -23,29 +23,37 @@ JOB_FLAGS = ("hostfile", "session", "workdir")
 
 
 def _print_start(launch: ops.Launch) -> None:
-    rows = [(r.node_rank, r.host, r.state, ", ".join(r.replaced), r.error) for r in launch.rows]
-    print(table(["rank", "host", "state", "replaced", "error"], rows))
+    cells = []
+    for row in launch.rows:
+        cells.append((row.node_rank, row.host, row.state, ", ".join(row.replaced), row.error))
+    print(table(["rank", "host", "state", "replaced", "error"], cells))
+
+
+def supervisor_lines(row: ops.StatusRow, job: Job) -> list[str]:
+    """What the supervision of a supervised job says (the master's row carries it)."""
+    if row.supervisor is None:
+        return [f"supervisor: none (restarts {job.restarts})"]
+    if row.supervisor == "not responding":
+        return [f"supervisor: not responding: {row.last_restart_reason}"]
+    leader = f" (leader: node {row.leader})" if row.leader is not None else ""
+    last = f", last restart: {row.last_restart_reason}" if row.last_restart_reason else ""
+    attempt = f"attempt {row.attempt} of {job.restarts + 1}, restarts left {row.restarts_left}"
+    lines = [f"supervisor: {row.supervisor}{leader}, {attempt}{last}"]
+    if row.held:
+        lines.append(f"relaunch held by {row.held}")
+    return lines
 
 
 def render_status(rows: Sequence[ops.StatusRow], job: Job) -> str:
     out = [f"job {job.label} (tmux session {job.tmux_session})"]
     if rows and rows[0].supervised:
-        r = rows[0]
-        if r.supervisor is None:
-            out.append(f"supervisor: none (restarts {job.restarts})")
-        elif r.supervisor == "not responding":
-            out.append(f"supervisor: not responding: {r.last_restart_reason}")
-        else:
-            lead = f" (leader: node {r.leader})" if r.leader is not None else ""
-            last = f", last restart: {r.last_restart_reason}" if r.last_restart_reason else ""
-            attempt = f"attempt {r.attempt} of {job.restarts + 1}, restarts left {r.restarts_left}"
-            out.append(f"supervisor: {r.supervisor}{lead}, {attempt}{last}")
-            out += [f"relaunch held by {r.held}"] if r.held else []
+        out += supervisor_lines(rows[0], job)
     cells = []
-    for r in rows:
-        quiet = f"yes ({r.idle_s:.0f}s quiet)" if r.stalled and r.idle_s else "no"
-        when, last = (r.started or "")[:19], (r.last_line or "")[:70]
-        cells.append((r.node_rank, r.host, r.state, r.exit_code, when, quiet, last))
+    for row in rows:
+        quiet = f"yes ({row.idle_s:.0f}s quiet)" if row.stalled and row.idle_s else "no"
+        started = (row.started or "")[:19]
+        last_line = (row.last_line or "")[:70]
+        cells.append((row.node_rank, row.host, row.state, row.exit_code, started, quiet, last_line))
     out.append(table(["rank", "host", "state", "exit", "started", "stalled", "last line"], cells))
     if rows and rows[0].diagnosis:
         out.append(f"diagnosis saved before the stall restart: {rows[0].diagnosis}")
@@ -78,7 +86,7 @@ TRAIN_HELP = helps(
 
 @task(help=TRAIN_HELP)
 def train(
-    c: Context,
+    context: Context,
     cmd: str | None = None,
     workdir: str | None = None,
     session: str | None = None,
@@ -105,16 +113,32 @@ def train(
     one master and port, no other meshkit job running): any failure starts nothing. After a reboot,
     `meshkit train` alone relaunches the saved job from any node and any directory.
     """
-    flags = {k: v for k, v in locals().items() if k != "c"}  # each is an Options field
     from ...ops import train as op
     from .doctor import render
 
     with reported():
-        if not 0 <= float(wait) <= 86400:
-            raise UsageError(f"--wait {wait}: expected seconds between 0 and 86400")
-        # a flag not given keeps the saved job's setting (there is no --no-restart-on-stall)
-        given = {"restart_on_stall": restart_on_stall or None, "wait": float(wait)}
-        options = lookup.Options(**{**flags, **given})
+        options = lookup.Options(
+            cmd=cmd,
+            workdir=workdir,
+            session=session,
+            hostfile=hostfile,
+            nproc_per_node=nproc_per_node,
+            master_port=master_port,
+            include=include,
+            exclude=exclude,
+            restarts=restarts,
+            restart_on=restart_on,
+            spawn=spawn,
+            stall_after=stall_after,
+            # not given keeps the saved job's setting (there is no --no-restart-on-stall)
+            restart_on_stall=restart_on_stall or None,
+            sync=sync,
+            replace=replace,
+            doctor=doctor,
+            dry_run=dry_run,
+            wait=float(wait),
+        )
+        lookup.check_options(options)
         job, hosts = op.plan(conf(), options)
         if cmd is None:
             print(f"relaunching saved job {job.label}: {job.cmd}")
@@ -126,9 +150,10 @@ def train(
             if not result.doctor.ok:
                 print(render(result.doctor))
                 lines = []
-                for f in result.doctor.failures:
-                    peer = f" -> {f.peer}" if f.peer else ""
-                    lines.append(f"{f.node}{peer}: {f.check}: {f.detail}; fix: {f.fix}")
+                for failure in result.doctor.failures:
+                    peer = f" -> {failure.peer}" if failure.peer else ""
+                    check = f"{failure.check}: {failure.detail}; fix: {failure.fix}"
+                    lines.append(f"{failure.node}{peer}: {check}")
                 raise LaunchError([*lines, "train --doctor: checks failed; nothing was started"])
             print(f"doctor: {len(result.doctor.checks)} quick checks passed")
         launch = result.launch
@@ -138,7 +163,8 @@ def train(
         if launch.note:
             print(launch.note)
         if launch.dry_run:
-            spec, label = launch.job.node_job(), f"{launch.job.label} on {len(hosts)} nodes"
+            spec = launch.job.node_job()
+            label = f"{launch.job.label} on {len(hosts)} nodes"
             print(f"would start {label} (tmux {spec.tmux_session}):")
             print("  " + " ".join(spec.argv))
             return
@@ -155,7 +181,7 @@ def train(
 
 @task(help=helps(*JOB_FLAGS, log="append output to this file", rank="this node's rank"))
 def supervise(
-    c: Context,
+    context: Context,
     hostfile: str | None = None,
     session: str | None = None,
     workdir: str | None = None,
@@ -169,10 +195,10 @@ def supervise(
     from ...ops import supervise as sup
 
     if log:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+        descriptor = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(descriptor, 1)
+        os.dup2(descriptor, 2)
+        os.close(descriptor)
 
     def say(message: str) -> None:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -189,7 +215,7 @@ def supervise(
 
 @task(help=helps(*JOB_FLAGS, "json"))
 def status(
-    c: Context,
+    context: Context,
     hostfile: str | None = None,
     session: str | None = None,
     workdir: str | None = None,
@@ -201,14 +227,17 @@ def status(
 
     with reported():
         job, rows = lookup.on_saved(conf(), hostfile, session, workdir, sup.status, progress)
-    print(jsonlib.dumps([r.as_json() for r in rows]) if json else render_status(rows, job))
-    if any(r.error for r in rows):
+    if json:
+        print(jsonlib.dumps([row.as_json() for row in rows]))
+    else:
+        print(render_status(rows, job))
+    if any(row.error for row in rows):
         raise Exit(code=1)
 
 
 @task(help=helps(*JOB_FLAGS, "json"))
 def diagnose(
-    c: Context,
+    context: Context,
     hostfile: str | None = None,
     session: str | None = None,
     workdir: str | None = None,
@@ -220,31 +249,47 @@ def diagnose(
 
     with reported():
         job, found = lookup.on_saved(conf(), hostfile, session, workdir, op.diagnose, progress)
-    print(jsonlib.dumps(found.as_json()) if json else render_diagnosis(found, job))
+    if json:
+        print(jsonlib.dumps(found.as_json()))
+    else:
+        print(render_diagnosis(found, job))
     if not found.ok:
         raise Exit(code=1)
 
 
-def render_diagnosis(d: Diagnosis, job: Job) -> str:
+def render_diagnosis(diagnosis: Diagnosis, job: Job) -> str:
     """What a person reads at 3 a.m.: the state, one line per group (the outliers first, with
     their innermost frames), the ranks that could not be read, the first failure's traceback."""
-    quiet = [n.idle_s for n in d.nodes if n.state == "running" and n.idle_s is not None]
-    state = d.state + (f" (no output for {min(quiet):.0f}s)" if d.state == "stalled" else "")
+    state: str = diagnosis.state
+    if diagnosis.state == "stalled":
+        quiet = []
+        for node in diagnosis.nodes:
+            if node.state == "running" and node.idle_s is not None:
+                quiet.append(node.idle_s)
+        state += f" (no output for {min(quiet):.0f}s)"
     out = [f"job {job.label}: {state}"]
-    for g in d.groups:
-        odd = set(g.ranks) <= set(d.outliers)
-        word = "rank" if len(g.ranks) == 1 else "ranks"
-        out.append(f"{'OUTLIER ' if odd else ''}{word} {spans(g.ranks)} in {g.where}")
-        out += [f"    {f}" for f in g.frames[-6:]] if odd else []
-    out += [d.flight] if d.flight else []
-    out += [f"rank {r.rank} on {r.node}: {r.error}" for r in d.ranks if r.error]
-    out += [f"{n.host}: {n.error}" for n in d.nodes if n.error]
-    f = d.first_failure
-    if f is not None:
-        who = "rank ?" if f.rank is None else f"rank {f.rank}"
-        out.append(f"first failure: {who} on {f.node} (exit {f.exit_code}): {f.error}")
-        out += [f"    {line}" for line in f.traceback]
-    if not d.ranks and not f:
+    for group in diagnosis.groups:
+        outlier = set(group.ranks) <= set(diagnosis.outliers)
+        word = "rank" if len(group.ranks) == 1 else "ranks"
+        mark = "OUTLIER " if outlier else ""
+        out.append(f"{mark}{word} {spans(group.ranks)} in {group.where}")
+        if outlier:
+            out += [f"    {frame}" for frame in group.frames[-6:]]
+    if diagnosis.flight:
+        out.append(diagnosis.flight)
+    for rank in diagnosis.ranks:
+        if rank.error:
+            out.append(f"rank {rank.rank} on {rank.node}: {rank.error}")
+    for node in diagnosis.nodes:
+        if node.error:
+            out.append(f"{node.host}: {node.error}")
+    failure = diagnosis.first_failure
+    if failure is not None:
+        who = "rank ?" if failure.rank is None else f"rank {failure.rank}"
+        where = f"{who} on {failure.node} (exit {failure.exit_code})"
+        out.append(f"first failure: {where}: {failure.error}")
+        out += [f"    {line}" for line in failure.traceback]
+    if not diagnosis.ranks and not failure:
         out.append("no rank is running (meshkit status, meshkit logs)")
     return "\n".join(out)
 
@@ -258,7 +303,7 @@ def render_diagnosis(d: Diagnosis, job: Job) -> str:
     )
 )
 def logs(
-    c: Context,
+    context: Context,
     hostfile: str | None = None,
     session: str | None = None,
     workdir: str | None = None,
@@ -269,13 +314,11 @@ def logs(
     """Each node's log, every line prefixed with the node's rank."""
     with reported():
         job, hosts = lookup.saved(conf(), hostfile, session, workdir)
-        if node is not None and not 0 <= int(node) < len(hosts):
-            raise UsageError(f"--node {node}: the job has ranks 0..{len(hosts) - 1}")
-        if not 0 <= int(lines) <= 100000:
-            raise UsageError(f"--lines {lines}: expected 0..100000")
+        lookup.check_log_flags(node, lines, len(hosts))
         ranks = [int(node)] if node is not None else list(range(len(hosts)))
         failed = False
-        with connect(conf(), job.hostfile, [hosts[r] for r in ranks], job.python, progress) as pool:
+        chosen = [hosts[rank] for rank in ranks]
+        with connect(conf(), job.hostfile, chosen, job.python, progress) as pool:
             for batch in ops.follow(pool, job, hosts, ranks, int(lines)):
                 for chunk in batch:
                     for line in chunk.lines:
@@ -292,7 +335,10 @@ def logs(
 
 @task(help=helps(*JOB_FLAGS))
 def stop(
-    c: Context, hostfile: str | None = None, session: str | None = None, workdir: str | None = None
+    context: Context,
+    hostfile: str | None = None,
+    session: str | None = None,
+    workdir: str | None = None,
 ) -> None:
     """End the job on every node: its tmux session and every process it started (torchrun, its
     workers, anything they detached), TERM then KILL; then check on each node that nothing of it
@@ -301,21 +347,31 @@ def stop(
 
     with reported():
         stopped = lookup.on_saved(conf(), hostfile, session, workdir, sup.stop, progress)[1]
-    rows, left = stopped.rows, stopped.supervisor_left
-    for problem in left:
+    for problem in stopped.supervisor_left:
         print(f"meshkit: {problem}", file=sys.stderr)
     cells = []
-    for r in rows:
-        ended = "?" if r.error else "ended" if r.found else "not running"
-        remaining = f"{len(r.left)} LEFT: {r.left[:10]}" if r.left else "nothing left"
-        verified = f"FAILED: {r.error}" if r.error else remaining
-        cells.append((r.node_rank, r.host, ended, "?" if r.error else r.signalled, verified))
+    for row in stopped.rows:
+        if row.error:
+            ended = "?"
+            signalled: int | str = "?"
+            verified = f"FAILED: {row.error}"
+        else:
+            ended = "ended" if row.found else "not running"
+            signalled = row.signalled
+            verified = f"{len(row.left)} LEFT: {row.left[:10]}" if row.left else "nothing left"
+        cells.append((row.node_rank, row.host, ended, signalled, verified))
     print(table(["rank", "host", "job", "signalled", "verified"], cells))
-    bad = [r.host for r in rows if not r.ok]
-    if left:
+    bad = [row.host for row in stopped.rows if not row.ok]
+    if stopped.supervisor_left:
         raise Exit("meshkit: the job's supervisor could not be ended (see above)", 1)
     if bad:
         raise Exit(f"meshkit: could not verify the job ended on: {', '.join(bad)}", 1)
+
+
+def rank_of(result_line: str) -> int:
+    """The global rank an example's result line names (``... rank=3 ...``)."""
+    after = result_line.split("rank=")[1]
+    return int(after.split()[0])
 
 
 @task(
@@ -325,7 +381,7 @@ def stop(
         "timeout": "seconds to wait for the job (default 300)",
     }
 )
-def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 300.0) -> None:
+def demo(context: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 300.0) -> None:
     """sandbox.up -> mesh -> train the bundled example (torchrun, gloo, a real all_reduce) -> results.
 
     Needs root (the sandbox). Leaves the sandbox up to explore; `meshkit sandbox.down` removes it.
@@ -336,20 +392,26 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
     from .mesh import mesh
 
     with reported():
-        cfg = conf().sandbox
+        settings = conf().sandbox
         print(f"== sandbox.up --nodes {nodes}")
-        lay = sandbox.up(cfg.dir, cfg.subnet, int(nodes))
-        print(table(["node", "address"], [(n.name, n.address) for n in lay.nodes]))
-        print(f"\n== mesh --hostfile {lay.hostfile}")
-        mesh(c, hostfile=str(lay.hostfile))
-        workdir = lay.shared / "demo"
+        layout = sandbox.up(settings.dir, settings.subnet, int(nodes))
+        addresses = [(node.name, node.address) for node in layout.nodes]
+        print(table(["node", "address"], addresses))
+        print(f"\n== mesh --hostfile {layout.hostfile}")
+        mesh(context, hostfile=str(layout.hostfile))
+        workdir = layout.shared / "demo"
         workdir.mkdir(parents=True, exist_ok=True)
         templates.copy_to("example_train.py", workdir)
         cmd = "torchrun example_train.py"
         example = f"{cmd}, {nproc_per_node} per node, gloo"
         print(f"\n== train ({example}) in {workdir}")
-        per_node = str(nproc_per_node)
-        flags = lookup.Options(cmd, str(workdir), "demo", str(lay.hostfile), per_node)
+        flags = lookup.Options(
+            cmd=cmd,
+            workdir=str(workdir),
+            session="demo",
+            hostfile=str(layout.hostfile),
+            nproc_per_node=str(nproc_per_node),
+        )
         job, hosts = lookup.new_job(conf(), flags)
         with connect(conf(), job.hostfile, hosts, job.python, progress) as pool:
             launch = ops.launch(pool, job, hosts, replace=True)
@@ -361,17 +423,19 @@ def demo(c: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 3
         results = []
         for rank in range(len(hosts)):
             text = Path(launch.job.log(rank)).read_text(errors="replace")
-            results += [ln for ln in text.splitlines() if ln.startswith("meshkit-example")]
-        for line in sorted(results, key=lambda ln: int(ln.split("rank=")[1].split()[0])):
+            results += [line for line in text.splitlines() if line.startswith("meshkit-example")]
+        for line in sorted(results, key=rank_of):
             print(line)
         print("\n== status")
         print(render_status(rows, launch.job))
         expected = len(hosts) * int(nproc_per_node)
-        correct = [ln for ln in results if "ok=True" in ln]
-        if not len(correct) == len(results) == expected or any(r.exit_code != 0 for r in rows):
+        correct = [line for line in results if "ok=True" in line]
+        every_rank_correct = len(correct) == len(results) == expected
+        every_node_exited_0 = all(row.exit_code == 0 for row in rows)
+        if not every_rank_correct or not every_node_exited_0:
             why = "not every rank reported a correct all_reduce (see above)"
             raise Exit(f"meshkit: demo failed: {why}", 1)
         ranks = f"{len(results)} ranks on {len(hosts)} nodes"
         print(f"\ndemo ok: {ranks} agreed on the all_reduce sum.")
-        watch = f"meshkit status --hostfile {lay.hostfile} --session demo"
-        print(f"explore: ssh -F {lay.ssh_config} node1 | {watch} | meshkit sandbox.down")
+        watch = f"meshkit status --hostfile {layout.hostfile} --session demo"
+        print(f"explore: ssh -F {layout.ssh_config} node1 | {watch} | meshkit sandbox.down")

@@ -1,0 +1,58 @@
+"""Running meshkit inside sandbox nodes and reading what the bundled example job printed: shared
+by the sandbox job tests (train, supervised, sync, diagnose)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from meshkit import sandbox
+
+NPROC = 2
+RESULT = re.compile(
+    r"meshkit-example rank=(\d+) world_size=(\d+) node_rank=\S+ meshkit_node_rank=(\d+) "
+    r"local_rank=\S+ host=(\S+) sum=(\d+) expected=(\d+)"
+)
+
+
+def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: float = 240):
+    """meshkit run *inside* a node, as a user logged in there would."""
+    command = shlex.join([sys.executable, "-m", "meshkit", *args])
+    line = f"cd {shlex.quote(str(workdir))} && {env} {command}"
+    return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
+
+
+def wait_for(predicate, timeout: float = 120, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"not reached within {timeout}s")
+
+
+def check_results(found, nodes: int) -> None:
+    """Every rank of the world reported once, each with the right all_reduce sum, from the node
+    its NODE_RANK names."""
+    world = nodes * NPROC
+    assert sorted(int(match.group(1)) for _, match in found) == list(range(world))
+    expected_sum = str(world * (world + 1) // 2)
+    for log_rank, match in found:
+        assert int(match.group(2)) == world
+        assert match.group(5) == match.group(6) == expected_sum
+        # ran where NODE_RANK says
+        assert int(match.group(3)) == log_rank
+        assert match.group(4) == f"node{log_rank}"
+
+
+def job_processes(lay) -> list[str]:
+    """The example job's processes (and its launchers) still alive on any node."""
+    left = []
+    for node in lay.nodes:
+        out = sandbox.node_exec(node, ["pgrep", "-af", "example_train|torchrun|meshkit run"])
+        left += [f"{node.name}: {line}" for line in out.stdout.splitlines() if "pgrep" not in line]
+    return left
