@@ -19,7 +19,8 @@ from meshkit import sandbox
 from meshkit.discovery import read_hosts
 from meshkit.meshplan import mesh_id
 from meshkit.ops import mesh as ops
-from meshkit.remote import PhaseEvent, Settings
+from meshkit.outcome import PhaseEvent
+from meshkit.remote import Settings
 
 NODES = 3
 FAST = {"MESHKIT_CONNECT_TIMEOUT": "3"}

@@ -14,7 +14,7 @@ from meshkit.errors import LaunchError, RemoteError
 from meshkit.hostfile import Host
 from meshkit.job import Job
 from meshkit.ops import jobs as ops
-from meshkit.remote.group import Outcome
+from meshkit.outcome import Outcome
 
 HOSTS = [Host("10.0.0.1", lineno=1), Host("10.0.0.2", lineno=2), Host("10.0.0.3", lineno=3)]
 
