@@ -44,7 +44,8 @@ def parse_public_key(line: str, where: str = "key") -> PublicKey:
         raise KeyFormatError(
             f"{where}: expected 'type base64-key [comment]', got {line.strip()[:80]!r}"
         )
-    kind, blob = parts[0], parts[1]
+    kind = parts[0]
+    blob = parts[1]
     if kind not in KEY_TYPES:
         raise KeyFormatError(f"{where}: unknown key type {kind[:40]!r}")
     if len(blob) > MAX_BLOB_CHARS or not re.fullmatch(r"[A-Za-z0-9+/]+={0,2}", blob):
@@ -57,7 +58,8 @@ def parse_public_key(line: str, where: str = "key") -> PublicKey:
         raise KeyFormatError(f"{where}: the {kind} key does not decode") from None
     if embedded != kind:
         raise KeyFormatError(f"{where}: the key says {kind} but its data is {embedded[:40]!r}")
-    return PublicKey(kind, blob, parts[2].strip() if len(parts) > 2 else "")
+    comment = parts[2].strip() if len(parts) > 2 else ""
+    return PublicKey(kind, blob, comment)
 
 
 def _key_fields(line: str) -> tuple[list[str], int] | None:
@@ -66,9 +68,9 @@ def _key_fields(line: str) -> tuple[list[str], int] | None:
     if not text or text.startswith("#"):
         return None
     fields = _split_quoted(text)
-    for i, f in enumerate(fields[:-1]):
-        if f in KEY_TYPES:
-            return fields, i
+    for index, field in enumerate(fields[:-1]):
+        if field in KEY_TYPES:
+            return fields, index
     return None
 
 
@@ -179,8 +181,9 @@ class Conflict:
 
     def describe(self, node: str) -> str:
         return (
-            f"{node}: known_hosts line {self.lineno} has a different {self.kind} key for {self.name} "
-            f"(reinstalled node?); check it, then remove it on {node} with: ssh-keygen -R {self.name!r}"
+            f"{node}: known_hosts line {self.lineno} has a different {self.kind} key for "
+            f"{self.name} (reinstalled node?); check it, then remove it on {node} with: "
+            f"ssh-keygen -R {self.name!r}"
         )
 
 
@@ -263,14 +266,15 @@ def remove_tagged(existing: str, known_hosts: bool, mesh_id: str = "") -> tuple[
     (lines from before mesh ids belong to whoever unmeshes). Other lines are kept byte for byte.
     Returns the new text and how many lines were dropped or untagged. Without ``mesh_id``, every
     line of meshkit's is dropped."""
-    kept, changed = [], 0
+    kept: list[str] = []
+    changed = 0
     for line in existing.splitlines(keepends=True):
         found = _key_fields(line)
         if found:
             ids = _mesh_ids(*found, authorized=not known_hosts)
             if ids is not None and (not mesh_id or not ids or mesh_id in ids):
                 changed += 1
-                rest = [i for i in ids if i != mesh_id] if mesh_id else []
+                rest = [other for other in ids if other != mesh_id] if mesh_id else []
                 if rest:
                     kept.append(_retag(*found, rest))
                 continue
@@ -285,6 +289,6 @@ def listed_by_others(text: str, key: PublicKey, mesh_id: str) -> bool:
         found = _key_fields(line)
         if found and found[0][found[1] + 1] == key.blob:
             ids = _mesh_ids(*found, authorized=True)
-            if ids and any(i != mesh_id for i in ids):
+            if ids and any(other != mesh_id for other in ids):
                 return True
     return False

@@ -35,13 +35,17 @@ class UnknownHostKey(paramiko.SSHException):
     """A host key known_hosts lacks, or (``revoked``) one it marks @revoked: refused."""
 
     def __init__(self, hostname: str, key: paramiko.PKey, revoked: bool = False) -> None:
-        self.hostname, self.kind, self.fingerprint = hostname, key.get_name(), fingerprint(key)
+        self.hostname = hostname
+        self.kind = key.get_name()
+        self.fingerprint = fingerprint(key)
         self.revoked = revoked
         super().__init__(f"{'revoked' if revoked else 'unknown'} host key for {hostname}")
 
 
 def fingerprint(key: paramiko.PKey) -> str:
-    return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
+    """OpenSSH's SHA256 fingerprint of a key (as ``ssh-keygen -lf`` shows it)."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
 
 HOSTKEYS = "hostkeys-00@openssh.com"
@@ -61,15 +65,15 @@ class HostKeysTransport(paramiko.Transport):
         self._refuse = table[paramiko.common.MSG_GLOBAL_REQUEST]
         table[paramiko.common.MSG_GLOBAL_REQUEST] = self._server_request
 
-    def _server_request(self, m: paramiko.Message) -> None:
-        if m.get_text() == HOSTKEYS:
-            m.get_boolean()
+    def _server_request(self, message: paramiko.Message) -> None:
+        if message.get_text() == HOSTKEYS:
+            message.get_boolean()
             blobs: list[bytes] = []
-            while m.get_remainder() and len(blobs) < MAX_ANNOUNCED:
-                blobs.append(m.get_binary())
+            while message.get_remainder() and len(blobs) < MAX_ANNOUNCED:
+                blobs.append(message.get_binary())
             self.announced = blobs
-        m.rewind()
-        self._refuse(m)  # answered as paramiko answers any server request (no reply wanted)
+        message.rewind()
+        self._refuse(message)  # answered as paramiko answers any server request (no reply wanted)
 
 
 class StrictPolicy(paramiko.MissingHostKeyPolicy):
@@ -125,7 +129,8 @@ class GatewayError(paramiko.SSHException):
     """A ProxyJump hop failed (its host key, its login): which hop, and why."""
 
     def __init__(self, hop: str, cause: BaseException) -> None:
-        self.hop, self.cause = hop, cause
+        self.hop = hop
+        self.cause = cause
         super().__init__(f"gateway {hop}: {cause}")
 
 
@@ -178,7 +183,8 @@ class Remote:
     """One node's single SSH connection, with the operations the phases need."""
 
     def __init__(self, host: Host, settings: Settings, config: paramiko.SSHConfig) -> None:
-        self.host, self.settings = host, settings
+        self.host = host
+        self.settings = settings
         self.conn = Connection(
             host.host,
             user=host.user or settings.user,
@@ -252,12 +258,12 @@ class Remote:
         transport: Any = self.conn.transport
         done = threading.Event()
         transport.completion_event = done  # paramiko sets it on the reply, success or failure
-        m = paramiko.Message()
-        m.add_byte(paramiko.common.cMSG_GLOBAL_REQUEST)
-        m.add_string(kind)
-        m.add_boolean(True)
-        m.add(*data)
-        transport._send_user_message(m)
+        message = paramiko.Message()
+        message.add_byte(paramiko.common.cMSG_GLOBAL_REQUEST)
+        message.add_string(kind)
+        message.add_boolean(True)
+        message.add(*data)
+        transport._send_user_message(message)
         if not done.wait(self.remaining()):
             raise TimeoutError(f"no answer to {kind}")
         reply: paramiko.Message | None = transport.global_response
