@@ -19,9 +19,9 @@ from .. import protocol as p
 from ..errors import UsageError
 from ..hostfile import Host
 from ..job import Job
-from ..meshplan import PairFailure
 from ..outcome import Outcome, ProgressFn
 from ..settings import Config
+from ..verifyplan import PairFailure
 from .jobs import Envs, env_error, env_round
 from .pool import NodePool, connect, unanswered
 from .sync import Facts, facts_round

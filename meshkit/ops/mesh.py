@@ -24,6 +24,7 @@ from ..record import replace
 from ..remote.connection import Remote, Settings
 from ..remote.group import SshGroup
 from ..remote.node_shell import NodeShell
+from ..verifyplan import VerifyResult
 from .mesh_node import (
     INSPECT,
     NodeReport,
@@ -45,7 +46,7 @@ class MeshReport:
     left_out: dict[Host, str] = field(default_factory=dict)
     names: dict[Host, list[tuple[str, str]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    verify: mp.VerifyResult | None = None
+    verify: VerifyResult | None = None
     host_keys_by: dict[Host, str] = field(default_factory=dict)  # how each node's were proven
 
     @property
@@ -183,7 +184,7 @@ def mesh(
 
 def check(
     hosts: Sequence[Host], settings: Settings, progress: ProgressFn | None = None
-) -> mp.VerifyResult:
+) -> VerifyResult:
     """``verify`` over connections of its own (``meshkit check``)."""
     with SshGroup(hosts, settings, progress=progress) as group:
         return verify(group, hosts)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .. import meshplan as mp
+from .. import verifyplan as vp
 from ..hostfile import Host
 from ..outcome import succeeded
 from .pool import NodeConnections
@@ -33,7 +33,7 @@ def verify(
     hosts: Sequence[Host],
     own: dict[Host, str] | None = None,
     shells: dict[Host, NodeShell] | None = None,
-) -> mp.VerifyResult:
+) -> vp.VerifyResult:
     """The N x N check, run on the nodes over the controller's existing connections (over their
     node shells when given: no new shell on the source): one full login per ordered pair by the
     hostfile spelling; by each node's own hostname, its host-key check alone (no login)."""
@@ -42,13 +42,13 @@ def verify(
     settings = nodes.settings
     # Each node makes its logins VERIFY_BATCH at a time; each batch may take up to connect_timeout:
     # budget the batches on top of the usual command timeout.
-    batches = -(-len(mp.targets(hosts, own)) // mp.VERIFY_BATCH)
+    batches = -(-len(vp.targets(hosts, own)) // vp.VERIFY_BATCH)
     timeout = settings.command_timeout + settings.connect_timeout * batches
     rank = {host: index for index, host in enumerate(hosts)}
 
     def run(remote: Remote) -> str:
         with remote.bounded("verify", timeout):
-            script = mp.verify_script(hosts, settings.connect_timeout, rank[remote.host], own)
+            script = vp.verify_script(hosts, settings.connect_timeout, rank[remote.host], own)
             shell = (shells or {}).get(remote.host)
             if shell is None:
                 _, out, _ = remote.run(script, timeout=timeout)
@@ -58,15 +58,15 @@ def verify(
             return reply.body.decode(errors="replace")
 
     results = nodes.each("verify", run, hosts)
-    result = mp.VerifyResult(list(hosts))
+    result = vp.VerifyResult(list(hosts))
     for source in hosts:
         outcome = results.get(source)
         if outcome is not None and outcome.value is not None:
-            result.failures += mp.parse_verify(source, hosts, outcome.value, own)
+            result.failures += vp.parse_verify(source, hosts, outcome.value, own)
             continue
         why = nodes.failures.get(source)
         if not why and outcome is not None:
             why = outcome.error
         cannot = f"controller cannot use {source.label}: {why or 'unreachable'}"
-        result.failures += [mp.PairFailure(source, target, cannot) for target in hosts]
+        result.failures += [vp.PairFailure(source, target, cannot) for target in hosts]
     return result

@@ -14,8 +14,8 @@ from ...hostfile import Host
 
 if TYPE_CHECKING:
     from ...keys import Merge
-    from ...meshplan import VerifyResult
     from ...ops.mesh import MeshReport
+    from ...verifyplan import VerifyResult
 
 from ..common import conf, helps, progress, reported, table, task
 
@@ -54,7 +54,7 @@ def _mesh_id(hostfile: str | None) -> str:
 
 
 def _verify_report(result: VerifyResult) -> int:
-    from ...meshplan import matrix
+    from ...verifyplan import matrix
 
     hosts = result.hosts
     failures = result.failures
