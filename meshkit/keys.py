@@ -11,6 +11,7 @@ import hmac
 import re
 import struct
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from .errors import KeyFormatError
 from .record import record
@@ -187,14 +188,21 @@ class Conflict:
         )
 
 
-Known = tuple[int, str, str, str, int]  # order, patterns, kind, blob, line (-1: new in a merge)
+class Known(NamedTuple):
+    """One known_hosts line in the index: ordered as added (the file's order)."""
+
+    order: int
+    patterns: str
+    kind: str
+    blob: str
+    line: int  # its index in the file; -1: a line new in this merge
 
 
 class _KnownIndex:
-    """known_hosts lines by (key type, name), so that a merge of every node's names into every
-    node's file is not N names times N lines of pattern matching (at 244 nodes that was most of
-    mesh's controller CPU). Hashed names (``|1|...``) cannot be indexed: they are matched one by
-    one. ``matching`` keeps the file's order."""
+    """known_hosts lines by (key type, name), so that merging every node's names into every
+    node's file is one lookup per name instead of matching each name against every line (N names
+    times N lines). Hashed names (``|1|...``) cannot be indexed: they are matched one by one.
+    ``matching`` keeps the file's order."""
 
     def __init__(self) -> None:
         self.plain: dict[tuple[str, str], list[Known]] = {}
@@ -202,9 +210,9 @@ class _KnownIndex:
         self.count = 0
 
     def add(self, patterns: str, kind: str, blob: str, index: int) -> None:
-        entry = (self.count, patterns, kind, blob, index)
+        entry = Known(self.count, patterns, kind, blob, index)
         self.count += 1
-        for pattern in dict.fromkeys(p.lower() for p in patterns.split(",")):
+        for pattern in dict.fromkeys(name.lower() for name in patterns.split(",")):
             if pattern.startswith("|"):
                 self.hashed.append(entry)
             else:
@@ -212,9 +220,11 @@ class _KnownIndex:
 
     def matching(self, kind: str, name: str) -> list[Known]:
         found = set(self.plain.get((kind, name.lower()), []))
-        for k in self.hashed:
-            if k[2] == kind and any(_hashed_match(p, name) for p in k[1].split(",")):
-                found.add(k)
+        for entry in self.hashed:
+            if entry.kind != kind:
+                continue
+            if any(_hashed_match(pattern, name) for pattern in entry.patterns.split(",")):
+                found.add(entry)
         return sorted(found)
 
 
@@ -242,7 +252,7 @@ def merge_known_hosts(
         missing = []
         for name in names:
             same = known.matching(key.kind, name)
-            covering = [i for _, _, _, blob, i in same if blob == key.blob]
+            covering = [entry.line for entry in same if entry.blob == key.blob]
             # Nothing is needed when a covering line is someone else's or lists this mesh already.
             if mesh_id and covering and all(i in tags and mesh_id not in tags[i] for i in covering):
                 i = covering[0]
@@ -252,7 +262,7 @@ def merge_known_hosts(
             if covering:
                 continue
             if same:
-                conflicts.append(Conflict(name, key.kind, same[0][4] + 1))
+                conflicts.append(Conflict(name, key.kind, same[0].line + 1))
                 continue
             missing.append(check_label(name))
         if missing:

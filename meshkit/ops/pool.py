@@ -80,7 +80,7 @@ def ssh_settings(
     from ..remote import Settings
 
     beside = Path(hostfile).parent / "ssh_config"
-    configs = [str(p) for p in (conf.ssh_config, beside) if p and Path(p).is_file()]
+    configs = [str(path) for path in (conf.ssh_config, beside) if path and Path(path).is_file()]
     secret = getpass.getpass("SSH password for all nodes: ") if password else None
     return Settings(
         connect_timeout=conf.connect_timeout,

@@ -221,7 +221,7 @@ class Remote:
         conn.client.set_missing_host_key_policy(StrictPolicy(settings))
         named = str(conn.ssh_config.get("userknownhostsfile", "~/.ssh/known_hosts")).split()
         files = ["/etc/ssh/ssh_known_hosts", "~/.ssh/known_hosts", *named]
-        for path in dict.fromkeys(str(Path(f).expanduser()) for f in files):
+        for path in dict.fromkeys(str(Path(name).expanduser()) for name in files):
             if Path(path).is_file():
                 self.revoked |= load_known_hosts(conn.client.get_host_keys(), path)
 
