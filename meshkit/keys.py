@@ -11,6 +11,7 @@ import hmac
 import re
 import struct
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from .errors import KeyFormatError
 from .record import record
@@ -44,7 +45,8 @@ def parse_public_key(line: str, where: str = "key") -> PublicKey:
         raise KeyFormatError(
             f"{where}: expected 'type base64-key [comment]', got {line.strip()[:80]!r}"
         )
-    kind, blob = parts[0], parts[1]
+    kind = parts[0]
+    blob = parts[1]
     if kind not in KEY_TYPES:
         raise KeyFormatError(f"{where}: unknown key type {kind[:40]!r}")
     if len(blob) > MAX_BLOB_CHARS or not re.fullmatch(r"[A-Za-z0-9+/]+={0,2}", blob):
@@ -57,7 +59,8 @@ def parse_public_key(line: str, where: str = "key") -> PublicKey:
         raise KeyFormatError(f"{where}: the {kind} key does not decode") from None
     if embedded != kind:
         raise KeyFormatError(f"{where}: the key says {kind} but its data is {embedded[:40]!r}")
-    return PublicKey(kind, blob, parts[2].strip() if len(parts) > 2 else "")
+    comment = parts[2].strip() if len(parts) > 2 else ""
+    return PublicKey(kind, blob, comment)
 
 
 def _key_fields(line: str) -> tuple[list[str], int] | None:
@@ -66,9 +69,9 @@ def _key_fields(line: str) -> tuple[list[str], int] | None:
     if not text or text.startswith("#"):
         return None
     fields = _split_quoted(text)
-    for i, f in enumerate(fields[:-1]):
-        if f in KEY_TYPES:
-            return fields, i
+    for index, field in enumerate(fields[:-1]):
+        if field in KEY_TYPES:
+            return fields, index
     return None
 
 
@@ -179,19 +182,27 @@ class Conflict:
 
     def describe(self, node: str) -> str:
         return (
-            f"{node}: known_hosts line {self.lineno} has a different {self.kind} key for {self.name} "
-            f"(reinstalled node?); check it, then remove it on {node} with: ssh-keygen -R {self.name!r}"
+            f"{node}: known_hosts line {self.lineno} has a different {self.kind} key for "
+            f"{self.name} (reinstalled node?); check it, then remove it on {node} with: "
+            f"ssh-keygen -R {self.name!r}"
         )
 
 
-Known = tuple[int, str, str, str, int]  # order, patterns, kind, blob, line (-1: new in a merge)
+class Known(NamedTuple):
+    """One known_hosts line in the index: ordered as added (the file's order)."""
+
+    order: int
+    patterns: str
+    kind: str
+    blob: str
+    line: int  # its index in the file; -1: a line new in this merge
 
 
 class _KnownIndex:
-    """known_hosts lines by (key type, name), so that a merge of every node's names into every
-    node's file is not N names times N lines of pattern matching (at 244 nodes that was most of
-    mesh's controller CPU). Hashed names (``|1|...``) cannot be indexed: they are matched one by
-    one. ``matching`` keeps the file's order."""
+    """known_hosts lines by (key type, name), so that merging every node's names into every
+    node's file is one lookup per name instead of matching each name against every line (N names
+    times N lines). Hashed names (``|1|...``) cannot be indexed: they are matched one by one.
+    ``matching`` keeps the file's order."""
 
     def __init__(self) -> None:
         self.plain: dict[tuple[str, str], list[Known]] = {}
@@ -199,9 +210,9 @@ class _KnownIndex:
         self.count = 0
 
     def add(self, patterns: str, kind: str, blob: str, index: int) -> None:
-        entry = (self.count, patterns, kind, blob, index)
+        entry = Known(self.count, patterns, kind, blob, index)
         self.count += 1
-        for pattern in dict.fromkeys(p.lower() for p in patterns.split(",")):
+        for pattern in dict.fromkeys(name.lower() for name in patterns.split(",")):
             if pattern.startswith("|"):
                 self.hashed.append(entry)
             else:
@@ -209,9 +220,11 @@ class _KnownIndex:
 
     def matching(self, kind: str, name: str) -> list[Known]:
         found = set(self.plain.get((kind, name.lower()), []))
-        for k in self.hashed:
-            if k[2] == kind and any(_hashed_match(p, name) for p in k[1].split(",")):
-                found.add(k)
+        for entry in self.hashed:
+            if entry.kind != kind:
+                continue
+            if any(_hashed_match(pattern, name) for pattern in entry.patterns.split(",")):
+                found.add(entry)
         return sorted(found)
 
 
@@ -239,7 +252,7 @@ def merge_known_hosts(
         missing = []
         for name in names:
             same = known.matching(key.kind, name)
-            covering = [i for _, _, _, blob, i in same if blob == key.blob]
+            covering = [entry.line for entry in same if entry.blob == key.blob]
             # Nothing is needed when a covering line is someone else's or lists this mesh already.
             if mesh_id and covering and all(i in tags and mesh_id not in tags[i] for i in covering):
                 i = covering[0]
@@ -249,7 +262,7 @@ def merge_known_hosts(
             if covering:
                 continue
             if same:
-                conflicts.append(Conflict(name, key.kind, same[0][4] + 1))
+                conflicts.append(Conflict(name, key.kind, same[0].line + 1))
                 continue
             missing.append(check_label(name))
         if missing:
@@ -263,14 +276,15 @@ def remove_tagged(existing: str, known_hosts: bool, mesh_id: str = "") -> tuple[
     (lines from before mesh ids belong to whoever unmeshes). Other lines are kept byte for byte.
     Returns the new text and how many lines were dropped or untagged. Without ``mesh_id``, every
     line of meshkit's is dropped."""
-    kept, changed = [], 0
+    kept: list[str] = []
+    changed = 0
     for line in existing.splitlines(keepends=True):
         found = _key_fields(line)
         if found:
             ids = _mesh_ids(*found, authorized=not known_hosts)
             if ids is not None and (not mesh_id or not ids or mesh_id in ids):
                 changed += 1
-                rest = [i for i in ids if i != mesh_id] if mesh_id else []
+                rest = [other for other in ids if other != mesh_id] if mesh_id else []
                 if rest:
                     kept.append(_retag(*found, rest))
                 continue
@@ -285,6 +299,6 @@ def listed_by_others(text: str, key: PublicKey, mesh_id: str) -> bool:
         found = _key_fields(line)
         if found and found[0][found[1] + 1] == key.blob:
             ids = _mesh_ids(*found, authorized=True)
-            if ids and any(i != mesh_id for i in ids):
+            if ids and any(other != mesh_id for other in ids):
                 return True
     return False

@@ -107,7 +107,7 @@ def ansible_and_check(lay: sandbox.Layout) -> tuple[float, float]:
     sys.path.insert(0, str(Path(__file__).parent.parent))
     from benchmarks import peers
     from meshkit.discovery import read_hosts
-    from meshkit.meshplan import parse_verify, verify_script
+    from meshkit.verifyplan import parse_verify, verify_script
 
     with tempfile.TemporaryDirectory(prefix="measure-ansible-") as tmp:
         work = Path(tmp)

@@ -156,7 +156,8 @@ def test_env_under_mpirun_follows_the_hostfile(
         assert got["matched"].startswith(f"{lay.nodes[index].address} on eth0")
         assert got["matched"].endswith("NPROC_PER_NODE from OMPI_COMM_WORLD_LOCAL_SIZE")
         seen.setdefault(host, set()).add(got["NODE_RANK"])
-    assert sorted(seen) == [n.name for n in lay.nodes] and all(len(v) == 1 for v in seen.values())
+    assert sorted(seen) == [n.name for n in lay.nodes]
+    assert all(len(v) == 1 for v in seen.values())
 
 
 def test_env_under_mpirun_without_hostfile_derives_or_refuses(lay: sandbox.Layout) -> None:
@@ -201,12 +202,14 @@ def test_env_under_mpirun_without_hostfile_derives_or_refuses(lay: sandbox.Layou
     # Nothing to go on: says what is needed.
     rows, text = run(1)
     assert all(c != 0 for _, c, _ in rows), text
-    assert "MASTER_ADDR is not set" in text and "--hostfile" in text
+    assert "MASTER_ADDR is not set" in text
+    assert "--hostfile" in text
 
     # Interleaved ranks (--map-by node): the node cannot be told from the rank.
     rows, text = run(2, "-x", f"MASTER_ADDR={first}", "--map-by", "node")
     assert all(c != 0 for _, c, _ in rows), text
-    assert "not one block" in text and "--map-by node interleaves" in text
+    assert "not one block" in text
+    assert "--map-by node interleaves" in text
 
 
 @pytest.mark.parametrize("per_node", [1, 2])

@@ -82,7 +82,8 @@ def test_slurm_is_private_to_the_sandbox(lay: sandbox.Layout) -> None:
     conf = slurm.conf_path(lay).read_text()
     assert f"AuthInfo=socket={slurm.munge_socket(lay)}" in conf
     assert f"NodeName=node3 NodeAddr={lay.nodes[3].address} NodeHostname=node3" in conf
-    assert "/etc/slurm" not in conf and "/run/" not in conf
+    assert "/etc/slurm" not in conf
+    assert "/run/" not in conf
 
 
 def test_srun_env_without_hostfile(lay: sandbox.Layout) -> None:
@@ -145,6 +146,5 @@ def test_reboot_brings_slurmd_back(lay: sandbox.Layout) -> None:
     while "node3" not in slurm.idle_nodes(lay) and time.monotonic() < deadline:
         time.sleep(0.5)
     done = in_node(lay, ["srun", "-N4", "--chdir=/", "hostname"])
-    assert done.returncode == 0 and sorted(done.stdout.split()) == [n.name for n in lay.nodes], (
-        done.stdout + done.stderr
-    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(done.stdout.split()) == [n.name for n in lay.nodes], done.stdout + done.stderr

@@ -26,6 +26,7 @@ from meshkit.job import Job, parse_duration
 from meshkit.node import diagnose as node_diagnose
 from meshkit.ops import diagnose as op
 from meshkit.ops.jobs import is_stalled
+from meshkit.outcome import Outcome
 from meshkit.protocol import (
     DiagnoseReply,
     DiagnoseRequest,
@@ -40,7 +41,6 @@ from meshkit.protocol import (
     encode_request,
     op_of,
 )
-from meshkit.remote.group import Outcome
 
 SANDBOX_NODES = 3
 HANG = """\

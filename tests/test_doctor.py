@@ -18,8 +18,8 @@ from meshkit import sandbox
 from meshkit.hostfile import Host, parse
 from meshkit.ops import doctor
 from meshkit.ops.sync import Facts
+from meshkit.outcome import Outcome
 from meshkit.protocol import ConnectReply, ConnectResult, FactsReply, ListenReply, ProbeReply
-from meshkit.remote.group import Outcome
 from meshkit.sandbox import networks
 
 HOSTS = parse("10.0.0.1 slots=2\n10.0.0.2 slots=2\n10.0.0.3 slots=2\n")

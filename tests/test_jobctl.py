@@ -241,8 +241,9 @@ def test_each_agent_starts_as_its_node_connects_and_serves_every_later_phase(mes
     node's connection is up (no phase of its own): before any request, every node already runs
     one; later phases reuse it rather than start another."""
     from meshkit.discovery import read_hosts
+    from meshkit.outcome import PhaseEvent
     from meshkit.protocol import JobsReply, JobsRequest
-    from meshkit.remote import AgentPool, PhaseEvent, Settings
+    from meshkit.remote import AgentPool, Settings
 
     lay = meshed
     hosts = read_hosts(lay.hostfile)

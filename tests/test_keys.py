@@ -48,7 +48,8 @@ def test_merge_authorized_keeps_lines_dedups_and_is_idempotent():
     a, b = make_key(seed="a"), make_key(seed="b")
     existing = f'# admin\nno-pty,command="echo hi there" {line(a)}\n'
     m = merge_authorized(existing, [("n0", a), ("n1", b), ("n2", b)])
-    assert m.text.startswith(existing) and m.added == [f"{b.kind} {b.blob} meshkit:n1"]
+    assert m.text.startswith(existing)
+    assert m.added == [f"{b.kind} {b.blob} meshkit:n1"]
     again = merge_authorized(m.text, [("n0", a), ("n1", b)])
     assert (again.text, again.added, again.changed) == (m.text, [], False)
     assert "$(" not in merge_authorized("", [("n0", make_key(comment="$(x)"))]).text
@@ -62,12 +63,15 @@ def test_merge_known_hosts_names_hashed_and_conflicts():
     digest = hmac.new(salt, b"10.0.0.1", hashlib.sha1).digest()
     hashed = f"|1|{base64.b64encode(salt).decode()}|{base64.b64encode(digest).decode()} {k.kind} {k.blob}\n"
     m = merge_known_hosts(hashed, [(["10.0.0.1", "node1"], k)])
-    assert m.added == [f"node1 {k.kind} {k.blob} meshkit"] and not m.conflicts
+    assert m.added == [f"node1 {k.kind} {k.blob} meshkit"]
+    assert not m.conflicts
     assert m.text.startswith(hashed)
     assert merge_known_hosts(m.text, [(["10.0.0.1", "node1"], k)]).added == []
     m = merge_known_hosts(f"node1 {other.kind} {other.blob}\n", [(["node1"], k)])
     conflicts = m.conflicts
-    assert m.added == [] and conflicts[0].name == "node1" and conflicts[0].lineno == 1
+    assert m.added == []
+    assert conflicts[0].name == "node1"
+    assert conflicts[0].lineno == 1
     assert "ssh-keygen -R 'node1'" in conflicts[0].describe("n0")
 
 
@@ -87,16 +91,21 @@ def test_two_meshes_share_a_line_and_unmesh_takes_only_its_own_tag():
     one = merge_authorized(admin, [("n1", b)], "mesha")
     assert one.added == [f"{b.kind} {b.blob} meshkit:n1 mesh=mesha"]
     two = merge_authorized(one.text, [("n1", b), ("n0", a)], "meshb")
-    assert two.added == [] and two.claimed == 1  # the admin's line for a is not claimed
-    assert "meshkit:n1 mesh=mesha,meshb" in two.text and two.text.startswith(admin)
+    assert two.added == []
+    assert two.claimed == 1  # the admin's line for a is not claimed
+    assert "meshkit:n1 mesh=mesha,meshb" in two.text
+    assert two.text.startswith(admin)
     assert keys.listed_by_others(two.text, b, "mesha")
     text, n = remove_tagged(two.text, known_hosts=False, mesh_id="mesha")
-    assert n == 1 and "meshkit:n1 mesh=meshb" in text
+    assert n == 1
+    assert "meshkit:n1 mesh=meshb" in text
     assert not keys.listed_by_others(text, b, "meshb")
     assert remove_tagged(text, known_hosts=False, mesh_id="meshb") == (admin, 1)
     kh = merge_known_hosts("", [(["n1", "10.0.0.1"], h)], "mesha")
     kh2 = merge_known_hosts(kh.text, [(["n1"], h)], "meshb")
-    assert kh2.added == [] and kh2.claimed == 1 and "meshkit mesh=mesha,meshb" in kh2.text
+    assert kh2.added == []
+    assert kh2.claimed == 1
+    assert "meshkit mesh=mesha,meshb" in kh2.text
     assert merge_known_hosts(kh2.text, [(["n1"], h)], "meshb").changed is False
     assert remove_tagged(kh2.text, known_hosts=True, mesh_id="meshb")[0] == kh.text
     # lines from before mesh ids belong to whoever unmeshes

@@ -320,8 +320,7 @@ def test_a_cycle_is_found():
 # The ops modules that load paramiko on import: why.
 CONNECTING_OPS = {
     "meshkit.ops.mesh": "opens its own SSH connections (Remote, the proven host keys)",
-    "meshkit.ops.doctor": "imports ops.mesh's verify",
-    "meshkit.ops.train": "imports ops.doctor",
+    "meshkit.ops.mesh_node": "runs each node's phases over its SSH node shell",
 }
 OPS_MODULES = sorted(module for module in MODULES if module.startswith("meshkit.ops."))
 
@@ -330,10 +329,6 @@ def test_the_connecting_ops_exist():
     assert set(CONNECTING_OPS) <= set(OPS_MODULES)
 
 
-# Until Outcome and ProgressFn leave remote/group.py (issue 32, the move out of remote/), every
-# ops module loads paramiko through meshkit.remote's __init__: strict, so that this marker fails
-# the run once the move makes the check pass, and is removed then.
-@pytest.mark.xfail(strict=True, reason="ops import Outcome/ProgressFn from remote.group still")
 @pytest.mark.parametrize(
     "module", [module for module in OPS_MODULES if module not in CONNECTING_OPS]
 )

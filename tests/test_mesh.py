@@ -86,7 +86,8 @@ def test_mesh_makes_every_pair_work_reruns_change_nothing_and_unmesh_restores(la
             assert (lay.node_dir(n) / "ssh" / name).stat().st_mode & 0o777 == 0o600
 
     again = mesh(lay)
-    assert again.returncode == 0 and "unchanged" in again.stdout
+    assert again.returncode == 0
+    assert "unchanged" in again.stdout
     assert ssh_files(lay) == after
 
     out = meshkit("unmesh", "--hostfile", str(lay.hostfile))
@@ -97,7 +98,9 @@ def test_mesh_makes_every_pair_work_reruns_change_nothing_and_unmesh_restores(la
 def test_check_json_before_and_after(lay):
     out = meshkit("check", "--hostfile", str(lay.hostfile), "--json")
     data = json.loads(out.stdout)
-    assert out.returncode != 0 and not data["ok"] and len(data["failures"]) == NODES * NODES
+    assert out.returncode != 0
+    assert not data["ok"]
+    assert len(data["failures"]) == NODES * NODES
     assert data["nodes"] == [n.address for n in lay.nodes]
     assert set(data["failures"][0]) == {"from", "to", "error"}
     assert mesh(lay, "--no-verify").returncode == 0
@@ -109,7 +112,8 @@ def test_dry_run_changes_nothing(lay):
     before = ssh_files(lay)
     out = mesh(lay, "--dry-run")
     assert out.returncode == 0, out.stderr
-    assert "would add" in out.stdout and "create" in out.stdout
+    assert "would add" in out.stdout
+    assert "create" in out.stdout
     assert ssh_files(lay) == before
 
 
@@ -131,11 +135,13 @@ def test_a_dead_node_means_no_node_changes(lay):
     out = mesh(lay, timeout=60)
     assert out.returncode != 0
     assert f"{lay.nodes[2].address}: no answer within 3s" in out.stderr
-    assert "no node was changed" in out.stderr and "Traceback" not in out.stderr
+    assert "no node was changed" in out.stderr
+    assert "Traceback" not in out.stderr
     assert ssh_files(lay) == before
 
     out = mesh(lay, "--skip-unreachable", timeout=60)
-    assert out.returncode != 0 and f"left out: {lay.nodes[2].address}" in out.stderr
+    assert out.returncode != 0
+    assert f"left out: {lay.nodes[2].address}" in out.stderr
     assert ssh_files(lay)["node2"] == before["node2"]
     assert ssh_files(lay)["node1"] != before["node1"]
 
@@ -143,19 +149,16 @@ def test_a_dead_node_means_no_node_changes(lay):
     down = lay.nodes[2].address
     why = f"controller cannot use {down}: no answer within 10s on port 22: is the node up"
     failures = json.loads(out.stdout)["failures"]
-    assert out.returncode == 1 and [f["to"] for f in failures if f["from"] == down] == [
-        n.address for n in lay.nodes
-    ]
+    assert out.returncode == 1
+    assert [f["to"] for f in failures if f["from"] == down] == [n.address for n in lay.nodes]
     assert all(f["error"].startswith(why) for f in failures if f["from"] == down), failures
 
 
 def test_stopped_sshd_is_reported_per_host(lay):
     sandbox.kill_node(lay.nodes[1].netns)
     out = mesh(lay)
-    assert (
-        out.returncode != 0
-        and f"{lay.nodes[1].address}: connection refused on port 22" in out.stderr
-    )
+    assert out.returncode != 0
+    assert f"{lay.nodes[1].address}: connection refused on port 22" in out.stderr
 
 
 def test_hostile_key_comment_is_data_never_shell(lay):
@@ -176,9 +179,8 @@ def test_hostile_key_comment_is_data_never_shell(lay):
         check=True,
     )
     assert mesh(lay).returncode == 0
-    assert (
-        not Path("/var/tmp/meshkit-pwned").exists() and not Path("/var/tmp/meshkit-pwned2").exists()
-    )
+    assert not Path("/var/tmp/meshkit-pwned").exists()
+    assert not Path("/var/tmp/meshkit-pwned2").exists()
     for n in lay.nodes:
         assert b"touch" not in (lay.node_dir(n) / "ssh" / "authorized_keys").read_bytes()
     hostile = lay.root / "hostile"
@@ -186,7 +188,8 @@ def test_hostile_key_comment_is_data_never_shell(lay):
         f"{lay.nodes[0].address}\n{lay.nodes[1].address};touch /var/tmp/meshkit-pwned3\n"
     )
     out = meshkit("mesh", "--hostfile", str(hostile))
-    assert out.returncode != 0 and "hostile:2: bad host" in out.stderr
+    assert out.returncode != 0
+    assert "hostile:2: bad host" in out.stderr
     assert not Path("/var/tmp/meshkit-pwned3").exists()
 
 
@@ -200,7 +203,8 @@ def test_changed_host_key_is_refused(lay):
     sandbox.reboot(lay, victim.index)
     out = mesh(lay)
     assert out.returncode != 0
-    assert f"{victim.address}: HOST KEY CHANGED" in out.stderr and "ssh-keygen -R" in out.stderr
+    assert f"{victim.address}: HOST KEY CHANGED" in out.stderr
+    assert "ssh-keygen -R" in out.stderr
     assert ssh_files(lay) == before
 
 
@@ -209,7 +213,8 @@ def test_unknown_host_key_is_refused_with_fingerprint_then_accepted(lay, tmp_pat
     shutil.copy(lay.hostfile, hostfile)
     env = {"HOME": str(tmp_path), "MESHKIT_IDENTITY": str(lay.key)}
     out = meshkit("mesh", "--hostfile", str(hostfile), env=env)
-    assert out.returncode != 0 and "unknown host key ssh-ed25519 SHA256:" in out.stderr
+    assert out.returncode != 0
+    assert "unknown host key ssh-ed25519 SHA256:" in out.stderr
     assert "--accept-new-host-keys" in out.stderr
     out = meshkit("mesh", "--hostfile", str(hostfile), "--accept-new-host-keys", env=env)
     assert out.returncode == 0, out.stderr
@@ -228,7 +233,8 @@ def test_shared_home_ends_correct(lay):
     assert all_pairs_from_inside(lay) == []
     auth = (shared / "authorized_keys").read_text()
     assert auth.count(" meshkit:") == NODES - 1  # node1 and node2 share one user key
-    assert mesh(lay).returncode == 0 and "unchanged" in mesh(lay).stdout
+    assert mesh(lay).returncode == 0
+    assert "unchanged" in mesh(lay).stdout
 
 
 def test_one_shell_per_node_and_host_keys_proven_in_the_connection(lay):

@@ -19,7 +19,8 @@ from meshkit import sandbox
 from meshkit.discovery import read_hosts
 from meshkit.meshplan import mesh_id
 from meshkit.ops import mesh as ops
-from meshkit.remote import PhaseEvent, Settings
+from meshkit.outcome import PhaseEvent
+from meshkit.remote import Settings
 
 NODES = 3
 FAST = {"MESHKIT_CONNECT_TIMEOUT": "3"}
@@ -110,23 +111,29 @@ def test_a_file_sshd_refuses_is_refused_never_repaired(lay, tmp_path, case):
         before = snapshot(lay)
         assert not can_log_in(lay, victim, planted)  # sshd (StrictModes) ignores the file
         dry = mesh(lay, "--dry-run")
-        assert dry.returncode != 0 and victim.address in dry.stderr
+        assert dry.returncode != 0
+        assert victim.address in dry.stderr
         expect = {
             "mode666": "~/.ssh/authorized_keys is writable by others (owner uid 0, mode 0666)",
             "dir777": "~/.ssh is writable by others (owner uid 0, mode 0777)",
             "symlink": f"~/.ssh/authorized_keys is a symlink to {other if case == 'symlink' else ''}",
         }[case]
-        assert expect in dry.stderr and "Traceback" not in dry.stderr
+        assert expect in dry.stderr
+        assert "Traceback" not in dry.stderr
         out = mesh(lay)
-        assert out.returncode != 0 and expect in out.stderr and "no node was changed" in out.stderr
+        assert out.returncode != 0
+        assert expect in out.stderr
+        assert "no node was changed" in out.stderr
         assert snapshot(lay) == before
         out = mesh(lay, "--skip-unreachable", "--no-verify")
-        assert out.returncode != 0 and f"left out: {victim.address}" in out.stdout + out.stderr
+        assert out.returncode != 0
+        assert f"left out: {victim.address}" in out.stdout + out.stderr
         assert snapshot(lay)["node1"] == before["node1"]  # nothing changed there, not even modes
         assert snapshot(lay)["node0"] != before["node0"]
         assert not can_log_in(lay, victim, planted)
         if case == "symlink":
-            assert other.read_text().endswith(line) and other.stat().st_uid == 4321
+            assert other.read_text().endswith(line)
+            assert other.stat().st_uid == 4321
     finally:
         if case == "symlink":
             other.unlink()
@@ -167,16 +174,16 @@ def test_proxyjump_gateway_host_key_is_checked_strictly(lay, tmp_path):
     )
     before = snapshot(lay)
     out = mesh(lay, "--no-verify", hostfile=hostfile)
-    assert out.returncode != 0 and f"ProxyJump gateway {gw}: HOST KEY CHANGED" in out.stderr, (
-        out.stderr
-    )
+    assert out.returncode != 0, out.stderr
+    assert f"ProxyJump gateway {gw}: HOST KEY CHANGED" in out.stderr, out.stderr
     assert snapshot(lay) == before
     # Unknown to known_hosts altogether: refused too (fabric's AutoAddPolicy took it silently).
     lay.known_hosts.write_text(
         "".join(line + "\n" for line in good.splitlines() if not line.startswith(f"{gw} "))
     )
     out = mesh(lay, "--no-verify", hostfile=hostfile)
-    assert out.returncode != 0 and f"ProxyJump gateway {gw}: unknown host key" in out.stderr
+    assert out.returncode != 0
+    assert f"ProxyJump gateway {gw}: unknown host key" in out.stderr
     assert snapshot(lay) == before
 
 
@@ -193,15 +200,19 @@ def test_only_host_keys_sshd_serves_are_trusted_and_the_mesh_settles(lay):
     )  # not what sshd signs with
     out = mesh(lay)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "ssh-rsa key SHA256:" in out.stdout and "is not the one sshd serves" in out.stdout
+    assert "ssh-rsa key SHA256:" in out.stdout
+    assert "is not the one sshd serves" in out.stdout
     rsa = (etc / "ssh_host_rsa_key.pub").read_text().split()[1]
     fake = decoy.with_suffix(".pub").read_text().split()[1]
     served = (etc / "ssh_host_ed25519_key.pub").read_text().split()[1]
     for i in range(NODES):
         known = (ssh_dir(lay, i) / "known_hosts").read_text()
-        assert rsa not in known and fake not in known and served in known
+        assert rsa not in known
+        assert fake not in known
+        assert served in known
     again = mesh(lay)
-    assert again.returncode == 0 and again.stdout.count("unchanged") == NODES  # it settles
+    assert again.returncode == 0
+    assert again.stdout.count("unchanged") == NODES  # it settles
 
 
 # ---------------------------------------------------------------- 4. concurrent edits
@@ -224,7 +235,8 @@ def test_a_line_added_between_inspect_and_install_is_kept(lay, tmp_path):
     assert all("merged again" in " ".join(n.notes) for n in report.nodes)
     for i in range(NODES):
         auth = (ssh_dir(lay, i) / "authorized_keys").read_text()
-        assert line in auth and auth.count(" meshkit:") == NODES
+        assert line in auth
+        assert auth.count(" meshkit:") == NODES
     assert can_log_in(lay, lay.nodes[1], admin)
 
 
@@ -266,7 +278,8 @@ def test_unmesh_takes_only_this_hostfiles_lines_and_keeps_keys_another_mesh_uses
     assert mesh(lay, hostfile=b / "hostfile").returncode == 0
     key = (ssh_dir(lay, 1) / "id_ed25519").read_bytes()
     out = meshkit("unmesh", "--hostfile", str(a / "hostfile"))
-    assert out.returncode == 0 and "another mesh still lists it" in out.stdout, out.stdout
+    assert out.returncode == 0, out.stdout
+    assert "another mesh still lists it" in out.stdout, out.stdout
     assert (ssh_dir(lay, 1) / "id_ed25519").read_bytes() == key
     assert snapshot(lay)["node0"] == before["node0"]
     check = meshkit("check", "--hostfile", str(b / "hostfile"))
@@ -292,10 +305,12 @@ def test_missing_public_half_is_derived_and_a_lone_pub_is_never_overwritten(lay)
     assert "derived" in out.stdout
     assert (d1 / "id_ed25519").read_bytes() == private
     assert (d1 / "id_ed25519.pub").read_text().split()[:2] == public.split()[:2]
-    assert (d2 / "id_ed25519.pub").read_bytes() == lone and not (d2 / "id_ed25519").exists()
+    assert (d2 / "id_ed25519.pub").read_bytes() == lone
+    assert not (d2 / "id_ed25519").exists()
     assert (d2 / "id_ecdsa").exists()  # a new key where no file was
     again = mesh(lay)
-    assert again.returncode == 0 and again.stdout.count("unchanged") == NODES
+    assert again.returncode == 0
+    assert again.stdout.count("unchanged") == NODES
 
 
 # ---------------------------------------------------------------- 12. dropped link, temp files
@@ -319,13 +334,15 @@ def test_dropped_link_fails_that_node_within_its_timeout_and_stale_temps_are_cle
     result = {n.host.host: n for n in report.nodes}
     assert result[dead.address].result == "failed"
     assert "install: no answer within 4s (command_timeout)" in (result[dead.address].error or "")
-    assert result[lay.nodes[0].address].result == "changed" and not report.ok
+    assert result[lay.nodes[0].address].result == "changed"
+    assert not report.ok
     assert snapshot(lay)["node2"] == before
     stale = ssh_dir(lay, 1) / ".authorized_keys.meshkit-0123456789ab"
     stale.write_text("half a write\n")
     out = mesh(lay)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert not stale.exists() and "removed 1 stale meshkit temp file" in out.stdout
+    assert not stale.exists()
+    assert "removed 1 stale meshkit temp file" in out.stdout
     stale.write_text("half a write\n")
     assert meshkit("unmesh", "--hostfile", str(lay.hostfile)).returncode == 0
     assert not stale.exists()
@@ -345,7 +362,8 @@ def test_known_hosts_lines_paramiko_cannot_parse_do_not_stop_connecting(lay, tmp
     served = good.splitlines()[0].split(None, 1)[1]  # node0's ed25519 key, now revoked
     lay.known_hosts.write_text(f"@revoked * {served}\n" + good)
     out = mesh(lay, "--no-verify")
-    assert out.returncode != 0 and "is REVOKED" in out.stderr
+    assert out.returncode != 0
+    assert "is REVOKED" in out.stderr
 
 
 def test_dry_run_with_accept_new_writes_nothing_on_the_controller(lay, tmp_path):
@@ -355,7 +373,8 @@ def test_dry_run_with_accept_new_writes_nothing_on_the_controller(lay, tmp_path)
     before = snapshot(lay)
     out = mesh(lay, "--dry-run", "--accept-new-host-keys", hostfile=hostfile, env=env)
     assert out.returncode == 0, out.stderr
-    assert not (tmp_path / ".ssh").exists() and snapshot(lay) == before
+    assert not (tmp_path / ".ssh").exists()
+    assert snapshot(lay) == before
 
 
 def test_an_authorized_keys_file_elsewhere_is_reported(lay):

@@ -1,5 +1,5 @@
 """The mesh's pure logic, without mocks: user-key choice, names and conflicts, refused files,
-AuthorizedKeysFile, plans and unmesh plans across two meshes, the verify script and its results."""
+AuthorizedKeysFile, plans and unmesh plans across two meshes."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def test_mesh_id_depends_on_the_nodes_only():
 def test_user_key_choice_derives_and_never_overwrites():
     k = make_key("k")
     kept = mp.choose_user_key([mp.KeySlot(".ssh/id_ed25519", True, line(k))], "n")
-    assert kept.action == "kept" and kept.key == k
+    assert kept.action == "kept"
+    assert kept.key == k
     derive = mp.choose_user_key([mp.KeySlot(".ssh/id_rsa", True, None)], "n")
     assert (derive.action, derive.path) == ("derive", ".ssh/id_rsa")
     lone = mp.choose_user_key([mp.KeySlot(".ssh/id_ed25519", False, line(k))], "n")
@@ -107,7 +108,8 @@ def test_a_name_two_nodes_claim_is_a_conflict():
         c: [("10.0.0.3", "hostfile"), ("10.0.0.1", "address")],  # a's hostfile address: chosen
     }
     kept, notes = mp.drop_shared_addresses(bridge)
-    assert kept[a] == [("10.0.0.1", "hostfile")] and kept[b] == [("10.0.0.2", "hostfile")]
+    assert kept[a] == [("10.0.0.1", "hostfile")]
+    assert kept[b] == [("10.0.0.2", "hostfile")]
     assert notes == [
         "address 172.17.0.1 is on 2 nodes (a local bridge such as docker0?): recorded for none of them"
     ]
@@ -130,7 +132,8 @@ def test_refused_files_and_authorized_keys_file():
     )
     assert "n: ~/.ssh is writable by others (owner uid 1000, mode 0777)" in bad[0]
     assert "belongs to someone else (owner uid 4321" in bad[1]
-    assert "symlink to /tmp/x" in bad[2] and len(bad) == 3
+    assert "symlink to /tmp/x" in bad[2]
+    assert len(bad) == 3
     directives = mp.sshd_directives(
         "# c\nPort 22\nAuthorizedKeysFile=/etc/keys/%u\nMatch User x\nAuthorizedKeysFile y\n"
     )
@@ -139,7 +142,8 @@ def test_refused_files_and_authorized_keys_file():
     assert mp.authorized_keys_problem("n", ".ssh/authorized_keys /etc/k", "f", "/root") is None
     assert mp.authorized_keys_problem("n", "%h/.ssh/authorized_keys", "f", "/root") is None
     problem = mp.authorized_keys_problem("n", "/etc/keys/%u", "/etc/ssh/sshd_config", "/root")
-    assert problem and "AuthorizedKeysFile /etc/keys/%u (/etc/ssh/sshd_config)" in problem
+    assert problem
+    assert "AuthorizedKeysFile /etc/keys/%u (/etc/ssh/sshd_config)" in problem
 
 
 def test_plan_every_node_gets_every_key_under_every_name_and_reruns_change_nothing():
@@ -149,10 +153,12 @@ def test_plan_every_node_gets_every_key_under_every_name_and_reruns_change_nothi
         facts(hosts[1], "1", ["[10.0.0.2]:2222", "[node1]:2222"], user=False),
     ]
     plans = mp.plan(f, "aaa")
-    assert plans[hosts[1]].user_key == "generate" and plans[hosts[0]].user_key == "kept"
+    assert plans[hosts[1]].user_key == "generate"
+    assert plans[hosts[0]].user_key == "kept"
     assert len(plans[hosts[1]].authorized.added) == 1  # node1's key is not made yet
     known = plans[hosts[0]].known.added
-    assert known[0].startswith("node0,10.0.0.1 ") and known[1].startswith("[10.0.0.2]:2222,[node1]")
+    assert known[0].startswith("node0,10.0.0.1 ")
+    assert known[1].startswith("[10.0.0.2]:2222,[node1]")
     assert all(k.endswith(" meshkit mesh=aaa") for k in known)
     assert mp.conflicts(f, plans) == []
     done = [
@@ -174,14 +180,19 @@ def test_unmesh_plans_keep_what_another_mesh_lists():
     )[h]
     node = facts(h, "0", ["n0"], authorized=both.authorized.text, known=both.known.text)
     first = mp.plan_unmesh(node, "aaa", keep_keys=False)
-    assert first.remove_key is None and first.kept_key and "another mesh" in first.kept_key
-    assert first.authorized_removed == 1 and "mesh=bbb" in (first.authorized or "")
+    assert first.remove_key is None
+    assert first.kept_key
+    assert "another mesh" in first.kept_key
+    assert first.authorized_removed == 1
+    assert "mesh=bbb" in (first.authorized or "")
     last = mp.plan_unmesh(
         facts(h, "0", ["n0"], authorized=first.authorized or "", known=first.known or ""),
         "bbb",
         keep_keys=False,
     )
-    assert last.remove_key == ".ssh/id_ed25519" and last.authorized == "" and last.known == ""
+    assert last.remove_key == ".ssh/id_ed25519"
+    assert last.authorized == ""
+    assert last.known == ""
     assert mp.plan_unmesh(node, "bbb", keep_keys=True).remove_key is None
 
 
@@ -190,30 +201,3 @@ def test_temp_names():
     assert mp.is_meshkit_temp(".known_hosts.meshkit-abcdefabcdef")
     assert not mp.is_meshkit_temp(".authorized_keys.meshkit-x")
     assert not mp.is_meshkit_temp("authorized_keys")
-
-
-def test_verify_script_by_both_names_and_one_failure_per_pair():
-    hosts = [Host("a"), Host("b", user="u", port=2200), Host("c")]
-    own = {hosts[0]: "a", hosts[1]: "nodeb", hosts[2]: "nodec"}
-    script = mp.verify_script(hosts, 5, start=1, own_hostnames=own)
-    assert "check 1 ssh" in script and "-p 2200 -l u -- b true" in script
-    assert "keycheck 1h ssh" in script and "-- nodeb true" in script
-    # one full login per pair (by the hostfile spelling); by hostname the host key alone
-    assert script.count("PreferredAuthentications=none") == 2
-    assert "PreferredAuthentications=none -p 2200 -l u -- nodeb" in script
-    assert "-- a true" in script and "check 0h" not in script  # hostname == hostfile spelling
-    assert script.index("-- b true") < script.index("-- c true") < script.index("-- a true")
-    out = (
-        "ok 0\nfail 1 Permission denied (publickey).\nfail 1h Host key verification failed.\nok 2\n"
-    )
-    failures = mp.parse_verify(hosts[0], hosts, out, own)
-    assert [(f.target.host, f.error) for f in failures] == [
-        (
-            "b",
-            "Permission denied (publickey).; Host key verification failed. (host key by hostname nodeb)",
-        ),
-        ("c", "no result (host key by hostname nodec)"),
-    ]
-    grid = mp.matrix(hosts, failures)
-    assert grid.splitlines()[1].split()[-3:] == [".", "X", "X"]
-    assert mp.VerifyResult(hosts, failures).ok_pairs == 7

@@ -64,7 +64,8 @@ def clients_work(lay) -> None:
             assert code == 0, (src.name, hosts, out, err)
             assert sorted(out.split()) == names, (src.name, hosts, out)
             code, out, err = inside(src, "pdsh", "-R", "ssh", "-w", ",".join(hosts), "hostname")
-            assert code == 0 and "verification failed" not in err, (src.name, hosts, err)
+            assert code == 0, (src.name, hosts, err)
+            assert "verification failed" not in err, (src.name, hosts, err)
             got = dict(line.split(": ", 1) for line in out.splitlines())
             assert got == dict(zip(hosts, names)), (src.name, out, err)
         recorded = recorded_names(lay, src)
@@ -88,7 +89,8 @@ def test_address_hostfile_then_every_client_by_names_and_addresses(lay):
     )
     clients_work(lay)
     again = meshkit("mesh", "--hostfile", str(lay.hostfile), "--no-verify", env=FAST)
-    assert again.returncode == 0 and again.stdout.count("unchanged") == NODES
+    assert again.returncode == 0
+    assert again.stdout.count("unchanged") == NODES
     data = json.loads(meshkit("check", "--hostfile", str(lay.hostfile), "--json").stdout)
     assert data["ok"], data
     assert meshkit("unmesh", "--hostfile", str(lay.hostfile)).returncode == 0
@@ -113,7 +115,8 @@ def test_both_hostfiles_share_lines_and_each_unmesh_leaves_the_other(lay):
     hostfile = name_hostfile(lay)
     assert meshkit("mesh", "--hostfile", str(lay.hostfile), "--no-verify", env=FAST).returncode == 0
     out = meshkit("mesh", "--hostfile", hostfile, "--no-verify", env=FAST)
-    assert out.returncode == 0 and "~" in out.stdout  # the same lines, now listing both meshes
+    assert out.returncode == 0
+    assert "~" in out.stdout  # the same lines, now listing both meshes
     assert meshkit("unmesh", "--hostfile", str(lay.hostfile)).returncode == 0
     clients_work(lay)  # the name mesh still works: its lines and keys stayed
     assert meshkit("unmesh", "--hostfile", hostfile).returncode == 0
@@ -125,8 +128,10 @@ def test_a_name_two_nodes_claim_is_a_conflict_before_anything_is_written(lay):
     code, _, err = inside(lay.nodes[2], "hostname", "node1")
     assert code == 0, err
     out = meshkit("mesh", "--hostfile", str(lay.hostfile), env=FAST)
-    assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert "name 'node1' is claimed by" in out.stderr and "nothing was written" in out.stderr
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    assert "name 'node1' is claimed by" in out.stderr
+    assert "nothing was written" in out.stderr
     assert ssh_files(lay) == before
 
 
@@ -136,7 +141,8 @@ def test_check_tries_every_pair_by_hostname_too(lay):
     assert inside(lay.nodes[2], "hostname", "renamed2")[0] == 0
     out = meshkit("check", "--hostfile", str(lay.hostfile), "--json", env=FAST)
     data = json.loads(out.stdout)
-    assert out.returncode == 1 and not data["ok"]
+    assert out.returncode == 1
+    assert not data["ok"]
     assert {(f["to"], "by hostname renamed2" in f["error"]) for f in data["failures"]} == {
         (lay.nodes[2].address, True)
     }
@@ -165,7 +171,8 @@ def test_custom_port_names_are_bracketed(lay, tmp_path):
         lay.nodes[0], "ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
         "-p", "2222", "node1", "hostname",
     )  # fmt: skip
-    assert code == 0 and out_.strip() == "node1", err
+    assert code == 0, err
+    assert out_.strip() == "node1", err
 
 
 def test_an_address_every_node_has_on_a_local_bridge_is_recorded_for_none(lay):

@@ -51,7 +51,8 @@ def test_srun_each_node_exports_the_interface_of_its_route_to_the_master(lay):
     assert sorted(got) == [0, 1, 2]
     master = lay.nodes[0].address
     for rank, found in got.items():
-        assert found["source"] == "slurm" and found["MASTER_ADDR"] == "node0"
+        assert found["source"] == "slurm"
+        assert found["MASTER_ADDR"] == "node0"
         assert found["GLOO_SOCKET_IFNAME"] == found["NCCL_SOCKET_IFNAME"] == IFNAMES[rank]
         # on node0, "node0" is 127.0.1.1 first: skipped, its real address decides
         assert found["interface_source"] == (

@@ -13,7 +13,7 @@ from meshkit import protocol as p
 from meshkit.errors import LaunchError, RemoteError
 from meshkit.job import Job
 from meshkit.ops import jobs as ops
-from meshkit.remote.group import Outcome
+from meshkit.outcome import Outcome
 
 
 def job() -> Job:

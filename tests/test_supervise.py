@@ -168,7 +168,7 @@ from helpers.fake_pool import HOSTS, FakePool, healthy  # noqa: E402
 from meshkit import protocol as p  # noqa: E402
 from meshkit.node.supervise import version_of  # noqa: E402
 from meshkit.ops.supervise import Supervisor  # noqa: E402
-from meshkit.remote.group import Outcome  # noqa: E402
+from meshkit.outcome import Outcome  # noqa: E402
 
 
 class ScriptedPool(FakePool):

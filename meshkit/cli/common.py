@@ -17,7 +17,7 @@ from .. import settings
 from ..errors import MeshkitError, UsageError
 
 if TYPE_CHECKING:
-    from ..remote import PhaseEvent
+    from ..outcome import PhaseEvent
 
 HELP = {
     "hostfile": "hostfile path (default: config meshkit.hostfile, i.e. ./hostfile)",

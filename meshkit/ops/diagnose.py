@@ -12,8 +12,8 @@ from typing import Literal
 
 from ..hostfile import Host
 from ..job import Job
+from ..outcome import Outcome
 from ..protocol import DiagnoseReply, DiagnoseRequest, RankError
-from ..remote.group import Outcome
 from .jobs import is_stalled
 from .pool import NodePool, unanswered
 

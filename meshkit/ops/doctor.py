@@ -19,13 +19,13 @@ from .. import protocol as p
 from ..errors import UsageError
 from ..hostfile import Host
 from ..job import Job
-from ..meshplan import PairFailure
-from ..remote.group import Outcome, ProgressFn
+from ..outcome import Outcome, ProgressFn
 from ..settings import Config
+from ..verifyplan import PairFailure
 from .jobs import Envs, env_error, env_round
-from .mesh import verify
 from .pool import NodePool, connect, unanswered
 from .sync import Facts, facts_round
+from .verify import verify
 
 # the order of the table: what a training job hits first comes first (a stable sort keeps nodes
 # in rank order within each check)
@@ -315,7 +315,7 @@ def doctor(
     with connect(conf, job.hostfile, hosts, job.python, progress) as pool:
         if bandwidth:
             return measure(pool, job, hosts, min_ratio, min_rate, timeout)
-        ssh = None if quick else (lambda: verify(pool.cluster, hosts).failures)
+        ssh = None if quick else (lambda: verify(pool, hosts).failures)
         return run(pool, job, hosts, verify=ssh, probe_seconds=timeout)
 
 

@@ -17,8 +17,8 @@ from .. import protocol as p
 from ..errors import LaunchError
 from ..hostfile import Host
 from ..job import Job
+from ..outcome import Outcome
 from ..record import replace
-from ..remote.group import Outcome
 from .pool import NodePool, unanswered
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master

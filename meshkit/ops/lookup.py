@@ -24,8 +24,8 @@ from ..job import (
     parse_duration,
     workdir_from_index,
 )
+from ..outcome import ProgressFn
 from ..record import replace
-from ..remote.group import ProgressFn
 from ..settings import Config, whole
 from .pool import NodePool, connect
 

@@ -1,5 +1,6 @@
 """What every op talks to: one agent per node (``NodePool``, the protocol the ops are written
-against; ``remote.AgentPool`` is the real one, tests pass a double), and how it is opened from the
+against; ``remote.AgentPool`` is the real one, tests pass a double), the SSH connections for the
+ops that run commands over SSH itself (``NodeConnections``), and how the pool is opened from the
 configuration (``connect``)."""
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..hostfile import Host
+from ..outcome import Outcome, ProgressFn
 from ..protocol import Reply, Request
-from ..remote.group import Outcome, ProgressFn
 from ..settings import Config
 
-if TYPE_CHECKING:  # importing remote.connection pulls in paramiko: only where it connects
+if TYPE_CHECKING:  # importing remote pulls in paramiko: only where it connects
     from ..remote.agent import AgentPool
-    from ..remote.connection import Settings
+    from ..remote.connection import Remote, Settings
 
 R = TypeVar("R", bound=Reply)
+T = TypeVar("T")
 
 
 class NodePool(Protocol):
@@ -38,6 +40,25 @@ class NodePool(Protocol):
     ) -> dict[Host, Outcome[R]]: ...
 
     def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None: ...
+
+
+class NodeConnections(Protocol):
+    """The SSH connection to every reachable node (``remote.SshGroup``, or an ``AgentPool``'s):
+    what mesh's N x N ``verify`` runs over, for ``meshkit check`` and the doctor alike."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def failures(self) -> dict[Host, str]: ...
+
+    def each(
+        self,
+        phase: str,
+        fn: Callable[[Remote], T],
+        hosts: Sequence[Host] | None = None,
+        quiet: bool = False,
+    ) -> dict[Host, Outcome[T]]: ...
 
 
 def unanswered(outcome: Outcome[R] | None, host: Host, failures: dict[Host, str]) -> str:
@@ -59,7 +80,7 @@ def ssh_settings(
     from ..remote import Settings
 
     beside = Path(hostfile).parent / "ssh_config"
-    configs = [str(p) for p in (conf.ssh_config, beside) if p and Path(p).is_file()]
+    configs = [str(path) for path in (conf.ssh_config, beside) if path and Path(path).is_file()]
     secret = getpass.getpass("SSH password for all nodes: ") if password else None
     return Settings(
         connect_timeout=conf.connect_timeout,

@@ -18,7 +18,7 @@ from ..errors import LaunchError
 from ..hostfile import Host
 from ..job import Job
 from ..node.sync import MAX_FILES, walk
-from ..remote.group import Outcome
+from ..outcome import Outcome
 from .lookup import read_local
 from .pool import NodePool
 

@@ -12,8 +12,8 @@ from ..envrun import check_spawn_cmd
 from ..errors import LaunchError, UsageError
 from ..hostfile import Host
 from ..job import Job, parse_duration, parse_restart_on
+from ..outcome import ProgressFn
 from ..record import replace
-from ..remote.group import ProgressFn
 from ..settings import Config
 from . import doctor, supervise
 from .jobs import Launch, env_round, launch

@@ -16,18 +16,21 @@ import paramiko
 from .. import protocol
 from ..errors import AgentGone, ProtocolError, RemoteError
 from ..hostfile import Host
+from ..outcome import Outcome, ProgressFn
 from ..protocol import MAX_LINE, PutReply, PutRequest, Reply, Request
 from .connection import Remote, Settings
-from .group import Cluster, Outcome, ProgressFn
+from .group import SshGroup
 
 R = TypeVar("R", bound=Reply)
+T = TypeVar("T")
 
 
 class Agent:
     """One node agent; ``call`` sends a request and returns its typed reply."""
 
     def __init__(self, remote: Remote, python: str) -> None:
-        self.remote, self.python = remote, python
+        self.remote = remote
+        self.python = python
         self.broken: BaseException | None = None
         transport = remote.conn.client.get_transport()
         if transport is None:
@@ -105,12 +108,14 @@ class Agent:
 
 
 class AgentPool:
-    """One node agent per reachable node of a cluster, opened on first use (or already started by
-    ``start`` as the node connected) and reused by every later call of the same command; what the
-    ops layer talks to (a test double replaces it)."""
+    """One node agent per reachable node, opened on first use (or already started by ``start`` as
+    the node connected) and reused by every later call of the same command; what the ops layer
+    talks to (a test double replaces it). Its SSH connections (``each``) serve the ops that run a
+    command over SSH itself (mesh's N x N ``verify``)."""
 
-    def __init__(self, cluster: Cluster, python: str) -> None:
-        self.cluster, self.python = cluster, python
+    def __init__(self, group: SshGroup, python: str) -> None:
+        self.group = group
+        self.python = python
         self._agents: dict[Host, Agent] = {}
 
     @classmethod
@@ -125,8 +130,8 @@ class AgentPool:
     ) -> Iterator[AgentPool]:
         """Connect to every node and start its agent as soon as that node's connection is up:
         the agent's interpreter then starts on the nodes already connected while the CLI is
-        still connecting to the others (on a busy controller that was a phase of its own, about
-        0.2 s at 8 nodes). ``wait``: seconds to keep retrying unreachable nodes."""
+        still connecting to the others, instead of in a phase of its own after every connect.
+        ``wait``: seconds to keep retrying unreachable nodes."""
         started: dict[Host, Agent] = {}
 
         def start(remote: Remote) -> None:
@@ -134,10 +139,10 @@ class AgentPool:
             with contextlib.suppress(Exception):
                 started[remote.host] = Agent(remote, python)
 
-        with Cluster(hosts, settings, progress=progress, on_open=start) as cluster:
+        with SshGroup(hosts, settings, progress=progress, on_open=start) as group:
             if wait:
-                cluster.wait_for(wait)
-            pool = cls(cluster, python)
+                group.wait_for(wait)
+            pool = cls(group, python)
             pool._agents.update(started)
             try:
                 yield pool
@@ -148,7 +153,23 @@ class AgentPool:
     @property
     def failures(self) -> dict[Host, str]:
         """Nodes that could not be connected to, with why."""
-        return dict(self.cluster.failures)
+        return dict(self.group.failures)
+
+    @property
+    def settings(self) -> Settings:
+        """The SSH settings every connection was opened with."""
+        return self.group.settings
+
+    def each(
+        self,
+        phase: str,
+        fn: Callable[[Remote], T],
+        hosts: Sequence[Host] | None = None,
+        quiet: bool = False,
+    ) -> dict[Host, Outcome[T]]:
+        """``fn`` over the open SSH connection of every (or the given) reachable node, in
+        parallel (``SshGroup.each``)."""
+        return self.group.each(phase, fn, hosts, quiet)
 
     def call_all(
         self,
@@ -166,13 +187,17 @@ class AgentPool:
                 raise _Skipped
             return self._agent(remote).call(request, expect, timeout)
 
-        results = self.cluster.each(phase, one, hosts)
-        return {h: o for h, o in results.items() if not isinstance(o.exc, _Skipped)}
+        results = self.group.each(phase, one, hosts)
+        answered = {}
+        for host, outcome in results.items():
+            if not isinstance(outcome.exc, _Skipped):
+                answered[host] = outcome
+        return answered
 
     def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
         """Write a file on ``host`` through its agent (parents created, a temporary beside it,
         then renamed): no SFTP subsystem, which would start the user's shell once more."""
-        remote = self.cluster.remotes.get(host)
+        remote = self.group.remotes.get(host)
         if remote is None:
             raise RemoteError(f"{host.label}: not connected: {self.failures.get(host, '?')}")
         data = base64.b64encode(text.encode()).decode()
@@ -181,7 +206,8 @@ class AgentPool:
     def _agent(self, remote: Remote) -> Agent:
         agent = self._agents.get(remote.host)
         if agent is None:
-            agent = self._agents[remote.host] = Agent(remote, self.python)
+            agent = Agent(remote, self.python)
+            self._agents[remote.host] = agent
         return agent
 
 

@@ -1,6 +1,6 @@
 """One node's single SSH connection (fabric over paramiko): strict host keys, the host keys sshd
-announces after authentication, a timeout on every call, and ``NodeShell``: the one shell per node
-that mesh and unmesh do all their node-side work through."""
+announces after authentication, and a deadline on every call (``Remote``). The shell that mesh and
+unmesh work through on that connection is ``node_shell``'s."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ import contextlib
 import hashlib
 import logging
 import os
-import shlex
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +22,7 @@ from fabric import Config as FabricConfig
 from fabric import Connection
 from invoke.exceptions import CommandTimedOut
 
-from ..errors import MeshkitError, PhaseTimeout
+from ..errors import PhaseTimeout
 from ..hostfile import Host
 
 # paramiko logs a connection's failure from its own thread (a banner never read, say): with no
@@ -37,13 +35,17 @@ class UnknownHostKey(paramiko.SSHException):
     """A host key known_hosts lacks, or (``revoked``) one it marks @revoked: refused."""
 
     def __init__(self, hostname: str, key: paramiko.PKey, revoked: bool = False) -> None:
-        self.hostname, self.kind, self.fingerprint = hostname, key.get_name(), fingerprint(key)
+        self.hostname = hostname
+        self.kind = key.get_name()
+        self.fingerprint = fingerprint(key)
         self.revoked = revoked
         super().__init__(f"{'revoked' if revoked else 'unknown'} host key for {hostname}")
 
 
 def fingerprint(key: paramiko.PKey) -> str:
-    return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
+    """OpenSSH's SHA256 fingerprint of a key (as ``ssh-keygen -lf`` shows it)."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
 
 HOSTKEYS = "hostkeys-00@openssh.com"
@@ -63,15 +65,15 @@ class HostKeysTransport(paramiko.Transport):
         self._refuse = table[paramiko.common.MSG_GLOBAL_REQUEST]
         table[paramiko.common.MSG_GLOBAL_REQUEST] = self._server_request
 
-    def _server_request(self, m: paramiko.Message) -> None:
-        if m.get_text() == HOSTKEYS:
-            m.get_boolean()
+    def _server_request(self, message: paramiko.Message) -> None:
+        if message.get_text() == HOSTKEYS:
+            message.get_boolean()
             blobs: list[bytes] = []
-            while m.get_remainder() and len(blobs) < MAX_ANNOUNCED:
-                blobs.append(m.get_binary())
+            while message.get_remainder() and len(blobs) < MAX_ANNOUNCED:
+                blobs.append(message.get_binary())
             self.announced = blobs
-        m.rewind()
-        self._refuse(m)  # answered as paramiko answers any server request (no reply wanted)
+        message.rewind()
+        self._refuse(message)  # answered as paramiko answers any server request (no reply wanted)
 
 
 class StrictPolicy(paramiko.MissingHostKeyPolicy):
@@ -127,7 +129,8 @@ class GatewayError(paramiko.SSHException):
     """A ProxyJump hop failed (its host key, its login): which hop, and why."""
 
     def __init__(self, hop: str, cause: BaseException) -> None:
-        self.hop, self.cause = hop, cause
+        self.hop = hop
+        self.cause = cause
         super().__init__(f"gateway {hop}: {cause}")
 
 
@@ -174,14 +177,14 @@ def _connect_kwargs(settings: Settings) -> dict[str, Any]:
 
 
 MAX_KNOWN_HOSTS = 16 << 20
-MAX_READ = 4 << 20  # a node's file meshkit reads (authorized_keys, known_hosts, /proc/...)
 
 
 class Remote:
     """One node's single SSH connection, with the operations the phases need."""
 
     def __init__(self, host: Host, settings: Settings, config: paramiko.SSHConfig) -> None:
-        self.host, self.settings = host, settings
+        self.host = host
+        self.settings = settings
         self.conn = Connection(
             host.host,
             user=host.user or settings.user,
@@ -218,7 +221,7 @@ class Remote:
         conn.client.set_missing_host_key_policy(StrictPolicy(settings))
         named = str(conn.ssh_config.get("userknownhostsfile", "~/.ssh/known_hosts")).split()
         files = ["/etc/ssh/ssh_known_hosts", "~/.ssh/known_hosts", *named]
-        for path in dict.fromkeys(str(Path(f).expanduser()) for f in files):
+        for path in dict.fromkeys(str(Path(name).expanduser()) for name in files):
             if Path(path).is_file():
                 self.revoked |= load_known_hosts(conn.client.get_host_keys(), path)
 
@@ -255,12 +258,12 @@ class Remote:
         transport: Any = self.conn.transport
         done = threading.Event()
         transport.completion_event = done  # paramiko sets it on the reply, success or failure
-        m = paramiko.Message()
-        m.add_byte(paramiko.common.cMSG_GLOBAL_REQUEST)
-        m.add_string(kind)
-        m.add_boolean(True)
-        m.add(*data)
-        transport._send_user_message(m)
+        message = paramiko.Message()
+        message.add_byte(paramiko.common.cMSG_GLOBAL_REQUEST)
+        message.add_string(kind)
+        message.add_boolean(True)
+        message.add(*data)
+        transport._send_user_message(message)
         if not done.wait(self.remaining()):
             raise TimeoutError(f"no answer to {kind}")
         reply: paramiko.Message | None = transport.global_response
@@ -340,180 +343,3 @@ class Remote:
 
     def close(self) -> None:
         self.conn.close()
-
-
-# The node side of NodeShell: POSIX sh, started once per node by the user's login shell (so its
-# ~/.bashrc runs once). It answers one request per line, in order; every answer is a status line
-# ("=ok", "=none", "=denied", "=err ...", "=changed"), data lines (base64, or text lines each
-# after a "|"), and a line ".". Request data (paths, sizes) is read with `read`, never evaluated;
-# file contents travel as counted bytes; each request line starts with this run's token, so a
-# shell that ever lost count of the bytes ends (releasing its lock) instead of reading data as
-# requests. Text files are read with shell builtins and most answers need no fork: the node's CPU
-# goes to sshd and the user's shell, as for any login.
-NODE_SHELL = r"""
-exec 2>/dev/null
-umask 077
-set -C
-T=$1 w=
-trap '[ -z "$w" ] || kill "$w"' EXIT
-txt() {
-  n=0
-  while [ "$n" -lt "$2" ] && { IFS= read -r l || [ -n "$l" ]; }; do
-    n=$((n + 1)); printf '|%s\n' "$l"
-  done < "$1"
-}
-fin() { case $2 in -) ;; !) rm -f -- "$1" ;; *) mv -f -- "$2" "$1" ;; esac; }
-drop() { case $1 in -|!) ;; *) rm -f -- "$1" ;; esac; }
-echo =meshkit-ready
-while read -r t op a b; do
-  [ "$t" = "$T" ] || exit 1
-  case $op in
-  cat|txt)
-    if [ ! -e "$b" ]; then echo =none
-    elif [ ! -r "$b" ]; then echo =denied
-    elif [ "$op" = txt ]; then echo =ok; txt "$b" "$a"
-    else echo =ok; head -c "$a" -- "$b" </dev/null | base64; fi ;;
-  stat)
-    echo =ok; set -f
-    if [ "$a" = -L ]; then stat -L -c '|%f %u %n' -- $b; else stat -c '|%f %u %n' -- $b; fi
-    set +f ;;
-  link) echo =ok; printf '|%s\n' "$(readlink -- "$b")" ;;
-  ls)
-    if [ -d "$b" ]; then
-      echo =ok
-      for f in "$b"/* "$b"/.[!.]* "$b"/..?*; do
-        if [ -e "$f" ] || [ -L "$f" ]; then printf '|%s\n' "${f##*/}"; fi
-      done
-    else echo =none; fi ;;
-  home) cd -P . && echo "=ok $PWD" ;;
-  keygen)
-    k=${a%%:*} c=${a#*:} r=0 out=
-    [ -d .ssh ] || mkdir -m 700 .ssh
-    exec 8<.ssh
-    if flock -w 30 8; then
-      if [ "$k" = derive ]; then
-        if [ ! -e "$b.pub" ]; then
-          out=$(ssh-keygen -y -f "$b" 2>&1 >"$b.pub" </dev/null) || { r=$?; rm -f -- "$b.pub"; }
-        fi
-      elif [ ! -e "$b" ] && [ ! -e "$b.pub" ]; then
-        out=$(ssh-keygen -q -t "$k" -N '' -C "$c" -f "$b" 2>&1 </dev/null) || r=$?
-      fi
-      exec 8<&-
-      if [ "$r" = 0 ] && [ -r "$b.pub" ]; then echo =ok; txt "$b.pub" 4
-      else echo "=err $r"; printf '%s\n' "$out" | head -c 300 | base64; fi
-    else exec 8<&-; echo "=err lock"; fi ;;
-  lock)
-    [ -d .ssh ] || mkdir -m 700 .ssh
-    exec 9<.ssh
-    if flock -w "$a" 9; then
-      (exec 8<&- 9<&-; trap 'kill $s; exit' TERM; sleep "$a" & s=$!; wait $s; kill -TERM $$) \
-        </dev/null >/dev/null &
-      w=$!
-      echo =ok
-    else exec 9<&-; echo =err; fi ;;
-  unlock) exec 9<&-; [ -z "$w" ] || kill "$w"; w=; echo =ok ;;
-  put) if head -c "$a" > "$b"; then echo =ok; else exit 1; fi ;;
-  commit)
-    read -r ta tk
-    ha=none hk=none p=
-    for x in $(sha256sum -- .ssh/authorized_keys .ssh/known_hosts); do
-      case $x in .ssh/authorized_keys) ha=$p ;; .ssh/known_hosts) hk=$p ;; esac
-      p=$x
-    done
-    if [ "$ha" = "$a" ] && [ "$hk" = "$b" ]; then
-      if fin .ssh/authorized_keys "$ta" && fin .ssh/known_hosts "$tk"; then echo =ok
-      else echo =err; fi
-    else drop "$ta"; drop "$tk"; echo =changed; fi ;;
-  rm) rm -f -- "$b"; echo =ok ;;
-  sh) s=$(head -c "$a"); echo =ok; sh -c "$s" </dev/null 2>&1 | base64 ;;
-  *) echo =err ;;
-  esac
-  echo .
-done
-"""
-MAX_NOISE = 1 << 20  # what a chatty ~/.bashrc may print before the node shell starts
-
-
-@dataclass(frozen=True)
-class Reply:
-    """One answer of the node shell: its status, the rest of the status line, the data."""
-
-    status: str
-    text: str
-    body: bytes
-
-
-class NodeShell:
-    """One exec channel on a node's connection, running NODE_SHELL: every file read, key, lock,
-    write and rename of mesh and unmesh, without another channel and without SFTP (its subsystem
-    starts the user's shell too), so the user's shell and its ~/.bashrc (conda or pyenv init, 0.1 s
-    of CPU on many ML nodes) start once per node. Requests are pipelined: ``ask`` sends them all,
-    then reads every answer in order. Every wait is bounded by the Remote's phase deadline."""
-
-    def __init__(self, remote: Remote, *first: str | tuple[str, bytes]) -> None:
-        """Start the node shell and send it the ``first`` requests at once, without waiting
-        (their replies are ``receive``'s): started as each connection opens, the shell's
-        start-up and that first round overlap the other nodes' connects."""
-        self.remote = remote
-        self.channel = remote.conn.transport.open_session(timeout=remote.remaining())
-        self._buf = b""
-        self._ready = False
-        self.token = uuid.uuid4().hex
-        self.channel.settimeout(remote.remaining())
-        self.channel.exec_command(f"exec sh -c {shlex.quote(NODE_SHELL)} meshkit {self.token}")
-        if first:
-            self.send(*first)
-
-    def _line(self) -> bytes:
-        while b"\n" not in self._buf:
-            self.channel.settimeout(self.remote.remaining())
-            chunk = self.channel.recv(1 << 16)
-            if not chunk:
-                raise MeshkitError(
-                    "the node's shell ended unexpectedly (sh, head, base64, stat and flock are "
-                    "needed on the node)"
-                )
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        return line
-
-    def send(self, *requests: str | tuple[str, bytes]) -> None:
-        """Send each request (a line, or a line and the bytes it announces)."""
-        out = b""
-        for request in requests:
-            line, data = (request, b"") if isinstance(request, str) else request
-            if "\n" in line:
-                raise ValueError(f"a request is one line: {line!r}")
-            out += f"{self.token} {line}\n".encode() + data
-        self.channel.settimeout(self.remote.remaining())
-        self.channel.sendall(out)
-
-    def receive(self, count: int) -> list[Reply]:
-        """The replies to the next ``count`` requests sent, in order."""
-        seen = 0
-        while not self._ready and (line := self._line()) != b"=meshkit-ready":
-            seen += len(line)
-            if seen > MAX_NOISE:
-                raise MeshkitError("the node's shell printed too much before starting")
-        self._ready = True
-        replies = []
-        for _ in range(count):
-            head = self._line().decode(errors="replace")
-            if not head.startswith("="):
-                raise MeshkitError(f"the node's shell answered {head[:80]!r}")
-            status, _, text = head[1:].partition(" ")
-            body = list(iter(self._line, b"."))  # up to the line "."
-            lines = b"".join(b[1:] + b"\n" for b in body if b.startswith(b"|"))
-            encoded = b"".join(b for b in body if not b.startswith(b"|"))
-            replies.append(Reply(status, text, lines + base64.b64decode(encoded)))
-        return replies
-
-    def ask(self, *requests: str | tuple[str, bytes]) -> list[Reply]:
-        """Send the requests, then read every reply in order (pipelined: one round trip)."""
-        self.send(*requests)
-        return self.receive(len(requests))
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.channel.shutdown_write()  # the node shell reads EOF, lets go of a lock, ends
-            self.channel.close()

@@ -22,20 +22,25 @@ def describe(exc: BaseException, host: Host, settings: Settings) -> str:
         )
     if isinstance(exc, UnknownHostKey):
         return (
-            f"unknown host key {exc.kind} {exc.fingerprint}; verify it (ssh-keygen -lf on the node), "
-            "then rerun with --accept-new-host-keys"
+            f"unknown host key {exc.kind} {exc.fingerprint}; verify it (ssh-keygen -lf on the "
+            "node), then rerun with --accept-new-host-keys"
         )
     if isinstance(exc, GatewayError):
         return f"ProxyJump gateway {exc.hop}: " + describe(exc.cause, Host(exc.hop), settings)
     if isinstance(exc, paramiko.BadHostKeyException):
+        expected = fingerprint(exc.expected_key)
+        got = fingerprint(exc.key)
         return (
-            f"HOST KEY CHANGED: expected {fingerprint(exc.expected_key)}, got {fingerprint(exc.key)}; "
-            f"refused. If the node was reinstalled, remove the old key: ssh-keygen -R {host.known_hosts_name()}"
+            f"HOST KEY CHANGED: expected {expected}, got {got}; refused. If the node was "
+            f"reinstalled, remove the old key: ssh-keygen -R {host.known_hosts_name()}"
         )
     if isinstance(exc, paramiko.AuthenticationException):
         return "authentication failed: pass --identity KEY (a key the node accepts) or --password"
     if isinstance(exc, (socket.timeout, TimeoutError)):
-        return f"no answer within {settings.connect_timeout:.0f}s on port {port}: is the node up and reachable?"
+        return (
+            f"no answer within {settings.connect_timeout:.0f}s on port {port}: is the node up and "
+            "reachable?"
+        )
     if isinstance(exc, CommandTimedOut):
         return f"a remote command took longer than {exc.timeout}s; the node may be overloaded"
     if isinstance(exc, (paramiko.ssh_exception.NoValidConnectionsError, ConnectionRefusedError)):

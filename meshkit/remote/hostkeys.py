@@ -62,7 +62,8 @@ def prove_in_connection(remote: Remote) -> tuple[list[PublicKey], list[str]] | N
     reply = remote.global_request(PROVE, blobs) if blobs else None
     if reply is None:
         return None
-    proven, notes = [], []
+    proven: list[PublicKey] = []
+    notes: list[str] = []
     for blob in blobs:
         signature = reply.get_binary() if reply.get_remainder() else b""
         try:
@@ -102,19 +103,22 @@ def proven_host_keys(
     proven = [PublicKey(kind, blob)]
     found = prove_in_connection(remote)
     if found is not None:
-        proven += [k for k in found[0] if k.blob != blob]
-        notes, how = found[1], IN_CONNECTION
+        proven_in_connection, notes = found
+        proven += [key for key in proven_in_connection if key.blob != blob]
+        how = IN_CONNECTION
     else:
-        notes, how = [], FALLBACK
+        notes = []
+        how = FALLBACK
         for key in claimed:
-            if not any(k.kind == key.kind for k in proven):
+            if not any(known.kind == key.kind for known in proven):
                 got = served_key(remote, key.kind)
                 if got is not None and got.blob == key.blob:
                     proven.append(PublicKey(key.kind, key.blob))
-    served = {k.blob for k in proven}
-    notes += [
-        f"{k.kind} key {k.fingerprint()} in /etc/ssh is not the one sshd serves; not trusted"
-        for k in claimed
-        if k.blob not in served
-    ]
+    served = {key.blob for key in proven}
+    for key in claimed:
+        if key.blob not in served:
+            notes.append(
+                f"{key.kind} key {key.fingerprint()} in /etc/ssh is not the one sshd serves; "
+                "not trusted"
+            )
     return proven, notes, how

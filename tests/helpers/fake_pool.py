@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 from meshkit import protocol as p
 from meshkit.hostfile import Host
-from meshkit.remote.group import Outcome
+from meshkit.outcome import Outcome
 
 HOSTS = [Host("10.0.0.1", lineno=1), Host("10.0.0.2", lineno=2), Host("10.0.0.3", lineno=3)]
 

@@ -14,16 +14,22 @@ from ...hostfile import Host
 
 if TYPE_CHECKING:
     from ...keys import Merge
-    from ...meshplan import VerifyResult
     from ...ops.mesh import MeshReport
+    from ...verifyplan import VerifyResult
 
 from ..common import conf, helps, progress, reported, table, task
 
 HOST_FLAGS = ("hostfile", "include", "exclude")
+SHOWN_FAILURES = 50  # pairs listed under the matrix; the matrix shows them all
+SHOWN_LINE = 110  # characters of a line a dry run would add
 SSH_HELP = {
-    "identity": "private key the controller logs in with (a bootstrap key; default: ssh config/agent)",
+    "identity": (
+        "private key the controller logs in with (a bootstrap key; default: ssh config/agent)"
+    ),
     "password": "prompt once for a login password and use it for every node",
-    "accept_new_host_keys": "trust host keys seen for the first time (recorded in ~/.ssh/known_hosts)",
+    "accept_new_host_keys": (
+        "trust host keys seen for the first time (recorded in ~/.ssh/known_hosts)"
+    ),
 }
 
 
@@ -32,22 +38,26 @@ def _hosts(
 ) -> tuple[list[Host], str]:
     from ...discovery import read_hosts
 
-    cfg = conf()  # a flag when given, else the configured value
-    path = str(pick(cfg, "hostfile", hostfile))
-    return read_hosts(path, pick(cfg, "include", include), pick(cfg, "exclude", exclude)), path
+    config = conf()  # a flag when given, else the configured value
+    path = str(pick(config, "hostfile", hostfile))
+    included = pick(config, "include", include)
+    excluded = pick(config, "exclude", exclude)
+    return read_hosts(path, included, excluded), path
 
 
 def _mesh_id(hostfile: str | None) -> str:
     """The mesh's id, from every node of the hostfile (--include/--exclude do not change it)."""
     from ...meshplan import mesh_id
 
-    return mesh_id(_hosts(hostfile, None, None)[0])
+    hosts, _ = _hosts(hostfile, None, None)
+    return mesh_id(hosts)
 
 
 def _verify_report(result: VerifyResult) -> int:
-    from ...meshplan import matrix
+    from ...verifyplan import matrix
 
-    hosts, failures = result.hosts, result.failures
+    hosts = result.hosts
+    failures = result.failures
     pairs = len(hosts) ** 2
     print(
         f"verify: {result.ok_pairs}/{pairs} pairs log in by hostfile name (BatchMode, "
@@ -56,8 +66,8 @@ def _verify_report(result: VerifyResult) -> int:
     )
     if failures:
         print(matrix(hosts, failures))
-        for f in failures[:50]:
-            print(f"  {f.source.label} -> {f.target.label}: {f.error}")
+        for failure in failures[:SHOWN_FAILURES]:
+            print(f"  {failure.source.label} -> {failure.target.label}: {failure.error}")
     return len(failures)
 
 
@@ -65,7 +75,9 @@ def _verify_report(result: VerifyResult) -> int:
     help=helps(
         *HOST_FLAGS,
         **SSH_HELP,
-        skip_unreachable="mesh the reachable nodes and list the others, instead of changing nothing",
+        skip_unreachable=(
+            "mesh the reachable nodes and list the others, instead of changing nothing"
+        ),
         dry_run="connect and show what would change on each node; change nothing anywhere",
         verify="check every pair afterwards from the nodes themselves (default on; --no-verify)",
     )
@@ -94,11 +106,12 @@ def mesh(
 
     with reported():
         hosts, path = _hosts(hostfile, include, exclude)
-        st = ssh_settings(conf(), path, identity, password, accept_new_host_keys)
-        print(f"mesh: {len(hosts)} nodes from {path}{' (dry run)' if dry_run else ''}")
+        settings = ssh_settings(conf(), path, identity, password, accept_new_host_keys)
+        dry = " (dry run)" if dry_run else ""
+        print(f"mesh: {len(hosts)} nodes from {path}{dry}")
         report = ops.mesh(
             hosts,
-            st,
+            settings,
             _mesh_id(hostfile),
             skip_unreachable=skip_unreachable,
             dry_run=dry_run,
@@ -108,45 +121,52 @@ def mesh(
         _show(report)
         if report.failed:
             fix = "mesh: some nodes were not changed (above); rerun mesh once they are fixed"
-            raise MeshkitError([*(f"  {n.host.label}: {n.error}" for n in report.failed), fix])
+            failures = [f"  {node.host.label}: {node.error}" for node in report.failed]
+            raise MeshkitError([*failures, fix])
         if report.verify and _verify_report(report.verify):
             raise Exit("meshkit: mesh installed, but some pairs cannot log in (see above)", 1)
         if report.left_out:
-            left = ", ".join(h.label for h in report.left_out)
+            left = ", ".join(host.label for host in report.left_out)
             raise Exit(f"meshkit: meshed {len(report.nodes)} nodes; left out: {left}", 1)
 
 
 def _added(merge: Merge) -> str:
-    return f"+{len(merge.added)}" + (f" ~{merge.claimed}" if merge.claimed else "")
+    """``+added ~shared``: lines this mesh adds, and lines it shares with another mesh."""
+    shared = f" ~{merge.claimed}" if merge.claimed else ""
+    return f"+{len(merge.added)}{shared}"
 
 
 def _show(report: MeshReport) -> None:
     rows = []
-    for n in report.nodes:
-        auth, known = _added(n.plan.authorized), _added(n.plan.known)
-        rows.append((report.hosts.index(n.host), n.host.label, n.user_key, auth, known, n.result))
+    for node in report.nodes:
+        authorized = _added(node.plan.authorized)
+        known = _added(node.plan.known)
+        index = report.hosts.index(node.host)
+        rows.append((index, node.host.label, node.user_key, authorized, known, node.result))
     print(table(["#", "node", "user key", "authorized_keys", "known_hosts", "result"], rows))
     shared = "~N: lines shared with another mesh"
     print(f"  mesh id {report.mesh_id} (tagged on every line it adds; {shared})")
     for note in report.notes:
         print(f"  note: {note}")
-    by: dict[str, list[str]] = {}
-    for h, how in report.host_keys_by.items():
-        by.setdefault(how, []).append(h.label)
-    for how, labels in by.items():
+    nodes_by_how: dict[str, list[str]] = {}
+    for host, how in report.host_keys_by.items():
+        nodes_by_how.setdefault(how, []).append(host.label)
+    for how, labels in nodes_by_how.items():
         print(f"  host keys {how}: {', '.join(labels)}")
-    for h, names in report.names.items():
-        print(f"  {h.label} answers to: " + ", ".join(f"{n} ({why})" for n, why in names))
-    for n in report.nodes:
-        for note in n.notes:
-            print(f"  {n.host.label}: note: {note}")
-        if n.cleaned:
-            print(f"  {n.host.label}: removed {n.cleaned} stale meshkit temp file(s)")
+    for host, names in report.names.items():
+        spelled = ", ".join(f"{name} ({why})" for name, why in names)
+        print(f"  {host.label} answers to: {spelled}")
+    for node in report.nodes:
+        label = node.host.label
+        for note in node.notes:
+            print(f"  {label}: note: {note}")
+        if node.cleaned:
+            print(f"  {label}: removed {node.cleaned} stale meshkit temp file(s)")
         if report.dry_run:
-            for line in n.plan.authorized.added + n.plan.known.added:
-                print(f"  {n.host.label}: would add: {line[:110]}")
-    for h, err in report.left_out.items():
-        print(f"  {h.label}: left out: {err}")
+            for line in node.plan.authorized.added + node.plan.known.added:
+                print(f"  {label}: would add: {line[:SHOWN_LINE]}")
+    for host, error in report.left_out.items():
+        print(f"  {host.label}: left out: {error}")
 
 
 @task(help=helps(*HOST_FLAGS, "json", identity=SSH_HELP["identity"]))
@@ -171,9 +191,10 @@ def check(
                 raise Exit("meshkit: check failed; run `meshkit mesh` to fix", 1)
             return
     failures = [
-        {"from": f.source.label, "to": f.target.label, "error": f.error} for f in result.failures
+        {"from": failure.source.label, "to": failure.target.label, "error": failure.error}
+        for failure in result.failures
     ]
-    nodes = [h.label for h in hosts]
+    nodes = [host.label for host in hosts]
     print(jsonlib.dumps({"nodes": nodes, "ok": not result.failures, "failures": failures}))
     if result.failures:
         raise Exit(code=1)
@@ -183,7 +204,9 @@ def check(
     help=helps(
         *HOST_FLAGS,
         identity=SSH_HELP["identity"],
-        keep_keys="keep user keys that mesh created (default: remove them, unless another mesh uses them)",
+        keep_keys=(
+            "keep user keys that mesh created (default: remove them, unless another mesh uses them)"
+        ),
         dry_run="show what would be removed; change nothing",
     )
 )
@@ -204,16 +227,25 @@ def unmesh(
 
     with reported():
         hosts, path = _hosts(hostfile, include, exclude)
-        st, mid = ssh_settings(conf(), path, identity), _mesh_id(hostfile)
-        report = ops.unmesh(hosts, st, mid, keep_keys=keep_keys, dry_run=dry_run, progress=progress)
+        settings = ssh_settings(conf(), path, identity)
+        report = ops.unmesh(
+            hosts,
+            settings,
+            _mesh_id(hostfile),
+            keep_keys=keep_keys,
+            dry_run=dry_run,
+            progress=progress,
+        )
         rows: list[tuple[str, ...]] = []
-        for n in report.nodes:
-            lines = (f"-{n.plan.authorized_removed}", f"-{n.plan.known_removed}")
-            rows.append((n.host.label, *lines, n.plan.remove_key or "-", n.result))
+        for node in report.nodes:
+            plan = node.plan
+            authorized = f"-{plan.authorized_removed}"
+            known = f"-{plan.known_removed}"
+            rows.append((node.host.label, authorized, known, plan.remove_key or "-", node.result))
         key = "would remove key" if dry_run else "key removed"
         print(table(["node", "authorized_keys", "known_hosts", key, "result"], rows))
-        for n in report.nodes:
-            if n.plan.kept_key:
-                print(f"  {n.host.label}: {n.plan.kept_key}")
+        for node in report.nodes:
+            if node.plan.kept_key:
+                print(f"  {node.host.label}: {node.plan.kept_key}")
         if report.failed:
-            raise MeshkitError([f"  {n.host.label}: {n.error}" for n in report.failed])
+            raise MeshkitError([f"  {node.host.label}: {node.error}" for node in report.failed])
