@@ -18,7 +18,7 @@ from meshkit import job as jobs
 from meshkit import protocol
 from meshkit.errors import JobError, UsageError
 from meshkit.job import Job
-from meshkit.node import agent, procs, tmux
+from meshkit.node import agent, procs, rankenv, tmux
 from meshkit.node import jobs as node_jobs
 from meshkit.ops.lookup import find_job
 
@@ -303,7 +303,7 @@ def test_the_agents_env_answer_is_what_meshkit_env_prints_there(tmp_path, case):
     fresh = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, check=False, env=env)
     os.environ["MESHKIT_NODE_RANK"] = "1"
     try:
-        reply = agent.env(protocol.EnvRequest(str(tmp_path), hostfile, "s", 23456))
+        reply = rankenv.env(protocol.EnvRequest(str(tmp_path), hostfile, "s", 23456))
     finally:
         del os.environ["MESHKIT_NODE_RANK"]
     if case == "ok":
