@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from .distenv import NodeEnv, as_json, export_lines, log_target, logged, rank_variables, variables
 from .errors import MeshkitError, UsageError
+from .node.files import errors_dir
 from .node.signals import reset_for_exec
 from .settings import Config, load
 from .settings import whole as whole  # ops.train's too
@@ -121,7 +122,7 @@ def _environment(node: NodeEnv, log: str | None) -> dict[str, str]:
         hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node", "hook")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (hook, env.get("PYTHONPATH")) if p)
         home = os.path.dirname(os.path.abspath(log))
-        env["MESHKIT_ERRORS"] = os.path.join(home, "errors")
+        env["MESHKIT_ERRORS"] = errors_dir(home)
         # torch's flight recorder (gloo and NCCL in torch >= 2.7; NCCL's older name too): what
         # each rank last entered, which diagnose reads; NCCL dumps it here on a timeout.
         for name, value in FLIGHT.items():
