@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 
 def handler(op: str) -> Callable[[Any], protocol.Reply]:
-    """The function that answers ``op``: "module.function" of meshkit.node, from ``protocol.OPS``."""
+    """The function that answers ``op``, which protocol.OPS names ("module.function" of
+    meshkit.node)."""
     _, _, where = protocol.OPS[op]
     module, _, name = where.partition(".")
     full = f"meshkit.node.{module}"

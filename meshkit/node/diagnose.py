@@ -103,7 +103,8 @@ def ask(sock: str, rank: int, pid: int, seconds: float) -> RankStack:
     """One rank's stack, from the job's keeper listening on ``sock``."""
     try:
         with socket.socket(socket.AF_UNIX) as connection:
-            connection.settimeout(2 * seconds + 5)  # py-spy, then the flight recorder: each bounded
+            # py-spy, then the flight recorder: each bounded by ``seconds``
+            connection.settimeout(2 * seconds + 5)
             connection.connect(sock)
             connection.sendall(f"{rank} {pid} {int(seconds)}\n".encode())
             answer = json.loads(connection.makefile("rb").read(MAX_STACK))
@@ -193,7 +194,8 @@ def flight(path: str, asked: float, seconds: float) -> tuple[int | None, str | N
 
 
 def _fresh_entries(path: str, asked: float) -> list[dict[str, Any]] | None:
-    """The dump's entries if it was written since ``asked`` (None: not yet, or not readable)."""
+    """The dump's entries if it was written since ``asked`` (None: not yet, or not
+    readable)."""
     try:
         if os.stat(path).st_mtime < asked - 0.01:
             return None
@@ -235,8 +237,8 @@ def read_errors(directory: str, started: float | None) -> list[RankError]:
 
 
 def _rank_error(path: str, file_rank: str) -> RankError:
-    """One error file: torchelastic's shape, with the hook's own fields (its rank, its node and
-    the time to the microsecond) where it wrote them."""
+    """One error file: torchelastic's shape, with the hook's own fields (its rank, its node
+    and the time to the microsecond) where it wrote them."""
     data = json.loads(files.read_text(path, 1 << 18) or "")
     message = data["message"]
     ours = data.get("meshkit") or {}

@@ -1,12 +1,13 @@
-"""The node's state files, each named here and nowhere else: a job's state directory and what it
-holds, the supervisors' pid files and record copies, the ranks' flight-recorder FIFOs and the
-error files the rank hook writes; and the two helpers that read and write them. Standard library
-only: the keeper imports this on every node at every launch. Paths are strings (``os.path``, not
-``pathlib``, whose import every node interpreter would pay).
+"""The node's state files, each named here and nowhere else: a job's state directory and
+what it holds, the supervisors' pid files and record copies, the ranks' flight-recorder FIFOs
+and the error files the rank hook writes; and the two helpers that read and write them.
 
-The rank hook (``node/hook/sitecustomize.py``) imports nothing of meshkit into the user's ranks:
-it builds the FIFO and error-file paths by the same convention, and ``tests/test_nodefiles.py``
-checks that its paths are these.
+Standard library only: the keeper imports this on every node at every launch. Paths are
+strings (``os.path``, not ``pathlib``, whose import every node interpreter would pay).
+
+The rank hook (``node/hook/sitecustomize.py``) imports nothing of meshkit into the user's
+ranks: it builds the FIFO and error-file paths by the same convention, and
+``tests/test_nodefiles.py`` checks that its paths are these.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import re
 
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
-SPEC = "spec.json"  # also the name the keeper gives the spec when it says why it is unreadable
+SPEC = "spec.json"  # also what the keeper calls the spec when it says why it is unreadable
 FLIGHT_PREFIX = "fr-"  # each flight-recorder file of a rank: fr-PID, its dump fr-PID.json
 ERROR_PREFIX = "rank"  # a rank's error file: rank<R>.json
 ERROR_SUFFIX = ".json"
@@ -33,7 +34,7 @@ def check_job_id(job_id: str) -> None:
         raise ValueError(f"bad job id {job_id[:40]!r}")
 
 
-# ---- a job's state directory: each job's own, on each node -------------------------------------
+# ---- a job's state directory: each job's own, on each node
 
 
 def jobs_root() -> str:
@@ -46,7 +47,8 @@ def job_dir(job_id: str) -> str:
 
 
 def spec_file(directory: str) -> str:
-    """The job's one record (``protocol.NodeJob``): the agent writes it, the keeper runs it."""
+    """The job's one record (``protocol.NodeJob``): the agent writes it; the keeper runs
+    it."""
     return f"{directory}/{SPEC}"
 
 
@@ -74,7 +76,7 @@ def error_file(directory: str) -> str:
     return f"{directory}/error"
 
 
-# ---- the supervisors: one per job per node ---------------------------------------------------
+# ---- the supervisors: one per job per node
 
 
 def supervisors_root() -> str:
@@ -82,7 +84,8 @@ def supervisors_root() -> str:
 
 
 def supervisor_pid_file(job_id: str) -> str:
-    """The pid of the job's supervisor on this node; its mtime is the supervisor's heartbeat."""
+    """The pid of the job's supervisor on this node; its mtime is the supervisor's
+    heartbeat."""
     check_job_id(job_id)
     return os.path.join(supervisors_root(), f"{job_id}.pid")
 
@@ -98,7 +101,7 @@ def supervision_lock(job_id: str) -> str:
     return f"{supervision_copy(job_id)}.lock"
 
 
-# ---- a rank's files: written by the rank hook --------------------------------------------------
+# ---- a rank's files: written by the rank hook
 
 
 def fifo(pid: int) -> str:
@@ -120,8 +123,9 @@ def flight_file_pid(name: str) -> str | None:
 
 
 def errors_dir(home: str) -> str:
-    """Where a job's ranks record their uncaught exceptions: beside its logs in ``home``, on the
-    storage the nodes share (``meshkit run --log`` passes it to the ranks as MESHKIT_ERRORS)."""
+    """Where a job's ranks record their uncaught exceptions: beside its logs in ``home``, on
+    the storage the nodes share (``meshkit run --log`` passes it to the ranks as
+    MESHKIT_ERRORS)."""
     return os.path.join(home, "errors")
 
 
@@ -139,7 +143,7 @@ def error_file_rank(name: str) -> str | None:
     return name[len(ERROR_PREFIX) : -len(ERROR_SUFFIX)]
 
 
-# ---- reading and writing them ------------------------------------------------------------------
+# ---- reading and writing them
 
 
 def read_text(path: str | os.PathLike[str], limit: int = 65536) -> str | None:

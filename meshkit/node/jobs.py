@@ -60,7 +60,8 @@ def running_jobs() -> list[protocol.RunningJob]:
     job_ids = sorted(name for name in names if files.JOB_ID.match(name))
     running = []
     for job_id in job_ids:
-        # Running means its command has not exited; stragglers an exited job left are no conflict.
+        # Running means its command has not exited: stragglers an exited job left are no
+        # conflict.
         state, _ = job_state(job_id)
         if state == "running":
             label = _spec(job_id, "label") or job_id

@@ -60,8 +60,8 @@ def keep(directory: str) -> int:
             "bash", ["bash", "-c", job.script()], env, setsigdef=signals.RESET_FOR_EXEC
         )
     except OSError as exc:
-        why = exc.strerror or exc
-        files.write_atomic(files.error_file(directory), f"cannot start in {job.workdir}: {why}\n")
+        why = f"cannot start in {job.workdir}: {exc.strerror or exc}\n"
+        files.write_atomic(files.error_file(directory), why)
         files.write_atomic(files.exit_file(directory), "127\n")
         return 127
     code = 0

@@ -1,6 +1,6 @@
-"""The ``env`` op: rank discovery on this node for a job's workdir, as ``meshkit run`` will do it
-there (the workdir's meshkit.yaml included), for the launch's preflight. Standard library only;
-imported at the first ``env`` request, not at every agent's start."""
+"""The ``env`` op: rank discovery on this node for a job's workdir, as ``meshkit run`` will
+do it there (the workdir's meshkit.yaml included), for the launch's preflight. Standard
+library only; imported at the first ``env`` request, not at every agent's start."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from ..record import asdict
 
 
 def env(request: EnvRequest) -> EnvReply:
-    """What ``meshkit run`` will export here for the job in ``request.cwd``, or why it cannot."""
+    """What ``meshkit run`` will export here for the job in ``request.cwd``, or why it
+    cannot."""
     if not os.path.isdir(request.cwd):
         why = f"workdir {request.cwd} is missing (it must be on storage every node shares)"
         return EnvReply({}, "", None, "", why)

@@ -20,8 +20,9 @@ PR_SET_PTRACER = 0x59616D61
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
-# The paths node/files.py names (fifo, fifo_dump, rank_error_file), built by the same convention:
-# the hook imports nothing of meshkit into the user's ranks. tests/test_nodefiles.py checks them.
+# The paths node/files.py names (fifo, fifo_dump, rank_error_file), built by the same
+# convention: the hook imports nothing of meshkit into the user's ranks.
+# tests/test_nodefiles.py checks that they agree.
 def fifo_path(pid: int) -> str:
     return f"/tmp/meshkit-{os.getuid()}/fr-{pid}"
 
