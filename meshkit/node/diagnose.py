@@ -82,7 +82,7 @@ def rank_processes(keeper: int) -> dict[int, int]:
         for entry in environ.split(b"\0"):
             name, _, value = entry.partition(b"=")
             if name == b"RANK":
-                rank = value  # the last one, as the process's own environment reads it
+                rank = value  # the last one wins, as in Python's os.environ
         if rank.isdigit():
             rank_of[pid] = int(rank)
     topmost = []  # (rank, pid): a data loader's workers carry their rank's RANK too
