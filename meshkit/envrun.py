@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from .distenv import NodeEnv, as_json, export_lines, log_target, logged, rank_variables, variables
 from .errors import MeshkitError, UsageError
+from .node.files import errors_dir
 from .node.signals import reset_for_exec
 from .record import record
 from .settings import Config, load
@@ -132,7 +133,7 @@ def _environment(node: NodeEnv, log: str | None) -> dict[str, str]:
             python_path.append(env["PYTHONPATH"])
         env["PYTHONPATH"] = os.pathsep.join(python_path)
         home = os.path.dirname(os.path.abspath(log))
-        env["MESHKIT_ERRORS"] = os.path.join(home, "errors")
+        env["MESHKIT_ERRORS"] = errors_dir(home)
         # torch's flight recorder (gloo and NCCL in torch >= 2.7; NCCL's older name too): what
         # each rank last entered, which diagnose reads; NCCL dumps it here on a timeout.
         for name, value in FLIGHT.items():

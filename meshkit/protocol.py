@@ -427,8 +427,8 @@ class PutReply(Reply):
 # op -> (request, reply, handler): the handler is "module.function" of meshkit.node, imported on
 # first use (a status round needs none of doctor, sync or supervise).
 OPS: dict[str, tuple[type[Request], type[Reply], str]] = {
-    "env": (EnvRequest, EnvReply, "agent.env"),
-    "ports": (PortsRequest, PortsReply, "agent.ports"),
+    "env": (EnvRequest, EnvReply, "rankenv.env"),
+    "ports": (PortsRequest, PortsReply, "ports.ports"),
     "start": (StartRequest, StartReply, "jobs.start"),
     "jobs": (JobsRequest, JobsReply, "jobs.jobs"),
     "status": (StatusRequest, StatusReply, "jobs.status"),

@@ -18,7 +18,7 @@ from meshkit import job as jobs
 from meshkit import protocol
 from meshkit.errors import JobError, UsageError
 from meshkit.job import Job
-from meshkit.node import agent, procs, tmux
+from meshkit.node import agent, files, procs, rankenv, tmux
 from meshkit.node import jobs as node_jobs
 from meshkit.ops.lookup import find_job
 
@@ -141,7 +141,7 @@ def private_tmux(tmp_path, monkeypatch):
     /tmp/meshkit-<uid>/jobs, and no other job running here counts as a conflict."""
     monkeypatch.setenv("TMUX_TMPDIR", str(tmp_path))
     jobs_dir = str(tmp_path / "jobs")
-    monkeypatch.setattr(node_jobs, "jobs_root", lambda: jobs_dir)
+    monkeypatch.setattr(files, "jobs_root", lambda: jobs_dir)
     yield
     os.system(f"TMUX_TMPDIR={shlex.quote(str(tmp_path))} tmux kill-server 2>/dev/null")
 
@@ -215,7 +215,7 @@ def test_stop_ends_what_setsid_and_env_i_detached(private_tmux, tmp_path):
 def test_stop_clears_the_flight_recorder_files_of_processes_gone():
     dead = subprocess.Popen(["true"])
     dead.wait()
-    root = Path(node_jobs.state_root())
+    root = Path(files.state_root())
     root.mkdir(mode=0o700, exist_ok=True)
     mine = [
         root / f"fr-{os.getpid()}",
@@ -303,7 +303,7 @@ def test_the_agents_env_answer_is_what_meshkit_env_prints_there(tmp_path, case):
     fresh = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, check=False, env=env)
     os.environ["MESHKIT_NODE_RANK"] = "1"
     try:
-        reply = agent.env(protocol.EnvRequest(str(tmp_path), hostfile, "s", 23456))
+        reply = rankenv.env(protocol.EnvRequest(str(tmp_path), hostfile, "s", 23456))
     finally:
         del os.environ["MESHKIT_NODE_RANK"]
     if case == "ok":

@@ -1,17 +1,12 @@
-"""The node side of sync (manifest, chunked put) and of supervision (ending a supervisor, the
-record's compare-and-set), on this machine."""
+"""The node side of sync: the manifest of a workdir and the chunked put, on this machine."""
 
 from __future__ import annotations
 
 import base64
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from meshkit.node import supervise as nsup
 from meshkit.node.agent import handler
 from meshkit.node.sync import manifest, put
 from meshkit.protocol import (
@@ -32,7 +27,8 @@ def test_manifest_lists_files_and_skips_excluded_names(tmp_path):
     (tmp_path / "a" / "__pycache__" / "b.pyc").write_bytes(b"x")
     (tmp_path / "link").symlink_to(tmp_path / "a" / "b.py")
     reply = manifest(ManifestRequest(str(tmp_path), [".git", "__pycache__"]))
-    assert reply.exists and [(f.path, f.size) for f in reply.files] == [("a/b.py", 9)]
+    assert reply.exists
+    assert [(listed.path, listed.size) for listed in reply.files] == [("a/b.py", 9)]
     assert not manifest(ManifestRequest(str(tmp_path / "nope"))).exists
 
 
@@ -42,15 +38,15 @@ def test_put_writes_chunks_then_moves_the_file_into_place_with_mode_and_mtime(tm
 
     def chunk(i: int, last: bool) -> PutRequest:
         part = data[i * 1000 : (i + 1) * 1000]
-        return PutRequest(
-            str(target), base64.b64encode(part).decode(), i * 1000, last, 0o750, 1234.5
-        )
+        encoded = base64.b64encode(part).decode()
+        return PutRequest(str(target), encoded, i * 1000, last, 0o750, 1234.5)
 
     for i in range(3):
         assert put(chunk(i, i == 2)).written == 1000
         assert target.exists() == (i == 2)  # never a half-written file under its name
     assert target.read_bytes() == data
-    assert target.stat().st_mtime == 1234.5 and target.stat().st_mode & 0o777 == 0o750
+    assert target.stat().st_mtime == 1234.5
+    assert target.stat().st_mode & 0o777 == 0o750
     with pytest.raises(ValueError, match="absolute path"):
         put(PutRequest("rel/x", "", 0, True))
     with pytest.raises(ValueError, match="absolute path"):
@@ -64,44 +60,5 @@ def test_new_ops_round_trip_and_have_handlers():
         PutRequest("/w/x", "AA==", 0, True, 0o600, 1.0),
     ):
         op, back = decode_request(encode_request(request))
-        assert back == request and callable(handler(op))
-
-
-def test_end_stops_only_the_registered_supervisor_and_drops_the_copy(tmp_path, monkeypatch):
-    monkeypatch.setattr(nsup, "supervisors_root", lambda: str(tmp_path))
-    job_id = "cd" * 8
-    nsup.supervisor(SupervisorRequest(job_id, "", record='{"version": 1}', version=0))
-    # a stand-in supervisor: its command line says "supervise", as the real one's does
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "supervise"])
-    try:
-        Path(nsup.pid_file(job_id)).write_text(f"{proc.pid}\n")
-        look = nsup.supervisor(SupervisorRequest(job_id, ""))
-        assert look.pid == proc.pid and look.beat is not None and look.beat < 60
-        reply = nsup.supervisor(SupervisorRequest(job_id, "", "end"))
-        assert reply.pid == proc.pid and reply.left == []
-        assert proc.wait(10) is not None and not Path(nsup.pid_file(job_id)).exists()
-        again = nsup.supervisor(SupervisorRequest(job_id, ""))
-        assert again.pid is None and again.record is None  # the copy went with it
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def test_the_record_copy_is_compare_and_set_on_its_version(tmp_path, monkeypatch):
-    """Two writers that read version 1 both ask to write version 2: only the first wins; a copy
-    that is missing or unreadable (a rebooted node) takes any write."""
-    monkeypatch.setattr(nsup, "supervisors_root", lambda: str(tmp_path))
-    job_id = "ef" * 8
-
-    def put_(text: str, version: int) -> bool:
-        return nsup.supervisor(SupervisorRequest(job_id, "", record=text, version=version)).written
-
-    assert put_('{"version": 1, "by": 0}', 0)
-    assert put_('{"version": 2, "by": 1}', 1)
-    assert not put_('{"version": 2, "by": 2}', 1)
-    assert nsup.supervisor(SupervisorRequest(job_id, "")).record == '{"version": 2, "by": 1}'
-    assert nsup.version_of("not json") == 0 and nsup.version_of(None) == 0
-    Path(nsup.pid_file(job_id, "json")).write_text("garbage")
-    assert put_('{"version": 3}', 0)
-    with pytest.raises(ValueError, match="bad job id"):
-        nsup.supervisor(SupervisorRequest("../x", ""))
+        assert back == request
+        assert callable(handler(op))

@@ -1,8 +1,8 @@
-"""Running a short command from the agent (tmux): the one place node ops start one and wait for
-it. posix_spawn, not subprocess: that import (threading, selectors) is about 3.5 ms of every
-node's start at every launch. What Popen would do is done here too: stdin and stdout on
-/dev/null, stderr read back, SIGPIPE and SIGXFSZ at their defaults in the command, and no other
-descriptor passed on (Python opens every one close-on-exec). Standard library only."""
+"""Running a short command from the agent (tmux): the one place node ops start one and wait
+for it. posix_spawn, not subprocess: that import (threading, selectors) would be paid by every
+node's agent at every launch. What Popen would do is done here too: stdin and stdout on
+/dev/null, stderr read back, SIGPIPE and SIGXFSZ at their defaults in the command, and no
+other descriptor passed on (Python opens every one close-on-exec). Standard library only."""
 
 from __future__ import annotations
 
@@ -36,20 +36,23 @@ def run(argv: list[str], timeout: float) -> tuple[int, str]:
         raise
     finally:
         os.close(write_end)
-    err = b""
+    stderr = b""
     deadline = time.monotonic() + timeout
     try:
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+            remaining = deadline - time.monotonic()
+            readable: list[int] = []
+            if remaining > 0:
+                readable, _, _ = select.select([read_end], [], [], remaining)
+            if not readable:
                 os.kill(pid, SIGKILL)
                 os.waitpid(pid, 0)
                 raise TimeoutError(f"{argv[0]} did not finish within {timeout:.0f}s")
             chunk = os.read(read_end, 65536)
             if not chunk:
                 break
-            err = (err + chunk)[-MAX_STDERR:]
+            stderr = (stderr + chunk)[-MAX_STDERR:]
     finally:
         os.close(read_end)
     _, status = os.waitpid(pid, 0)
-    return exit_code(status), err.decode(errors="replace")
+    return exit_code(status), stderr.decode(errors="replace")

@@ -14,7 +14,8 @@ def gpu_count() -> int:
     entries, else ``nvidia-smi -L``; 0 when there are none."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+        devices = [device.strip() for device in visible.split(",")]
+        return len([device for device in devices if device and device != "-1"])
     with contextlib.suppress(OSError):
         return len(os.listdir("/proc/driver/nvidia/gpus"))
     smi = _on_path("nvidia-smi")

@@ -2,9 +2,9 @@
 and log reads. Standard library only.
 
 Each job has a state directory in this node's own /tmp (so a reboot forgets it: the job then
-reads ``absent``): ``spec.json`` (the job's one record, ``protocol.NodeJob``, which the keeper
-runs), ``keeper.pid``, ``started``, ``exit`` and, when the keeper could not start the job,
-``error``.
+reads ``absent``); ``node/files.py`` names what it holds: the job's one record
+(``protocol.NodeJob``, which the keeper runs), the keeper's pid, when the job started, its exit
+code and, when the keeper could not start the job, why.
 """
 
 from __future__ import annotations
@@ -12,78 +12,74 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import sys
 import time
 
-from .. import protocol as p
+from .. import protocol
 from ..record import asdict
-from . import procs, tmux
-from .files import SPEC, read_text, state_root, write_atomic
+from . import files, procs, tmux
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ..protocol import JobState
 
-KEEPER_START_TIMEOUT = 10.0  # the keeper writes keeper.pid within this after tmux starts it
-JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
-
-
-def jobs_root() -> str:
-    return f"{state_root()}/jobs"
-
-
-def state_dir(job_id: str) -> str:
-    if not JOB_ID.match(job_id):
-        raise ValueError(f"bad job id {job_id[:40]!r}")
-    return f"{jobs_root()}/{job_id}"
+KEEPER_START_TIMEOUT = 10.0  # the keeper writes its pid file within this after tmux starts it
 
 
 def _read_number(path: str) -> float | None:
     """A number a state file holds (None: none, or not a number)."""
     try:
-        return float((read_text(path, 64) or "").strip())
+        return float((files.read_text(path, 64) or "").strip())
     except ValueError:
         return None
 
 
 def keeper_pid(job_id: str) -> int | None:
     """The job's keeper, if it is alive and really is that job's keeper."""
-    d = state_dir(job_id)
-    return procs.recorded(f"{d}/keeper.pid", "keep", d)
+    directory = files.job_dir(job_id)
+    return procs.recorded(files.keeper_pid_file(directory), "keep", directory)
 
 
 def _spec(job_id: str, key: str) -> str | None:
     """A field of the job's spec as saved here (None when it is gone or unreadable)."""
     try:
-        value = json.loads(read_text(f"{state_dir(job_id)}/{SPEC}") or "{}").get(key)
+        text = files.read_text(files.spec_file(files.job_dir(job_id)))
+        value = json.loads(text or "{}").get(key)
     except (ValueError, AttributeError):
         return None
-    return None if value is None else str(value)
+    if value is None:
+        return None
+    return str(value)
 
 
-def running_jobs() -> list[p.RunningJob]:
-    root = jobs_root()
+def running_jobs() -> list[protocol.RunningJob]:
     try:
-        ids = sorted(name for name in os.listdir(root) if JOB_ID.match(name))
+        names = os.listdir(files.jobs_root())
     except OSError:
         return []
-    # Running means its command has not exited; stragglers an exited job left are not a conflict.
-    return [p.RunningJob(i, _spec(i, "label") or i) for i in ids if job_state(i)[0] == "running"]
+    job_ids = sorted(name for name in names if files.JOB_ID.match(name))
+    running = []
+    for job_id in job_ids:
+        # Running means its command has not exited: stragglers an exited job left are no
+        # conflict.
+        state, _ = job_state(job_id)
+        if state == "running":
+            label = _spec(job_id, "label") or job_id
+            running.append(protocol.RunningJob(job_id, label))
+    return running
 
 
-def jobs(request: p.JobsRequest) -> p.JobsReply:
-    return p.JobsReply(running_jobs())
+def jobs(request: protocol.JobsRequest) -> protocol.JobsReply:
+    return protocol.JobsReply(running_jobs())
 
 
 def started_at(job_id: str) -> float | None:
     """When the keeper started the job's current attempt (by this node's clock)."""
-    return _read_number(f"{state_dir(job_id)}/started")
+    return _read_number(files.started_file(files.job_dir(job_id)))
 
 
 def job_state(job_id: str) -> tuple[JobState, int | None]:
-    d = state_dir(job_id)
-    code = _read_number(f"{d}/exit")
+    code = _read_number(files.exit_file(files.job_dir(job_id)))
     if code is not None:
         return "exited", int(code)
     if keeper_pid(job_id) is not None:
@@ -91,148 +87,177 @@ def job_state(job_id: str) -> tuple[JobState, int | None]:
     return "absent", None
 
 
-def stop(request: p.StopRequest) -> p.StopReply:
+def stop(request: protocol.StopRequest) -> protocol.StopReply:
     """End a job's whole tree: its descendants first (while the keeper still holds them), then
     the keeper, then whatever still carries the tag; then look again."""
     job_id = request.job_id
     keeper = keeper_pid(job_id)
-    d = state_dir(job_id)
+    directory = files.job_dir(job_id)
     tmux_session = _spec(job_id, "tmux_session")
 
     def below() -> list[int]:
-        return procs.descendants(keeper) if keeper else []
+        if keeper:
+            return procs.descendants(keeper)
+        return []
+
+    def the_keeper() -> list[int]:
+        if keeper and procs.alive(keeper):
+            return [keeper]
+        return []
 
     signalled, _ = procs.end(lambda: below() + procs.tagged(job_id))
     if keeper:
-        more, _ = procs.end(lambda: [keeper] if procs.alive(keeper) else [])
-        signalled += more
+        signalled_keeper, _ = procs.end(the_keeper)
+        signalled += signalled_keeper
     if tmux_session:
         tmux.kill_session(tmux_session)
-    left = [n for n in procs.tagged(job_id) + ([keeper] if keeper else []) if procs.alive(n)]
+    candidates = procs.tagged(job_id)
+    if keeper:
+        candidates.append(keeper)
+    left = [pid for pid in candidates if procs.alive(pid)]
     found = keeper is not None or signalled > 0
     if not left:
         # keep_exit: the job stays "exited" with the code its command ended with (143 when the
         # TERM above ended it), so status still shows the last attempt's codes.
-        stale = ("keeper.pid",) if request.keep_exit else ("exit", "started", "keeper.pid", "error")
-        paths = [f"{d}/{name}" for name in stale] + flight_files_left()
-        for path in paths:
+        if request.keep_exit:
+            stale = [files.keeper_pid_file(directory)]
+        else:
+            stale = [
+                files.exit_file(directory),
+                files.started_file(directory),
+                files.keeper_pid_file(directory),
+                files.error_file(directory),
+            ]
+        for path in stale + flight_files_left():
             with contextlib.suppress(OSError):
                 os.unlink(path)
-    return p.StopReply(found, signalled, left)
+    return protocol.StopReply(found, signalled, left)
 
 
 def flight_files_left() -> list[str]:
-    """The flight-recorder FIFOs and dumps (the rank hook's ``fr-PID``) of processes now gone."""
-    with contextlib.suppress(OSError):
-        names = [(n, n[3:].partition(".")[0]) for n in os.listdir(state_root())]
-        gone = [
-            n for n, pid in names if n[:3] == "fr-" and pid.isdigit() and not procs.alive(int(pid))
-        ]
-        return [f"{state_root()}/{n}" for n in gone]
-    return []
+    """The flight-recorder FIFOs and dumps (the rank hook's) of processes now gone."""
+    root = files.state_root()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    gone = []
+    for name in names:
+        pid = files.flight_file_pid(name)
+        if pid is not None and pid.isdigit() and not procs.alive(int(pid)):
+            gone.append(f"{root}/{name}")
+    return gone
 
 
-def start(request: p.StartRequest) -> p.StartReply:
+def start(request: protocol.StartRequest) -> protocol.StartReply:
     """Start the job here unless another meshkit job runs (and ``replace`` was not given);
     the same job's old run is replaced. Then look: is its keeper up (or has it already exited)?"""
     job = request.job
-    others = [r for r in running_jobs() if r.job_id != job.job_id]
+    others = [running for running in running_jobs() if running.job_id != job.job_id]
     if others and not request.replace:
-        return p.StartReply(False, "absent", [], others, "another meshkit job is running here")
-    replaced: list[p.RunningJob] = []
+        conflict = "another meshkit job is running here"
+        return protocol.StartReply(False, "absent", [], others, conflict)
+    replaced: list[protocol.RunningJob] = []
 
-    def failed(why: str) -> p.StartReply:
-        return p.StartReply(False, "absent", replaced, [], why)
+    def failed(why: str) -> protocol.StartReply:
+        return protocol.StartReply(False, "absent", replaced, [], why)
 
-    for victim in [*(others if request.replace else []), p.RunningJob(job.job_id, job.label)]:
-        ended = stop(p.StopRequest(victim.job_id))
+    victims: list[protocol.RunningJob] = []
+    if request.replace:
+        victims += others
+    victims.append(protocol.RunningJob(job.job_id, job.label))  # and its own old run
+    for victim in victims:
+        ended = stop(protocol.StopRequest(victim.job_id))
         if ended.left:
-            return failed(f"processes of {victim.label} survived TERM and KILL: {ended.left[:20]}")
+            survivors = ended.left[:20]
+            return failed(f"processes of {victim.label} survived TERM and KILL: {survivors}")
         if ended.found:
             replaced.append(victim)
-    d = state_dir(job.job_id)  # the stop above left none of its files
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    write_atomic(f"{d}/{SPEC}", json.dumps(asdict(job)))
+    directory = files.job_dir(job.job_id)  # the stop above left none of its files
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    files.write_atomic(files.spec_file(directory), json.dumps(asdict(job)))
     tmux.kill_session(job.tmux_session)  # a stale one whose keeper is gone
+    keeper = [sys.executable, "-m", "meshkit.node", "keep", directory]
     try:
-        tmux.new_session(job.tmux_session, [sys.executable, "-m", "meshkit.node", "keep", d])
+        tmux.new_session(job.tmux_session, keeper)
     except tmux.TmuxError as exc:
         return failed(str(exc))
     deadline = time.monotonic() + KEEPER_START_TIMEOUT
     while time.monotonic() < deadline:
         state, _ = job_state(job.job_id)
         if state != "absent":
-            error = read_text(f"{d}/error", 2000)
-            return p.StartReply(True, state, replaced, [], error.strip() if error else None)
+            error = files.read_text(files.error_file(directory), 2000)
+            why: str | None = None
+            if error:
+                why = error.strip()
+            return protocol.StartReply(True, state, replaced, [], why)
         time.sleep(0.02)
     return failed(f"the job's keeper did not start in {KEEPER_START_TIMEOUT:.0f}s")
 
 
-def status(request: p.StatusRequest) -> p.StatusReply:
+def status(request: protocol.StatusRequest) -> protocol.StatusReply:
     state, code = job_state(request.job_id)
-    started = started_at(request.job_id) if state != "absent" else None
-    return p.StatusReply(state, code, started, last_line(request.log), idle(request.log, started))
+    started = None
+    if state != "absent":
+        started = started_at(request.job_id)
+    last = last_line(request.log)
+    return protocol.StatusReply(state, code, started, last, idle(request.log, started))
 
 
 def idle(path: str, started: float | None) -> float | None:
     """Seconds since ``path`` was last written or the job (re)started, whichever came later, by
     this node's clock: a relaunched job is not idle since its previous attempt's last line."""
-    try:
-        marks = [os.stat(path).st_mtime]
-    except OSError:
-        marks = []
-    marks += [started] if started is not None else []
-    return max(0.0, time.time() - max(marks)) if marks else None
+    marks: list[float] = []
+    with contextlib.suppress(OSError):
+        marks.append(os.stat(path).st_mtime)
+    if started is not None:
+        marks.append(started)
+    if not marks:
+        return None
+    return max(0.0, time.time() - max(marks))
 
 
 def tail(path: str, window: int) -> list[str]:
     """The lines of the last ``window`` bytes of ``path`` (none when it cannot be read)."""
     try:
         with open(path, "rb") as handle:
-            handle.seek(max(0, handle.seek(0, os.SEEK_END) - window))
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, size - window))
             return handle.read().decode(errors="replace").splitlines()
     except OSError:
         return []
 
 
 def last_line(path: str) -> str | None:
-    lines = [ln for ln in tail(path, 8192) if ln.strip()]
-    return lines[-1][-300:] if lines else None
+    lines = [line for line in tail(path, 8192) if line.strip()]
+    if not lines:
+        return None
+    return lines[-1][-300:]
 
 
-def logs(request: p.LogsRequest) -> p.LogsReply:
+def logs(request: protocol.LogsRequest) -> protocol.LogsReply:
     """The last lines, or what was appended since ``offset`` (at most MAX_LOG_BYTES a call)."""
     try:
         with open(request.path, "rb") as handle:
             size = handle.seek(0, os.SEEK_END)
             if request.offset is None:
-                start = max(0, size - p.MAX_LOG_BYTES)
+                start = max(0, size - protocol.MAX_LOG_BYTES)
                 handle.seek(start)
-                data = handle.read(p.MAX_LOG_BYTES)
+                data = handle.read(protocol.MAX_LOG_BYTES)
                 lines = data.decode(errors="replace").splitlines()
                 if start > 0 and lines:
                     lines = lines[1:]  # the first one is cut
                 keep = max(0, min(request.lines, 100000))
-                return p.LogsReply(lines[-keep:] if keep else [], size)
-            offset = request.offset if request.offset <= size else 0  # truncated: from the start
+                if not keep:
+                    return protocol.LogsReply([], size)
+                return protocol.LogsReply(lines[-keep:], size)
+            offset = request.offset
+            if offset > size:
+                offset = 0  # the log was truncated: from its start
             handle.seek(offset)
-            data = handle.read(p.MAX_LOG_BYTES)
+            data = handle.read(protocol.MAX_LOG_BYTES)
     except OSError:
-        return p.LogsReply([], request.offset or 0, missing=True)
+        return protocol.LogsReply([], request.offset or 0, missing=True)
     complete = data[: data.rfind(b"\n") + 1]  # whole lines only; the rest comes next time
-    return p.LogsReply(complete.decode(errors="replace").splitlines(), offset + len(complete))
-
-
-def port_free(port: int) -> bool:
-    """Whether a TCP listener could bind ``port`` here (as torchrun's store will)."""
-    import socket
-
-    for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as sock:
-                sock.bind((addr, port))
-            return True
-        except OSError as exc:
-            if exc.errno == 98:  # EADDRINUSE
-                return False
-    return True
+    lines = complete.decode(errors="replace").splitlines()
+    return protocol.LogsReply(lines, offset + len(complete))

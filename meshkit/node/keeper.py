@@ -17,8 +17,7 @@ import time
 
 from ..protocol import NodeJob
 from ..record import Invalid, build
-from . import procs, signals
-from .files import SPEC, STACKS, write_atomic
+from . import files, procs, signals
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -29,14 +28,13 @@ MAX_SPEC = 1 << 20  # bytes of the spec (the agent wrote it from a request of at
 
 
 def keep(directory: str) -> int:
-    d = directory
     try:
         # The agent wrote it from a request it had checked; checked again, as any file read.
-        with open(f"{d}/{SPEC}", "rb") as handle:
-            job = build(NodeJob, json.loads(handle.read(MAX_SPEC)), SPEC)
+        with open(files.spec_file(directory), "rb") as handle:
+            job = build(NodeJob, json.loads(handle.read(MAX_SPEC)), files.SPEC)
     except (OSError, ValueError, Invalid) as exc:
-        write_atomic(f"{d}/error", f"unreadable job spec: {exc}\n")
-        write_atomic(f"{d}/exit", "2\n")
+        files.write_atomic(files.error_file(directory), f"unreadable job spec: {exc}\n")
+        files.write_atomic(files.exit_file(directory), "2\n")
         return 2
     procs.become_subreaper()
     # tmux kill-session sends SIGHUP: the stop op ends the job's processes itself, children first,
@@ -44,10 +42,14 @@ def keep(directory: str) -> int:
     signals.signal(signals.SIGHUP, signals.SIG_IGN)
     signals.signal(signals.SIGINT, signals.SIG_IGN)
     signals.signal(signals.SIGTERM, _forward)
-    _listen(f"{d}/{STACKS}")
-    write_atomic(f"{d}/keeper.pid", f"{os.getpid()}\n")
-    write_atomic(f"{d}/started", f"{time.time():.3f}\n")
-    tags = {procs.JOB_TAG: job.job_id, procs.SESSION_TAG: job.session, TRACER: str(os.getpid())}
+    _listen(files.stacks_socket(directory))
+    files.write_atomic(files.keeper_pid_file(directory), f"{os.getpid()}\n")
+    files.write_atomic(files.started_file(directory), f"{time.time():.3f}\n")
+    tags = {
+        procs.JOB_TAG: job.job_id,
+        procs.SESSION_TAG: job.session,
+        TRACER: str(os.getpid()),
+    }
     env = {**os.environ, **job.env, **tags}
     try:
         os.chdir(job.workdir)
@@ -58,8 +60,9 @@ def keep(directory: str) -> int:
             "bash", ["bash", "-c", job.script()], env, setsigdef=signals.RESET_FOR_EXEC
         )
     except OSError as exc:
-        write_atomic(f"{d}/error", f"cannot start in {job.workdir}: {exc.strerror or exc}\n")
-        write_atomic(f"{d}/exit", "127\n")
+        why = f"cannot start in {job.workdir}: {exc.strerror or exc}\n"
+        files.write_atomic(files.error_file(directory), why)
+        files.write_atomic(files.exit_file(directory), "127\n")
         return 127
     code = 0
     while True:
@@ -71,7 +74,7 @@ def keep(directory: str) -> int:
             continue
         if pid == child:
             code = signals.exit_code(status)
-            write_atomic(f"{d}/exit", f"{code}\n")
+            files.write_atomic(files.exit_file(directory), f"{code}\n")
 
 
 def _listen(path: str) -> None:
@@ -88,12 +91,12 @@ def _listen(path: str) -> None:
     def accept() -> None:
         while True:
             try:
-                conn, _ = server.accept()
+                connection, _ = server.accept()
             except OSError:
                 return  # out of descriptors: diagnose says it could not ask this keeper
             from .diagnose import answer  # at the first question, not at every launch
 
-            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+            threading.Thread(target=answer, args=(connection,), daemon=True).start()
 
     threading.Thread(target=accept, name="meshkit-stacks", daemon=True).start()
 

@@ -19,7 +19,9 @@ from .files import read_text
 JOB_TAG = "MESHKIT_JOB"  # every process of a job inherits it (unless it clears its environment)
 SESSION_TAG = "MESHKIT_SESSION"  # the user's session name, for scripts that want it
 PR_SET_CHILD_SUBREAPER = 36
-TERM_GRACE, KILL_GRACE, POLL = 5.0, 2.0, 0.05  # seconds
+TERM_GRACE = 5.0  # seconds the processes get after TERM, before KILL
+KILL_GRACE = 2.0  # seconds KILL is repeated to what is still alive
+POLL = 0.05  # seconds between looks
 
 
 def become_subreaper() -> bool:
@@ -37,7 +39,9 @@ def parents() -> dict[int, int]:
     """pid -> parent pid, for every process visible here."""
     table = {}
     for name in os.listdir("/proc"):
-        fields = _stat(name).split() if name.isdigit() else []
+        if not name.isdigit():
+            continue
+        fields = _stat(name).split()
         if len(fields) > 1 and fields[1].isdigit():
             table[int(name)] = int(fields[1])
     return table
@@ -58,9 +62,10 @@ def descendants(root: int, table: dict[int, int] | None = None) -> list[int]:
     """Every process below ``root`` (not ``root`` itself)."""
     table = parents() if table is None else table
     children: dict[int, list[int]] = {}
-    for pid, ppid in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = [], list(children.get(root, []))
+    for pid, parent in table.items():
+        children.setdefault(parent, []).append(pid)
+    found = []
+    todo = list(children.get(root, []))
     while todo:
         pid = todo.pop()
         found.append(pid)
@@ -71,10 +76,10 @@ def descendants(root: int, table: dict[int, int] | None = None) -> list[int]:
 def tagged(job_id: str) -> list[int]:
     """Processes whose environment carries this job's tag (except this process)."""
     tag = f"{JOB_TAG}={job_id}".encode()
-    me = os.getpid()
+    this_process = os.getpid()
     found = []
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
+        if not name.isdigit() or int(name) == this_process:
             continue
         try:
             with open(f"/proc/{name}/environ", "rb") as handle:
@@ -99,7 +104,9 @@ def recorded(path: str, *marks: str) -> int | None:
         return None
     if pid == os.getpid() or not alive(pid):
         return None
-    return pid if set(marks) <= set(cmdline(pid)) else None
+    if not set(marks) <= set(cmdline(pid)):
+        return None
+    return pid
 
 
 def cmdline(pid: int) -> list[str]:
@@ -111,10 +118,10 @@ def cmdline(pid: int) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
-def signal_all(pids: Iterable[int], sig: int) -> None:
+def signal_all(pids: Iterable[int], number: int) -> None:
     for pid in pids:
         try:
-            os.kill(pid, sig)
+            os.kill(pid, number)
         except (ProcessLookupError, PermissionError):
             continue  # gone already
 
@@ -122,20 +129,26 @@ def signal_all(pids: Iterable[int], sig: int) -> None:
 def end(find: Callable[[], list[int]]) -> tuple[int, list[int]]:
     """TERM what ``find()`` returns (looking again as new processes appear), then KILL what is
     left, then look once more. Returns how many were signalled and what is still alive."""
+
+    def living() -> list[int]:
+        return [pid for pid in find() if alive(pid)]
+
     seen: set[int] = set()
     deadline = time.monotonic() + TERM_GRACE
     while True:
-        current = [p for p in find() if alive(p)]
-        fresh = [p for p in current if p not in seen]
+        current = living()
+        fresh = [pid for pid in current if pid not in seen]
         signal_all(fresh, signals.SIGTERM)
         seen.update(fresh)
         if not current or time.monotonic() > deadline:
             break
         time.sleep(POLL)
     deadline = time.monotonic() + KILL_GRACE
-    while (current := [p for p in find() if alive(p)]) and time.monotonic() < deadline:
+    while True:
+        current = living()
+        if not current or time.monotonic() >= deadline:
+            break
         signal_all(current, signals.SIGKILL)
         seen.update(current)
         time.sleep(POLL)
-    left = [p for p in find() if alive(p)]
-    return len(seen), left
+    return len(seen), living()

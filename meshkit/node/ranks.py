@@ -3,8 +3,8 @@ its workers, but without the agent: torchrun is an interpreter that imports torc
 more of CPU) before it starts any rank, on every node at every launch. Here each rank is ``bash -c
 SCRIPT`` with its own variables, in a process group of its own so that it can be ended with
 whatever it started. One rank failing ends the node's others, as torchrun does, so that a job
-never waits forever on a collective its peer left. Standard library only (no subprocess: its
-import is ms of every node's start)."""
+never waits forever on a collective its peer left. Standard library only (no subprocess:
+every node's start would pay its import)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Signal numbers and dispositions for the node's hot paths, from ``_signal``: the ``signal``
-module is its C core plus enums for the names, and the enum import alone is about 5 ms of every
-keeper's and every ``meshkit run``'s start, on every node at every launch. Type checkers see
-``signal`` (the same functions; the constants there are ``IntEnum`` members, here plain ints).
-Standard library only."""
+module is its C core plus enums for the names, and the enum import alone would be paid by
+every keeper and every ``meshkit run``, on every node at every launch. Type checkers see
+``signal`` (the same functions; the constants there are ``IntEnum`` members, here plain
+ints). Standard library only."""
 
 from __future__ import annotations
 

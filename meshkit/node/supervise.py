@@ -12,23 +12,21 @@ import os
 import time
 
 from ..protocol import SupervisorReply, SupervisorRequest
-from . import jobs, procs, tmux
-from .files import read_text, state_root, write_atomic
+from . import procs, tmux
+from .files import (
+    read_text,
+    supervision_copy,
+    supervision_lock,
+    supervisor_pid_file,
+    write_atomic,
+)
 
-
-def supervisors_root() -> str:
-    return f"{state_root()}/supervisors"
-
-
-def pid_file(job_id: str, kind: str = "pid") -> str:
-    if not jobs.JOB_ID.match(job_id):
-        raise ValueError(f"bad job id {job_id[:40]!r}")
-    return os.path.join(supervisors_root(), f"{job_id}.{kind}")
+MAX_RECORD = 65536  # characters of a supervision record copy
 
 
 def register(job_id: str) -> None:
     """Called by the supervisor itself: this process supervises ``job_id`` here."""
-    path = pid_file(job_id)
+    path = supervisor_pid_file(job_id)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     write_atomic(path, f"{os.getpid()}\n")
 
@@ -36,12 +34,12 @@ def register(job_id: str) -> None:
 def beat(job_id: str) -> None:
     """The supervisor's heartbeat: its pid file's mtime (read on this node's clock only)."""
     with contextlib.suppress(OSError):
-        os.utime(pid_file(job_id))
+        os.utime(supervisor_pid_file(job_id))
 
 
 def supervisor_pid(job_id: str) -> int | None:
     """The live supervisor of ``job_id`` on this node."""
-    return procs.recorded(pid_file(job_id), "supervise")
+    return procs.recorded(supervisor_pid_file(job_id), "supervise")
 
 
 def version_of(text: str | None) -> int:
@@ -54,7 +52,8 @@ def version_of(text: str | None) -> int:
 
 def supervisor(request: SupervisorRequest) -> SupervisorReply:
     pid = supervisor_pid(request.job_id)
-    copy = pid_file(request.job_id, "json")
+    pid_file = supervisor_pid_file(request.job_id)
+    copy = supervision_copy(request.job_id)
     if request.action == "end":
         left: list[int] = []
         if pid is not None:
@@ -62,7 +61,7 @@ def supervisor(request: SupervisorRequest) -> SupervisorReply:
         if request.tmux_session:
             tmux.kill_session(request.tmux_session)
         if not left:
-            for path in (pid_file(request.job_id), copy):
+            for path in (pid_file, copy):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
         return SupervisorReply(pid, None, left, None)
@@ -71,16 +70,16 @@ def supervisor(request: SupervisorRequest) -> SupervisorReply:
         tmux.new_session(request.tmux_session, request.argv)
     written = False
     if request.record is not None:
-        if len(request.record) > 65536:
+        if len(request.record) > MAX_RECORD:
             raise ValueError("a supervision record over 64 KiB")
         os.makedirs(os.path.dirname(copy), mode=0o700, exist_ok=True)
-        with open(copy + ".lock", "a") as lock:  # one writer at a time on this node
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(supervision_lock(request.job_id), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time on this node
             if version_of(read_text(copy)) <= request.version:
                 write_atomic(copy, request.record)
                 written = True
-    age = None
+    beat_age = None
     if pid is not None:
         with contextlib.suppress(OSError):
-            age = max(0.0, time.time() - os.stat(pid_file(request.job_id)).st_mtime)
-    return SupervisorReply(pid, age, [], read_text(copy), written)
+            beat_age = max(0.0, time.time() - os.stat(pid_file).st_mtime)
+    return SupervisorReply(pid, beat_age, [], read_text(copy), written)

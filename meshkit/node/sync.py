@@ -19,27 +19,27 @@ MAX_FILES = 100000  # a workdir larger than this is not a job's code: the launch
 def walk(root: Path, skip: set[str]) -> Iterator[FileState]:
     """The regular files under ``root`` (symlinks and excluded names left out), in a stable order:
     what both ends of a sync compare."""
-    for top, dirs, names in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in skip)
+    for top, directories, names in os.walk(root):
+        directories[:] = sorted(name for name in directories if name not in skip)
         for name in sorted(names):
             if name in skip:
                 continue
             path = Path(top) / name
             try:
-                st = path.lstat()
+                info = path.lstat()
             except OSError:
                 continue
-            if S_ISREG(st.st_mode):  # not a symlink, whatever it points to
-                rel = str(path.relative_to(root))
-                yield FileState(rel, st.st_size, st.st_mtime, st.st_mode & 0o777)
+            if S_ISREG(info.st_mode):  # not a symlink, whatever it points to
+                relative = str(path.relative_to(root))
+                yield FileState(relative, info.st_size, info.st_mtime, info.st_mode & 0o777)
 
 
 def manifest(request: ManifestRequest) -> ManifestReply:
     root = Path(request.root)
     if not root.is_dir():
         return ManifestReply(False, [])
-    files = list(islice(walk(root, set(request.exclude)), MAX_FILES))
-    return ManifestReply(True, files, truncated=len(files) >= MAX_FILES)
+    found = list(islice(walk(root, set(request.exclude)), MAX_FILES))
+    return ManifestReply(True, found, truncated=len(found) >= MAX_FILES)
 
 
 def put(request: PutRequest) -> PutReply:
@@ -48,14 +48,16 @@ def put(request: PutRequest) -> PutReply:
         raise ValueError(f"put: {request.path[:200]!r} is not an absolute path without '..'")
     path.parent.mkdir(parents=True, exist_ok=True)
     # One agent sends every chunk of a file; two controllers writing one file do not share it.
-    tmp = path.with_name(f".{path.name}.meshkit-{os.getpid()}")
+    temporary = path.with_name(f".{path.name}.meshkit-{os.getpid()}")
     data = base64.b64decode(request.data.encode(), validate=True)
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if request.offset == 0 else 0)
-    with os.fdopen(os.open(tmp, flags, 0o600), "wb") as out:
+    flags = os.O_WRONLY | os.O_CREAT
+    if request.offset == 0:
+        flags |= os.O_TRUNC  # the file's first chunk: whatever an earlier try left is gone
+    with os.fdopen(os.open(temporary, flags, 0o600), "wb") as out:
         out.seek(request.offset)
         out.write(data)
     if request.last:
-        os.chmod(tmp, request.mode & 0o7777)
-        os.utime(tmp, (request.mtime, request.mtime))
-        os.replace(tmp, path)
+        os.chmod(temporary, request.mode & 0o7777)
+        os.utime(temporary, (request.mtime, request.mtime))
+        os.replace(temporary, path)
     return PutReply(len(data))

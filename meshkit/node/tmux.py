@@ -51,12 +51,13 @@ def new_session(name: str, argv: list[str]) -> None:
     tmux's format expansion (no ``-c``): the command changes directory itself."""
     # A client that reaches the last session's server as it shuts down is told "server exited
     # unexpectedly" and nothing started; the next try starts a server of its own.
+    tmux = ["tmux", "new-session", "-d", "-s", name, "--", *argv]
     for _ in range(2):
         try:
-            code, err = command.run(["tmux", "new-session", "-d", "-s", name, "--", *argv], TIMEOUT)
+            code, stderr = command.run(tmux, TIMEOUT)
         except OSError as exc:
             raise TmuxError(f"cannot run tmux: {exc}") from None
-        if "server exited unexpectedly" not in err:
+        if "server exited unexpectedly" not in stderr:
             break
     if code != 0:
-        raise TmuxError(err.strip()[-300:] or f"tmux exited {code}")
+        raise TmuxError(stderr.strip()[-300:] or f"tmux exited {code}")

@@ -16,10 +16,28 @@ were not there. Standard library only."""
 import os
 import sys
 
+PR_SET_PTRACER = 0x59616D61
+YAMA = "/proc/sys/kernel/yama/ptrace_scope"
+
+
+# The paths node/files.py names (fifo, fifo_dump, rank_error_file), built by the same
+# convention: the hook imports nothing of meshkit into the user's ranks.
+# tests/test_nodefiles.py checks that they agree.
+def fifo_path(pid: int) -> str:
+    return f"/tmp/meshkit-{os.getuid()}/fr-{pid}"
+
+
+def fifo_dump_path(fifo: str) -> str:
+    return f"{fifo}.json"
+
+
+def error_path(errors: str, rank: str) -> str:
+    return f"{errors}/rank{rank}.json"
+
 
 def _install(rank: str, errors: str) -> None:
     try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as handle:
+        with open(YAMA) as handle:
             scope = handle.read().strip()
     except OSError:
         scope = "0"  # no Yama: the same user may trace
@@ -27,10 +45,10 @@ def _install(rank: str, errors: str) -> None:
     if scope == "1" and keeper.isdigit():
         import ctypes
 
-        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(int(keeper)), 0, 0, 0)  # PR_SET_PTRACER
+        ctypes.CDLL(None).prctl(PR_SET_PTRACER, ctypes.c_ulong(int(keeper)), 0, 0, 0)
     previous = sys.excepthook
 
-    def record(kind, value, tb):  # type: ignore[no-untyped-def]
+    def record(kind, value, traceback_object):  # type: ignore[no-untyped-def]
         try:
             import json
             import time
@@ -38,18 +56,19 @@ def _install(rank: str, errors: str) -> None:
 
             now = time.time()
             message = "".join(traceback.format_exception_only(kind, value)).strip()
-            stack = "".join(traceback.format_exception(kind, value, tb))
+            stack = "".join(traceback.format_exception(kind, value, traceback_object))
             info = {"py_callstack": stack, "timestamp": str(int(now))}
             ours = {"rank": int(rank), "node_rank": os.environ.get("NODE_RANK"), "time": now}
             data = {"message": {"message": message, "extraInfo": info}, "meshkit": ours}
             os.makedirs(errors, exist_ok=True)
-            path = f"{errors}/rank{rank}.json"
-            with open(f"{path}.{os.getpid()}", "w") as handle:
+            path = error_path(errors, rank)
+            temporary = f"{path}.{os.getpid()}"
+            with open(temporary, "w") as handle:
                 json.dump(data, handle)
-            os.replace(f"{path}.{os.getpid()}", path)
+            os.replace(temporary, path)
         except Exception:  # the rank's own error must still be shown
             pass
-        previous(kind, value, tb)
+        previous(kind, value, traceback_object)
 
     sys.excepthook = record
     if os.environ.get("TORCH_FR_BUFFER_SIZE"):
@@ -59,8 +78,7 @@ def _install(rank: str, errors: str) -> None:
 
 
 def _flight() -> None:
-    # node/files.state_root()'s path: the hook imports nothing of meshkit into the user's ranks
-    fifo = f"/tmp/meshkit-{os.getuid()}/fr-{os.getpid()}"
+    fifo = fifo_path(os.getpid())
     try:
         os.makedirs(os.path.dirname(fifo), mode=0o700, exist_ok=True)
         os.mkfifo(fifo, 0o600)
@@ -73,16 +91,17 @@ def _flight() -> None:
             data = sys.modules["torch"]._C._distributed_c10d._dump_fr_trace_json()
         except Exception:  # no torch.distributed (yet), or a torch without the recorder
             data = b"{}"
-        with open(f"{fifo}.tmp", "wb") as handle:
+        temporary = f"{fifo}.tmp"
+        with open(temporary, "wb") as handle:
             handle.write(data)
-        os.replace(f"{fifo}.tmp", f"{fifo}.json")
+        os.replace(temporary, fifo_dump_path(fifo))
 
 
 def _chain() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     mine = sys.modules.pop("sitecustomize", None)
     path = sys.path[:]
-    sys.path[:] = [p for p in path if os.path.abspath(p or ".") != here]
+    sys.path[:] = [entry for entry in path if os.path.abspath(entry or ".") != here]
     try:
         import sitecustomize  # type: ignore[import-not-found]  # noqa: F401 - the next one
     except ImportError as exc:
