@@ -24,7 +24,8 @@ from meshkit.ops import bandwidth
 from meshkit.protocol import BandwidthReply, BandwidthResult
 
 HOSTS = parse("10.0.0.1\n10.0.0.2\n10.0.0.3\n10.0.0.4\n")
-G, M = 1e9 / 8, 1e6 / 8  # bytes/s of 1 Gbit/s and 1 Mbit/s
+GBIT = 1e9 / 8  # bytes/s of 1 Gbit/s
+MBIT = 1e6 / 8  # bytes/s of 1 Mbit/s
 
 
 @pytest.mark.parametrize("n", range(1, 10))
@@ -51,7 +52,12 @@ def results(slow: set[tuple[int, int]], hosts=HOSTS) -> dict:
     """Every pair at 9-11 Gbit/s (a little noise), ``slow`` ones at 20 Mbit/s both ways."""
     found = {}
     for i, j in combinations(range(len(hosts)), 2):
-        up, down = (20 * M, 20 * M) if (i, j) in slow else ((9 + i) * G, (11 - j) * G)
+        if (i, j) in slow:
+            up = 20 * MBIT
+            down = 20 * MBIT
+        else:
+            up = (9 + i) * GBIT
+            down = (11 - j) * GBIT
         found[hosts[i], hosts[j]] = [BandwidthResult(hosts[j].label, "n", up, down, None)]
     return found
 
@@ -112,8 +118,8 @@ def test_networks_name_the_fastest_and_infiniband_the_hca():
     }
     tests = {
         (a, b): [
-            BandwidthResult(b.label, "10.1.0.0/24", 1 * G, 1 * G, None),
-            BandwidthResult(b.label, "10.2.0.0/24", 90 * G, 80 * G, None),
+            BandwidthResult(b.label, "10.1.0.0/24", 1 * GBIT, 1 * GBIT, None),
+            BandwidthResult(b.label, "10.2.0.0/24", 90 * GBIT, 80 * GBIT, None),
         ]
     }
     checks = bandwidth.node_network_checks([a, b], replies, tests, {a: "eth0", b: "ib0"}, 0.5)
@@ -215,7 +221,8 @@ def test_one_slow_link_is_the_only_pair_flagged(meshed):
         code, report, _ = run_bandwidth(lay, workdir)
     finally:
         sandbox.unshape(lay)
-    a, b = lay.nodes[0].address, lay.nodes[2].address
+    a = lay.nodes[0].address
+    b = lay.nodes[2].address
     assert (code, failed(report)) == (1, [("bandwidth", a, b)]), why(report)
     bad = next(c for c in report["checks"] if not c["ok"])
     assert "Mbit/s" in bad["detail"]

@@ -61,7 +61,8 @@ dist.all_reduce(t)
 print(f"rank {rank} sum {t.item()}", flush=True)
 dist.destroy_process_group()  # (exiting with gloo's threads alive can abort: std::terminate)
 """
-SLEEP_LINE, REDUCE_LINE = 9, 14
+SLEEP_LINE = 9
+REDUCE_LINE = 14
 LAUNCHERS = {"torchrun": ("torchrun hang.py",), "spawn": ("--spawn", "python hang.py")}
 
 
@@ -409,7 +410,8 @@ def test_a_stack_that_cannot_be_read_says_what_to_change(tmp_path):
 def test_the_log_traceback_ends_at_the_exception_line(tmp_path):
     log = tmp_path / "node0.log"
     log.write_text(
-        "step 1\nTraceback (most recent call last):\n  File \"t.py\", line 3\n    x()\nKeyError: 'a'\nnoise after\n"
+        "step 1\nTraceback (most recent call last):\n"
+        "  File \"t.py\", line 3\n    x()\nKeyError: 'a'\nnoise after\n"
     )
     assert node_diagnose.log_traceback(str(log)) == [
         "Traceback (most recent call last):",

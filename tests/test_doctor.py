@@ -234,7 +234,8 @@ def test_healthy_cluster_passes_every_check(meshed):
 
 def test_a_cut_link_is_named_as_the_broken_pair(meshed):
     lay, workdir = meshed
-    a, b = lay.nodes[0].address, lay.nodes[2].address
+    a = lay.nodes[0].address
+    b = lay.nodes[2].address
     sandbox.cut(lay, 0, 2)
     try:
         code, report = run_doctor(lay, workdir)
@@ -251,10 +252,11 @@ def test_a_cut_link_is_named_as_the_broken_pair(meshed):
     pairs = {(n, p) for c, n, p in bad if p is not None}
     assert pairs <= {(a, b), (b, a)}  # nothing else is blamed
     assert ("collective", a, None) in bad  # not run: said so, never a false pass
+    cut = ("reach", a, b)
     detail = next(
         c["detail"]
         for c in report["checks"]
-        if (c["check"], c["node"], c["peer"]) == ("reach", a, b)  # type: ignore[attr-defined, index]
+        if (c["check"], c["node"], c["peer"]) == cut  # type: ignore[attr-defined, index]
     )
     assert "No route to host" in detail
 
@@ -290,7 +292,9 @@ def test_a_busy_master_port_is_named_with_its_holder(meshed):
         sandbox.node_exec(node0, ["kill", pid])
     assert code == 1
     assert failed(report) == [("master port", node0.address, None)]
-    check = next(c for c in report["checks"] if c["check"] == "master port")  # type: ignore[union-attr]
+    checks = report["checks"]
+    assert isinstance(checks, list)
+    check = next(c for c in checks if c["check"] == "master port")
     assert f"port {port} is busy (held by pid" in check["detail"]
     assert "python3" in check["detail"]
     assert "--master-port" in check["fix"]
@@ -301,7 +305,8 @@ def test_a_busy_master_port_is_named_with_its_holder(meshed):
 
 def test_train_doctor_runs_the_quick_checks_in_preflight(meshed):
     lay, workdir = meshed
-    a, b = lay.nodes[1].address, lay.nodes[2].address
+    a = lay.nodes[1].address
+    b = lay.nodes[2].address
     train = [sys.executable, "-m", "meshkit", "train", "--hostfile", str(lay.hostfile)]
     train += ["--session", "doc", "--doctor", "--cmd", "echo started $NODE_RANK"]
     line = f"cd {shlex.quote(str(workdir))} && {shlex.join(train)}"

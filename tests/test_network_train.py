@@ -46,7 +46,8 @@ def meshed() -> Iterator[tuple[sandbox.Layout, Path]]:
 
 
 def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: float = 300):
-    line = f"cd {shlex.quote(str(workdir))} && {env} {shlex.join([sys.executable, '-m', 'meshkit', *args])}"
+    argv = [sys.executable, "-m", "meshkit", *args]
+    line = f"cd {shlex.quote(str(workdir))} && {env} {shlex.join(argv)}"
     return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
 
 
@@ -83,9 +84,9 @@ def test_launcher_sources_take_the_interface_of_the_route_to_master_addr(meshed)
         assert found["source"] == "explicit"
         assert found["MASTER_ADDR"] == "node0"
         assert found["GLOO_SOCKET_IFNAME"] == IFNAMES[i], found
-        assert found["interface_source"].startswith(
-            f"route: MASTER_ADDR node0 ({lay.nodes[0].address}) is reached from {lay.nodes[i].address}"
-        )
+        master = lay.nodes[0].address
+        route = f"route: MASTER_ADDR node0 ({master}) is reached from {lay.nodes[i].address}"
+        assert found["interface_source"].startswith(route)
     # the user's own setting is kept (and said so)
     found = env_json(lay, 1, workdir, lay.hostfile, env="NCCL_SOCKET_IFNAME=^docker0,lo")
     assert (found["GLOO_SOCKET_IFNAME"], found["NCCL_SOCKET_IFNAME"]) == ("ens3", "^docker0,lo")
