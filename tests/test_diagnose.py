@@ -61,7 +61,8 @@ dist.all_reduce(t)
 print(f"rank {rank} sum {t.item()}", flush=True)
 dist.destroy_process_group()  # (exiting with gloo's threads alive can abort: std::terminate)
 """
-SLEEP_LINE, REDUCE_LINE = 9, 14
+SLEEP_LINE = 9
+REDUCE_LINE = 14
 LAUNCHERS = {"torchrun": ("torchrun hang.py",), "spawn": ("--spawn", "python hang.py")}
 
 
@@ -123,7 +124,14 @@ def test_a_sleeping_rank_is_the_one_outlier_of_a_stalled_job(meshed, launcher):
     session = f"stall-{launcher}"
     train(lay, workdir, session, launcher, "sleep 3", "--stall-after", "4s")
     wait_for(lambda: ready(workdir, session) == 6)  # (importing torch can take 4 s silently)
-    rows = wait_for(lambda: (r := status(lay, session)) and all(x["stalled"] for x in r) and r)
+
+    def every_node_stalled() -> list[dict[str, object]] | None:
+        rows = status(lay, session)
+        if rows and all(row["stalled"] for row in rows):
+            return rows
+        return None
+
+    rows = wait_for(every_node_stalled)
     assert {r["state"] for r in rows} == {"running"}
     assert all(float(str(r["idle_s"])) >= 4 for r in rows)
     began = time.monotonic()
@@ -131,7 +139,8 @@ def test_a_sleeping_rank_is_the_one_outlier_of_a_stalled_job(meshed, launcher):
     took = time.monotonic() - began
     print(f"diagnose --json on 3 nodes x 2 ranks ({launcher}): {took:.2f}s")
     found = json.loads(out.stdout)
-    assert found["state"] == "stalled" and found["outliers"] == [3], found
+    assert found["state"] == "stalled", found
+    assert found["outliers"] == [3], found
     print(found["flight"])
     assert found["flight"].startswith("flight recorder: collective #1, gloo:all_reduce (")
     assert found["flight"].endswith(": ranks 3 never joined it")
@@ -147,7 +156,8 @@ def test_a_sleeping_rank_is_the_one_outlier_of_a_stalled_job(meshed, launcher):
     assert f"ranks 0-2,4-5 in all_reduce (hang.py:{REDUCE_LINE})" in text, text
     rows = status(lay, session)
     table = task(lay, 1, "status", session).stdout
-    assert "stalled" in table and "quiet" in table
+    assert "stalled" in table
+    assert "quiet" in table
     task(lay, 0, "stop", session)
 
 
@@ -160,8 +170,10 @@ def test_the_first_failure_is_the_rank_that_raised(meshed, launcher):
     found = json.loads(task(lay, 1, "diagnose", session, "--json").stdout)
     assert found["state"] == "failed", found
     first = found["first_failure"]
-    assert first["rank"] == 4 and first["node"] == lay.nodes[2].address, first
-    assert first["error"] == "RuntimeError: boom on rank 4" and first["exit_code"] != 0
+    assert first["rank"] == 4, first
+    assert first["node"] == lay.nodes[2].address, first
+    assert first["error"] == "RuntimeError: boom on rank 4"
+    assert first["exit_code"] != 0
     assert any("hang.py" in line for line in first["traceback"])
     text = task(lay, 0, "diagnose", session).stdout
     assert f"first failure: rank 4 on {lay.nodes[2].address}" in text, text
@@ -176,20 +188,27 @@ def test_restart_on_stall_saves_the_diagnosis_then_completes(meshed):
     # load of 25 (the relaunched attempt must not be judged stalled before it prints).
     flags = ("--restarts", "1", "--restart-on-stall", "--stall-after", "45s")
     train(lay, workdir, session, "torchrun", "once 3", *flags)
+
+    def supervisor_done() -> list[dict[str, object]] | None:
+        rows = status(lay, session)
+        if rows and rows[0]["supervisor"] == "done":
+            return rows
+        return None
+
     try:
-        rows = wait_for(
-            lambda: (r := status(lay, session)) and r[0]["supervisor"] == "done" and r, 360
-        )
+        rows = wait_for(supervisor_done, 360)
     except AssertionError:  # say what the supervisors saw, not only that they never finished
         home = workdir / ".meshkit" / session
         logs = {f.name: f.read_text()[-3000:] for f in sorted(home.glob("*.log"))}
         raise AssertionError(f"{status(lay, session)}\n{logs}") from None
     reason = str(rows[0]["last_restart_reason"])
-    assert "stalled" in reason and "outliers: rank 3" in reason, reason
+    assert "stalled" in reason, reason
+    assert "outliers: rank 3" in reason, reason
     saved = Path(str(rows[0]["diagnosis"]))
     assert saved.parent == workdir / ".meshkit" / session
     found = json.loads(saved.read_text())
-    assert found["state"] == "stalled" and found["outliers"] == [3]
+    assert found["state"] == "stalled"
+    assert found["outliers"] == [3]
     assert "diagnosis saved" in task(lay, 2, "status", session).stdout
     logs = "".join((workdir / ".meshkit" / session / f"node{i}.log").read_text() for i in range(3))
     assert logs.count("sum 6.0") == 6
@@ -198,7 +217,8 @@ def test_restart_on_stall_saves_the_diagnosis_then_completes(meshed):
 def test_bad_input_no_such_job_and_a_node_down(meshed):
     lay, workdir = meshed
     out = from_home(lay, 1, "diagnose", "--hostfile", str(lay.hostfile), "--session", "nope")
-    assert out.returncode != 0 and "no saved job 'nope'" in out.stderr
+    assert out.returncode != 0
+    assert "no saved job 'nope'" in out.stderr
     assert "Traceback" not in out.stdout + out.stderr
     # A saved job whose hostfile names one more node, which does not answer.
     down = lay.hostfile.parent / "hostfile-down"  # beside the ssh_config the nodes are known by
@@ -218,7 +238,8 @@ def test_bad_input_no_such_job_and_a_node_down(meshed):
     )
     assert out.returncode == 1, out.stdout + out.stderr
     nodes = json.loads(out.stdout)["nodes"]
-    assert nodes[-1]["host"] == "10.77.254.254" and nodes[-1]["error"]
+    assert nodes[-1]["host"] == "10.77.254.254"
+    assert nodes[-1]["error"]
     assert [n["error"] for n in nodes[:-1]] == [None] * 3
     assert "Traceback" not in out.stderr
 
@@ -243,10 +264,12 @@ def test_groups_outliers_and_a_tie_broken_by_the_collective():
         HOSTS[1]: reply(ranks=[RankStack(2, 12, ["<module> (/w/t.py:5)"], [])]),
         HOSTS[2]: reply(ranks=[RankStack(3, 13, [], [], "cannot read its stack: denied")]),
     }
-    d = op.build(JOB, HOSTS, replies, {})
-    assert d.state == "running" and d.outliers == [2] and d.first_failure is None
-    assert [g.ranks for g in d.groups] == [[2], [0, 1]]
-    assert d.groups[1].where == "all_reduce (t.py:9)"
+    diagnosis = op.build(JOB, HOSTS, replies, {})
+    assert diagnosis.state == "running"
+    assert diagnosis.outliers == [2]
+    assert diagnosis.first_failure is None
+    assert [group.ranks for group in diagnosis.groups] == [[2], [0, 1]]
+    assert diagnosis.groups[1].where == "all_reduce (t.py:9)"
     two = {
         HOSTS[0]: reply(ranks=[RankStack(0, 1, ["f (/w/t.py:5)"], []), RankStack(1, 2, WAIT, [])])
     }
@@ -273,22 +296,25 @@ def test_first_failure_by_time_and_states():
         HOSTS[1]: reply("exited", 143, errors=[late, first]),
         HOSTS[2]: reply("exited", 1, errors=[first]),
     }
-    d = op.build(JOB, HOSTS, replies, {})
-    assert d.state == "failed" and d.first_failure == op.Failure(
+    diagnosis = op.build(JOB, HOSTS, replies, {})
+    assert diagnosis.state == "failed"
+    assert diagnosis.first_failure == op.Failure(
         5, "10.0.0.2", 1, "ValueError: bad", ["Traceback", "ValueError: bad"], 10.0
     )
     logged = {
         HOSTS[0]: reply("exited", 0),
         HOSTS[1]: reply("exited", 137, tail=["Traceback", "E: x"]),
     }
-    f = op.build(JOB, HOSTS[:2], logged, {}).first_failure
-    assert f is not None and (f.rank, f.node, f.error) == (None, "10.0.0.1", "E: x")
+    failure = op.build(JOB, HOSTS[:2], logged, {}).first_failure
+    assert failure is not None
+    assert (failure.rank, failure.node, failure.error) == (None, "10.0.0.1", "E: x")
     done = {h: reply("exited", 0) for h in HOSTS}
     assert op.build(JOB, HOSTS, done, {}).state == "done"
     quiet = {h: reply(idle=61.0) for h in HOSTS}
     assert op.build(JOB, HOSTS, quiet, {}).state == "stalled"
     down = op.build(JOB, HOSTS, {}, {h: "timed out" for h in HOSTS})
-    assert down.state == "absent" and not down.ok
+    assert down.state == "absent"
+    assert not down.ok
 
 
 def test_stall_and_durations():
@@ -328,7 +354,8 @@ def test_the_rank_hook_records_the_error_and_chains_to_the_next_sitecustomize(tm
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False
     )
-    assert out.returncode == 1 and "the venv sitecustomize ran" in out.stdout
+    assert out.returncode == 1
+    assert "the venv sitecustomize ran" in out.stdout
     assert out.stderr.rstrip().endswith("ValueError: bad batch")  # still shown as ever
     data = json.loads((tmp_path / "errors" / "rank3.json").read_text())
     assert data["message"]["message"] == "ValueError: bad batch"  # torchelastic's shape
@@ -346,9 +373,9 @@ def test_the_rank_hook_records_the_error_and_chains_to_the_next_sitecustomize(tm
         text=True,
         check=False,
     )
-    assert (
-        out.returncode == 0 and out.stdout == "sitecustomize\n" and not (tmp_path / "none").exists()
-    )
+    assert out.returncode == 0
+    assert out.stdout == "sitecustomize\n"
+    assert not (tmp_path / "none").exists()
 
 
 def test_a_stack_that_cannot_be_read_says_what_to_change(tmp_path):
@@ -363,14 +390,18 @@ def test_a_stack_that_cannot_be_read_says_what_to_change(tmp_path):
     try:
         time.sleep(0.5)
         stack = node_diagnose.dump(str(spy), 0, target.pid, 5.0)
-        assert stack.frames == [] and stack.error is not None
-        assert "cannot read its stack" in stack.error and "setcap cap_sys_ptrace+ep" in stack.error
+        assert stack.frames == []
+        assert stack.error is not None
+        assert "cannot read its stack" in stack.error
+        assert "setcap cap_sys_ptrace+ep" in stack.error
         # in the keeper, its wait for orphans may reap py-spy first: the exit code reads 0
         spy.write_text("#!/bin/sh\necho 'Error: Operation not permitted (os error 1)' >&2\n")
         stack = node_diagnose.dump(str(spy), 0, target.pid, 5.0)
-        assert stack.error is not None and "setcap cap_sys_ptrace+ep" in stack.error
+        assert stack.error is not None
+        assert "setcap cap_sys_ptrace+ep" in stack.error
         readable = node_diagnose.dump(str(real), 0, target.pid, 5.0)
-        assert readable.error is None and readable.frames[-1].startswith("<module> (<string>:1)")
+        assert readable.error is None
+        assert readable.frames[-1].startswith("<module> (<string>:1)")
     finally:
         target.kill()
         target.wait()
@@ -379,7 +410,8 @@ def test_a_stack_that_cannot_be_read_says_what_to_change(tmp_path):
 def test_the_log_traceback_ends_at_the_exception_line(tmp_path):
     log = tmp_path / "node0.log"
     log.write_text(
-        "step 1\nTraceback (most recent call last):\n  File \"t.py\", line 3\n    x()\nKeyError: 'a'\nnoise after\n"
+        "step 1\nTraceback (most recent call last):\n"
+        "  File \"t.py\", line 3\n    x()\nKeyError: 'a'\nnoise after\n"
     )
     assert node_diagnose.log_traceback(str(log)) == [
         "Traceback (most recent call last):",
@@ -429,16 +461,33 @@ def test_a_job_run_as_a_non_root_user(tmp_path):
     )
 
     def ask(request: Request) -> Reply:
-        assert agent.stdin is not None and agent.stdout is not None
+        assert agent.stdin is not None
+        assert agent.stdout is not None
         agent.stdin.write(encode_request(request))
         agent.stdin.flush()
         return decode_reply(op_of(request), agent.stdout.readline())
 
     try:
         started = ask(StartRequest(job.node_job()))
-        assert isinstance(started, StartReply) and started.started, started
+        assert isinstance(started, StartReply), started
+        assert started.started, started
         request = DiagnoseRequest(job.id, str(job.home), job.log(0))
-        found = wait_for(lambda: (r := ask(request)) and len(r.ranks) == 2 and r, 30, 0.2)
+
+        def both_ranks_seen() -> DiagnoseReply | None:
+            reply = ask(request)
+            assert isinstance(reply, DiagnoseReply), reply
+            if len(reply.ranks) == 2:
+                return reply
+            return None
+
+        def exited() -> DiagnoseReply | None:
+            reply = ask(request)
+            assert isinstance(reply, DiagnoseReply), reply
+            if reply.state == "exited":
+                return reply
+            return None
+
+        found = wait_for(both_ranks_seen, 30, 0.2)
         assert [(s.rank, s.error) for s in found.ranks] == [(0, None), (1, None)], found
         assert found.ranks[0].frames[-1].endswith("r.py:5)"), found.ranks[0].frames
         assert found.ranks[1].frames[-1].endswith("r.py:3)"), found.ranks[1].frames
@@ -446,7 +495,7 @@ def test_a_job_run_as_a_non_root_user(tmp_path):
         sock = f"/tmp/meshkit-65534/jobs/{job.id}/stacks.sock"
         assert node_diagnose.ask(sock, 0, agent.pid, 5.0).error.startswith("not a process of this")
         # rank 1 raises; --spawn then ends rank 0 (TERM), which leaves no error of its own
-        found = wait_for(lambda: (r := ask(request)) and r.state == "exited" and r, 60)
+        found = wait_for(exited, 60)
         assert [(e.rank, e.error) for e in found.errors] == [(1, "KeyError: 'lost shard'")]
     finally:
         ask(StopRequest(job.id))

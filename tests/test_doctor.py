@@ -15,8 +15,9 @@ import pytest
 from conftest import meshkit, named, need_root, sandbox_dir
 
 from meshkit import sandbox
+from meshkit.errors import UsageError
 from meshkit.hostfile import Host, parse
-from meshkit.ops import doctor
+from meshkit.ops import doctor, verdicts
 from meshkit.ops.sync import Facts
 from meshkit.outcome import Outcome
 from meshkit.protocol import ConnectReply, ConnectResult, FactsReply, ListenReply, ProbeReply
@@ -50,7 +51,7 @@ def facts(**changes: object) -> FactsReply:
 
 
 def test_ssh_rows_name_each_broken_pair_and_the_fix_fits_the_error():
-    checks = doctor.ssh_checks(
+    checks = verdicts.ssh_checks(
         HOSTS,
         [
             Pair(HOSTS[1], HOSTS[2], "ssh: connect to host 10.0.0.3 port 22: No route to host"),
@@ -63,7 +64,8 @@ def test_ssh_rows_name_each_broken_pair_and_the_fix_fits_the_error():
         ("10.0.0.2", "10.0.0.3", False),
         ("10.0.0.3", "10.0.0.1", False),
     ]
-    assert "network" in checks[1].fix and "meshkit mesh" in checks[2].fix
+    assert "network" in checks[1].fix
+    assert "meshkit mesh" in checks[2].fix
 
 
 def test_versions_gpus_workdir_and_clock_verdicts():
@@ -73,7 +75,7 @@ def test_versions_gpus_workdir_and_clock_verdicts():
         HOSTS[2]: Outcome(facts(marker="/w/.meshkit/doctor-x is not there", gpus=4)),
     }
     timing = {h: (1000.0, 1000.2) for h in HOSTS}
-    checks = doctor.fact_checks(HOSTS, Facts(replies, timing, "/w/.meshkit/x"), {})
+    checks = verdicts.fact_checks(HOSTS, Facts(replies, timing, "/w/.meshkit/x"), {})
     bad = {(c.check, c.node): c for c in checks if not c.ok}
     assert set(bad) == {
         ("versions", "10.0.0.2"),
@@ -88,13 +90,15 @@ def test_versions_gpus_workdir_and_clock_verdicts():
 
 
 def test_busy_port_unreachable_peer_and_probe_lines():
-    busy = doctor.port_check(
+    busy = verdicts.port_check(
         HOSTS[0],
         24000,
         Outcome(ListenReply("*", 24000, "port 24000 is busy (held by pid 7 (python3))")),
     )
-    assert not busy.ok and "24000 is busy" in busy.detail and "--master-port" in busy.fix
-    assert doctor.port_check(HOSTS[0], 24000, Outcome(ListenReply("*", 24000, None))).ok
+    assert not busy.ok
+    assert "24000 is busy" in busy.detail
+    assert "--master-port" in busy.fix
+    assert verdicts.port_check(HOSTS[0], 24000, Outcome(ListenReply("*", 24000, None))).ok
     replies = {
         HOSTS[0]: Outcome(
             ConnectReply(
@@ -106,7 +110,7 @@ def test_busy_port_unreachable_peer_and_probe_lines():
         ),
         HOSTS[1]: Outcome(error="agent gone"),
     }
-    checks = doctor.reach_checks(HOSTS, 24000, replies, "reach")
+    checks = verdicts.reach_checks(HOSTS, 24000, replies, "reach")
     assert [(c.node, c.peer, c.ok) for c in checks] == [
         ("10.0.0.1", "10.0.0.3", False),
         ("10.0.0.2", None, False),
@@ -119,7 +123,7 @@ def test_busy_port_unreachable_peer_and_probe_lines():
         HOSTS[1]: Outcome(ProbeReply(4, "meshkit-probe rank=1 error=RuntimeError: timeout\n", "")),
         HOSTS[2]: Outcome(ProbeReply(124, "", "the collective probe took longer than 60s")),
     }
-    got = doctor.collective_checks(HOSTS, probes, {}, 30.0)
+    got = verdicts.collective_checks(HOSTS, probes, {}, 30.0)
     assert [c.ok for c in got] == [True, False, False]
     assert got[1].detail == "rank=1 error=RuntimeError: timeout"
     assert got[2].detail == "the collective probe took longer than 60s"
@@ -128,18 +132,19 @@ def test_busy_port_unreachable_peer_and_probe_lines():
     late = "meshkit-probe rank=1 import=14.2s error=DistStoreError: wait timeout\n"
     probes[HOSTS[1]] = Outcome(ProbeReply(4, late, ""))
     probes[HOSTS[0]] = Outcome(ProbeReply(0, line.replace(" backend", " import=2.0s backend"), ""))
-    got = doctor.collective_checks(HOSTS, probes, {}, 30.0)
+    got = verdicts.collective_checks(HOSTS, probes, {}, 30.0)
     assert [c.fix for c in got] == [
         "",
         *["torch took 14s to import on 10.0.0.2: raise --timeout"] * 2,
     ]
     probes[HOSTS[2]] = Outcome(error="agent gone")  # a node that did not answer: its own fix
-    got = doctor.collective_checks(HOSTS, probes, {}, 30.0)
-    assert got[2].fix == "fix the node" and got[1].fix.startswith("torch took 14s")
+    got = verdicts.collective_checks(HOSTS, probes, {}, 30.0)
+    assert got[2].fix == "fix the node"
+    assert got[1].fix.startswith("torch took 14s")
 
 
 def test_report_json_has_exactly_the_fixed_keys():
-    report = doctor.Report(["a", "b"], [doctor.Check("rank", "a", None, True, "NODE_RANK=0")])
+    report = doctor.Report(["a", "b"], [verdicts.Check("rank", "a", None, True, "NODE_RANK=0")])
     assert report.as_json() == {
         "ok": True,
         "nodes": ["a", "b"],
@@ -154,6 +159,18 @@ def test_report_json_has_exactly_the_fixed_keys():
             }
         ],
     }
+
+
+def test_limits_are_one_check_for_the_cli_and_the_api():
+    """min_ratio=0 (only --min-rate counts) is accepted both ways; the API once refused it."""
+    assert doctor.within("min_ratio", 0.0, "min_ratio=0") == 0.0
+    for name, value, said in (
+        ("min_ratio", 2.0, "min_ratio=2: expected a fraction between 0 and 1"),
+        ("timeout", float("nan"), "timeout=nan: expected seconds between 1 and 600"),
+        ("min_rate", -1.0, "min_rate=-1: expected a rate of 0 bits/s or more"),
+    ):
+        with pytest.raises(UsageError, match=said):
+            doctor.within(name, value, f"{name}={value:g}")
 
 
 # ---- on a sandbox with real-world networks ---------------------------------------------------
@@ -217,24 +234,29 @@ def test_healthy_cluster_passes_every_check(meshed):
 
 def test_a_cut_link_is_named_as_the_broken_pair(meshed):
     lay, workdir = meshed
-    a, b = lay.nodes[0].address, lay.nodes[2].address
+    a = lay.nodes[0].address
+    b = lay.nodes[2].address
     sandbox.cut(lay, 0, 2)
     try:
         code, report = run_doctor(lay, workdir)
     finally:
         sandbox.mend(lay, 0, 2)
-    assert code == 1 and report["ok"] is False
+    assert code == 1
+    assert report["ok"] is False
     bad = failed(report)
-    assert ("reach", a, b) in bad and ("reach", b, a) in bad
-    assert ("ssh", a, b) in bad and ("ssh", b, a) in bad
+    assert ("reach", a, b) in bad
+    assert ("reach", b, a) in bad
+    assert ("ssh", a, b) in bad
+    assert ("ssh", b, a) in bad
     assert ("master port", b, a) in bad  # node2 cannot reach the master's port either
     pairs = {(n, p) for c, n, p in bad if p is not None}
     assert pairs <= {(a, b), (b, a)}  # nothing else is blamed
     assert ("collective", a, None) in bad  # not run: said so, never a false pass
+    cut = ("reach", a, b)
     detail = next(
         c["detail"]
         for c in report["checks"]
-        if (c["check"], c["node"], c["peer"]) == ("reach", a, b)  # type: ignore[attr-defined, index]
+        if (c["check"], c["node"], c["peer"]) == cut  # type: ignore[attr-defined, index]
     )
     assert "No route to host" in detail
 
@@ -270,8 +292,11 @@ def test_a_busy_master_port_is_named_with_its_holder(meshed):
         sandbox.node_exec(node0, ["kill", pid])
     assert code == 1
     assert failed(report) == [("master port", node0.address, None)]
-    check = next(c for c in report["checks"] if c["check"] == "master port")  # type: ignore[union-attr]
-    assert f"port {port} is busy (held by pid" in check["detail"] and "python3" in check["detail"]
+    checks = report["checks"]
+    assert isinstance(checks, list)
+    check = next(c for c in checks if c["check"] == "master port")
+    assert f"port {port} is busy (held by pid" in check["detail"]
+    assert "python3" in check["detail"]
     assert "--master-port" in check["fix"]
     # with the port free again, the same run passes
     code, report = run_doctor(lay, workdir, "--quick", "--master-port", port)
@@ -280,7 +305,8 @@ def test_a_busy_master_port_is_named_with_its_holder(meshed):
 
 def test_train_doctor_runs_the_quick_checks_in_preflight(meshed):
     lay, workdir = meshed
-    a, b = lay.nodes[1].address, lay.nodes[2].address
+    a = lay.nodes[1].address
+    b = lay.nodes[2].address
     train = [sys.executable, "-m", "meshkit", "train", "--hostfile", str(lay.hostfile)]
     train += ["--session", "doc", "--doctor", "--cmd", "echo started $NODE_RANK"]
     line = f"cd {shlex.quote(str(workdir))} && {shlex.join(train)}"
@@ -289,8 +315,10 @@ def test_train_doctor_runs_the_quick_checks_in_preflight(meshed):
         out = sandbox.node_exec(lay.nodes[0], ["bash", "-c", line], timeout=400)
     finally:
         sandbox.mend(lay, 1, 2)
-    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-    assert f"{a} -> {b}: reach:" in out.stderr and f"{b} -> {a}: reach:" in out.stderr
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert f"{a} -> {b}: reach:" in out.stderr
+    assert f"{b} -> {a}: reach:" in out.stderr
     assert "train --doctor: checks failed; nothing was started" in out.stderr
     assert not (workdir / ".meshkit" / "doc").exists()  # not even the saved job
     out = sandbox.node_exec(lay.nodes[0], ["bash", "-c", line], timeout=400)
@@ -320,4 +348,6 @@ def test_a_connect_probe_started_after_its_deadline_still_tries_once():
         late = time.monotonic() - 1.0
         assert _connect(ProbeTarget("up", "127.0.0.1", port), late).ok
     closed = _connect(ProbeTarget("down", "127.0.0.1", port), time.monotonic() - 1.0)
-    assert not closed.ok and "no attempt" not in closed.detail and "refused" in closed.detail
+    assert not closed.ok
+    assert "no attempt" not in closed.detail
+    assert "refused" in closed.detail

@@ -46,7 +46,8 @@ def meshed() -> Iterator[tuple[sandbox.Layout, Path]]:
 
 
 def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: float = 300):
-    line = f"cd {shlex.quote(str(workdir))} && {env} {shlex.join([sys.executable, '-m', 'meshkit', *args])}"
+    argv = [sys.executable, "-m", "meshkit", *args]
+    line = f"cd {shlex.quote(str(workdir))} && {env} {shlex.join(argv)}"
     return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
 
 
@@ -80,11 +81,12 @@ def test_launcher_sources_take_the_interface_of_the_route_to_master_addr(meshed)
     # MASTER_ADDR node0 is 127.0.1.1 on node0 itself: the loopback answer never decides
     for i in range(lay.count):
         found = env_json(lay, i, workdir, workdir / "names", env=f"MESHKIT_NODE_RANK={i}")
-        assert found["source"] == "explicit" and found["MASTER_ADDR"] == "node0"
+        assert found["source"] == "explicit"
+        assert found["MASTER_ADDR"] == "node0"
         assert found["GLOO_SOCKET_IFNAME"] == IFNAMES[i], found
-        assert found["interface_source"].startswith(
-            f"route: MASTER_ADDR node0 ({lay.nodes[0].address}) is reached from {lay.nodes[i].address}"
-        )
+        master = lay.nodes[0].address
+        route = f"route: MASTER_ADDR node0 ({master}) is reached from {lay.nodes[i].address}"
+        assert found["interface_source"].startswith(route)
     # the user's own setting is kept (and said so)
     found = env_json(lay, 1, workdir, lay.hostfile, env="NCCL_SOCKET_IFNAME=^docker0,lo")
     assert (found["GLOO_SOCKET_IFNAME"], found["NCCL_SOCKET_IFNAME"]) == ("ens3", "^docker0,lo")
@@ -103,7 +105,7 @@ def finished(lay, workdir: Path, session: str, timeout: float = 480) -> list[dic
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         rows = status(lay, workdir, session)
-        if all(r["state"] == "exited" for r in rows):
+        if all(row["state"] == "exited" for row in rows):
             return rows
         time.sleep(1)
     raise AssertionError(f"{session}: not all nodes exited within {timeout}s")
@@ -113,8 +115,9 @@ def probe_lines(workdir: Path, session: str, nodes: int) -> dict[int, str]:
     found = {}
     for rank in range(nodes):
         log = workdir / ".meshkit" / session / f"node{rank}.log"
-        for m in PROBE.finditer(log.read_text() if log.exists() else ""):
-            found[int(m.group(1))] = m.group(2)
+        text = log.read_text() if log.exists() else ""
+        for match in PROBE.finditer(text):
+            found[int(match.group(1))] = match.group(2)
     return found
 
 
@@ -168,7 +171,8 @@ def test_without_the_right_interface_the_same_job_fails_bounded(
     rows = finished(lay, workdir, session)
     lines = probe_lines(workdir, session, lay.count)
     assert all(r["exit_code"] != 0 for r in rows), (rows, lines)
-    assert lines and all("error=" in line for line in lines.values()), lines
+    assert lines, lines
+    assert all("error=" in line for line in lines.values()), lines
     assert not any("ok=True" in line for line in lines.values())
     # gloo's own words: a peer tried the address every node shares, e.g.
     # "timed out connecting: SO_ERROR: Connection refused, remote=[127.0.1.1]:25517"

@@ -61,7 +61,8 @@ def lay() -> Iterator[sandbox.Layout]:
 def addresses(lay: sandbox.Layout, node: sandbox.Node) -> dict[str, list[str]]:
     out = sandbox.node_exec(node, ["ip", "-j", "-4", "addr", "show"])
     return {
-        link["ifname"]: [a["local"] for a in link["addr_info"]] for link in json.loads(out.stdout)
+        link["ifname"]: [address["local"] for address in link["addr_info"]]
+        for link in json.loads(out.stdout)
     }
 
 

@@ -23,30 +23,42 @@ import threading
 import time
 
 from .. import protocol as p
+from . import throughput
 from .gpus import gpu_count
 
 MAX_SECONDS = 120.0  # no doctor call holds a listener or retries longer than this
-SIOCGIFADDR = 0x8915
-SIOCGIFNETMASK = 0x891B
+SIOCGIFADDR = 0x8915  # the ioctl that reads an interface's IPv4 address
+SIOCGIFNETMASK = 0x891B  # ... and its netmask
+# torch/version.py's line ``cuda = '12.1'`` (or ``cuda: Optional[str] = None``: no CUDA build)
+CUDA_LINE = re.compile(r"^cuda\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", re.MULTILINE)
+NCCL_BUILDS = (13, 12, 11)  # the CUDA majors of the nvidia-nccl-cuNN wheels, newest first
 
 
 def _version(package: str) -> str | None:
     """The installed version of ``package``, as ``importlib.metadata.version`` finds it: the first
     ``.dist-info`` (or ``.egg-info``) of that name along ``sys.path``. Read here because importing
-    importlib.metadata costs every node tens of ms at every doctor (a test compares the two on
-    every distribution installed)."""
+    importlib.metadata would slow every node at every doctor (a test compares the two on every
+    distribution installed)."""
     want = _normalized(package)
     for entry in sys.path:
-        with contextlib.suppress(OSError):
-            for name in os.listdir(entry or "."):
-                stem, _, kind = name.rpartition(".")
-                if kind in ("dist-info", "egg-info") and _normalized(stem.split("-")[0]) == want:
-                    path = os.path.join(entry or ".", name)
-                    if os.path.isdir(path):
-                        path = os.path.join(path, "METADATA" if kind == "dist-info" else "PKG-INFO")
-                    found = _metadata_version(path)
-                    if found is not None:
-                        return found
+        directory = entry or "."
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue  # not a directory (a zip) or gone
+        for name in names:
+            stem, _, kind = name.rpartition(".")
+            if kind not in ("dist-info", "egg-info"):
+                continue
+            if _normalized(stem.split("-")[0]) != want:
+                continue
+            path = os.path.join(directory, name)
+            if os.path.isdir(path):
+                metadata = "METADATA" if kind == "dist-info" else "PKG-INFO"
+                path = os.path.join(path, metadata)
+            found = _metadata_version(path)
+            if found is not None:
+                return found
     return None
 
 
@@ -61,28 +73,39 @@ def _metadata_version(path: str) -> str | None:
             if not line.strip():
                 break
             if line.startswith("Version:"):
-                return line.partition(":")[2].strip() or None
+                version = line.partition(":")[2].strip()
+                return version if version else None
     return None
 
 
 def torch_cuda() -> str | None:
     """The CUDA version torch was built with, from torch/version.py (torch is not imported)."""
     spec = importlib.util.find_spec("torch")
-    locations = spec.submodule_search_locations if spec else None
-    for location in locations or []:
-        with contextlib.suppress(OSError), open(os.path.join(location, "version.py")) as handle:
-            found = re.search(r"^cuda\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", handle.read(), re.MULTILINE)
-            return found.group(1) if found else None
+    if spec is None or spec.submodule_search_locations is None:
+        return None
+    for location in spec.submodule_search_locations:
+        try:
+            with open(os.path.join(location, "version.py")) as handle:
+                text = handle.read()
+        except OSError:
+            continue
+        found = CUDA_LINE.search(text)
+        return found.group(1) if found else None
     return None
 
 
 def nccl_version() -> str | None:
-    return next(filter(None, (_version(f"nvidia-nccl-cu{cuda}") for cuda in (13, 12, 11))), None)
+    """The version of the NCCL wheel torch uses (the newest CUDA build's that is installed)."""
+    for cuda in NCCL_BUILDS:
+        found = _version(f"nvidia-nccl-cu{cuda}")
+        if found:
+            return found
+    return None
 
 
 def _writable(workdir: str) -> str | None:
     # A file of our own (pid + time: unique among this node's doctors), created exclusively,
-    # written and removed; not tempfile, whose import costs every node ms.
+    # written and removed; not tempfile, whose import would slow every node.
     path = os.path.join(workdir, f".meshkit-doctor-{os.getpid()}-{time.time_ns()}")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -116,77 +139,108 @@ def _marker(request: p.FactsRequest) -> str:
 def facts(request: p.FactsRequest) -> p.FactsReply:
     from .. import __version__
 
-    missing = None if os.path.isdir(request.workdir) else f"{request.workdir}: missing"
+    if os.path.isdir(request.workdir):
+        writable = _writable(request.workdir)
+        marker = _marker(request)
+    else:
+        writable = f"{request.workdir}: missing"
+        marker = writable
+    major, minor, micro = sys.version_info[:3]
     return p.FactsReply(
         hostname=socket.gethostname(),
-        python="{}.{}.{}".format(*sys.version_info[:3]),  # platform.python_version(), unimported
+        python=f"{major}.{minor}.{micro}",  # platform.python_version(), without importing it
         meshkit=_version("meshkit") or __version__,
         torch=_version("torch"),
         cuda=torch_cuda(),
         nccl=nccl_version(),
         gpus=gpu_count(),
-        writable=missing or _writable(request.workdir),
-        marker=missing or _marker(request),
-        clock=time.time(),
+        writable=writable,
+        marker=marker,
+        clock=time.time(),  # last: the controller compares it with the round trip's middle
     )
 
 
-_listeners: dict[int, tuple[socket.socket, threading.Event]] = {}
+class Listener:
+    """A listening socket and the event that stops the thread serving it."""
+
+    def __init__(self, sock: socket.socket, stop: threading.Event) -> None:
+        self.sock = sock
+        self.stop = stop
+
+
+_listeners: dict[int, Listener] = {}  # port -> this agent's listener on it
 
 
 def interface_address(ifname: str, request: int = SIOCGIFADDR) -> str | None:
     """The IPv4 address of an interface (what gloo binds for GLOO_SOCKET_IFNAME), or its netmask."""
+    asked = struct.pack("256s", ifname.encode()[:15])  # a struct ifreq: the name (15 bytes at most)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
-            packed = fcntl.ioctl(sock.fileno(), request, struct.pack("256s", ifname.encode()[:15]))
+            answer = fcntl.ioctl(sock.fileno(), request, asked)
         except OSError:
             return None
-    return socket.inet_ntoa(packed[20:24])
+    return socket.inet_ntoa(answer[20:24])  # the address bytes of the answer's sockaddr_in
 
 
 def port_holder(port: int) -> str | None:
     """Which process listens on TCP ``port`` here (from /proc; None when it cannot be told)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            with open(table) as handle:
-                text = handle.read()
-            for line in text.splitlines()[1:]:
-                fields = line.split()
-                listening = len(fields) > 9 and fields[3] == "0A"  # 0A: TCP_LISTEN
-                if listening and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(f"socket:[{fields[9]}]")
+    inodes = _listening_sockets(port)
     if not inodes:
         return None
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
-                        with open(f"/proc/{pid}/comm") as handle:
-                            comm = handle.read().strip()
-                        return f"pid {pid} ({comm})"
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            descriptors = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone, or not ours to look at
+        for fd in descriptors:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    with open(f"/proc/{pid}/comm") as handle:
+                        command = handle.read().strip()
+                    return f"pid {pid} ({command})"
     return None
+
+
+def _listening_sockets(port: int) -> set[str]:
+    """The sockets listening on TCP ``port``, as /proc/PID/fd links name them."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as handle:
+                text = handle.read()
+        except OSError:
+            continue
+        for line in text.splitlines()[1:]:
+            fields = line.split()
+            listening = len(fields) > 9 and fields[3] == "0A"  # 0A: TCP_LISTEN
+            if listening and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    return inodes
 
 
 def _serve(sock: socket.socket, stop: threading.Event, deadline: float, bandwidth: bool) -> None:
     sock.settimeout(0.2)
     while not stop.is_set() and time.monotonic() < deadline:
         try:
-            conn, _ = sock.accept()
+            connection, _ = sock.accept()
         except (TimeoutError, socket.timeout):
             continue
         except OSError:
             break
         if bandwidth:  # one peer per round, its tests one after the other: served in turn
-            _bandwidth_peer(conn)
-        conn.close()
+            throughput.serve_test(connection)
+        connection.close()
     sock.close()
     stop.set()
 
 
 def listen(request: p.ListenRequest) -> p.ListenReply:
-    port, address = request.port, interface_address(request.ifname) if request.ifname else ""
+    port = request.port
+    address: str | None = ""  # every address
+    if request.ifname:
+        address = interface_address(request.ifname)
     if address is None:
         return p.ListenReply("", port, f"interface {request.ifname} has no IPv4 address here")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -203,19 +257,22 @@ def listen(request: p.ListenRequest) -> p.ListenReply:
             return p.ListenReply(address, port, f"port {port} is busy{held}")
         why = f"cannot listen on {address or '*'}:{port}: {exc.strerror or exc}"
         return p.ListenReply(address, port, why)
-    port, stop = int(sock.getsockname()[1]), threading.Event()
+    port = int(sock.getsockname()[1])
+    stop = threading.Event()
     deadline = time.monotonic() + min(max(request.seconds, 0.1), MAX_SECONDS)
-    serve = (sock, stop, deadline, request.bandwidth)
-    threading.Thread(target=_serve, args=serve, daemon=True).start()
-    _listeners[port] = (sock, stop)
+    serve = threading.Thread(
+        target=_serve, args=(sock, stop, deadline, request.bandwidth), daemon=True
+    )
+    serve.start()
+    _listeners[port] = Listener(sock, stop)
     return p.ListenReply(address or "*", port, None)
 
 
 def done(request: p.DoneRequest) -> p.DoneReply:
     closed = len(_listeners)
-    for sock, stop in _listeners.values():
-        stop.set()
-        sock.close()  # now, not at the thread's next tick: a job may bind this port next
+    for listener in _listeners.values():
+        listener.stop.set()
+        listener.sock.close()  # now, not at the thread's next tick: a job may bind this port next
     _listeners.clear()
     if request.marker:
         with contextlib.suppress(OSError):
@@ -224,13 +281,16 @@ def done(request: p.DoneRequest) -> p.DoneReply:
 
 
 ATTEMPT = 2.0  # seconds one connect attempt may take
+MAX_PROBES = 1024  # connect threads at once
 
 
 def _connect(target: p.ProbeTarget, deadline: float) -> p.ConnectResult:
     """Retry until the deadline: the peer's listener may open a moment after we start. At least
     one attempt is made (of up to ATTEMPT seconds), even when this thread started after the
     deadline: on a loaded node, with hundreds of peers, a probe that never tried is no verdict."""
-    started, last, where = time.monotonic(), "", f"{target.host}:{target.port}"
+    started = time.monotonic()
+    last = ""  # why the last attempt failed
+    where = f"{target.host}:{target.port}"
     while True:
         left = deadline - time.monotonic()
         if left <= 0 and last:
@@ -250,13 +310,17 @@ def _connect(target: p.ProbeTarget, deadline: float) -> p.ConnectResult:
 def connect(request: p.ConnectRequest) -> p.ConnectReply:
     deadline = time.monotonic() + min(max(request.seconds, 0.1), MAX_SECONDS)
     targets = request.targets
-    results = [p.ConnectResult(t.label, t.port, False, "probe did not finish") for t in targets]
+    results = []
+    for target in targets:
+        results.append(p.ConnectResult(target.label, target.port, False, "probe did not finish"))
 
-    def one(i: int, target: p.ProbeTarget) -> None:
-        results[i] = _connect(target, deadline)
+    def one(index: int, target: p.ProbeTarget) -> None:
+        results[index] = _connect(target, deadline)
 
-    tried = enumerate(targets[:1024])  # bounded threads: the rest are said not to have finished
-    threads = [threading.Thread(target=one, args=it, daemon=True) for it in tried]
+    # bounded threads: the targets past MAX_PROBES are said not to have finished
+    threads = []
+    for index, target in enumerate(targets[:MAX_PROBES]):
+        threads.append(threading.Thread(target=one, args=(index, target), daemon=True))
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -264,73 +328,19 @@ def connect(request: p.ConnectRequest) -> p.ConnectReply:
     return p.ConnectReply(results)
 
 
-CHUNK = 256 * 1024
-HEADER = 32  # "sink" or "send SECONDS BYTES", padded: a fixed size, so no data is read with it
-MAX_TEST_SECONDS = 10.0
-MAX_TEST_BYTES = 1 << 30
-# Send buffers bounded: what sits in them when a try ends still has to arrive before it counts,
-# which on a slow link is seconds at the kernel's autotuned 4 MiB (and 256 KiB still carries
-# tens of Gbit/s at LAN round trips).
-SNDBUF = 256 * 1024
-
-
-def _pump(conn: socket.socket, seconds: float, max_bytes: int) -> None:
-    """Send zeros for ``seconds`` or ``max_bytes``, whichever ends first."""
-    data, sent = memoryview(bytes(CHUNK)), 0
-    end = time.monotonic() + min(seconds, MAX_TEST_SECONDS)
-    while sent < min(max_bytes, MAX_TEST_BYTES) and time.monotonic() < end:
-        sent += conn.send(data[: min(CHUNK, max_bytes - sent)])
-
-
-def _drain(conn: socket.socket) -> int:
-    buf, total = bytearray(CHUNK), 0
-    while n := conn.recv_into(buf):
-        total += n
-    return total
-
-
-def _bandwidth_peer(conn: socket.socket) -> None:
-    """The listener's side of one test: ``sink`` counts what arrives until the peer's EOF and
-    answers the count; ``send`` sends for the time and bytes asked, then closes."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        conn.settimeout(MAX_TEST_SECONDS + 5)
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
-        header = b""
-        while len(header) < HEADER and (more := conn.recv(HEADER - len(header))):
-            header += more
-        words = header.split()
-        if words[0] == b"sink":
-            conn.sendall(b"%d\n" % _drain(conn))
-        elif words[0] == b"send":
-            _pump(conn, float(words[1]), int(words[2]))
-
-
-def _measure(target: p.BandwidthTarget, seconds: float, max_bytes: int) -> tuple[float, float]:
-    """One try each way, in bytes/s, each timed by the side that knows when the data arrived:
-    what is still in buffers when sending stops counts until the peer has it."""
-    address = (target.host, target.port)
-    with socket.create_connection(address, timeout=MAX_TEST_SECONDS + 5) as conn:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
-        started = time.monotonic()
-        conn.sendall(b"sink".ljust(HEADER))
-        _pump(conn, seconds, max_bytes)
-        conn.shutdown(socket.SHUT_WR)
-        count = int(conn.makefile("rb").readline(32))
-        sent = count / (time.monotonic() - started)
-    with socket.create_connection(address, timeout=MAX_TEST_SECONDS + 5) as conn:
-        started = time.monotonic()
-        conn.sendall(f"send {seconds} {max_bytes}".encode().ljust(HEADER))
-        received = _drain(conn) / (time.monotonic() - started)
-    return sent, received
+MAX_TARGETS = 64  # bandwidth tests in one request
+MAX_REPEATS = 10  # tries of each
+OUTPUT_TAIL = 65536  # characters of the probe's output kept
 
 
 def networks() -> list[str]:
     """This node's IPv4 networks other nodes could use (neither loopback nor link-local)."""
     found = []
     for _, name in socket.if_nameindex():
-        address, mask = interface_address(name), interface_address(name, SIOCGIFNETMASK)
+        address = interface_address(name)
+        mask = interface_address(name, SIOCGIFNETMASK)
         if address and mask and not address.startswith(("127.", "169.254.")):
-            bits = bin(int.from_bytes(socket.inet_aton(mask), "big")).count("1")
+            bits = bin(int.from_bytes(socket.inet_aton(mask), "big")).count("1")  # its prefix
             found.append(f"{name} {address}/{bits}")
     return found
 
@@ -341,29 +351,47 @@ def infiniband(root: str = "/sys/class/infiniband") -> list[str]:
     with contextlib.suppress(OSError):
         for device in sorted(os.listdir(root)):
             for port in sorted(os.listdir(f"{root}/{device}/ports")):
-                with contextlib.suppress(OSError), open(f"{root}/{device}/ports/{port}/state") as f:
-                    found.append(f"{device}:{port} {f.read().rpartition(':')[2].strip()}")
+                state_file = f"{root}/{device}/ports/{port}/state"
+                with contextlib.suppress(OSError), open(state_file) as handle:
+                    state = handle.read().rpartition(":")[2].strip()  # "4: ACTIVE"
+                    found.append(f"{device}:{port} {state}")
     return found
 
 
 def bandwidth(request: p.BandwidthRequest) -> p.BandwidthReply:
     """Each try goes over every target in turn (a pair's networks interleaved, so that a busy
     moment weighs on all of them alike); the best try per target counts."""
-    targets, seconds = request.targets[:64], min(max(request.seconds, 0.01), MAX_TEST_SECONDS)
-    size = min(max(request.max_bytes, 1), MAX_TEST_BYTES)
+    targets = request.targets[:MAX_TARGETS]
+    seconds = min(max(request.seconds, 0.01), throughput.MAX_TEST_SECONDS)
+    size = min(max(request.max_bytes, 1), throughput.MAX_TEST_BYTES)
+    repeats = min(max(request.repeats, 1), MAX_REPEATS)
     errors: list[str | None] = [None] * len(targets)
-    best = [(0.0, 0.0)] * len(targets)
-    for _ in range(min(max(request.repeats, 1), 10)):
+    best_sent = [0.0] * len(targets)
+    best_received = [0.0] * len(targets)
+    for _ in range(repeats):
         for i, target in enumerate(targets):
+            if errors[i] is not None:
+                continue  # failed once: not tried again
             try:
-                if errors[i] is None:
-                    sent, received = _measure(target, seconds, size)
-                    best[i] = (max(best[i][0], sent), max(best[i][1], received))
+                sent, received = throughput.run_test(target, seconds, size)
             except (OSError, ValueError) as exc:
-                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-                errors[i] = f"{target.host}:{target.port}: {why or type(exc).__name__}"
-    found = [p.BandwidthResult(t.label, t.network, *b, e) for t, b, e in zip(targets, best, errors)]
+                errors[i] = _test_error(target, exc)
+                continue
+            best_sent[i] = max(best_sent[i], sent)
+            best_received[i] = max(best_received[i], received)
+    found = []
+    for i, target in enumerate(targets):
+        result = p.BandwidthResult(
+            target.label, target.network, best_sent[i], best_received[i], errors[i]
+        )
+        found.append(result)
     return p.BandwidthReply(found, networks(), infiniband(), _version("torch") is not None)
+
+
+def _test_error(target: p.BandwidthTarget, exc: OSError | ValueError) -> str:
+    """Why a test failed: the system's words for an OSError that has them, else the exception."""
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"{target.host}:{target.port}: {why}"
 
 
 def probe(request: p.ProbeRequest) -> p.ProbeReply:
@@ -392,5 +420,5 @@ def probe(request: p.ProbeRequest) -> p.ProbeReply:
             os.killpg(child.pid, signal.SIGKILL)
         out, _ = child.communicate()
         took = f"the collective probe took longer than {seconds:.0f}s"
-        return p.ProbeReply(124, out[-65536:], took)
-    return p.ProbeReply(child.returncode, out[-65536:], err[-65536:])
+        return p.ProbeReply(124, out[-OUTPUT_TAIL:], took)
+    return p.ProbeReply(child.returncode, out[-OUTPUT_TAIL:], err[-OUTPUT_TAIL:])

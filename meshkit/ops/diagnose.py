@@ -21,7 +21,17 @@ State = Literal["running", "stalled", "failed", "done", "absent"]
 SECONDS = 5.0  # per rank, for py-spy; a node's ranks are read in parallel
 LIBRARY = ("/site-packages/", "/dist-packages/", "/lib/python")  # not the user's own frames
 Replies = dict[Host, Outcome[DiagnoseReply]]
-Errors = dict[int, tuple[int, RankError]]  # rank -> (node rank, its earliest error file)
+
+
+@dataclass(frozen=True)
+class ReportedError:
+    """A rank's error file, and the node (by rank) whose reply carried it."""
+
+    node_rank: int
+    error: RankError
+
+
+Errors = dict[int, ReportedError]  # rank -> its earliest error file
 
 
 @dataclass(frozen=True)
@@ -32,7 +42,8 @@ class Rank:
     frames: list[str]  # the main thread, innermost last: "function (file:line)"
     threads: list[list[str]]  # the other threads' innermost frames
     error: str | None = None  # why its stack could not be read
-    seq: int | None = None  # flight recorder: the last collective it entered (None: no recorder)
+    # flight recorder: the last collective it entered (None: no recorder)
+    seq: int | None = None
     collective: str | None = None
 
 
@@ -45,13 +56,16 @@ class Group:
 
     @property
     def where(self) -> str:
-        """ "all_reduce (train.py:42)": the innermost function, at the user's own innermost frame."""
+        """ "all_reduce (train.py:42)": the innermost function, at the user's own innermost
+        frame (the innermost of all when none is the user's)."""
         if not self.frames:
             return "?"
         inner = self.frames[-1].rpartition(" (")[0]
-        own = [f for f in self.frames if not any(part in f for part in LIBRARY)]
-        at = (own or self.frames)[-1].rpartition(" (")[2].rstrip(")")
-        return f"{inner} ({at.rsplit('/', 1)[-1]})"
+        own = [frame for frame in self.frames if not any(part in frame for part in LIBRARY)]
+        shown = own[-1] if own else self.frames[-1]
+        location = shown.rpartition(" (")[2].rstrip(")")
+        file_and_line = location.rsplit("/", 1)[-1]
+        return f"{inner} ({file_and_line})"
 
 
 @dataclass(frozen=True)
@@ -88,17 +102,17 @@ class Diagnosis:
     @property
     def ok(self) -> bool:
         """Every node answered."""
-        return not any(n.error for n in self.nodes)
+        return not any(node.error for node in self.nodes)
 
     def as_json(self) -> dict[str, object]:
         data = asdict(self)
-        data["groups"] = [{**asdict(g), "where": g.where} for g in self.groups]
+        data["groups"] = [{**asdict(each), "where": each.where} for each in self.groups]
         return data
 
 
 def diagnose(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Diagnosis:
-    def request(h: Host) -> DiagnoseRequest:
-        return DiagnoseRequest(job.id, str(job.home), job.log(hosts.index(h)), SECONDS)
+    def request(host: Host) -> DiagnoseRequest:
+        return DiagnoseRequest(job.id, str(job.home), job.log(hosts.index(host)), SECONDS)
 
     replies = pool.call_all("diagnose", request, DiagnoseReply, timeout=SECONDS + 30)
     return build(job, hosts, replies, pool.failures)
@@ -111,47 +125,63 @@ def build(
     nodes: list[NodeRow] = []
     ranks: list[Rank] = []
     errors: Errors = {}
-    for number, h in enumerate(hosts):
-        outcome = replies.get(h)
+    for number, host in enumerate(hosts):
+        outcome = replies.get(host)
         if outcome is None or outcome.value is None:
-            why = unanswered(outcome, h, failures)
-            nodes.append(NodeRow(number, h.label, "absent", None, None, str(why)))
+            why = unanswered(outcome, host, failures)
+            nodes.append(NodeRow(number, host.label, "absent", None, None, str(why)))
             continue
-        r = outcome.value
-        nodes.append(NodeRow(number, h.label, r.state, r.exit_code, r.idle, r.problem))
-        ranks += [
-            Rank(s.rank, h.label, s.pid, s.frames, s.threads, s.error, s.seq, s.collective)
-            for s in r.ranks
-        ]
-        for e in r.errors:  # shared storage: every node may return every file
-            if e.rank not in errors or e.time < errors[e.rank][1].time:
-                errors[e.rank] = (number, e)
-    ranks.sort(key=lambda r: r.rank)
-    answered = [n for n in nodes if n.error is None or n.state != "absent"]
-    state: State
-    if any(n.state == "exited" and n.exit_code for n in answered):
-        state = "failed"
-    elif any(n.state == "running" for n in answered):
-        stalled = is_stalled(job.stall_after, [(n.state, n.idle_s) for n in answered])
-        state = "stalled" if stalled else "running"
-    elif answered and all(n.state == "exited" for n in answered):
-        state = "done"
-    else:
-        state = "absent"
+        reply = outcome.value
+        row = NodeRow(number, host.label, reply.state, reply.exit_code, reply.idle, reply.problem)
+        nodes.append(row)
+        for stack in reply.ranks:
+            ranks.append(
+                Rank(
+                    stack.rank,
+                    host.label,
+                    stack.pid,
+                    stack.frames,
+                    stack.threads,
+                    stack.error,
+                    stack.seq,
+                    stack.collective,
+                )
+            )
+        for error in reply.errors:  # shared storage: every node may return every file
+            if error.rank not in errors or error.time < errors[error.rank].error.time:
+                errors[error.rank] = ReportedError(number, error)
+    ranks.sort(key=lambda rank: rank.rank)
+    answered = [node for node in nodes if node.error is None or node.state != "absent"]
+    state = job_state(job, answered)
     groups, outliers = group(ranks)
-    failure = first_failure(hosts, nodes, errors, replies) if state == "failed" or errors else None
-    return Diagnosis(state, failure, ranks, outliers, groups, nodes, job.stall_after, flight(ranks))
+    failure = None
+    if state == "failed" or errors:
+        failure = first_failure(hosts, nodes, errors, replies)
+    stall_after = job.stall_after
+    return Diagnosis(state, failure, ranks, outliers, groups, nodes, stall_after, flight(ranks))
+
+
+def job_state(job: Job, answered: Sequence[NodeRow]) -> State:
+    """Pure: the job's state from the nodes that answered."""
+    if any(node.state == "exited" and node.exit_code for node in answered):
+        return "failed"
+    if any(node.state == "running" for node in answered):
+        stalled = is_stalled(job.stall_after, [(node.state, node.idle_s) for node in answered])
+        return "stalled" if stalled else "running"
+    if answered and all(node.state == "exited" for node in answered):
+        return "done"
+    return "absent"
 
 
 def flight(ranks: Sequence[Rank]) -> str | None:
     """Pure: the newest collective any rank entered, and the ranks that never joined it."""
-    seen = [r for r in ranks if r.seq is not None]
+    seen = [rank for rank in ranks if rank.seq is not None]
     if not seen:
         return None
-    top = max(seen, key=lambda r: r.seq or 0)
+    top = max(seen, key=lambda rank: rank.seq or 0)
     if not top.seq:
         return "flight recorder: no rank has entered a collective yet"
-    behind = [r.rank for r in seen if (r.seq or 0) < top.seq]
+    behind = [rank.rank for rank in seen if (rank.seq or 0) < top.seq]
     joined = f"ranks {spans(behind)} never joined it" if behind else "every rank entered it"
     return f"flight recorder: collective #{top.seq}, {top.collective}: {joined}"
 
@@ -160,18 +190,22 @@ def group(ranks: Sequence[Rank]) -> tuple[list[Group], list[int]]:
     """Pure: ranks by identical main-thread stacks; the outliers are the ranks outside the
     largest group (on a tie, the group waiting in torch.distributed is the majority: two ranks,
     one in the all_reduce and one not, make the other one the outlier)."""
-    by: dict[tuple[str, ...], list[int]] = {}
-    for r in ranks:
-        if r.frames:
-            by.setdefault(tuple(r.frames), []).append(r.rank)
-    groups = [Group(v, list(k)) for k, v in by.items()]
+    stacks: dict[tuple[str, ...], list[int]] = {}
+    for rank in ranks:
+        if rank.frames:
+            stacks.setdefault(tuple(rank.frames), []).append(rank.rank)
+    groups = [Group(numbers, list(frames)) for frames, numbers in stacks.items()]
     if len(groups) < 2:
         return groups, []
-    major = max(
-        groups, key=lambda g: (len(g.ranks), any("torch/distributed" in f for f in g.frames))
-    )
-    groups.sort(key=lambda g: (g is major, -len(g.ranks), g.ranks))
-    return groups, sorted(r for g in groups if g is not major for r in g.ranks)
+
+    def size_then_torch(candidate: Group) -> tuple[int, bool]:
+        in_torch = any("torch/distributed" in frame for frame in candidate.frames)
+        return len(candidate.ranks), in_torch
+
+    major = max(groups, key=size_then_torch)
+    groups.sort(key=lambda each: (each is major, -len(each.ranks), each.ranks))
+    outliers = [number for each in groups if each is not major for number in each.ranks]
+    return groups, sorted(outliers)
 
 
 def first_failure(
@@ -180,26 +214,36 @@ def first_failure(
     """The rank that raised first (by its error file's time: a peer that died of the closed
     connection raised later); without error files, the first failed node's log traceback."""
     if errors:
-        number, e = min(errors.values(), key=lambda ne: ne[1].time)
-        if e.node_rank is not None and 0 <= e.node_rank < len(nodes):
-            number = e.node_rank
+        earliest = min(errors.values(), key=lambda reported: reported.error.time)
+        error = earliest.error
+        number = earliest.node_rank
+        if error.node_rank is not None and 0 <= error.node_rank < len(nodes):
+            number = error.node_rank  # the node it ran on, as its file says (storage is shared)
         node = nodes[number]
-        return Failure(e.rank, node.host, node.exit_code, e.error, e.traceback, e.time)
-    for n in nodes:
-        if n.state == "exited" and n.exit_code:
-            outcome = replies.get(hosts[n.node_rank])
-            tail = outcome.value.log_traceback if outcome and outcome.value else []
-            error = tail[-1] if tail else f"exited with code {n.exit_code}; no traceback in its log"
-            return Failure(None, n.host, n.exit_code, error, tail)
+        return Failure(
+            error.rank, node.host, node.exit_code, error.error, error.traceback, error.time
+        )
+    for node in nodes:
+        if node.state == "exited" and node.exit_code:
+            outcome = replies.get(hosts[node.node_rank])
+            tail: list[str] = []
+            if outcome is not None and outcome.value is not None:
+                tail = outcome.value.log_traceback
+            no_traceback = f"exited with code {node.exit_code}; no traceback in its log"
+            said = tail[-1] if tail else no_traceback
+            return Failure(None, node.host, node.exit_code, said, tail)
     return None
 
 
 def spans(numbers: Sequence[int]) -> str:
     """[0, 1, 2, 4, 5] -> "0-2,4-5"."""
     runs: list[list[int]] = []
-    for n in sorted(numbers):
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
+    for number in sorted(numbers):
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
         else:
-            runs.append([n, n])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+            runs.append([number, number])
+    texts = []
+    for first, last in runs:
+        texts.append(str(first) if first == last else f"{first}-{last}")
+    return ",".join(texts)

@@ -14,7 +14,8 @@ from ...errors import UsageError
 from ..common import conf, helps, progress, rate, reported, table, task
 
 if TYPE_CHECKING:
-    from ...ops.doctor import Bandwidth, Report
+    from ...ops.bandwidth import Bandwidth
+    from ...ops.doctor import Report
 
 DOCTOR_HELP = helps(
     *("hostfile", "session", "workdir", "json", "include", "exclude", "master_port"),
@@ -28,31 +29,48 @@ DOCTOR_HELP = helps(
 )
 
 
-def matrix(bw: Bandwidth, nodes: list[str]) -> str:
+def matrix(measured: Bandwidth, nodes: list[str]) -> str:
     """Rates from each row's node to each column's (Gbit/s; columns by hostfile index)."""
-    rows = [
-        [f"{i} {a}"] + ["-" if a == b else f"{bw.rates.get((a, b), 0) / 1e9:.3g}" for b in nodes]
-        for i, a in enumerate(nodes)
-    ]
-    return table(["Gbit/s from \\ to", *map(str, range(len(nodes)))], rows)
+    rows = []
+    for index, node in enumerate(nodes):
+        cells = [f"{index} {node}"]
+        for peer in nodes:
+            if peer == node:
+                cells.append("-")
+            else:
+                cells.append(f"{measured.rates.get((node, peer), 0) / 1e9:.3g}")
+        rows.append(cells)
+    columns = [str(index) for index in range(len(nodes))]
+    return table(["Gbit/s from \\ to", *columns], rows)
 
 
-def _cell(v: float, top: float) -> str:
+def html_cell(gigabits: float, top: float) -> str:
     """One rate (Gbit/s): green at the fastest, red at none; NaN: none measured."""
-    if v != v:
+    if math.isnan(gigabits):
         return "<td>-</td>"
-    return f'<td style="background:hsl({120 * v / top:.0f},70%,60%)">{v:.3g}</td>'
+    return f'<td style="background:hsl({120 * gigabits / top:.0f},70%,60%)">{gigabits:.3g}</td>'
 
 
-def heatmap(bw: Bandwidth, nodes: list[str], path: str) -> None:
+def plot_label(gigabits: float) -> str:
+    """One rate's text on the PNG: Gbit/s, or Mbit/s (an M) below 1; none where none measured."""
+    if math.isnan(gigabits):
+        return ""
+    if gigabits >= 1:
+        return f"{gigabits:.3g}"
+    return f"{gigabits * 1e3:.3g}M"
+
+
+def heatmap(measured: Bandwidth, nodes: list[str], path: str) -> None:
     """The pair matrix as a heatmap: PNG through matplotlib (the extra 'plot'), or plain HTML."""
-    grid = [[bw.rates.get((a, b), math.nan) / 1e9 for b in nodes] for a in nodes]
+    grid = []
+    for node in nodes:
+        grid.append([measured.rates.get((node, peer), math.nan) / 1e9 for peer in nodes])
     if path.endswith(".html"):
-        top = max(bw.rates.values(), default=1.0) / 1e9
-        rows = "".join(
-            f"<tr><th>{html.escape(a)}</th>" + "".join(_cell(v, top) for v in row) + "</tr>"
-            for a, row in zip(nodes, grid)
-        )
+        top = max(measured.rates.values(), default=1.0) / 1e9
+        rows = ""
+        for node, row in zip(nodes, grid):
+            cells = "".join(html_cell(gigabits, top) for gigabits in row)
+            rows += f"<tr><th>{html.escape(node)}</th>{cells}</tr>"
         with open(path, "w") as handle:
             handle.write(f"<!doctype html><title>meshkit bandwidth</title><table>{rows}</table>\n")
         return
@@ -62,19 +80,19 @@ def heatmap(bw: Bandwidth, nodes: list[str], path: str) -> None:
         why = "PNG needs matplotlib: pip install 'meshkit[plot]' (or write .html)"
         raise UsageError(f"--plot {path}: {why}") from None
     plt.switch_backend("Agg")
-    fig, ax = plt.subplots(figsize=(2.2 + 0.7 * len(nodes), 1.2 + 0.55 * len(nodes)))
-    image = ax.imshow(grid, cmap="RdYlGn", vmin=0)
-    ax.set_xticks(range(len(nodes)), [str(i) for i in range(len(nodes))])
-    ax.set_yticks(range(len(nodes)), [f"{i} {n}" for i, n in enumerate(nodes)])
+    size = (2.2 + 0.7 * len(nodes), 1.2 + 0.55 * len(nodes))
+    figure, axes = plt.subplots(figsize=size)
+    image = axes.imshow(grid, cmap="RdYlGn", vmin=0)
+    axes.set_xticks(range(len(nodes)), [str(index) for index in range(len(nodes))])
+    axes.set_yticks(range(len(nodes)), [f"{index} {node}" for index, node in enumerate(nodes)])
     for i, row in enumerate(grid):
-        for j, v in enumerate(row):
-            label = "" if v != v else f"{v:.3g}" if v >= 1 else f"{v * 1e3:.3g}M"
-            ax.text(j, i, label, ha="center", va="center", fontsize=8)
-    ax.set(xlabel="to", ylabel="from", title="Gbit/s (M: Mbit/s)")
-    fig.colorbar(image)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+        for j, gigabits in enumerate(row):
+            axes.text(j, i, plot_label(gigabits), ha="center", va="center", fontsize=8)
+    axes.set(xlabel="to", ylabel="from", title="Gbit/s (M: Mbit/s)")
+    figure.colorbar(image)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
 
 
 def _number(text: str, flag: str, name: str) -> float:
@@ -82,15 +100,17 @@ def _number(text: str, flag: str, name: str) -> float:
     from ...ops.doctor import within
 
     digits = text.replace(".", "", 1)
+    # anything else (a sign, an exponent, "nan") is NaN, which no limit holds
     number = float(text) if digits.isascii() and digits.isdigit() else math.nan
     return within(name, number, f"{flag} {text!r}")
 
 
 def render(report: Report) -> str:
-    rows = [
-        (c.check, c.node, c.peer or "", "ok" if c.ok else "FAIL", c.detail[:90], c.fix[:80])
-        for c in report.checks
-    ]
+    rows = []
+    for check in report.checks:
+        verdict = "ok" if check.ok else "FAIL"
+        peer = check.peer or ""
+        rows.append((check.check, check.node, peer, verdict, check.detail[:90], check.fix[:80]))
     return table(["check", "node", "peer", "ok", "detail", "fix"], rows)
 
 
@@ -117,6 +137,7 @@ def doctor(
     workdir, clocks, and a tiny all_reduce. Every check is bounded in time; exit 1 if any fails.
     With --bandwidth: the throughput of every pair instead, and the all_reduce's bus bandwidth."""
     from ...ops import doctor as ops
+    from ...ops.bandwidth import rate_text
     from ...ops.lookup import saved_or_new
 
     with reported():
@@ -125,7 +146,8 @@ def doctor(
         floor = rate(min_rate, "--min-rate") if min_rate else 0.0
         if plot and not plot.endswith((".png", ".html")):
             raise UsageError(f"--plot {plot!r}: expected a .png or .html file")
-        if (min_rate or plot or min_ratio != "0.5") and not bandwidth:
+        bandwidth_flags = bool(min_rate) or bool(plot) or min_ratio != "0.5"
+        if bandwidth_flags and not bandwidth:
             raise UsageError("--min-ratio, --min-rate and --plot go with --bandwidth")
         job, hosts, source = saved_or_new(
             conf(), hostfile, session, workdir, master_port, include, exclude
@@ -139,15 +161,19 @@ def doctor(
     else:
         print(f"doctor: {len(hosts)} nodes, {source}, master port {job.master_port}")
         print(render(report))
-        bad, bw = report.failures, report.bandwidth
-        if bw is not None:
-            print(f"\n{matrix(bw, report.nodes)}\n")
-            print(f"median (of the nodes' medians) {ops.rate_text(bw.median)}", end="")
-            print(f"; all_reduce busbw {ops.rate_text(bw.busbw)}" if bw.busbw else "")
-            for f in (f for f in bad if f.check == "bandwidth" and f.peer):
-                print(f"slow pair: {f.node} <-> {f.peer}")
-            for node in bw.slow_nodes:
+        failures = report.failures
+        measured = report.bandwidth
+        if measured is not None:
+            print(f"\n{matrix(measured, report.nodes)}\n")
+            medians = f"median (of the nodes' medians) {rate_text(measured.median)}"
+            if measured.busbw:
+                medians += f"; all_reduce busbw {rate_text(measured.busbw)}"
+            print(medians)
+            for failure in failures:
+                if failure.check == "bandwidth" and failure.peer:
+                    print(f"slow pair: {failure.node} <-> {failure.peer}")
+            for node in measured.slow_nodes:
                 print(f"slow node: {node} (every one of its pairs)")
-        print(f"\n{len(report.checks) - len(bad)}/{len(report.checks)} checks passed")
+        print(f"\n{len(report.checks) - len(failures)}/{len(report.checks)} checks passed")
     if not report.ok:
         raise Exit(code=1)
