@@ -52,6 +52,29 @@ def test_job_round_trips_and_rejects_bad_files():
         jobs.from_json(make_job().to_json().replace('"s1"', '"a.b"'), "f")
 
 
+def test_job_keeps_its_policy_and_marks_later_attempts():
+    job = Job("torchrun t.py", "/w", "s", "/h", "/p", 1, restarts=2, restart_on=(1,), sync=True)
+    again = jobs.from_json(job.to_json(), "job.json")
+    assert again == job
+    assert again.node_hostfile == "/w/.meshkit/s/hostfile"
+    assert job.node_job(1).argv[-1] == "torchrun t.py"
+    assert job.node_job(2).argv[-1] == "echo '===== meshkit: attempt 2 of 3 ====='\ntorchrun t.py"
+    assert jobs.parse_restart_on("137, 1") == (1, 137)
+    assert jobs.parse_restart_on(None) == ()
+    with pytest.raises(UsageError, match="not an exit code"):
+        jobs.parse_restart_on("1,x")
+
+
+def test_the_supervisor_logs_and_the_copies_of_the_jobs_home_are_named_once():
+    job = make_job()
+    assert job.supervisor_log(2) == "/shared/w d/.meshkit/s1/supervisor-node2.log"
+    assert job.supervisor_logs == "/shared/w d/.meshkit/s1/supervisor-node{rank}.log"
+    hosts = ["master", "node1", "node2"]
+    assert job.home_copies(hosts) == ["master"]  # type: ignore[arg-type]
+    synced = make_job(sync=True)
+    assert synced.home_copies(hosts) == hosts  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("bad", ["", "a b", "x;y", "../up", "a" * 65, "my.job", "a:b"])
 def test_session_names_follow_tmux_rules(bad):
     with pytest.raises(UsageError, match="session name"):
@@ -97,10 +120,11 @@ def test_protocol_round_trips_and_rejects_malformed_lines():
     assert op == "start" and back == request
     reply = protocol.StatusReply("exited", 7, 1.5, "last")
     assert protocol.decode_reply("status", protocol.encode_reply(reply)) == reply
+    version = protocol.VERSION
     for bad in (
-        '{"v": 1, "op": "status", "args": {"job_id": 5, "log": "x"}}',
-        '{"v": 1, "op": "rm", "args": {}}',
-        '{"v": 2, "op": "jobs", "args": {}}',
+        json.dumps({"v": version, "op": "status", "args": {"job_id": 5, "log": "x"}}),
+        json.dumps({"v": version, "op": "rm", "args": {}}),
+        json.dumps({"v": version + 1, "op": "jobs", "args": {}}),
         "[1]",
         "not json",
     ):
@@ -115,7 +139,7 @@ def test_protocol_round_trips_and_rejects_malformed_lines():
 def test_agent_answers_and_survives_bad_requests(tmp_path):
     lines = [
         protocol.encode_request(protocol.PortsRequest("0" * 16, [1])),
-        '{"v": 1, "op": "nosuch", "args": {}}\n',
+        json.dumps({"v": protocol.VERSION, "op": "nosuch", "args": {}}) + "\n",
         protocol.encode_request(protocol.EnvRequest(str(tmp_path / "missing"), "hostfile", "s", 1)),
         protocol.encode_request(protocol.EnvRequest(str(tmp_path), "no-such-hostfile", "s", 1)),
         "x" * (protocol.MAX_LINE + 10) + "\n",

@@ -1,5 +1,5 @@
-"""The node side of sync (manifest, chunked put) and of supervision (ending a supervisor, the
-record's compare-and-set), on this machine."""
+"""Sync (the copy plan, and the node side: manifest, chunked put) and the node side of
+supervision (ending a supervisor, the record's compare-and-set), on this machine."""
 
 from __future__ import annotations
 
@@ -14,13 +14,22 @@ import pytest
 from meshkit.node import supervise as nsup
 from meshkit.node.agent import handler
 from meshkit.node.sync import manifest, put
+from meshkit.ops.sync import plan
 from meshkit.protocol import (
+    FileState,
     ManifestRequest,
     PutRequest,
+    Supervision,
     SupervisorRequest,
+    SupervisorState,
     decode_request,
     encode_request,
 )
+
+
+def record(version: int, by: int = 0) -> Supervision:
+    """A supervision record at ``version``, written by rank ``by``."""
+    return Supervision(SupervisorState.RUNNING, 1, 2, version=version, by=by)
 
 
 def test_manifest_lists_files_and_skips_excluded_names(tmp_path):
@@ -59,7 +68,7 @@ def test_put_writes_chunks_then_moves_the_file_into_place_with_mode_and_mtime(tm
 
 def test_new_ops_round_trip_and_have_handlers():
     for request in (
-        SupervisorRequest("ab" * 8, "s-abababab-sup", "start", ["x"], "{}", 3),
+        SupervisorRequest("ab" * 8, "s-abababab-sup", "start", ["x"], record(3), 3),
         ManifestRequest("/w", [".git"]),
         PutRequest("/w/x", "AA==", 0, True, 0o600, 1.0),
     ):
@@ -70,7 +79,7 @@ def test_new_ops_round_trip_and_have_handlers():
 def test_end_stops_only_the_registered_supervisor_and_drops_the_copy(tmp_path, monkeypatch):
     monkeypatch.setattr(nsup, "supervisors_root", lambda: str(tmp_path))
     job_id = "cd" * 8
-    nsup.supervisor(SupervisorRequest(job_id, "", record='{"version": 1}', version=0))
+    nsup.supervisor(SupervisorRequest(job_id, "", record=record(1), version=0))
     # a stand-in supervisor: its command line says "supervise", as the real one's does
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "supervise"])
     try:
@@ -93,15 +102,29 @@ def test_the_record_copy_is_compare_and_set_on_its_version(tmp_path, monkeypatch
     monkeypatch.setattr(nsup, "supervisors_root", lambda: str(tmp_path))
     job_id = "ef" * 8
 
-    def put_(text: str, version: int) -> bool:
-        return nsup.supervisor(SupervisorRequest(job_id, "", record=text, version=version)).written
+    def put_(copy: Supervision, version: int) -> bool:
+        return nsup.supervisor(SupervisorRequest(job_id, "", record=copy, version=version)).written
 
-    assert put_('{"version": 1, "by": 0}', 0)
-    assert put_('{"version": 2, "by": 1}', 1)
-    assert not put_('{"version": 2, "by": 2}', 1)
-    assert nsup.supervisor(SupervisorRequest(job_id, "")).record == '{"version": 2, "by": 1}'
+    assert put_(record(1, by=0), 0)
+    assert put_(record(2, by=1), 1)
+    assert not put_(record(2, by=2), 1)
+    assert nsup.supervisor(SupervisorRequest(job_id, "")).record == record(2, by=1)
     assert nsup.version_of("not json") == 0 and nsup.version_of(None) == 0
     Path(nsup.pid_file(job_id, "json")).write_text("garbage")
-    assert put_('{"version": 3}', 0)
+    assert put_(record(3), 0)
     with pytest.raises(ValueError, match="bad job id"):
         nsup.supervisor(SupervisorRequest("../x", ""))
+
+
+def test_sync_plan_sends_only_what_differs():
+    local = [
+        FileState("a.py", 3, 10.0, 0o644),
+        FileState("b.py", 4, 10.0, 0o644),
+        FileState("c.py", 5, 10.0, 0o644),
+    ]
+    remote = [
+        FileState("a.py", 3, 10.0, 0o644),
+        FileState("b.py", 4, 11.0, 0o644),
+        FileState("old.py", 1, 1.0, 0o644),
+    ]
+    assert [state.path for state in plan(local, remote)] == ["b.py", "c.py"]

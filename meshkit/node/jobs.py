@@ -21,10 +21,6 @@ from ..record import asdict
 from . import procs, tmux
 from .files import SPEC, read_text, state_root, write_atomic
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from ..protocol import JobState
-
 KEEPER_START_TIMEOUT = 10.0  # the keeper writes keeper.pid within this after tmux starts it
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
 
@@ -69,7 +65,11 @@ def running_jobs() -> list[p.RunningJob]:
     except OSError:
         return []
     # Running means its command has not exited; stragglers an exited job left are not a conflict.
-    return [p.RunningJob(i, _spec(i, "label") or i) for i in ids if job_state(i)[0] == "running"]
+    return [
+        p.RunningJob(i, _spec(i, "label") or i)
+        for i in ids
+        if job_state(i)[0] == p.JobState.RUNNING
+    ]
 
 
 def jobs(request: p.JobsRequest) -> p.JobsReply:
@@ -81,14 +81,14 @@ def started_at(job_id: str) -> float | None:
     return _read_number(f"{state_dir(job_id)}/started")
 
 
-def job_state(job_id: str) -> tuple[JobState, int | None]:
+def job_state(job_id: str) -> tuple[p.JobState, int | None]:
     d = state_dir(job_id)
     code = _read_number(f"{d}/exit")
     if code is not None:
-        return "exited", int(code)
+        return p.JobState.EXITED, int(code)
     if keeper_pid(job_id) is not None:
-        return "running", None
-    return "absent", None
+        return p.JobState.RUNNING, None
+    return p.JobState.ABSENT, None
 
 
 def stop(request: p.StopRequest) -> p.StopReply:
@@ -138,11 +138,13 @@ def start(request: p.StartRequest) -> p.StartReply:
     job = request.job
     others = [r for r in running_jobs() if r.job_id != job.job_id]
     if others and not request.replace:
-        return p.StartReply(False, "absent", [], others, "another meshkit job is running here")
+        return p.StartReply(
+            False, p.JobState.ABSENT, [], others, "another meshkit job is running here"
+        )
     replaced: list[p.RunningJob] = []
 
     def failed(why: str) -> p.StartReply:
-        return p.StartReply(False, "absent", replaced, [], why)
+        return p.StartReply(False, p.JobState.ABSENT, replaced, [], why)
 
     for victim in [*(others if request.replace else []), p.RunningJob(job.job_id, job.label)]:
         ended = stop(p.StopRequest(victim.job_id))
@@ -161,7 +163,7 @@ def start(request: p.StartRequest) -> p.StartReply:
     deadline = time.monotonic() + KEEPER_START_TIMEOUT
     while time.monotonic() < deadline:
         state, _ = job_state(job.job_id)
-        if state != "absent":
+        if state != p.JobState.ABSENT:
             error = read_text(f"{d}/error", 2000)
             return p.StartReply(True, state, replaced, [], error.strip() if error else None)
         time.sleep(0.02)
@@ -170,7 +172,7 @@ def start(request: p.StartRequest) -> p.StartReply:
 
 def status(request: p.StatusRequest) -> p.StatusReply:
     state, code = job_state(request.job_id)
-    started = started_at(request.job_id) if state != "absent" else None
+    started = started_at(request.job_id) if state != p.JobState.ABSENT else None
     return p.StatusReply(state, code, started, last_line(request.log), idle(request.log, started))
 
 

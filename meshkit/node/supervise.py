@@ -11,9 +11,12 @@ import json
 import os
 import time
 
-from ..protocol import SupervisorReply, SupervisorRequest
+from ..protocol import Supervision, SupervisorReply, SupervisorRequest
+from ..record import build
 from . import jobs, procs, tmux
 from .files import read_text, state_root, write_atomic
+
+MAX_COPY = 65536  # characters of a supervision record this node stores
 
 
 def supervisors_root() -> str:
@@ -44,12 +47,18 @@ def supervisor_pid(job_id: str) -> int | None:
     return procs.recorded(pid_file(job_id), "supervise")
 
 
-def version_of(text: str | None) -> int:
-    """Pure: a record copy's version (0: none, or unreadable: any writer may replace it)."""
+def copy_of(text: str | None) -> Supervision | None:
+    """Pure: the record a stored copy holds (None: none, or unreadable)."""
     try:
-        return int(json.loads(text or "{}").get("version", 0))
-    except (ValueError, TypeError, AttributeError):
-        return 0
+        return build(Supervision, json.loads(text or "null"), "supervision record")
+    except ValueError:
+        return None
+
+
+def version_of(text: str | None) -> int:
+    """Pure: a stored copy's version (0: none, or unreadable: any writer may replace it)."""
+    copy = copy_of(text)
+    return 0 if copy is None else copy.version
 
 
 def supervisor(request: SupervisorRequest) -> SupervisorReply:
@@ -71,16 +80,17 @@ def supervisor(request: SupervisorRequest) -> SupervisorReply:
         tmux.new_session(request.tmux_session, request.argv)
     written = False
     if request.record is not None:
-        if len(request.record) > 65536:
+        text = request.record.to_json()
+        if len(text) > MAX_COPY:
             raise ValueError("a supervision record over 64 KiB")
         os.makedirs(os.path.dirname(copy), mode=0o700, exist_ok=True)
         with open(copy + ".lock", "a") as lock:  # one writer at a time on this node
             fcntl.flock(lock, fcntl.LOCK_EX)
             if version_of(read_text(copy)) <= request.version:
-                write_atomic(copy, request.record)
+                write_atomic(copy, text)
                 written = True
     age = None
     if pid is not None:
         with contextlib.suppress(OSError):
             age = max(0.0, time.time() - os.stat(pid_file(request.job_id)).st_mtime)
-    return SupervisorReply(pid, age, [], read_text(copy), written)
+    return SupervisorReply(pid, age, [], copy_of(read_text(copy)), written)

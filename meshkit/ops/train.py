@@ -12,18 +12,20 @@ from ..envrun import check_spawn_cmd, whole
 from ..errors import LaunchError, UsageError
 from ..hostfile import Host
 from ..job import Job, parse_duration, parse_restart_on
+from ..protocol import Supervision, SupervisorState
 from ..record import replace
 from ..remote.group import ProgressFn
 from ..settings import Config
-from . import doctor, supervise
+from . import doctor
 from .jobs import Launch, env_round, launch
 from .lookup import Options, new_job, saved
 from .pool import NodePool, connect
+from .supervision import end_supervisor, start_all, write
 from .sync import Facts, sync_workdir, unshared
 
 
 @dataclass(frozen=True)
-class Supervisor:
+class SupervisorPlaces:
     """Where ``train --restarts`` started the job's supervisors."""
 
     tmux_session: str  # on every node
@@ -39,7 +41,7 @@ class TrainResult:
     launch: Launch | None
     lacking: list[str]  # nodes that did not see the workdir (so it was synced)
     doctor: doctor.Report | None = None
-    supervisor: Supervisor | None = None
+    supervisor: SupervisorPlaces | None = None
 
     @property
     def ok(self) -> bool:
@@ -59,11 +61,13 @@ def plan(conf: Config, o: Options) -> tuple[Job, list[Host]]:
     """The job ``train`` starts: a new one from ``cmd`` and the flags over the configuration, or
     (``cmd`` None) the saved one, keeping its ``--restarts``/``--restart-on``/``--spawn`` unless
     told otherwise. Usage errors first, before anything is read from a node."""
-    count, codes = restarts_flag(o.restarts), parse_restart_on(o.restart_on)
+    count = restarts_flag(o.restarts)
+    codes = parse_restart_on(o.restart_on)
     stall = None if o.stall_after is None else parse_duration(o.stall_after)
-    job, hosts = (
-        saved(conf, o.hostfile, o.session, o.workdir) if o.cmd is None else new_job(conf, o)
-    )
+    if o.cmd is None:
+        job, hosts = saved(conf, o.hostfile, o.session, o.workdir)
+    else:
+        job, hosts = new_job(conf, o)
     # a flag given overrides the saved job's setting (a new job starts from the defaults)
     job = replace(
         job,
@@ -93,7 +97,7 @@ def train(
         if o.sync or lacking:
             job = replace(job, sync=True)
         if not o.dry_run:
-            left = supervise.end_supervisor(pool, job, hosts)
+            left = end_supervisor(pool, job, hosts)
             if left:
                 raise LaunchError([*left, "train: the old supervisor did not end"])
         copied = None
@@ -117,14 +121,14 @@ def train(
     return TrainResult(launched.job, launched, [h.label for h in lacking], report, started)
 
 
-def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> Supervisor:
+def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> SupervisorPlaces:
     """A supervisor in tmux on every node, after the first record is on every node."""
-    record = supervise.Record(supervise.RUNNING, 1, job.restarts)
+    record = Supervision(SupervisorState.RUNNING, 1, job.restarts)
     stop = "`meshkit stop` ends the job"
-    if supervise.write(pool, job, hosts, record, 0, every=True) is None:
+    if write(pool, job, hosts, record, 0, every=True) is None:
         what = "its supervision record could not be written on every node"
         raise LaunchError(f"the job started but {what}; {stop}")
-    failed = supervise.start_all(pool, job, hosts)
+    failed = start_all(pool, job, hosts)
     if failed:
         raise LaunchError([*failed, f"the job started but not every node's supervisor did; {stop}"])
-    return Supervisor(job.supervisor_tmux, str(job.home / "supervisor-node{rank}.log"))
+    return SupervisorPlaces(job.supervisor_tmux, job.supervisor_logs)

@@ -167,6 +167,7 @@ def supervise(
     import datetime
 
     from ...ops import supervise as sup
+    from ...protocol import SupervisorState
 
     if log:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -183,7 +184,7 @@ def supervise(
 
         quiet = functools.partial(connect, conf(), job.hostfile, hosts, job.python, None)
         record = sup.run(quiet, job, hosts, int(rank), say)  # quiet: no progress lines per poll
-    if record.supervisor != sup.DONE:
+    if record.supervisor != SupervisorState.DONE:
         raise Exit(code=1)
 
 
@@ -197,10 +198,10 @@ def status(
 ) -> None:
     """Per node: rank, host, state (running / exited / absent), exit code, start time, last log
     line. Works from any node and any directory (the job is found through the hostfile)."""
-    from ...ops import supervise as sup
-
     with reported():
-        job, rows = lookup.on_saved(conf(), hostfile, session, workdir, sup.status, progress)
+        job, rows = lookup.on_saved(
+            conf(), hostfile, session, workdir, ops.status_with_supervision, progress
+        )
     print(jsonlib.dumps([r.as_json() for r in rows]) if json else render_status(rows, job))
     if any(r.error for r in rows):
         raise Exit(code=1)
@@ -297,10 +298,10 @@ def stop(
     """End the job on every node: its tmux session and every process it started (torchrun, its
     workers, anything they detached), TERM then KILL; then check on each node that nothing of it
     is left."""
-    from ...ops import supervise as sup
-
     with reported():
-        stopped = lookup.on_saved(conf(), hostfile, session, workdir, sup.stop, progress)[1]
+        stopped = lookup.on_saved(
+            conf(), hostfile, session, workdir, ops.stop_with_supervisors, progress
+        )[1]
     rows, left = stopped.rows, stopped.supervisor_left
     for problem in left:
         print(f"meshkit: {problem}", file=sys.stderr)
