@@ -3,7 +3,6 @@ policy -> action), its record as status shows it, and the loop against scripted 
 
 from __future__ import annotations
 
-import json
 from contextlib import nullcontext
 
 import pytest
@@ -93,7 +92,7 @@ def test_backoff_doubles_and_is_capped():
     assert [backoff(k, 2.0, 10.0) for k in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
 
 
-def test_record_round_trip_and_status_fields():
+def test_the_record_round_trips_through_the_protocol_and_a_nodes_copy():
     reason = "node 1 exited with code 1"
     rec = Supervision(SupervisorState.GAVE_UP, 3, 0, reason, [1, 143, 143], 7, 1, None)
     assert copy_of(rec.to_json()) == rec
@@ -101,48 +100,6 @@ def test_record_round_trip_and_status_fields():
     assert copy_of(None) is None
     request = p.SupervisorRequest("ab" * 8, "s-abababab-sup", record=rec, version=7)
     assert p.decode_request(p.encode_request(request)) == ("supervisor", request)
-    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
-    rows = [ops.StatusRow(0, "a", "exited", 1, None, None)]
-    out = ops.with_supervision(job, rows, rec, None)[0].as_json()
-    assert (out["supervisor"], out["attempt"], out["restarts_left"]) == ("gave up", 3, 0)
-    assert out["exit_code"] == 1
-    assert out["last_restart_reason"] == "node 1 exited with code 1"
-    plain = Job("x", "/w", "s", "/h", "/p", 1)
-    assert "supervisor" not in ops.with_supervision(plain, rows, None, None)[0].as_json()
-    assert ops.with_supervision(job, rows, None, None)[0].as_json()["supervisor"] is None
-
-
-def test_status_names_the_leader_and_a_held_relaunch_and_an_unbacked_record():
-    """Status shows the lowest live supervisor as the leader and what holds a relaunch; a
-    running record that no live supervisor backs (every node's died) is "not responding"."""
-    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
-    rows = [ops.StatusRow(0, "a", "absent", None, None, None)]
-    why = "b: workdir: /w: Read-only"
-    held = Supervision(SupervisorState.RELAUNCHING, 2, 1, "node 1 exited", held=why)
-    out = ops.with_supervision(job, rows, held, 1)[0].as_json()
-    # the JSON keeps its fixed names: a claimed relaunch is a running supervisor, relaunching
-    assert (out["supervisor"], out["relaunching"]) == (SupervisorState.RUNNING, True)
-    assert (out["leader"], out["held"]) == (1, held.held)
-    running = Supervision(SupervisorState.RUNNING, 1, 2)
-    gone = ops.with_supervision(job, rows, running, None)[0].as_json()
-    assert gone["supervisor"] == "not responding"
-    assert "no node has a live" in str(gone["last_restart_reason"])
-    done = Supervision(SupervisorState.DONE, 1, 2)
-    shown = ops.with_supervision(job, rows, done, 0)[0].as_json()
-    assert shown["supervisor"] == SupervisorState.DONE
-    assert shown["leader"] is None
-
-
-def test_status_json_spells_the_states_as_before():
-    """``status --json`` prints the states as plain strings, byte for byte."""
-    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
-    rows = [ops.StatusRow(0, "a", p.JobState.EXITED, 1, None, None)]
-    record = Supervision(SupervisorState.GAVE_UP, 3, 0)
-    out = ops.with_supervision(job, rows, record, None)[0].as_json()
-    text = json.dumps(out)
-    assert '"state": "exited"' in text
-    assert '"supervisor": "gave up"' in text
-    assert f"{SupervisorState.GAVE_UP}" == "gave up"
 
 
 def test_the_newest_copy_wins_and_the_lowest_live_rank_leads():
