@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 _SESSION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 MAX_ENV_VALUE = 65536
-SUPERVISOR_LOG = "supervisor-node{rank}.log"  # a node's supervisor's output, in the job's home
+SUPERVISOR_LOG = "supervisor-node{rank}.log"  # a node's supervisor's output, in the job home
 
 
 def check_session(name: str) -> str:
@@ -139,8 +139,9 @@ class Job:
         return str(self.home / SUPERVISOR_LOG)
 
     def home_copies(self, hosts: Sequence[Host]) -> list[Host]:
-        """The nodes a file written into the job's home must reach: every node when the workdir
-        is synced (each has its own copy), else the master (the others share its storage)."""
+        """The nodes a file written into the job's home must reach: every node when the
+        workdir is synced (each has its own copy), else the master (the others share its
+        storage)."""
         return list(hosts) if self.sync else list(hosts[:1])
 
     def node_job(self, attempt: int = 1) -> NodeJob:

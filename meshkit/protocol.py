@@ -26,8 +26,8 @@ ProtocolViolation = Invalid  # a line that is not a well-formed request or reply
 
 
 class JobState(StrEnum):
-    """A job on one node: its command runs, has exited (its code is kept), or is not there (never
-    started, stopped, or gone with a reboot)."""
+    """A job on one node: its command runs, has exited (its code is kept), or is not there
+    (never started, stopped, or gone with a reboot)."""
 
     RUNNING = "running"
     EXITED = "exited"
@@ -35,8 +35,8 @@ class JobState(StrEnum):
 
 
 class SupervisorState(StrEnum):
-    """A supervised job's supervision (DESIGN.md, Supervision): RUNNING -> RELAUNCHING (the next
-    attempt claimed) -> RUNNING ..., ending in GAVE_UP or DONE."""
+    """A supervised job's supervision (DESIGN.md, Supervision): RUNNING -> RELAUNCHING (the
+    next attempt claimed) -> RUNNING ..., ending in GAVE_UP or DONE."""
 
     RUNNING = "running"
     RELAUNCHING = "relaunching"
@@ -387,10 +387,10 @@ class DiagnoseReply(Reply):
 
 @record
 class Supervision:
-    """A supervised job's supervision record, as status shows it; every node keeps a copy. Every
-    write bumps ``version``; a node keeps a write only over a copy no newer than the one the
-    writer read (compare-and-set), and readers take the newest copy, so a node that was down (its
-    copy gone with its /tmp) costs nothing."""
+    """A supervised job's supervision record, as status shows it; every node keeps a copy.
+    Every write bumps ``version``; a node keeps a write only over a copy no newer than the one
+    the writer read (compare-and-set), and readers take the newest copy, so a node that was
+    down (its copy gone with its /tmp) costs nothing."""
 
     supervisor: SupervisorState
     attempt: int
@@ -427,7 +427,7 @@ class SupervisorReply(Reply):
     pid: int | None  # the live supervisor here (found before an ``end``)
     beat: float | None  # seconds since it last beat, on this node's clock (None: none here)
     left: list[int]  # an ended supervisor's processes that survived TERM and KILL
-    record: Supervision | None  # this node's copy, after the write (None: none, or unreadable)
+    record: Supervision | None  # this node's copy after the write (None: none or unreadable)
     written: bool = False
 
 

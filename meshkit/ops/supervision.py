@@ -32,7 +32,7 @@ def ask(
     """The ``supervisor`` op on ``hosts``: the replies of the nodes that answered."""
     request = SupervisorRequest(job.id, job.supervisor_tmux, action, record=record, version=version)
     outcomes = pool.call_all("supervisor", lambda host: request, SupervisorReply, hosts)
-    return {host: o.value for host, o in outcomes.items() if o.value is not None}
+    return {host: outcome.value for host, outcome in outcomes.items() if outcome.value is not None}
 
 
 def alive(reply: SupervisorReply) -> bool:
@@ -91,7 +91,11 @@ def start_all(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
         return SupervisorRequest(job.id, job.supervisor_tmux, "start", argv)
 
     outcomes = pool.call_all("supervisor", start, SupervisorReply, hosts)
-    failed = [f"{host.label}: {o.error}" for host, o in outcomes.items() if o.value is None]
+    failed = [
+        f"{host.label}: {outcome.error}"
+        for host, outcome in outcomes.items()
+        if outcome.value is None
+    ]
     unreached = [f"{host.label}: {why}" for host, why in pool.failures.items() if host in hosts]
     return failed + unreached
 
