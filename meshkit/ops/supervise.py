@@ -303,7 +303,8 @@ class Supervisor:
             return str(exc).replace("\n", "; ")
         if launched.ok:
             return None
-        return "; ".join(f"node {row.node_rank}: {row.error}" for row in launched.rows if row.error)
+        errors = [f"node {row.node_rank}: {row.error}" for row in launched.rows if row.error]
+        return "; ".join(errors)
 
 
 def _save_diagnosis(

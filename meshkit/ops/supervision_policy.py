@@ -116,8 +116,9 @@ def views(rows: Sequence[StatusRow], misses: dict[int, int]) -> list[NodeView]:
     for row in rows:
         if row.error:
             misses[row.node_rank] = misses.get(row.node_rank, 0) + 1
-            gone = misses[row.node_rank] >= MISSES
-            state: JobState | Literal["unreachable"] = UNREACHABLE if gone else JobState.RUNNING
+            state: JobState | Literal["unreachable"] = JobState.RUNNING
+            if misses[row.node_rank] >= MISSES:
+                state = UNREACHABLE
             seen.append(NodeView(row.node_rank, row.host, state))
             continue
         misses.pop(row.node_rank, None)
