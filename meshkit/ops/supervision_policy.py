@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Literal
 
 from ..protocol import JobState, Supervision, SupervisorState
 from ..record import StrEnum
@@ -17,7 +17,13 @@ from .jobs import StatusRow
 MISSES = 2  # consecutive unanswered polls before a node counts as gone (one blip is no failure)
 BACKOFF = 2.0  # seconds before the first relaunch, doubled for each later one
 MAX_BACKOFF = 60.0
-UNREACHABLE: Final = "unreachable"  # a node's state as the supervisor sees it: MISSES polls lost
+
+
+class Unanswered(StrEnum):
+    """A node's state, as the supervisor sees it, once it did not answer ``MISSES`` polls in a
+    row."""
+
+    UNREACHABLE = "unreachable"
 
 
 @dataclass(frozen=True)
@@ -26,7 +32,7 @@ class NodeView:
 
     rank: int
     host: str
-    state: JobState | Literal["unreachable"]
+    state: JobState | Unanswered
     exit_code: int | None = None
     started: float | None = None
 
@@ -81,7 +87,7 @@ def decide(
         restarted = False  # its part of this attempt is not the one first seen
         if node.rank in started and node.started is not None:
             restarted = node.started != started[node.rank]
-        if node.state == UNREACHABLE:
+        if node.state == Unanswered.UNREACHABLE:
             problems.append(f"{who} is not answering")
         elif node.state == JobState.ABSENT:
             problems.append(f"{who}: the job is gone there (rebooted, or ended outside meshkit)")
@@ -116,9 +122,9 @@ def views(rows: Sequence[StatusRow], misses: dict[int, int]) -> list[NodeView]:
     for row in rows:
         if row.error:
             misses[row.node_rank] = misses.get(row.node_rank, 0) + 1
-            state: JobState | Literal["unreachable"] = JobState.RUNNING
+            state: JobState | Unanswered = JobState.RUNNING
             if misses[row.node_rank] >= MISSES:
-                state = UNREACHABLE
+                state = Unanswered.UNREACHABLE
             seen.append(NodeView(row.node_rank, row.host, state))
             continue
         misses.pop(row.node_rank, None)
