@@ -86,21 +86,23 @@ def test_status_logs_stop_and_relaunch_from_another_nodes_home(meshed):
 
 def test_two_projects_with_the_default_session_never_end_each_other(meshed):
     lay = meshed
-    a, b = project(lay, "alpha"), project(lay, "beta")
+    alpha = project(lay, "alpha")
+    beta = project(lay, "beta")
     hf = str(lay.hostfile)
-    assert inside(lay, 0, str(a), "train", "--hostfile", hf, "--cmd", "sleep 300").returncode == 0
-    refused = inside(lay, 1, str(b), "train", "--hostfile", hf, "--cmd", "sleep 300")
+    started = inside(lay, 0, str(alpha), "train", "--hostfile", hf, "--cmd", "sleep 300")
+    assert started.returncode == 0
+    refused = inside(lay, 1, str(beta), "train", "--hostfile", hf, "--cmd", "sleep 300")
     assert refused.returncode == 1
     assert "another meshkit job is running there" in refused.stderr
-    assert f"'meshkit' in {a}" in refused.stderr
+    assert f"'meshkit' in {alpha}" in refused.stderr
     assert "--replace" in refused.stderr
-    assert states(lay, 0, str(a), "--hostfile", hf) == ["running"] * 3  # untouched
-    taken = inside(lay, 1, str(b), "train", "--hostfile", hf, "--cmd", "sleep 300", "--replace")
+    assert states(lay, 0, str(alpha), "--hostfile", hf) == ["running"] * 3  # untouched
+    taken = inside(lay, 1, str(beta), "train", "--hostfile", hf, "--cmd", "sleep 300", "--replace")
     assert taken.returncode == 0, taken.stdout + taken.stderr
     assert "alpha" in taken.stdout  # the table names what it replaced
-    assert states(lay, 0, str(a), "--workdir", str(a)) == ["absent"] * 3
-    assert states(lay, 0, str(b), "--workdir", str(b)) == ["running"] * 3
-    assert inside(lay, 0, str(b), "stop", "--workdir", str(b)).returncode == 0
+    assert states(lay, 0, str(alpha), "--workdir", str(alpha)) == ["absent"] * 3
+    assert states(lay, 0, str(beta), "--workdir", str(beta)) == ["running"] * 3
+    assert inside(lay, 0, str(beta), "stop", "--workdir", str(beta)).returncode == 0
 
 
 def test_stop_finds_setsid_env_i_processes_and_says_so_only_after_looking(meshed):
