@@ -24,7 +24,7 @@ from .hostfile import Host
 from .job import Job
 from .ops import diagnose as diagnose_op
 from .ops import doctor as doctor_op
-from .ops import jobs, lookup, supervise
+from .ops import jobs, lookup
 from .ops import mesh as mesh_op
 from .ops import train as train_op
 from .ops.pool import NodePool, connect, ssh_settings
@@ -121,7 +121,7 @@ class Cluster:
 
     def status(self) -> list[jobs.StatusRow]:
         """``meshkit status``: one row per node (a node that cannot be asked has ``error``)."""
-        return self._on_saved(supervise.status)
+        return self._on_saved(jobs.status_with_supervision)
 
     def diagnose(self) -> diagnose_op.Diagnosis:
         """``meshkit diagnose``: every rank's live stack, grouped; the outliers; the first
@@ -137,9 +137,9 @@ class Cluster:
         with connect(self.conf, job.hostfile, chosen, job.python) as pool:
             return jobs.logs(pool, job, hosts, ranks, lines)
 
-    def stop(self) -> supervise.Stopped:
+    def stop(self) -> jobs.Stopped:
         """``meshkit stop``: the supervisor, then the job's whole tree on every node; verified."""
-        return self._on_saved(supervise.stop)
+        return self._on_saved(jobs.stop_with_supervisors)
 
     def _on_saved(self, op: Callable[[NodePool, Job, list[Host]], T]) -> T:
         _, result = lookup.on_saved(self.conf, self.hostfile, self.session, self.workdir, op)

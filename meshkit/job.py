@@ -21,12 +21,16 @@ from .record import asdict, build, field, record
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from .hostfile import Host
     from .protocol import EnvRequest, NodeJob
 
 # tmux renames sessions containing '.' or ':' (my.job -> my_job), so neither is allowed.
 _SESSION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 MAX_ENV_VALUE = 65536
+SUPERVISOR_LOG = "supervisor-node{rank}.log"  # a node's supervisor's output, in the job home
 
 
 def check_session(name: str) -> str:
@@ -131,6 +135,21 @@ class Job:
     @property
     def supervisor_tmux(self) -> str:
         return f"{self.tmux_session}-sup"
+
+    def supervisor_log(self, rank: int) -> str:
+        """Where the supervisor of node ``rank`` writes its output."""
+        return str(self.home / SUPERVISOR_LOG.format(rank=rank))
+
+    @property
+    def supervisor_logs(self) -> str:
+        """Every node's supervisor log, ``{rank}`` standing for the node's rank."""
+        return str(self.home / SUPERVISOR_LOG)
+
+    def home_copies(self, hosts: Sequence[Host]) -> list[Host]:
+        """The nodes a file written into the job's home must reach: every node when the
+        workdir is synced (each has its own copy), else the master (the others share its
+        storage)."""
+        return list(hosts) if self.sync else list(hosts[:1])
 
     def node_job(self, attempt: int = 1) -> NodeJob:
         """What every node is sent to start its part. Attempts after the first begin with a

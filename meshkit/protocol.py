@@ -11,20 +11,44 @@ from __future__ import annotations
 
 import json
 
-from .record import Invalid, asdict, build, field, record
+from .record import Invalid, StrEnum, asdict, build, field, record
 
 TYPE_CHECKING = False  # no runtime `typing`: every agent imports this module (see record.py)
 if TYPE_CHECKING:
     from typing import Any, Literal
 
-    JobState = Literal["running", "exited", "absent"]
-
-VERSION = 1
+VERSION = 2
 MAX_LINE = 1 << 20  # bytes in one request or reply line
 MAX_LOG_BYTES = 256 * 1024  # log bytes one `logs` reply carries
 
 
 ProtocolViolation = Invalid  # a line that is not a well-formed request or reply
+
+
+class JobState(StrEnum):
+    """A job on one node: its command runs, has exited (its code is kept), or is not there
+    (never started, stopped, or gone with a reboot)."""
+
+    RUNNING = "running"
+    EXITED = "exited"
+    ABSENT = "absent"
+
+
+class SupervisorState(StrEnum):
+    """A supervised job's supervision (DESIGN.md, Supervision): RUNNING -> RELAUNCHING (the
+    next attempt claimed) -> RUNNING ..., ending in GAVE_UP or DONE."""
+
+    RUNNING = "running"
+    RELAUNCHING = "relaunching"
+    GAVE_UP = "gave up"
+    DONE = "done"
+
+
+class SupervisorShown(StrEnum):
+    """What status shows instead of a RUNNING or RELAUNCHING record's state when no node has a
+    live supervisor to back it; never written in a record."""
+
+    NOT_RESPONDING = "not responding"
 
 
 @record
@@ -121,7 +145,7 @@ class StartRequest(Request):
 @record
 class StartReply(Reply):
     started: bool
-    state: Literal["running", "exited", "absent"]
+    state: JobState
     replaced: list[RunningJob]
     conflicts: list[RunningJob]
     error: str | None = None
@@ -145,7 +169,7 @@ class StatusRequest(Request):
 
 @record
 class StatusReply(Reply):
-    state: Literal["running", "exited", "absent"]
+    state: JobState
     exit_code: int | None
     started: float | None
     last_line: str | None
@@ -267,7 +291,8 @@ class DoneReply(Reply):
 
 @record
 class ProbeRequest(Request):
-    """Run ``argv`` (``meshkit run --cmd <collective probe>``) in ``cwd``, bounded by ``seconds``."""
+    """Run ``argv`` (``meshkit run --cmd <collective probe>``) in ``cwd``, bounded by
+    ``seconds``."""
 
     cwd: str
     argv: list[str]
@@ -339,7 +364,8 @@ class RankStack:
 
 @record
 class RankError:
-    """What a rank left when it raised (``errors/rank<R>.json``, torchelastic's error-file shape)."""
+    """What a rank left when it raised (``errors/rank<R>.json``, in torchelastic's error-file
+    shape)."""
 
     rank: int
     node_rank: int | None  # the node the rank ran on (shared storage: every node sees every file)
@@ -350,13 +376,35 @@ class RankError:
 
 @record
 class DiagnoseReply(Reply):
-    state: Literal["running", "exited", "absent"]
+    state: JobState
     exit_code: int | None
     idle: float | None
     ranks: list[RankStack]
     errors: list[RankError]
     log_traceback: list[str]  # the log's last traceback, when no rank left an error file
     problem: str | None = None  # why no stack could be read at all (py-spy missing, say)
+
+
+@record
+class Supervision:
+    """A supervised job's supervision record, as status shows it; every node keeps a copy.
+    Every write bumps ``version``; a node keeps a write only over a copy no newer than the one
+    the writer read (compare-and-set), and readers take the newest copy, so a node that was
+    down (its copy gone with its /tmp) costs nothing."""
+
+    supervisor: SupervisorState
+    attempt: int
+    restarts_left: int
+    last_restart_reason: str | None = None
+    exit_codes: list[int | None] = field(default_factory=list)  # the last attempt's, per rank
+    version: int = 0
+    by: int = 0  # the rank whose supervisor wrote it (of a RELAUNCHING record: the claimer)
+    held: str | None = None  # what holds the relaunch: "NODE: CHECK: DETAIL"
+    diagnosis: str | None = None  # `diagnose --json` saved before the last stall restart
+
+    def to_json(self) -> str:
+        """The copy as a node stores it."""
+        return json.dumps(asdict(self), sort_keys=True) + "\n"
 
 
 @record
@@ -370,7 +418,7 @@ class SupervisorRequest(Request):
     tmux_session: str
     action: Literal["look", "start", "end"] = "look"
     argv: list[str] = field(default_factory=list)
-    record: str | None = None
+    record: Supervision | None = None
     version: int = 0
 
 
@@ -379,7 +427,7 @@ class SupervisorReply(Reply):
     pid: int | None  # the live supervisor here (found before an ``end``)
     beat: float | None  # seconds since it last beat, on this node's clock (None: none here)
     left: list[int]  # an ended supervisor's processes that survived TERM and KILL
-    record: str | None  # this node's copy, after the write
+    record: Supervision | None  # this node's copy after the write (None: none or unreadable)
     written: bool = False
 
 

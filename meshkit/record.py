@@ -1,14 +1,24 @@
 """Frozen value records (``@record``: a frozen dataclass) and the one checker that builds them
-from untrusted data: the protocol builds every request and reply with it, the settings build the
-configuration with it.
+from untrusted data: the protocol builds every request and reply with it, the settings build
+the configuration with it.
 
-Plain dataclasses: their import (``inspect``, about 12 ms per node interpreter) is a few
-milliseconds of one parallel step on real machines, not worth hand-made records.
+Records are plain dataclasses rather than hand-made classes: the import they cost a node's
+interpreter is small against one parallel step on real machines.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, Field, asdict, dataclass, field, fields, is_dataclass, replace
+import enum
+from dataclasses import (
+    MISSING,
+    Field,
+    asdict,
+    dataclass,
+    field,
+    fields,
+    is_dataclass,
+    replace,
+)
 
 TYPE_CHECKING = False  # no runtime `typing` (see meshkit/__init__.py)
 if TYPE_CHECKING:
@@ -21,7 +31,7 @@ else:
         return lambda function: function
 
 
-__all__ = ["Invalid", "asdict", "build", "field", "fields", "replace", "split"]
+__all__ = ["Invalid", "StrEnum", "asdict", "build", "field", "fields", "replace", "split"]
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(field,))
@@ -30,8 +40,20 @@ def record(cls: type[T]) -> type[T]:
     return dataclass(frozen=True)(cls)
 
 
+class StrEnum(str, enum.Enum):
+    """An enum whose members are their strings: in JSON, in messages and in comparisons alike
+    (Python 3.11's ``enum.StrEnum``; a node may run an older Python)."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, format_spec: str) -> str:
+        return str.__format__(self, format_spec)
+
+
 class Invalid(ValueError):
-    """Data that does not fit a record's annotations; the message names where (``args.job.env``)."""
+    """Data that does not fit a record's annotations; the message names where
+    (``args.job.env``)."""
 
 
 def build(cls: type[T], data: object, where: str) -> T:
@@ -39,27 +61,30 @@ def build(cls: type[T], data: object, where: str) -> T:
     if not isinstance(data, dict):
         raise Invalid(f"{where}: expected an object")
     values = {}
-    for f, shape in _fields_of(cls):
-        if f.name in data:
-            values[f.name] = _check(shape, data[f.name], f"{where}.{f.name}")
-        elif f.default is MISSING and f.default_factory is MISSING:
-            raise Invalid(f"{where}.{f.name}: missing")
+    for record_field, shape in _fields_of(cls):
+        name = record_field.name
+        if name in data:
+            values[name] = _check(shape, data[name], f"{where}.{name}")
+        elif record_field.default is MISSING and record_field.default_factory is MISSING:
+            raise Invalid(f"{where}.{name}: missing")
     return cls(**values)
 
 
 @dataclass(frozen=True)
 class _Shape:
-    """An annotation, parsed once: ``tag`` is a scalar type's name, ``list``, ``tuple``, ``dict``,
-    ``literal`` (``values``), ``union`` or ``record`` (then ``record`` is the class)."""
+    """An annotation, parsed once. ``tag``: a scalar type's name, ``list``, ``tuple``, ``dict``,
+    ``literal`` (its strings in ``values``), ``enum`` (the class in ``cls``, its members'
+    strings in ``values``), ``union`` or ``record`` (the class in ``cls``)."""
 
     tag: str
     args: tuple[_Shape, ...] = ()
-    record: type | None = None
+    cls: type | None = None
     values: tuple[str, ...] = ()
 
 
 _SHAPES: dict[type, tuple[tuple[Field[object], _Shape], ...]] = {}
 _SCALARS = ("str", "int", "float", "bool", "None")
+_PLAIN = {"str": str, "bool": bool}  # scalars whose type alone decides
 
 
 def _fields_of(cls: type) -> tuple[tuple[Field[object], _Shape], ...]:
@@ -68,14 +93,15 @@ def _fields_of(cls: type) -> tuple[tuple[Field[object], _Shape], ...]:
         import sys  # already loaded: only to find the names the annotations use
 
         names = sys.modules[cls.__module__].__dict__
-        found = _SHAPES[cls] = tuple((f, _shape(str(f.type), names)) for f in fields(cls))
+        found = tuple((each, _shape(str(each.type), names)) for each in fields(cls))
+        _SHAPES[cls] = found
     return found
 
 
 def _shape(text: str, names: dict[str, object]) -> _Shape:
     """The shape of an annotation string: ``list[int]``, ``tuple[str, ...]``, ``str | None``,
-    ``dict[str, str]``, ``Literal['a', 'b']``, or a record class of the module that uses it. The
-    tree's records use nothing else (a test parses them all)."""
+    ``dict[str, str]``, ``Literal['a', 'b']``, or a record class or string enum of the module
+    that uses it. The tree's records use nothing else (a test parses them all)."""
     options = split(text, "|")
     if len(options) > 1:
         return _Shape("union", tuple(_shape(option, names) for option in options))
@@ -84,7 +110,7 @@ def _shape(text: str, names: dict[str, object]) -> _Shape:
         head, _, inner = text[:-1].partition("[")
         parts = split(inner, ",")
         if head == "Literal":
-            return _Shape("literal", values=tuple(p.strip().strip("'\"") for p in parts))
+            return _Shape("literal", values=tuple(part.strip().strip("'\"") for part in parts))
         if head == "tuple" and len(parts) == 2 and parts[1].strip() == "...":
             return _Shape("tuple", (_shape(parts[0], names),))
         args = tuple(_shape(arg, names) for arg in parts)
@@ -94,14 +120,18 @@ def _shape(text: str, names: dict[str, object]) -> _Shape:
         return _Shape(text)
     else:
         found = names.get(text)
+        if isinstance(found, type) and issubclass(found, StrEnum):
+            return _Shape("enum", cls=found, values=tuple(member.value for member in found))
         if isinstance(found, type) and is_dataclass(found):
-            return _Shape("record", record=found)
+            return _Shape("record", cls=found)
     raise TypeError(f"record: unsupported annotation {text!r}")
 
 
 def split(text: str, sep: str) -> list[str]:
     """``text`` cut at ``sep`` outside brackets (``n[1,3],m`` at ``,``: two parts)."""
-    parts, depth, start = [], 0, 0
+    parts = []
+    depth = 0
+    start = 0
     for at, char in enumerate(text):
         depth += (char == "[") - (char == "]")
         if char == sep and depth == 0:
@@ -126,18 +156,21 @@ def _check(shape: _Shape, value: object, where: str) -> object:
     elif tag in ("list", "tuple"):
         if isinstance(value, (list, tuple)):
             (item,) = shape.args
-            items = [_check(item, v, f"{where}[]") for v in value]
+            items = [_check(item, each, f"{where}[]") for each in value]
             return items if tag == "list" else tuple(items)
     elif tag == "dict":
         if isinstance(value, dict):
-            key, val = shape.args
-            return {_check(key, k, where): _check(val, v, where) for k, v in value.items()}
+            key_shape, value_shape = shape.args
+            return {
+                _check(key_shape, key, where): _check(value_shape, each, where)
+                for key, each in value.items()
+            }
     elif tag == "record":
-        assert shape.record is not None
-        return build(shape.record, value, where)
-    elif tag == "literal":
+        assert shape.cls is not None
+        return build(shape.cls, value, where)
+    elif tag in ("literal", "enum"):
         if isinstance(value, str) and value in shape.values:
-            return value
+            return value if shape.cls is None else shape.cls(value)
         raise Invalid(f"{where}: {str(value)[:40]!r} is not one of {', '.join(shape.values)}")
     elif tag == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -145,6 +178,6 @@ def _check(shape: _Shape, value: object, where: str) -> object:
     elif tag == "int":
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-    elif (tag == "str" and isinstance(value, str)) or (tag == "bool" and isinstance(value, bool)):
+    elif tag in _PLAIN and isinstance(value, _PLAIN[tag]):
         return value
     raise Invalid(f"{where}: unexpected {type(value).__name__}")

@@ -70,9 +70,8 @@ def test_status_logs_stop_and_relaunch_from_another_nodes_home(meshed):
     assert logs.returncode == 0, logs.stderr
     assert {f"[{r}] hello from {r}" for r in range(3)} <= set(logs.stdout.splitlines())
     stop = inside(lay, 2, "/root", "stop", *where)
-    assert stop.returncode == 0 and stop.stdout.count("nothing left") == 3, (
-        stop.stdout + stop.stderr
-    )
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert stop.stdout.count("nothing left") == 3, stop.stdout + stop.stderr
     assert states(lay, 1, "/tmp", *where) == ["absent"] * 3
     again = inside(lay, 1, "/root", "train", *where)  # a bare relaunch, from a third place
     assert again.returncode == 0, again.stdout + again.stderr
@@ -80,25 +79,30 @@ def test_status_logs_stop_and_relaunch_from_another_nodes_home(meshed):
     assert inside(lay, 0, "/", "stop", *where).returncode == 0
     # nothing found: the error says where it looked
     missing = inside(lay, 2, "/root", "status", "--hostfile", hf, "--session", "nosuch")
-    assert missing.returncode == 1 and "looked in" in missing.stderr
+    assert missing.returncode == 1
+    assert "looked in" in missing.stderr
     assert f"{lay.root}/.meshkit/jobs/hostfile--nosuch.json" in missing.stderr
 
 
 def test_two_projects_with_the_default_session_never_end_each_other(meshed):
     lay = meshed
-    a, b = project(lay, "alpha"), project(lay, "beta")
+    alpha = project(lay, "alpha")
+    beta = project(lay, "beta")
     hf = str(lay.hostfile)
-    assert inside(lay, 0, str(a), "train", "--hostfile", hf, "--cmd", "sleep 300").returncode == 0
-    refused = inside(lay, 1, str(b), "train", "--hostfile", hf, "--cmd", "sleep 300")
-    assert refused.returncode == 1 and "another meshkit job is running there" in refused.stderr
-    assert f"'meshkit' in {a}" in refused.stderr and "--replace" in refused.stderr
-    assert states(lay, 0, str(a), "--hostfile", hf) == ["running"] * 3  # untouched
-    taken = inside(lay, 1, str(b), "train", "--hostfile", hf, "--cmd", "sleep 300", "--replace")
+    started = inside(lay, 0, str(alpha), "train", "--hostfile", hf, "--cmd", "sleep 300")
+    assert started.returncode == 0
+    refused = inside(lay, 1, str(beta), "train", "--hostfile", hf, "--cmd", "sleep 300")
+    assert refused.returncode == 1
+    assert "another meshkit job is running there" in refused.stderr
+    assert f"'meshkit' in {alpha}" in refused.stderr
+    assert "--replace" in refused.stderr
+    assert states(lay, 0, str(alpha), "--hostfile", hf) == ["running"] * 3  # untouched
+    taken = inside(lay, 1, str(beta), "train", "--hostfile", hf, "--cmd", "sleep 300", "--replace")
     assert taken.returncode == 0, taken.stdout + taken.stderr
     assert "alpha" in taken.stdout  # the table names what it replaced
-    assert states(lay, 0, str(a), "--workdir", str(a)) == ["absent"] * 3
-    assert states(lay, 0, str(b), "--workdir", str(b)) == ["running"] * 3
-    assert inside(lay, 0, str(b), "stop", "--workdir", str(b)).returncode == 0
+    assert states(lay, 0, str(alpha), "--workdir", str(alpha)) == ["absent"] * 3
+    assert states(lay, 0, str(beta), "--workdir", str(beta)) == ["running"] * 3
+    assert inside(lay, 0, str(beta), "stop", "--workdir", str(beta)).returncode == 0
 
 
 def test_stop_finds_setsid_env_i_processes_and_says_so_only_after_looking(meshed):
@@ -114,7 +118,8 @@ def test_stop_finds_setsid_env_i_processes_and_says_so_only_after_looking(meshed
 
     assert wait_for(lambda: all(len(sleeping(i)) == 2 for i in range(3)))
     out = inside(lay, 2, str(work), "stop")
-    assert out.returncode == 0 and out.stdout.count("nothing left") == 3, out.stdout + out.stderr
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("nothing left") == 3, out.stdout + out.stderr
     assert all(sleeping(i) == [] for i in range(3))
 
 
@@ -135,7 +140,8 @@ def test_stop_with_a_missing_interpreter_is_a_row_per_node_not_a_traceback(meshe
     finally:
         saved.write_text(original)
         restored = inside(lay, 1, str(work), "stop")
-    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
     assert out.stdout.count("FAILED: interpreter /nonexistent/python3 not found") == 3, out.stdout
     assert restored.returncode == 0, restored.stdout + restored.stderr
 
@@ -149,9 +155,11 @@ def test_paths_with_tmux_format_characters_are_only_paths(meshed):
     assert out.returncode == 0, out.stdout + out.stderr
     assert wait_for(lambda: states(lay, 1, str(work)) == ["exited"] * 3)
     assert all((work / f"where{r}").read_text().strip() == str(work) for r in range(3))
-    assert not list(lay.shared.rglob("pwned")) and not Path("/root/pwned").exists()
+    assert not list(lay.shared.rglob("pwned"))
+    assert not Path("/root/pwned").exists()
     logs = inside(lay, 1, str(work), "logs")
-    assert logs.returncode == 0 and logs.stdout.count("done") == 3, logs.stdout + logs.stderr
+    assert logs.returncode == 0, logs.stdout + logs.stderr
+    assert logs.stdout.count("done") == 3, logs.stdout + logs.stderr
 
 
 def test_a_session_name_tmux_would_rename_is_refused(meshed):
@@ -167,7 +175,8 @@ def test_a_session_name_tmux_would_rename_is_refused(meshed):
         "--cmd",
         "true",
     )
-    assert out.returncode == 2 and "session name 'my.job'" in out.stderr
+    assert out.returncode == 2
+    assert "session name 'my.job'" in out.stderr
 
 
 def test_one_ctrl_c_ends_follow_promptly(meshed):
@@ -233,7 +242,9 @@ def test_one_ctrl_c_ends_a_command_stuck_on_a_hung_node(meshed):
         err = hung.stderr.read() if hung.stderr else ""
     finally:
         os.kill(min(sshd), signal.SIGCONT)
-    assert code == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert code == 130, err
+    assert "interrupted" in err, err
+    assert "Traceback" not in err, err
 
 
 def test_each_agent_starts_as_its_node_connects_and_serves_every_later_phase(meshed):

@@ -52,6 +52,29 @@ def test_job_round_trips_and_rejects_bad_files():
         jobs.from_json(make_job().to_json().replace('"s1"', '"a.b"'), "f")
 
 
+def test_job_keeps_its_policy_and_marks_later_attempts():
+    job = Job("torchrun t.py", "/w", "s", "/h", "/p", 1, restarts=2, restart_on=(1,), sync=True)
+    again = jobs.from_json(job.to_json(), "job.json")
+    assert again == job
+    assert again.node_hostfile == "/w/.meshkit/s/hostfile"
+    assert job.node_job(1).argv[-1] == "torchrun t.py"
+    assert job.node_job(2).argv[-1] == "echo '===== meshkit: attempt 2 of 3 ====='\ntorchrun t.py"
+    assert jobs.parse_restart_on("137, 1") == (1, 137)
+    assert jobs.parse_restart_on(None) == ()
+    with pytest.raises(UsageError, match="not an exit code"):
+        jobs.parse_restart_on("1,x")
+
+
+def test_the_supervisor_logs_and_the_copies_of_the_jobs_home_are_named_once():
+    job = make_job()
+    assert job.supervisor_log(2) == "/shared/w d/.meshkit/s1/supervisor-node2.log"
+    assert job.supervisor_logs == "/shared/w d/.meshkit/s1/supervisor-node{rank}.log"
+    hosts = ["master", "node1", "node2"]
+    assert job.home_copies(hosts) == ["master"]  # type: ignore[arg-type]
+    synced = make_job(sync=True)
+    assert synced.home_copies(hosts) == hosts  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("bad", ["", "a b", "x;y", "../up", "a" * 65, "my.job", "a:b"])
 def test_session_names_follow_tmux_rules(bad):
     with pytest.raises(UsageError, match="session name"):
@@ -59,18 +82,22 @@ def test_session_names_follow_tmux_rules(bad):
 
 
 def test_identity_includes_the_workdir_and_paths_never_meet_a_format_language():
-    a, b = make_job(workdir="/p/one"), make_job(workdir="/p/two")
-    assert a.id != b.id and a.tmux_session != b.tmux_session  # same session, two projects
+    a = make_job(workdir="/p/one")
+    b = make_job(workdir="/p/two")
+    assert a.id != b.id
+    assert a.tmux_session != b.tmux_session  # same session, two projects
     odd = make_job(workdir="/x/exp#S{r}#(touch /tmp/pwn)")
     assert odd.log(2) == "/x/exp#S{r}#(touch /tmp/pwn)/.meshkit/s1/node2.log"
-    assert "#" not in odd.tmux_session and "{" not in odd.tmux_session
+    assert "#" not in odd.tmux_session
+    assert "{" not in odd.tmux_session
 
 
 def test_node_job_carries_the_command_verbatim():
     spec = make_job().node_job()
     assert spec.argv[spec.argv.index("--cmd") + 1] == HOSTILE
     assert spec.argv[spec.argv.index("--log") + 1] == "/shared/w d/.meshkit/s1/node{rank}.log"
-    assert spec.env == {"A": "x y"} and spec.setup == ["source /venv/bin/activate"]
+    assert spec.env == {"A": "x y"}
+    assert spec.setup == ["source /venv/bin/activate"]
 
 
 @pytest.mark.parametrize("name", ["A;B", "1X", "A B", "$(x)", ""])
@@ -88,19 +115,22 @@ def test_find_job_by_workdir_index_or_cwd_and_says_where_it_looked():
     with pytest.raises(JobError) as info:
         find_job("s1", workdir=None, hostfile="/other/hf", cwd="/home/u", read=files.get)
     text = str(info.value)
-    assert "/other/.meshkit/jobs/hf--s1.json" in text and "/home/u/.meshkit/s1/job.json" in text
+    assert "/other/.meshkit/jobs/hf--s1.json" in text
+    assert "/home/u/.meshkit/s1/job.json" in text
 
 
 def test_protocol_round_trips_and_rejects_malformed_lines():
     request = protocol.StartRequest(make_job().node_job(), replace=True)
     op, back = protocol.decode_request(protocol.encode_request(request))
-    assert op == "start" and back == request
+    assert op == "start"
+    assert back == request
     reply = protocol.StatusReply("exited", 7, 1.5, "last")
     assert protocol.decode_reply("status", protocol.encode_reply(reply)) == reply
+    version = protocol.VERSION
     for bad in (
-        '{"v": 1, "op": "status", "args": {"job_id": 5, "log": "x"}}',
-        '{"v": 1, "op": "rm", "args": {}}',
-        '{"v": 2, "op": "jobs", "args": {}}',
+        json.dumps({"v": version, "op": "status", "args": {"job_id": 5, "log": "x"}}),
+        json.dumps({"v": version, "op": "rm", "args": {}}),
+        json.dumps({"v": version + 1, "op": "jobs", "args": {}}),
         "[1]",
         "not json",
     ):
@@ -115,7 +145,7 @@ def test_protocol_round_trips_and_rejects_malformed_lines():
 def test_agent_answers_and_survives_bad_requests(tmp_path):
     lines = [
         protocol.encode_request(protocol.PortsRequest("0" * 16, [1])),
-        '{"v": 1, "op": "nosuch", "args": {}}\n',
+        json.dumps({"v": protocol.VERSION, "op": "nosuch", "args": {}}) + "\n",
         protocol.encode_request(protocol.EnvRequest(str(tmp_path / "missing"), "hostfile", "s", 1)),
         protocol.encode_request(protocol.EnvRequest(str(tmp_path), "no-such-hostfile", "s", 1)),
         "x" * (protocol.MAX_LINE + 10) + "\n",
@@ -124,11 +154,16 @@ def test_agent_answers_and_survives_bad_requests(tmp_path):
     replies = io.StringIO()
     agent.serve(io.StringIO("".join(lines)), replies)
     got = [json.loads(line) for line in replies.getvalue().splitlines()]
-    assert got[0]["ok"] and got[0]["result"]["ports"][0]["port"] == 1
-    assert not got[1]["ok"] and "nosuch" in got[1]["error"]
-    assert "workdir" in got[2]["result"]["error"] and "missing" in got[2]["result"]["error"]
-    assert "no such hostfile" in got[3]["result"]["error"] and got[3]["result"]["variables"] == {}
-    assert not got[4]["ok"] and "longer than" in got[4]["error"]
+    assert got[0]["ok"]
+    assert got[0]["result"]["ports"][0]["port"] == 1
+    assert not got[1]["ok"]
+    assert "nosuch" in got[1]["error"]
+    assert "workdir" in got[2]["result"]["error"]
+    assert "missing" in got[2]["result"]["error"]
+    assert "no such hostfile" in got[3]["result"]["error"]
+    assert got[3]["result"]["variables"] == {}
+    assert not got[4]["ok"]
+    assert "longer than" in got[4]["error"]
     assert got[-1]["ok"]  # still serving after all of that
 
 
@@ -200,13 +235,16 @@ def test_stop_ends_what_setsid_and_env_i_detached(private_tmux, tmp_path):
     cmd = f"setsid env -i sh -c 'echo $$ > {escaped}; exec sleep 300' & sleep 300"
     job = spec(work, cmd)
     started = node_jobs.start(protocol.StartRequest(job))
-    assert started.started and started.state == "running", started
+    assert started.started, started
+    assert started.state == "running", started
     pid = int(wait_for(lambda: escaped.exists() and escaped.read_text().strip()))
     assert job.job_id.encode() not in Path(f"/proc/{pid}/environ").read_bytes()  # shed the tag
     status = node_jobs.status(protocol.StatusRequest(job.job_id, str(work / "log")))
     assert status.state == "running"
     stopped = node_jobs.stop(protocol.StopRequest(job.job_id))
-    assert stopped.found and stopped.left == [] and stopped.signalled >= 3
+    assert stopped.found
+    assert stopped.left == []
+    assert stopped.signalled >= 3
     assert not procs.alive(pid)
     after = node_jobs.status(protocol.StatusRequest(job.job_id, str(work / "log")))
     assert after.state == "absent"
@@ -238,7 +276,8 @@ def test_exit_code_workdir_with_format_characters_and_another_job(private_tmux, 
     assert node_jobs.start(protocol.StartRequest(job)).started
     wait_for(lambda: (odd / "where").exists() and node_jobs.job_state(job.job_id)[0] == "exited")
     assert (odd / "where").read_text().strip() == str(odd)
-    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+    assert not (tmp_path / "pwned").exists()
+    assert not Path("pwned").exists()
     assert node_jobs.job_state(job.job_id) == ("exited", 7)
     # another job (other workdir, same session name) running here blocks a start unless replace
     other_dir = tmp_path / "other"
@@ -249,10 +288,12 @@ def test_exit_code_workdir_with_format_characters_and_another_job(private_tmux, 
     second_dir.mkdir()
     second = spec(second_dir, "sleep 300")
     refused = node_jobs.start(protocol.StartRequest(second))
-    assert not refused.started and [r.job_id for r in refused.conflicts] == [first.job_id]
+    assert not refused.started
+    assert [r.job_id for r in refused.conflicts] == [first.job_id]
     assert node_jobs.job_state(first.job_id)[0] == "running"  # untouched
     taken = node_jobs.start(protocol.StartRequest(second, replace=True))
-    assert taken.started and [r.job_id for r in taken.replaced] == [first.job_id]
+    assert taken.started
+    assert [r.job_id for r in taken.replaced] == [first.job_id]
     assert node_jobs.job_state(first.job_id)[0] == "absent"
     assert node_jobs.stop(protocol.StopRequest(second.job_id)).left == []
 
@@ -267,7 +308,8 @@ def test_logs_tail_and_follow_offsets(tmp_path):
     more = node_jobs.logs(protocol.LogsRequest(str(log), 3, tail.offset))
     assert more.lines == ["new 1"]  # the partial line waits for its newline
     missing = node_jobs.logs(protocol.LogsRequest(str(tmp_path / "none"), 3))
-    assert missing.missing and missing.lines == []
+    assert missing.missing
+    assert missing.lines == []
 
 
 def test_every_op_has_a_handler_and_status_imports_only_what_it_needs():
@@ -308,12 +350,15 @@ def test_the_agents_env_answer_is_what_meshkit_env_prints_there(tmp_path, case):
         del os.environ["MESHKIT_NODE_RANK"]
     if case == "ok":
         data = json.loads(fresh.stdout)
-        assert reply.error is None and reply.source == data.pop("source") == "explicit"
+        assert reply.error is None
+        assert reply.source == data.pop("source") == "explicit"
         assert reply.matched == data.pop("matched")
         assert reply.interface_source == data.pop("interface_source")
-        assert reply.variables == data and data["NPROC_PER_NODE"] == "3"
+        assert reply.variables == data
+        assert data["NPROC_PER_NODE"] == "3"
     else:
-        assert fresh.returncode != 0 and reply.variables == {}
+        assert fresh.returncode != 0
+        assert reply.variables == {}
         assert f"meshkit: {reply.error}" == fresh.stderr.strip()
 
 
@@ -346,7 +391,8 @@ def test_meshkit_run_under_the_keeper_gives_the_command_its_variables(
     assert (env[procs.JOB_TAG], env["X"]) == (job.job_id, "1")
     ignored = int((work / "sig.txt").read_text().split()[1], 16)
     assert ignored & (1 << (13 - 1) | 1 << (25 - 1)) == 0  # SIGPIPE, SIGXFSZ
-    assert (work / "yes.txt").read_text() == "y\n" and (work / "yes.err").read_text() == ""
+    assert (work / "yes.txt").read_text() == "y\n"
+    assert (work / "yes.err").read_text() == ""
 
 
 @pytest.mark.parametrize(

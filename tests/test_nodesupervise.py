@@ -11,13 +11,18 @@ import pytest
 
 from meshkit.node import files
 from meshkit.node import supervise as nsup
-from meshkit.protocol import SupervisorRequest
+from meshkit.protocol import Supervision, SupervisorRequest, SupervisorState
+
+
+def record(version: int, by: int = 0) -> Supervision:
+    """A supervision record at ``version``, written by rank ``by``."""
+    return Supervision(SupervisorState.RUNNING, 1, 2, version=version, by=by)
 
 
 def test_end_stops_only_the_registered_supervisor_and_drops_the_copy(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "supervisors_root", lambda: str(tmp_path))
     job_id = "cd" * 8
-    nsup.supervisor(SupervisorRequest(job_id, "", record='{"version": 1}', version=0))
+    nsup.supervisor(SupervisorRequest(job_id, "", record=record(1), version=0))
     # a stand-in supervisor: its command line says "supervise", as the real one's does
     stand_in = [sys.executable, "-c", "import time; time.sleep(60)", "supervise"]
     proc = subprocess.Popen(stand_in)
@@ -46,17 +51,17 @@ def test_the_record_copy_is_compare_and_set_on_its_version(tmp_path, monkeypatch
     monkeypatch.setattr(files, "supervisors_root", lambda: str(tmp_path))
     job_id = "ef" * 8
 
-    def put_(text: str, version: int) -> bool:
-        request = SupervisorRequest(job_id, "", record=text, version=version)
+    def put_(copy: Supervision, version: int) -> bool:
+        request = SupervisorRequest(job_id, "", record=copy, version=version)
         return nsup.supervisor(request).written
 
-    assert put_('{"version": 1, "by": 0}', 0)
-    assert put_('{"version": 2, "by": 1}', 1)
-    assert not put_('{"version": 2, "by": 2}', 1)
-    assert nsup.supervisor(SupervisorRequest(job_id, "")).record == '{"version": 2, "by": 1}'
+    assert put_(record(1, by=0), 0)
+    assert put_(record(2, by=1), 1)
+    assert not put_(record(2, by=2), 1)
+    assert nsup.supervisor(SupervisorRequest(job_id, "")).record == record(2, by=1)
     assert nsup.version_of("not json") == 0
     assert nsup.version_of(None) == 0
     Path(files.supervision_copy(job_id)).write_text("garbage")
-    assert put_('{"version": 3}', 0)
+    assert put_(record(3), 0)
     with pytest.raises(ValueError, match="bad job id"):
         nsup.supervisor(SupervisorRequest("../x", ""))

@@ -1,6 +1,6 @@
 """The jobs ops layer against a small fake cluster (in the spirit of invoke's MockContext): the
 logic that otherwise only root sandbox tests reach - preflight verdicts, port choice, conflicts,
-status and stop analysis - with canned node replies."""
+status and stop analysis, a supervised job's status - with canned node replies."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from meshkit.errors import LaunchError, RemoteError
 from meshkit.job import Job
 from meshkit.ops import jobs as ops
 from meshkit.outcome import Outcome
+from meshkit.protocol import Supervision, SupervisorState
 
 
 def job() -> Job:
@@ -23,7 +24,8 @@ def job() -> Job:
 def test_launch_saves_the_job_and_its_index_through_the_master_then_starts_everywhere():
     pool = FakePool(healthy())
     launch = ops.launch(pool, job(), HOSTS)
-    assert launch.ok and [r.state for r in launch.rows] == ["running"] * 3
+    assert launch.ok
+    assert [r.state for r in launch.rows] == ["running"] * 3
     assert set(pool.files) == {
         (HOSTS[0], "/w/.meshkit/s/job.json"),
         (HOSTS[0], "/shared/.meshkit/jobs/hostfile--s.json"),
@@ -68,15 +70,20 @@ def test_preflight_problems_start_nothing_anywhere():
     with pytest.raises(LaunchError) as info:
         ops.launch(pool, job(), HOSTS)
     text = str(info.value)
-    assert "10.0.0.2: is line 2" in text and "NODE_RANK=2" in text
-    assert "interpreter /venv/bin/python not found" in text and "nothing was started" in text
-    assert not any(op == "start" for op, _, _ in pool.calls) and not pool.files
+    assert "10.0.0.2: is line 2" in text
+    assert "NODE_RANK=2" in text
+    assert "interpreter /venv/bin/python not found" in text
+    assert "nothing was started" in text
+    assert not any(op == "start" for op, _, _ in pool.calls)
+    assert not pool.files
 
 
 def test_nodes_that_disagree_or_cannot_connect_are_named():
     envs = {h: env_ok(i, port=25001 if i == 2 else 25000) for i, h in enumerate(HOSTS)}
     problems = ops.env_verdicts(job(), HOSTS, {h: Outcome(v) for h, v in envs.items()}, {})
-    assert len(problems) == 1 and "disagree" in problems[0] and "10.0.0.3" in problems[0]
+    assert len(problems) == 1
+    assert "disagree" in problems[0]
+    assert "10.0.0.3" in problems[0]
     down = ops.env_verdicts(job(), HOSTS, {}, {HOSTS[1]: "connection refused on port 22"})
     assert down == ["10.0.0.2: cannot connect: connection refused on port 22"]
 
@@ -90,7 +97,8 @@ def test_another_job_blocks_the_launch_unless_replace():
         ops.launch(FakePool(replies), job(), HOSTS)
     pool = FakePool(replies)
     assert ops.launch(pool, job(), HOSTS, replace=True).ok
-    assert all(req.replace for op, _, req in pool.calls if op == "start")  # type: ignore[union-attr]
+    starts = [request for op, _, request in pool.calls if op == "start"]
+    assert all(request.replace for request in starts)  # type: ignore[union-attr]
 
 
 def test_port_choice():
@@ -120,7 +128,8 @@ def test_a_node_that_did_not_start_fails_the_launch():
         }
     )
     launch = ops.launch(FakePool(replies), job(), HOSTS)
-    assert not launch.ok and launch.rows[2].error == "tmux failed"
+    assert not launch.ok
+    assert launch.rows[2].error == "tmux failed"
 
 
 def test_status_and_stop_rows_never_claim_what_was_not_seen():
@@ -134,8 +143,60 @@ def test_status_and_stop_rows_never_claim_what_was_not_seen():
     pool = FakePool(replies, failures={HOSTS[2]: "no answer within 10s on port 22"})
     rows = ops.status(pool, job(), HOSTS)
     assert [r.state for r in rows] == ["exited", "absent", "absent"]
-    assert rows[1].error == "agent gone" and "no answer" in (rows[2].error or "")
+    assert rows[1].error == "agent gone"
+    assert "no answer" in (rows[2].error or "")
     assert rows[0].as_json()["started"].startswith("2023-11-14T22:13:20")
     stops = ops.stop(pool, job(), HOSTS)
     assert [s.ok for s in stops] == [True, False, False]
-    assert stops[1].left == [4242] and "no answer" in (stops[2].error or "")
+    assert stops[1].left == [4242]
+    assert "no answer" in (stops[2].error or "")
+
+
+# ---- a supervised job's status: its record and its leader --------------------------------
+
+
+def test_a_supervised_jobs_status_fields():
+    reason = "node 1 exited with code 1"
+    rec = Supervision(SupervisorState.GAVE_UP, 3, 0, reason, [1, 143, 143], 7, 1, None)
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    rows = [ops.StatusRow(0, "a", "exited", 1, None, None)]
+    out = ops.with_supervision(job, rows, rec, None)[0].as_json()
+    assert (out["supervisor"], out["attempt"], out["restarts_left"]) == ("gave up", 3, 0)
+    assert out["exit_code"] == 1
+    assert out["last_restart_reason"] == "node 1 exited with code 1"
+    plain = Job("x", "/w", "s", "/h", "/p", 1)
+    assert "supervisor" not in ops.with_supervision(plain, rows, None, None)[0].as_json()
+    assert ops.with_supervision(job, rows, None, None)[0].as_json()["supervisor"] is None
+
+
+def test_status_names_the_leader_and_a_held_relaunch_and_an_unbacked_record():
+    """Status shows the lowest live supervisor as the leader and what holds a relaunch; a
+    running record that no live supervisor backs (every node's died) is "not responding"."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    rows = [ops.StatusRow(0, "a", "absent", None, None, None)]
+    why = "b: workdir: /w: Read-only"
+    held = Supervision(SupervisorState.RELAUNCHING, 2, 1, "node 1 exited", held=why)
+    out = ops.with_supervision(job, rows, held, 1)[0].as_json()
+    # the JSON keeps its fixed names: a claimed relaunch is a running supervisor, relaunching
+    assert (out["supervisor"], out["relaunching"]) == (SupervisorState.RUNNING, True)
+    assert (out["leader"], out["held"]) == (1, held.held)
+    running = Supervision(SupervisorState.RUNNING, 1, 2)
+    gone = ops.with_supervision(job, rows, running, None)[0].as_json()
+    assert gone["supervisor"] == "not responding"
+    assert "no node has a live" in str(gone["last_restart_reason"])
+    done = Supervision(SupervisorState.DONE, 1, 2)
+    shown = ops.with_supervision(job, rows, done, 0)[0].as_json()
+    assert shown["supervisor"] == SupervisorState.DONE
+    assert shown["leader"] is None
+
+
+def test_status_json_spells_the_states_as_before():
+    """``status --json`` prints the states as plain strings, byte for byte."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    rows = [ops.StatusRow(0, "a", p.JobState.EXITED, 1, None, None)]
+    record = Supervision(SupervisorState.GAVE_UP, 3, 0)
+    out = ops.with_supervision(job, rows, record, None)[0].as_json()
+    text = json.dumps(out)
+    assert '"state": "exited"' in text
+    assert '"supervisor": "gave up"' in text
+    assert f"{SupervisorState.GAVE_UP}" == "gave up"

@@ -47,6 +47,17 @@ def status(lay, workdir: Path, session: str, node: int = 1) -> list[dict[str, ob
     return json.loads(out.stdout)
 
 
+def status_when(lay, workdir: Path, session: str, ready):
+    """The status rows once ``ready(rows)`` holds (None before, so wait_for tries again)."""
+    rows = status(lay, workdir, session)
+    return rows if rows and ready(rows) else None
+
+
+def led_by(rank: int):
+    """Whether status names ``rank``'s supervisor as the leader."""
+    return lambda rows: rows[0]["leader"] == rank
+
+
 def supervisor_is(lay, workdir: Path, session: str, *states: str):
     rows = status(lay, workdir, session)
     return rows if rows[0]["supervisor"] in states else None
@@ -75,16 +86,19 @@ def test_exhausted_restarts_give_up_with_the_reason_and_last_exit_codes(meshed):
     lay, workdir = meshed
     n = len(lay.nodes)
     out = train(lay, workdir, "gives", "--restarts", "1", "--cmd", "echo trying; exit 3")
-    assert "supervisors: tmux session" in out.stdout and "on every node" in out.stdout
+    assert "supervisors: tmux session" in out.stdout
+    assert "on every node" in out.stdout
     rows = wait_for(lambda: supervisor_is(lay, workdir, "gives", "gave up"), timeout=120)
     assert [r["exit_code"] for r in rows] == [3] * n
     assert [r["state"] for r in rows] == ["exited"] * n
     assert {(r["attempt"], r["restarts_left"]) for r in rows} == {(2, 0)}
     reason = str(rows[0]["last_restart_reason"])
-    assert reason.startswith("no restarts left") and "exited with code 3" in reason
+    assert reason.startswith("no restarts left")
+    assert "exited with code 3" in reason
     for rank in range(n):
         parts = attempts(workdir, "gives", rank)
-        assert len(parts) == 2 and parts[1].startswith("attempt 2 of 2")
+        assert len(parts) == 2
+        assert parts[1].startswith("attempt 2 of 2")
         # attempt 1 may have been stopped on a slower node before it printed anything
         assert "trying" in parts[1]
     text = on_node(lay, 2, workdir, "status", "--session", "gives").stdout
@@ -92,7 +106,8 @@ def test_exhausted_restarts_give_up_with_the_reason_and_last_exit_codes(meshed):
     # a code outside --restart-on gives up at once, without a restart
     train(lay, workdir, "notlisted", "--restarts", "3", "--restart-on", "1,137", "--cmd", "exit 4")
     rows = wait_for(lambda: supervisor_is(lay, workdir, "notlisted", "gave up"), timeout=120)
-    assert rows[0]["attempt"] == 1 and "not in --restart-on" in str(rows[0]["last_restart_reason"])
+    assert rows[0]["attempt"] == 1
+    assert "not in --restart-on" in str(rows[0]["last_restart_reason"])
 
 
 def test_a_killed_worker_restarts_the_whole_job_with_the_same_ranks(meshed):
@@ -101,14 +116,16 @@ def test_a_killed_worker_restarts_the_whole_job_with_the_same_ranks(meshed):
     train(lay, workdir, "killed", "--restarts", "2", "--nproc-per-node", str(NPROC), "--cmd", TORCH)
     wait_for(lambda: len(results_of(workdir, "killed", n, 1)) == n * NPROC, timeout=180)
     rows = status(lay, workdir, "killed")
-    assert rows[0]["supervisor"] == "running" and rows[0]["attempt"] == 1
+    assert rows[0]["supervisor"] == "running"
+    assert rows[0]["attempt"] == 1
     victim = sandbox.node_exec(lay.nodes[1], ["pgrep", "-f", "-u", "0", "--", "-u example_train"])
     pids = victim.stdout.split()
     assert pids, victim
     sandbox.node_exec(lay.nodes[1], ["kill", "-9", pids[0]])
     rows = wait_for(lambda: supervisor_is(lay, workdir, "killed", "done", "gave up"), timeout=300)
     assert rows[0]["supervisor"] == "done", rows
-    assert rows[0]["attempt"] == 2 and rows[0]["restarts_left"] == 1
+    assert rows[0]["attempt"] == 2
+    assert rows[0]["restarts_left"] == 1
     assert "node 1 " in str(rows[0]["last_restart_reason"])
     assert [r["exit_code"] for r in rows] == [0] * n
     check_results(results_of(workdir, "killed", n, 2), n)  # attempt 2: every rank, same nodes
@@ -123,7 +140,8 @@ def test_a_rebooted_node_is_relaunched_once_it_is_back(meshed):
     sandbox.reboot(lay, 2)
     rows = wait_for(lambda: supervisor_is(lay, workdir, "reboot", "done", "gave up"), timeout=300)
     assert rows[0]["supervisor"] == "done", rows
-    assert rows[0]["attempt"] == 2 and "node 2 " in str(rows[0]["last_restart_reason"])
+    assert rows[0]["attempt"] == 2
+    assert "node 2 " in str(rows[0]["last_restart_reason"])
     check_results(results_of(workdir, "reboot", n, 2), n)
 
 
@@ -179,10 +197,12 @@ def test_a_rebooted_launching_node_is_relaunched_with_no_command(meshed):
     sandbox.reboot(lay, 0)
     rows = wait_for(lambda: supervisor_is(lay, workdir, "reboot0", "done", "gave up"), timeout=300)
     assert rows[0]["supervisor"] == "done", rows
-    assert rows[0]["attempt"] == 2 and "node 0 " in str(rows[0]["last_restart_reason"])
+    assert rows[0]["attempt"] == 2
+    assert "node 0 " in str(rows[0]["last_restart_reason"])
     check_results(results_of(workdir, "reboot0", n, 2), n)
     log = (workdir / ".meshkit" / "reboot0" / "supervisor-node1.log").read_text()
-    assert "attempt 2: relaunching" in log and "attempt 2 started" in log  # node 1 led it
+    assert "attempt 2: relaunching" in log
+    assert "attempt 2 started" in log  # node 1 led it
     assert "supervising" in (workdir / ".meshkit" / "reboot0" / "supervisor-node0.log").read_text()
 
 
@@ -200,51 +220,41 @@ def test_a_leader_killed_during_a_held_relaunch_leaves_exactly_one_relaunch(mesh
     assert sandbox.node_exec(lay.nodes[2], ["sh", "-c", ro]).returncode == 0
     try:
         sandbox.node_exec(lay.nodes[1], ["pkill", "-9", "-f", "^sleep 600"])
-        rows = wait_for(lambda: (r := status(lay, workdir, "held")) and r[0]["held"] and r)
-        assert (
-            rows[0]["supervisor"] == "running"
-            and rows[0]["relaunching"]
-            and rows[0]["attempt"] == 2
-        )
+        rows = wait_for(lambda: status_when(lay, workdir, "held", lambda rows: rows[0]["held"]))
+        assert rows[0]["supervisor"] == "running"
+        assert rows[0]["relaunching"]
+        assert rows[0]["attempt"] == 2
         held = str(rows[0]["held"])
         assert held.startswith(f"{lay.nodes[2].address}: workdir: "), held
         text = on_node(lay, 1, workdir, "status", "--session", "held").stdout
-        assert "relaunch held by " in text and "(leader: node 0)" in text
+        assert "relaunch held by " in text
+        assert "(leader: node 0)" in text
         # node 0's supervisor hangs (frozen: tmux resumes a stopped pane at once): its heartbeat
         # goes stale and node 1 takes the attempt over
         with frozen(host_pid(lay, "held", 0)):
-            rows = wait_for(
-                lambda: (r := status(lay, workdir, "held")) and r[0]["leader"] == 1 and r
-            )
-            assert (
-                rows[0]["supervisor"] == "running"
-                and rows[0]["relaunching"]
-                and rows[0]["attempt"] == 2
-            )
+            rows = wait_for(lambda: status_when(lay, workdir, "held", led_by(1)))
+            assert rows[0]["supervisor"] == "running"
+            assert rows[0]["relaunching"]
+            assert rows[0]["attempt"] == 2
         # node 0's goes on, and node 1's (now the attempt's claimer) is killed mid-relaunch
         for line in supervisors(lay, "held")[1]:
             sandbox.node_exec(lay.nodes[1], ["kill", "-9", line.split()[0]])
-        rows = wait_for(lambda: (r := status(lay, workdir, "held")) and r[0]["leader"] == 0 and r)
-        assert (
-            rows[0]["supervisor"] == "running"
-            and rows[0]["relaunching"]
-            and rows[0]["attempt"] == 2
-        )
+        rows = wait_for(lambda: status_when(lay, workdir, "held", led_by(0)))
+        assert rows[0]["supervisor"] == "running"
+        assert rows[0]["relaunching"]
+        assert rows[0]["attempt"] == 2
     finally:
         sandbox.node_exec(lay.nodes[2], ["umount", str(workdir)])
-    rows = wait_for(
-        lambda: (
-            (r := status(lay, workdir, "held"))
-            and r[0]["supervisor"] == "running"
-            and all(x["state"] == "running" for x in r)
-            and r
-        ),
-        timeout=120,
-    )
+
+    def relaunched(rows) -> bool:
+        return rows[0]["supervisor"] == "running" and all(row["state"] == "running" for row in rows)
+
+    rows = wait_for(lambda: status_when(lay, workdir, "held", relaunched), timeout=120)
     assert (rows[0]["attempt"], rows[0]["restarts_left"], rows[0]["held"]) == (2, 2, None)
     for rank in range(len(lay.nodes)):
         text = (workdir / ".meshkit" / "held" / f"node{rank}.log").read_text()
-        assert text.count("===== meshkit: attempt") == 1 and "attempt 2 of 4" in text
+        assert text.count("===== meshkit: attempt") == 1
+        assert "attempt 2 of 4" in text
     # node 1's supervisor is back (the relaunch starts one wherever none is live)
     wait_for(lambda: all(len(s) == 1 for s in supervisors(lay, "held")), timeout=60)
     wait_for(lambda: status(lay, workdir, "held")[0]["leader"] == 0, timeout=60)
@@ -263,5 +273,6 @@ def test_stop_ends_every_supervisor_first(meshed):
         assert "stopme" not in sandbox.node_exec(node, ["tmux", "ls"]).stdout
     rows = status(lay, workdir, "stopme")
     assert [r["state"] for r in rows] == ["absent"] * len(lay.nodes)
-    assert rows[0]["supervisor"] is None and rows[0]["leader"] is None
+    assert rows[0]["supervisor"] is None
+    assert rows[0]["leader"] is None
     assert supervisors(lay, "stopme") == [[]] * len(lay.nodes)

@@ -1,4 +1,5 @@
-"""The node side of sync: the manifest of a workdir and the chunked put, on this machine."""
+"""Sync on this machine: the copy plan, and the node side (the manifest of a workdir and the
+chunked put)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,22 @@ import pytest
 
 from meshkit.node.agent import handler
 from meshkit.node.sync import manifest, put
+from meshkit.ops.sync import plan
 from meshkit.protocol import (
+    FileState,
     ManifestRequest,
     PutRequest,
+    Supervision,
     SupervisorRequest,
+    SupervisorState,
     decode_request,
     encode_request,
 )
+
+
+def record(version: int, by: int = 0) -> Supervision:
+    """A supervision record at ``version``, written by rank ``by``."""
+    return Supervision(SupervisorState.RUNNING, 1, 2, version=version, by=by)
 
 
 def test_manifest_lists_files_and_skips_excluded_names(tmp_path):
@@ -55,10 +65,24 @@ def test_put_writes_chunks_then_moves_the_file_into_place_with_mode_and_mtime(tm
 
 def test_new_ops_round_trip_and_have_handlers():
     for request in (
-        SupervisorRequest("ab" * 8, "s-abababab-sup", "start", ["x"], "{}", 3),
+        SupervisorRequest("ab" * 8, "s-abababab-sup", "start", ["x"], record(3), 3),
         ManifestRequest("/w", [".git"]),
         PutRequest("/w/x", "AA==", 0, True, 0o600, 1.0),
     ):
         op, back = decode_request(encode_request(request))
         assert back == request
         assert callable(handler(op))
+
+
+def test_sync_plan_sends_only_what_differs():
+    local = [
+        FileState("a.py", 3, 10.0, 0o644),
+        FileState("b.py", 4, 10.0, 0o644),
+        FileState("c.py", 5, 10.0, 0o644),
+    ]
+    remote = [
+        FileState("a.py", 3, 10.0, 0o644),
+        FileState("b.py", 4, 11.0, 0o644),
+        FileState("old.py", 1, 1.0, 0o644),
+    ]
+    assert [state.path for state in plan(local, remote)] == ["b.py", "c.py"]

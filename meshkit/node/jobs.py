@@ -19,10 +19,6 @@ from .. import protocol
 from ..record import asdict
 from . import files, procs, tmux
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from ..protocol import JobState
-
 KEEPER_START_TIMEOUT = 10.0  # the keeper writes its pid file within this after tmux starts it
 
 
@@ -63,7 +59,7 @@ def running_jobs() -> list[protocol.RunningJob]:
         # Running means its command has not exited: stragglers an exited job left are no
         # conflict.
         state, _ = job_state(job_id)
-        if state == "running":
+        if state == protocol.JobState.RUNNING:
             label = _spec(job_id, "label") or job_id
             running.append(protocol.RunningJob(job_id, label))
     return running
@@ -78,13 +74,13 @@ def started_at(job_id: str) -> float | None:
     return _read_number(files.started_file(files.job_dir(job_id)))
 
 
-def job_state(job_id: str) -> tuple[JobState, int | None]:
+def job_state(job_id: str) -> tuple[protocol.JobState, int | None]:
     code = _read_number(files.exit_file(files.job_dir(job_id)))
     if code is not None:
-        return "exited", int(code)
+        return protocol.JobState.EXITED, int(code)
     if keeper_pid(job_id) is not None:
-        return "running", None
-    return "absent", None
+        return protocol.JobState.RUNNING, None
+    return protocol.JobState.ABSENT, None
 
 
 def stop(request: protocol.StopRequest) -> protocol.StopReply:
@@ -156,11 +152,11 @@ def start(request: protocol.StartRequest) -> protocol.StartReply:
     others = [running for running in running_jobs() if running.job_id != job.job_id]
     if others and not request.replace:
         conflict = "another meshkit job is running here"
-        return protocol.StartReply(False, "absent", [], others, conflict)
+        return protocol.StartReply(False, protocol.JobState.ABSENT, [], others, conflict)
     replaced: list[protocol.RunningJob] = []
 
     def failed(why: str) -> protocol.StartReply:
-        return protocol.StartReply(False, "absent", replaced, [], why)
+        return protocol.StartReply(False, protocol.JobState.ABSENT, replaced, [], why)
 
     victims: list[protocol.RunningJob] = []
     if request.replace:
@@ -185,7 +181,7 @@ def start(request: protocol.StartRequest) -> protocol.StartReply:
     deadline = time.monotonic() + KEEPER_START_TIMEOUT
     while time.monotonic() < deadline:
         state, _ = job_state(job.job_id)
-        if state != "absent":
+        if state != protocol.JobState.ABSENT:
             error = files.read_text(files.error_file(directory), 2000)
             why: str | None = None
             if error:
@@ -198,7 +194,7 @@ def start(request: protocol.StartRequest) -> protocol.StartReply:
 def status(request: protocol.StatusRequest) -> protocol.StatusReply:
     state, code = job_state(request.job_id)
     started = None
-    if state != "absent":
+    if state != protocol.JobState.ABSENT:
         started = started_at(request.job_id)
     last = last_line(request.log)
     return protocol.StatusReply(state, code, started, last, idle(request.log, started))

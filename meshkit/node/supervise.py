@@ -11,7 +11,8 @@ import json
 import os
 import time
 
-from ..protocol import SupervisorReply, SupervisorRequest
+from ..protocol import Supervision, SupervisorReply, SupervisorRequest
+from ..record import build
 from . import procs, tmux
 from .files import (
     read_text,
@@ -21,7 +22,7 @@ from .files import (
     write_atomic,
 )
 
-MAX_RECORD = 65536  # characters of a supervision record copy
+MAX_COPY = 65536  # characters of a supervision record this node stores
 
 
 def register(job_id: str) -> None:
@@ -42,12 +43,18 @@ def supervisor_pid(job_id: str) -> int | None:
     return procs.recorded(supervisor_pid_file(job_id), "supervise")
 
 
-def version_of(text: str | None) -> int:
-    """Pure: a record copy's version (0: none, or unreadable: any writer may replace it)."""
+def copy_of(text: str | None) -> Supervision | None:
+    """Pure: the record a stored copy holds (None: none, or unreadable)."""
     try:
-        return int(json.loads(text or "{}").get("version", 0))
-    except (ValueError, TypeError, AttributeError):
-        return 0
+        return build(Supervision, json.loads(text or "null"), "supervision record")
+    except ValueError:
+        return None
+
+
+def version_of(text: str | None) -> int:
+    """Pure: a stored copy's version (0: none, or unreadable: any writer may replace it)."""
+    copy = copy_of(text)
+    return 0 if copy is None else copy.version
 
 
 def supervisor(request: SupervisorRequest) -> SupervisorReply:
@@ -70,16 +77,17 @@ def supervisor(request: SupervisorRequest) -> SupervisorReply:
         tmux.new_session(request.tmux_session, request.argv)
     written = False
     if request.record is not None:
-        if len(request.record) > MAX_RECORD:
+        text = request.record.to_json()
+        if len(text) > MAX_COPY:
             raise ValueError("a supervision record over 64 KiB")
         os.makedirs(os.path.dirname(copy), mode=0o700, exist_ok=True)
         with open(supervision_lock(request.job_id), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time on this node
             if version_of(read_text(copy)) <= request.version:
-                write_atomic(copy, request.record)
+                write_atomic(copy, text)
                 written = True
     beat_age = None
     if pid is not None:
         with contextlib.suppress(OSError):
             beat_age = max(0.0, time.time() - os.stat(pid_file).st_mtime)
-    return SupervisorReply(pid, beat_age, [], read_text(copy), written)
+    return SupervisorReply(pid, beat_age, [], copy_of(read_text(copy)), written)

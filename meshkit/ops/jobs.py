@@ -1,8 +1,8 @@
-"""Jobs over a cluster: the env round, preflight, launch, status, stop and logs. Every node
-operation goes through the node agent (``NodePool``); these functions print nothing and return
-dataclasses for the CLI (or a script, through ``meshkit.Cluster``) to render. The verdicts
-(preflight problems, port choice, status rows) are pure functions of the replies, unit-tested
-with a fake pool.
+"""Jobs over a cluster: the env round, preflight, launch, status, stop and logs, a supervised
+job's supervision included in its status and stop. Every node operation goes through the node
+agent (``NodePool``); these functions print nothing and return dataclasses for the CLI (or a
+script, through ``meshkit.Cluster``) to render. The verdicts (preflight problems, port choice,
+status rows) are pure functions of the replies, unit-tested with a fake pool.
 """
 
 from __future__ import annotations
@@ -11,22 +11,19 @@ import datetime
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from .. import protocol as p
 from ..errors import LaunchError
 from ..hostfile import Host
 from ..job import Job
 from ..outcome import Outcome
+from ..protocol import JobState, Supervision, SupervisorShown, SupervisorState
 from ..record import replace
 from .pool import NodePool, unanswered
+from .supervision import ask, end_supervisor, live_ranks, newest
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
 FOLLOW = 0.5  # seconds between polls of logs --follow
-JobState = Literal["running", "exited", "absent"]
-# A job's supervision (ops.supervise): running, relaunching (a claimed attempt), then gave up or
-# done; "not responding" is what status shows when no live supervisor backs the record.
-SupervisorState = Literal["running", "relaunching", "gave up", "done", "not responding"]
 Envs = dict[Host, Outcome[p.EnvReply]]
 
 
@@ -40,7 +37,7 @@ class Preflight:
 def env_round(pool: NodePool, job: Job, phase: str = "env") -> Envs:
     """Rank discovery on every node, as the job's ``meshkit run`` will do it there."""
     request = job.env_request()
-    return pool.call_all(phase, lambda h: request, p.EnvReply)
+    return pool.call_all(phase, lambda host: request, p.EnvReply)
 
 
 def env_error(outcome: Outcome[p.EnvReply] | None, failure: str | None) -> str | None:
@@ -58,7 +55,7 @@ def env_verdicts(
 ) -> list[str]:
     """Pure: every node must discover exactly its hostfile rank, and all must agree on the node
     count, master and port."""
-    problems = [f"{h.label}: cannot connect: {e}" for h, e in failures.items()]
+    problems = [f"{host.label}: cannot connect: {why}" for host, why in failures.items()]
     seen: dict[tuple[str, str, str], list[str]] = {}
     for rank, host in enumerate(hosts):
         if host not in envs:
@@ -69,18 +66,19 @@ def env_verdicts(
             problems.append(f"{host.label}: {error}")
             continue
         found = reply.variables.get("NODE_RANK")
-        key = tuple(reply.variables.get(k, "?") for k in ("NNODES", "MASTER_ADDR", "MASTER_PORT"))
+        agreed = ("NNODES", "MASTER_ADDR", "MASTER_PORT")
+        key = tuple(reply.variables.get(name, "?") for name in agreed)
         if found != str(rank):
+            where = f"line {host.lineno} of {job.hostfile} (rank {rank})"
             problems.append(
-                f"{host.label}: is line {host.lineno} of {job.hostfile} (rank {rank}) but discovers "
-                f"NODE_RANK={found} via {reply.matched}; the hostfile does not name this node as "
-                "it sees itself"
+                f"{host.label}: is {where} but discovers NODE_RANK={found} via {reply.matched}; "
+                "the hostfile does not name this node as it sees itself"
             )
         seen.setdefault((key[0], key[1], key[2]), []).append(host.label)
     if len(seen) > 1:
         problems.append(
             "nodes disagree on NNODES/MASTER_ADDR/MASTER_PORT: "
-            + "; ".join(f"{'/'.join(k)} on {', '.join(v)}" for k, v in seen.items())
+            + "; ".join(f"{'/'.join(key)} on {', '.join(labels)}" for key, labels in seen.items())
         )
     return problems
 
@@ -92,11 +90,11 @@ def conflict_verdicts(
     if replace:
         return []
     return [
-        f"{h.label}: another meshkit job is running there: {r.label}; stop it "
+        f"{host.label}: another meshkit job is running there: {other.label}; stop it "
         f"(meshkit stop --workdir ... --session ...) or pass --replace to end it"
-        for h, jobs in running.items()
-        for r in jobs
-        if r.job_id != job.id
+        for host, jobs in running.items()
+        for other in jobs
+        if other.job_id != job.id
     ]
 
 
@@ -106,7 +104,7 @@ def pick_port(probe: p.PortsReply, job: Job, master: Host) -> tuple[int, str | N
     ports = probe.ports
     if not ports or ports[0].free or probe.ours:
         return job.master_port, None
-    free = [s.port for s in ports if s.free]
+    free = [state.port for state in ports if state.free]
     if not free:
         raise LaunchError(
             f"ports {ports[0].port}..{ports[-1].port} are all busy on the master {master.label}; "
@@ -122,22 +120,27 @@ def preflight(
     """Read-only, on every node, given the env round (``envs``): each node discovers exactly its
     hostfile rank and the same master; which meshkit jobs run there; and on the master, which
     ports are free."""
-    ok = [h for h in hosts if env_error(envs.get(h), pool.failures.get(h)) is None]
-    jobs = pool.call_all("jobs", lambda h: p.JobsRequest(), p.JobsReply, ok)
-    running = {h: o.value.running for h, o in jobs.items() if o.value is not None}
+    ok = [host for host in hosts if env_error(envs.get(host), pool.failures.get(host)) is None]
+    jobs = pool.call_all("jobs", lambda host: p.JobsRequest(), p.JobsReply, ok)
+    running = {
+        host: outcome.value.running for host, outcome in jobs.items() if outcome.value is not None
+    }
     problems = env_verdicts(job, hosts, envs, pool.failures)
-    problems += [f"{h.label}: {o.error}" for h, o in jobs.items() if o.error]
+    problems += [
+        f"{host.label}: {outcome.error}" for host, outcome in jobs.items() if outcome.error
+    ]
     problems += conflict_verdicts(job, running, replace)
-    port, note = job.master_port, None
-    if not problems:
-        scan = [n for n in range(job.master_port, job.master_port + PORT_SCAN + 1) if n <= 65535]
-        ports = p.PortsRequest(job.id, scan)
-        outcome = pool.call_all("ports", lambda h: ports, p.PortsReply, hosts[:1]).get(hosts[0])
-        if outcome is None or outcome.value is None:
-            why = outcome.error if outcome else "?"
-            problems.append(f"{hosts[0].label}: port probe failed: {why}")
-        else:
-            port, note = pick_port(outcome.value, job, hosts[0])
+    if problems:
+        return Preflight(problems, job.master_port, None)
+    master = hosts[0]
+    last = min(job.master_port + PORT_SCAN, 65535)
+    ports = p.PortsRequest(job.id, list(range(job.master_port, last + 1)))
+    outcome = pool.call_all("ports", lambda host: ports, p.PortsReply, [master]).get(master)
+    if outcome is None or outcome.value is None:
+        why = outcome.error if outcome else "?"
+        problems.append(f"{master.label}: port probe failed: {why}")
+        return Preflight(problems, job.master_port, None)
+    port, note = pick_port(outcome.value, job, master)
     return Preflight(problems, port, note)
 
 
@@ -151,7 +154,7 @@ class StartRow:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.state in ("running", "exited")
+        return self.error is None and self.state in (JobState.RUNNING, JobState.EXITED)
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ class Launch:
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.rows)
+        return all(row.ok for row in self.rows)
 
 
 def launch(
@@ -187,29 +190,33 @@ def launch(
         from .sync import sync_workdir
 
         synced = sync_workdir(pool, job, hosts)
-    checked = preflight(pool, job, hosts, env_round(pool, job) if envs is None else envs, replace)
+    if envs is None:
+        envs = env_round(pool, job)
+    checked = preflight(pool, job, hosts, envs, replace)
     if checked.problems:
         raise LaunchError([*checked.problems, "train: preflight failed; nothing was started"])
     job = replace_port(job, checked.port)
     if dry_run:
         return Launch(job, [], checked.note, True, synced)
-    for where in hosts if job.sync else hosts[:1]:
+    for where in job.home_copies(hosts):
         pool.write_file(where, str(job.file), job.to_json())
         pool.write_file(where, str(job.index), job.index_json())
     spec = job.node_job(attempt)
-    started = pool.call_all("start", lambda h: p.StartRequest(spec, replace), p.StartReply)
+    started = pool.call_all("start", lambda host: p.StartRequest(spec, replace), p.StartReply)
     rows = []
-    for rank, h in enumerate(hosts):
-        outcome = started.get(h)
+    for rank, host in enumerate(hosts):
+        outcome = started.get(host)
         if outcome is None or outcome.value is None:
-            why = unanswered(outcome, h, pool.failures)
-            rows.append(StartRow(rank, h.label, "absent", why, []))
+            why = unanswered(outcome, host, pool.failures)
+            rows.append(StartRow(rank, host.label, JobState.ABSENT, why, []))
             continue
         reply = outcome.value
         error = reply.error if not reply.started else None
         if reply.conflicts:
-            error = "another meshkit job is running: " + ", ".join(r.label for r in reply.conflicts)
-        rows.append(StartRow(rank, h.label, reply.state, error, [r.label for r in reply.replaced]))
+            others = ", ".join(running.label for running in reply.conflicts)
+            error = f"another meshkit job is running: {others}"
+        replaced = [running.label for running in reply.replaced]
+        rows.append(StartRow(rank, host.label, reply.state, error, replaced))
     return Launch(job, rows, checked.note, False, synced)
 
 
@@ -230,7 +237,7 @@ class StatusRow:
     attempt: int | None = None
     restarts_left: int | None = None
     last_restart_reason: str | None = None
-    supervisor: SupervisorState | None = None  # None: no record (e.g. after stop)
+    supervisor: SupervisorState | SupervisorShown | None = None  # None: no record (e.g. stopped)
     idle_s: float | None = None  # seconds since the node's log was last written
     stalled: bool = False  # the job's: running, and no node has written output for stall_after
     diagnosis: str | None = None  # the diagnosis the supervisor saved before a stall restart
@@ -243,21 +250,22 @@ class StatusRow:
         if self.supervised:
             keys += ["attempt", "restarts_left", "last_restart_reason", "diagnosis"]
             keys += ["leader", "held"]
-        data = {k: getattr(self, k) for k in keys}
+        data = {key: getattr(self, key) for key in keys}
         data["idle_s"] = None if self.idle_s is None else round(self.idle_s, 1)
         if self.supervised:  # the fixed names: a claimed relaunch is still a running supervisor
-            data["supervisor"] = "running" if self.supervisor == "relaunching" else self.supervisor
-            data["relaunching"] = self.supervisor == "relaunching"
+            relaunching = self.supervisor == SupervisorState.RELAUNCHING
+            data["supervisor"] = SupervisorState.RUNNING if relaunching else self.supervisor
+            data["relaunching"] = relaunching
         return data
 
 
 def is_stalled(stall_after: float | None, nodes: Sequence[tuple[str, float | None]]) -> bool:
     """Pure: a running job none of whose running nodes has written output for ``stall_after``
     seconds (each node's log, by its own clock). ``nodes``: (state, idle seconds)."""
-    running = [idle for state, idle in nodes if state == "running"]
+    running = [idle for state, idle in nodes if state == JobState.RUNNING]
     if stall_after is None or not running:
         return False
-    return all(i is not None and i >= stall_after for i in running)
+    return all(idle is not None and idle >= stall_after for idle in running)
 
 
 def status(
@@ -266,22 +274,35 @@ def status(
     """One row per node; a node that cannot be asked is ``absent`` with the reason. Every row
     says whether the job is stalled."""
     replies = pool.call_all(
-        phase, lambda h: p.StatusRequest(job.id, job.log(hosts.index(h))), p.StatusReply
+        phase, lambda host: p.StatusRequest(job.id, job.log(hosts.index(host))), p.StatusReply
     )
     rows = []
-    for rank, h in enumerate(hosts):
-        outcome = replies.get(h)
+    for rank, host in enumerate(hosts):
+        outcome = replies.get(host)
         if outcome is None or outcome.value is None:
-            error = unanswered(outcome, h, pool.failures)
-            rows.append(StatusRow(rank, h.label, "absent", None, None, f"error: {error}", error))
+            error = unanswered(outcome, host, pool.failures)
+            row = StatusRow(rank, host.label, JobState.ABSENT, None, None, f"error: {error}", error)
+            rows.append(row)
             continue
-        r = outcome.value
-        utc = datetime.datetime.fromtimestamp(r.started or 0, datetime.timezone.utc).isoformat()
-        started = utc if r.started else None
-        row = StatusRow(rank, h.label, r.state, r.exit_code, started, r.last_line, idle_s=r.idle)
+        reply = outcome.value
+        started = None
+        if reply.started:
+            utc = datetime.datetime.fromtimestamp(reply.started, datetime.timezone.utc)
+            started = utc.isoformat()
+        row = StatusRow(
+            rank,
+            host.label,
+            reply.state,
+            reply.exit_code,
+            started,
+            reply.last_line,
+            idle_s=reply.idle,
+        )
         rows.append(row)
-    stalled = is_stalled(job.stall_after, [(r.state, r.idle_s) for r in rows if not r.error])
-    return [replace(r, stalled=stalled) for r in rows] if stalled else rows
+    answered = [(row.state, row.idle_s) for row in rows if not row.error]
+    if not is_stalled(job.stall_after, answered):
+        return rows
+    return [replace(row, stalled=True) for row in rows]
 
 
 def wait_done(pool: NodePool, job: Job, hosts: Sequence[Host], timeout: float) -> list[StatusRow]:
@@ -289,7 +310,7 @@ def wait_done(pool: NodePool, job: Job, hosts: Sequence[Host], timeout: float) -
     deadline = time.monotonic() + timeout
     while True:
         rows = status(pool, job, hosts, phase="")
-        if all(r.state != "running" for r in rows) or time.monotonic() > deadline:
+        if all(row.state != JobState.RUNNING for row in rows) or time.monotonic() > deadline:
             return rows
         time.sleep(1.0)
 
@@ -312,17 +333,83 @@ class StopRow:
 def stop(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[StopRow]:
     """End the job's whole process tree on every node, then check (on the node) that nothing of
     it is left. A node that cannot be asked is a failure, never "nothing left"."""
-    replies = pool.call_all("stop", lambda h: p.StopRequest(job.id), p.StopReply, hosts)
+    replies = pool.call_all("stop", lambda host: p.StopRequest(job.id), p.StopReply, hosts)
     rows = []
-    for rank, h in enumerate(hosts):
-        outcome = replies.get(h)
+    for rank, host in enumerate(hosts):
+        outcome = replies.get(host)
         if outcome is None or outcome.value is None:
-            error = unanswered(outcome, h, pool.failures)
-            rows.append(StopRow(rank, h.label, False, 0, [], error))
+            error = unanswered(outcome, host, pool.failures)
+            rows.append(StopRow(rank, host.label, False, 0, [], error))
         else:
-            r = outcome.value
-            rows.append(StopRow(rank, h.label, r.found, r.signalled, r.left, None))
+            reply = outcome.value
+            rows.append(StopRow(rank, host.label, reply.found, reply.signalled, reply.left, None))
     return rows
+
+
+def with_supervision(
+    job: Job, rows: list[StatusRow], record: Supervision | None, leader: int | None
+) -> list[StatusRow]:
+    """Pure: a supervised job's rows carry its record (all null when there is none, e.g. after
+    ``stop``) and its leader; a record no live supervisor backs says "not responding"."""
+    if not job.restarts:
+        return rows
+    if record is None:
+        return [replace(row, supervised=True) for row in rows]
+    state: SupervisorState | SupervisorShown = record.supervisor
+    reason = record.last_restart_reason
+    if state not in (SupervisorState.RUNNING, SupervisorState.RELAUNCHING):
+        leader = None  # nobody supervises an ended job (its supervisors are on their way out)
+    elif leader is None:
+        state = SupervisorShown.NOT_RESPONDING
+        reason = (
+            "no node has a live supervisor (each was ended, or its node rebooted); "
+            "`meshkit train` relaunches the job under new ones"
+        )
+    return [
+        replace(
+            row,
+            supervised=True,
+            attempt=record.attempt,
+            restarts_left=record.restarts_left,
+            last_restart_reason=reason,
+            supervisor=state,
+            leader=leader,
+            held=record.held,
+            diagnosis=record.diagnosis,
+        )
+        for row in rows
+    ]
+
+
+def status_with_supervision(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[StatusRow]:
+    """``meshkit status``: each node's row, with a supervised job's record and its leader."""
+    rows = status(pool, job, hosts)
+    if not job.restarts:
+        return rows
+    answers = ask(pool, job, hosts)
+    leader = min(live_ranks(hosts, answers), default=None)
+    record = newest(reply.record for reply in answers.values())
+    return with_supervision(job, rows, record, leader)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """``meshkit stop``: each node's row, and the supervisors that could not be ended (then the
+    job was still stopped)."""
+
+    rows: list[StopRow]
+    supervisor_left: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.supervisor_left and all(row.ok for row in self.rows)
+
+
+def stop_with_supervisors(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Stopped:
+    """``meshkit stop``: end every supervisor first (each would take the stop for a failure),
+    then the job."""
+    left = end_supervisor(pool, job, hosts) if job.restarts else []
+    return Stopped(stop(pool, job, hosts), left)
 
 
 @dataclass(frozen=True)
@@ -348,18 +435,19 @@ def follow(
     while True:
         replies = pool.call_all(
             phase,
-            lambda h: p.LogsRequest(job.log(hosts.index(h)), lines, offsets.get(h)),
+            lambda host: p.LogsRequest(job.log(hosts.index(host)), lines, offsets.get(host)),
             p.LogsReply,
-            [hosts[r] for r in ranks],
+            [hosts[rank] for rank in ranks],
         )
         chunks = []
         for rank in ranks:
-            h, outcome = hosts[rank], replies.get(hosts[rank])
+            host = hosts[rank]
+            outcome = replies.get(host)
             if outcome is None or outcome.value is None:
-                if h not in offsets:
-                    chunks.append(LogChunk(rank, [], unanswered(outcome, h, pool.failures)))
+                if host not in offsets:
+                    chunks.append(LogChunk(rank, [], unanswered(outcome, host, pool.failures)))
                 continue
-            offsets[h] = outcome.value.offset
+            offsets[host] = outcome.value.offset
             chunks.append(LogChunk(rank, outcome.value.lines))
         yield chunks
         phase = ""  # the progress line once, not every poll

@@ -13,17 +13,19 @@ from ..errors import LaunchError, UsageError
 from ..hostfile import Host
 from ..job import Job, parse_duration, parse_restart_on
 from ..outcome import ProgressFn
+from ..protocol import Supervision, SupervisorState
 from ..record import replace
 from ..settings import Config
-from . import doctor, supervise
+from . import doctor
 from .jobs import Launch, env_round, launch
 from .lookup import Options, new_job, restarts_flag, saved
 from .pool import NodePool, connect
+from .supervision import end_supervisor, start_all, write
 from .sync import Facts, sync_workdir, unshared
 
 
 @dataclass(frozen=True)
-class Supervisor:
+class SupervisorPlaces:
     """Where ``train --restarts`` started the job's supervisors."""
 
     tmux_session: str  # on every node
@@ -39,32 +41,35 @@ class TrainResult:
     launch: Launch | None
     lacking: list[str]  # nodes that did not see the workdir (so it was synced)
     doctor: doctor.Report | None = None
-    supervisor: Supervisor | None = None
+    supervisor: SupervisorPlaces | None = None
 
     @property
     def ok(self) -> bool:
         return self.launch is not None and self.launch.ok
 
 
-def plan(conf: Config, o: Options) -> tuple[Job, list[Host]]:
+def plan(conf: Config, options: Options) -> tuple[Job, list[Host]]:
     """The job ``train`` starts: a new one from ``cmd`` and the flags over the configuration, or
     (``cmd`` None) the saved one, keeping its ``--restarts``/``--restart-on``/``--spawn`` unless
     told otherwise. Usage errors first, before anything is read from a node."""
-    count, codes = restarts_flag(o.restarts), parse_restart_on(o.restart_on)
-    stall = None if o.stall_after is None else parse_duration(o.stall_after)
-    job, hosts = (
-        saved(conf, o.hostfile, o.session, o.workdir) if o.cmd is None else new_job(conf, o)
-    )
+    count = restarts_flag(options.restarts)
+    codes = parse_restart_on(options.restart_on)
+    stall = None if options.stall_after is None else parse_duration(options.stall_after)
+    stall_flag = options.restart_on_stall
+    if options.cmd is None:
+        job, hosts = saved(conf, options.hostfile, options.session, options.workdir)
+    else:
+        job, hosts = new_job(conf, options)
     # a flag given overrides the saved job's setting (a new job starts from the defaults)
     job = replace(
         job,
         restarts=job.restarts if count is None else count,
-        restart_on=job.restart_on if o.restart_on is None else codes,
-        spawn=job.spawn or o.spawn,
-        stall_after=job.stall_after if o.stall_after is None else stall,
-        restart_on_stall=job.restart_on_stall if o.restart_on_stall is None else o.restart_on_stall,
+        restart_on=job.restart_on if options.restart_on is None else codes,
+        spawn=job.spawn or options.spawn,
+        stall_after=job.stall_after if options.stall_after is None else stall,
+        restart_on_stall=job.restart_on_stall if stall_flag is None else stall_flag,
     )
-    if o.spawn:
+    if options.spawn:
         check_spawn_cmd(job.cmd)
     if job.restart_on_stall and (not job.restarts or job.stall_after is None):
         raise UsageError("--restart-on-stall needs --restarts N and a --stall-after (not off)")
@@ -72,50 +77,61 @@ def plan(conf: Config, o: Options) -> tuple[Job, list[Host]]:
 
 
 def train(
-    conf: Config, job: Job, hosts: list[Host], o: Options, progress: ProgressFn | None = None
+    conf: Config,
+    job: Job,
+    hosts: list[Host],
+    options: Options,
+    progress: ProgressFn | None = None,
 ) -> TrainResult:
-    """Start (``o.cmd`` given) or relaunch the planned ``job`` on every node, over one connection
-    and agent per node."""
+    """Start (``options.cmd`` given) or relaunch the planned ``job`` on every node, over one
+    connection and agent per node."""
     lacking: list[Host] = []
     facts: Facts | None = None
-    with connect(conf, job.hostfile, hosts, job.python, progress, o.wait) as pool:
-        if o.cmd is not None and not job.sync and not o.dry_run:
+    with connect(conf, job.hostfile, hosts, job.python, progress, options.wait) as pool:
+        if options.cmd is not None and not job.sync and not options.dry_run:
             lacking, facts = unshared(pool, job.workdir, hosts)
-        if o.sync or lacking:
+        if options.sync or lacking:
             job = replace(job, sync=True)
-        if not o.dry_run:
-            left = supervise.end_supervisor(pool, job, hosts)
+        if not options.dry_run:
+            left = end_supervisor(pool, job, hosts)
             if left:
                 raise LaunchError([*left, "train: the old supervisor did not end"])
         copied = None
-        if job.sync and not o.dry_run:
+        if job.sync and not options.dry_run:
             # before the env round: discovery runs in the workdir on every node
             copied = sync_workdir(pool, job, hosts, lacking if facts is not None else None)
         envs = env_round(pool, job)
         report = None
-        if o.doctor:
+        if options.doctor:
             # a copy made since the facts round changed what it saw: the doctor looks again
             reuse = facts if copied is None else None
             report = doctor.quick(pool, job, hosts, envs, reuse)
             if not report.ok:
-                return TrainResult(job, None, [h.label for h in lacking], report)
+                return TrainResult(job, None, [host.label for host in lacking], report)
         launched = launch(
-            pool, job, hosts, replace=o.replace, dry_run=o.dry_run, envs=envs, synced=copied
+            pool,
+            job,
+            hosts,
+            replace=options.replace,
+            dry_run=options.dry_run,
+            envs=envs,
+            synced=copied,
         )
         started = None
         if launched.ok and not launched.dry_run and launched.job.restarts:
             started = start_supervisor(pool, launched.job, hosts)
-    return TrainResult(launched.job, launched, [h.label for h in lacking], report, started)
+    lacking_labels = [host.label for host in lacking]
+    return TrainResult(launched.job, launched, lacking_labels, report, started)
 
 
-def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> Supervisor:
+def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> SupervisorPlaces:
     """A supervisor in tmux on every node, after the first record is on every node."""
-    record = supervise.Record(supervise.RUNNING, 1, job.restarts)
+    record = Supervision(SupervisorState.RUNNING, 1, job.restarts)
     stop = "`meshkit stop` ends the job"
-    if supervise.write(pool, job, hosts, record, 0, every=True) is None:
+    if write(pool, job, hosts, record, 0, every=True) is None:
         what = "its supervision record could not be written on every node"
         raise LaunchError(f"the job started but {what}; {stop}")
-    failed = supervise.start_all(pool, job, hosts)
+    failed = start_all(pool, job, hosts)
     if failed:
         raise LaunchError([*failed, f"the job started but not every node's supervisor did; {stop}"])
-    return Supervisor(job.supervisor_tmux, str(job.home / "supervisor-node{rank}.log"))
+    return SupervisorPlaces(job.supervisor_tmux, job.supervisor_logs)

@@ -193,6 +193,7 @@ def supervise(
     import datetime
 
     from ...ops import supervise as sup
+    from ...protocol import SupervisorState
 
     if log:
         descriptor = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -209,7 +210,7 @@ def supervise(
 
         quiet = functools.partial(connect, conf(), job.hostfile, hosts, job.python, None)
         record = sup.run(quiet, job, hosts, int(rank), say)  # quiet: no progress lines per poll
-    if record.supervisor != sup.DONE:
+    if record.supervisor != SupervisorState.DONE:
         raise Exit(code=1)
 
 
@@ -223,10 +224,10 @@ def status(
 ) -> None:
     """Per node: rank, host, state (running / exited / absent), exit code, start time, last log
     line. Works from any node and any directory (the job is found through the hostfile)."""
-    from ...ops import supervise as sup
-
     with reported():
-        job, rows = lookup.on_saved(conf(), hostfile, session, workdir, sup.status, progress)
+        job, rows = lookup.on_saved(
+            conf(), hostfile, session, workdir, ops.status_with_supervision, progress
+        )
     if json:
         print(jsonlib.dumps([row.as_json() for row in rows]))
     else:
@@ -343,10 +344,10 @@ def stop(
     """End the job on every node: its tmux session and every process it started (torchrun, its
     workers, anything they detached), TERM then KILL; then check on each node that nothing of it
     is left."""
-    from ...ops import supervise as sup
-
     with reported():
-        stopped = lookup.on_saved(conf(), hostfile, session, workdir, sup.stop, progress)[1]
+        stopped = lookup.on_saved(
+            conf(), hostfile, session, workdir, ops.stop_with_supervisors, progress
+        )[1]
     for problem in stopped.supervisor_left:
         print(f"meshkit: {problem}", file=sys.stderr)
     cells = []

@@ -1,0 +1,117 @@
+"""A supervised job's supervisors over the cluster, through the ``supervisor`` op: ask every
+node about its supervisor and its copy of the supervision record, write the record by
+compare-and-set, start a supervisor on every node, end them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+from ..hostfile import Host
+from ..job import Job
+from ..protocol import Supervision, SupervisorReply, SupervisorRequest
+from ..record import replace
+from .pool import NodePool
+
+STALE = 60.0  # a supervisor whose heartbeat is older is gone: longer than any step between two
+# beats (the doctor's quick checks take up to about 35 s, one connection try ops.supervise's
+# RECONNECT)
+
+Answers = dict[Host, SupervisorReply]
+
+
+def ask(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    action: Literal["look", "start", "end"] = "look",
+    record: Supervision | None = None,
+    version: int = 0,
+) -> Answers:
+    """The ``supervisor`` op on ``hosts``: the replies of the nodes that answered."""
+    request = SupervisorRequest(job.id, job.supervisor_tmux, action, record=record, version=version)
+    outcomes = pool.call_all("supervisor", lambda host: request, SupervisorReply, hosts)
+    return {host: outcome.value for host, outcome in outcomes.items() if outcome.value is not None}
+
+
+def alive(reply: SupervisorReply) -> bool:
+    """A supervisor that runs and beat within ``STALE`` s (its own node's clock: no skew)."""
+    if reply.pid is None or reply.beat is None:
+        return False
+    return reply.beat <= STALE
+
+
+def live_ranks(hosts: Sequence[Host], answers: Answers) -> set[int]:
+    """The ranks whose nodes answered with a live supervisor."""
+    return {rank for rank, host in enumerate(hosts) if host in answers and alive(answers[host])}
+
+
+def newest(copies: Iterable[Supervision | None]) -> Supervision | None:
+    """Pure: the newest of the nodes' copies (None: no node has one)."""
+    records = [copy for copy in copies if copy is not None]
+    return max(records, key=lambda record: record.version, default=None)
+
+
+def write(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    record: Supervision,
+    by: int,
+    every: bool = False,
+) -> Supervision | None:
+    """Compare-and-set ``record`` (one version on, written by rank ``by``) on the nodes: the
+    lowest-ranked connected node first (it decides between two writers), then the rest at once.
+    None: a node holds a newer copy (another supervisor moved on), or (``every``) some node did
+    not answer."""
+    new = replace(record, version=record.version + 1, by=by)
+    up = [host for host in hosts if host not in pool.failures]
+    first = ask(pool, job, up[:1], record=new, version=record.version)
+    if not first or not all(reply.written for reply in first.values()):
+        return None
+    answers = first | ask(pool, job, up[1:], record=new, version=record.version)
+    if not all(reply.written for reply in answers.values()):
+        return None
+    if every and len(answers) < len(hosts):
+        return None
+    return new
+
+
+def start_all(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
+    """A supervisor in tmux on every node where none is live (``meshkit supervise``, its output
+    in ``job.supervisor_log(rank)``). Returns the nodes it failed on."""
+
+    def start(host: Host) -> SupervisorRequest:
+        rank = hosts.index(host)
+        argv = [job.python, "-m", "meshkit", "supervise"]
+        argv += ["--hostfile", job.node_hostfile, "--session", job.session]
+        argv += ["--workdir", job.workdir]
+        argv += ["--rank", str(rank), "--log", job.supervisor_log(rank)]
+        return SupervisorRequest(job.id, job.supervisor_tmux, "start", argv)
+
+    outcomes = pool.call_all("supervisor", start, SupervisorReply, hosts)
+    failed = [
+        f"{host.label}: {outcome.error}"
+        for host, outcome in outcomes.items()
+        if outcome.value is None
+    ]
+    unreached = [f"{host.label}: {why}" for host, why in pool.failures.items() if host in hosts]
+    return failed + unreached
+
+
+def end_supervisor(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
+    """End the job's supervisors on every node (and drop their record copies), before the job
+    itself is touched (one would take a stop for a failure and relaunch). Looked at again until
+    a round finds none: a leader ended mid-relaunch may have started one meanwhile. Returns the
+    nodes where one survived."""
+    for _ in range(3):
+        answers = ask(pool, job, hosts, action="end")
+        left = [
+            f"{host.label}: supervisor pid {reply.left} survived"
+            for host, reply in answers.items()
+            if reply.left
+        ]
+        if left or all(reply.pid is None for reply in answers.values()):
+            return left
+    return []

@@ -1,0 +1,150 @@
+"""The supervisor's policy, pure: how one poll's status rows look to it (``views``), what to do
+about them (``decide``), how long to wait before a relaunch (``backoff``), and which supervisor
+leads (``next_step``). The loop around it is ``ops.supervise``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ..protocol import JobState, Supervision, SupervisorState
+from ..record import StrEnum
+from .jobs import StatusRow
+
+MISSES = 2  # consecutive unanswered polls before a node counts as gone (one blip is no failure)
+BACKOFF = 2.0  # seconds before the first relaunch, doubled for each later one
+MAX_BACKOFF = 60.0
+
+
+class Unanswered(StrEnum):
+    """A node's state, as the supervisor sees it, once it did not answer ``MISSES`` polls in a
+    row."""
+
+    UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node as the supervisor sees it in one poll."""
+
+    rank: int
+    host: str
+    state: JobState | Unanswered
+    exit_code: int | None = None
+    started: float | None = None
+
+
+class Action(StrEnum):
+    """What a poll asks for besides ending the supervision (DONE, GAVE_UP)."""
+
+    WAIT = "wait"
+    RESTART = "restart"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action | Literal[SupervisorState.DONE, SupervisorState.GAVE_UP]
+    reason: str | None = None
+
+
+class Step(StrEnum):
+    """What a supervisor does next: END (the supervision is over), FOLLOW another one, WATCH the
+    job as the leader, or RESUME a claimed relaunch."""
+
+    END = "end"
+    FOLLOW = "follow"
+    WATCH = "watch"
+    RESUME = "resume"
+
+
+def restartable(code: int, restart_on: Sequence[int]) -> bool:
+    """Whether ``code`` restarts the job: any non-zero by default, else only the listed codes."""
+    if code == 0:
+        return False
+    return not restart_on or code in restart_on
+
+
+def decide(
+    nodes: Sequence[NodeView],
+    started: dict[int, float],
+    restart_on: Sequence[int],
+    restarts_left: int,
+    stalled: str | None = None,
+) -> Decision:
+    """What to do after one poll. ``started`` is when each node's part of this attempt started
+    (as first seen): a different start time means the node ran something else since (a reboot
+    and someone's relaunch, say). ``stalled``: why the job counts as stalled (--restart-on-stall),
+    a failure like any other."""
+    if nodes and all(node.state == JobState.EXITED and node.exit_code == 0 for node in nodes):
+        return Decision(SupervisorState.DONE, "every node exited 0")
+    problems: list[str] = []
+    fatal: list[str] = []
+    for node in nodes:
+        who = f"node {node.rank} ({node.host})"
+        restarted = False  # its part of this attempt is not the one first seen
+        if node.rank in started and node.started is not None:
+            restarted = node.started != started[node.rank]
+        if node.state == Unanswered.UNREACHABLE:
+            problems.append(f"{who} is not answering")
+        elif node.state == JobState.ABSENT:
+            problems.append(f"{who}: the job is gone there (rebooted, or ended outside meshkit)")
+        elif restarted:
+            problems.append(f"{who}: the job was restarted outside the supervisor")
+        elif node.state == JobState.EXITED and node.exit_code not in (0, None):
+            if restartable(node.exit_code, restart_on):
+                problems.append(f"{who} exited with code {node.exit_code}")
+            else:
+                fatal.append(f"{who} exited with code {node.exit_code} (not in --restart-on)")
+    if stalled and not problems:
+        problems.append(stalled)
+    if fatal:
+        return Decision(SupervisorState.GAVE_UP, "; ".join(fatal + problems))
+    if not problems:
+        return Decision(Action.WAIT)
+    reason = "; ".join(problems)
+    if restarts_left <= 0:
+        return Decision(SupervisorState.GAVE_UP, f"no restarts left; last failure: {reason}")
+    return Decision(Action.RESTART, reason)
+
+
+def backoff(restart_number: int, base: float = BACKOFF, cap: float = MAX_BACKOFF) -> float:
+    """Seconds to wait before relaunch number ``restart_number`` (1, 2, ...)."""
+    return float(min(cap, base * 2 ** max(0, restart_number - 1)))
+
+
+def views(rows: Sequence[StatusRow], misses: dict[int, int]) -> list[NodeView]:
+    """Status rows as the policy sees them: a node that did not answer ``MISSES`` polls in a row
+    is ``unreachable``; before that it is taken to be as it was (``running``)."""
+    seen = []
+    for row in rows:
+        if row.error:
+            misses[row.node_rank] = misses.get(row.node_rank, 0) + 1
+            state: JobState | Unanswered = JobState.RUNNING
+            if misses[row.node_rank] >= MISSES:
+                state = Unanswered.UNREACHABLE
+            seen.append(NodeView(row.node_rank, row.host, state))
+            continue
+        misses.pop(row.node_rank, None)
+        stamp = None
+        if row.started:
+            stamp = datetime.datetime.fromisoformat(row.started).timestamp()
+        seen.append(NodeView(row.node_rank, row.host, row.state, row.exit_code, stamp))
+    return seen
+
+
+def next_step(me: int, live: set[int], record: Supervision | None) -> Step:
+    """What the supervisor of rank ``me`` does, given the ranks whose supervisors are live and
+    the newest record. A claimed relaunch is finished by its claimer while that one lives, else
+    by the leader (the lowest live rank); it is never begun anew."""
+    if record is None or record.supervisor in (SupervisorState.DONE, SupervisorState.GAVE_UP):
+        return Step.END
+    relaunching = record.supervisor == SupervisorState.RELAUNCHING
+    if relaunching and record.by in live:
+        return Step.RESUME if record.by == me else Step.FOLLOW
+    leader = min(live | {me})
+    if leader != me:
+        return Step.FOLLOW
+    return Step.RESUME if relaunching else Step.WATCH
