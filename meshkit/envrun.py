@@ -19,8 +19,7 @@ from .errors import MeshkitError, UsageError
 from .node.files import errors_dir
 from .node.signals import reset_for_exec
 from .record import record
-from .settings import Config, load
-from .settings import whole as whole  # ops.train's too
+from .settings import Config, load, whole
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 if TYPE_CHECKING:

@@ -28,7 +28,8 @@ WHERE = (
     "out = subprocess.run(sys.argv[2:], capture_output=True, text=True, timeout=120)\n"
     "text = (out.stdout.strip() or out.stderr.strip()).replace('\\n', ' | ')\n"
     "name = f\"{socket.gethostname()}.{os.environ['OMPI_COMM_WORLD_RANK']}\"\n"
-    "pathlib.Path(sys.argv[1], name).write_text(f'{socket.gethostname()} {out.returncode} {text}')\n"
+    "line = f'{socket.gethostname()} {out.returncode} {text}'\n"
+    "pathlib.Path(sys.argv[1], name).write_text(line)\n"
 )
 TRAIN = """\
 import pathlib

@@ -121,11 +121,11 @@ def test_bad_configuration_is_a_clear_usage_error(tmp_path, monkeypatch, text, e
 
 
 def test_the_fast_parser_takes_only_what_it_is_sure_of():
-    values, given = fastcli.parse("env", ["--json", "--hostfile=h f", "--node-rank", "2"])
-    assert given == {"json"}
-    assert values["hostfile"] == "h f"
-    assert values["node_rank"] == "2"
-    assert values["session"] is None
+    flags = fastcli.parse("env", ["--json", "--hostfile=h f", "--node-rank", "2"])
+    assert flags.given == {"json"}
+    assert flags.values["hostfile"] == "h f"
+    assert flags.values["node_rank"] == "2"
+    assert flags.values["session"] is None
     for args in (
         ["--host", "h"],  # abbreviated: argparse (allow_abbrev=False) and invoke refuse it
         ["--node_rank", "1"],  # not the flag's spelling

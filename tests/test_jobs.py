@@ -319,7 +319,8 @@ def test_every_op_has_a_handler_and_status_imports_only_what_it_needs():
     code = (
         "import sys, io; from meshkit.node import agent; from meshkit import protocol;"
         "agent.serve(io.StringIO(protocol.encode_request(protocol.JobsRequest())), io.StringIO());"
-        "print(sorted(m for m in sys.modules if m.startswith('meshkit') or m == 'importlib.metadata'))"
+        "print(sorted(m for m in sys.modules"
+        " if m.startswith('meshkit') or m == 'importlib.metadata'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = out.stdout

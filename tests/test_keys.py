@@ -61,7 +61,9 @@ def test_merge_known_hosts_names_hashed_and_conflicts():
     k, other = make_key(seed="host"), make_key(seed="other")
     salt = b"0123456789abcdef0123"
     digest = hmac.new(salt, b"10.0.0.1", hashlib.sha1).digest()
-    hashed = f"|1|{base64.b64encode(salt).decode()}|{base64.b64encode(digest).decode()} {k.kind} {k.blob}\n"
+    salt_text = base64.b64encode(salt).decode()
+    digest_text = base64.b64encode(digest).decode()
+    hashed = f"|1|{salt_text}|{digest_text} {k.kind} {k.blob}\n"
     m = merge_known_hosts(hashed, [(["10.0.0.1", "node1"], k)])
     assert m.added == [f"node1 {k.kind} {k.blob} meshkit"]
     assert not m.conflicts

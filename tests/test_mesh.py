@@ -222,7 +222,7 @@ def test_unknown_host_key_is_refused_with_fingerprint_then_accepted(lay, tmp_pat
 
 
 def test_shared_home_ends_correct(lay):
-    """node1 and node2 share one ~/.ssh (as on NFS homes): both write the same files concurrently."""
+    """node1 and node2 share one ~/.ssh (as on NFS homes): both write the same files at once."""
     shared = lay.node_dir(lay.nodes[1]) / "ssh"
     own = lay.node_dir(lay.nodes[2]) / "ssh"
     shutil.rmtree(own)

@@ -66,12 +66,11 @@ def settings(lay, **kw) -> Settings:
 
 
 def can_log_in(lay, node, key: Path) -> bool:
-    done = subprocess.run(
-        ["ssh", "-F", "/dev/null", "-i", str(key), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
-         "-o", f"UserKnownHostsFile={lay.known_hosts}", "-o", "StrictHostKeyChecking=yes",
-         "-o", "ConnectTimeout=5", f"root@{node.address}", "true"],
-        capture_output=True, timeout=30, check=False,
-    )  # fmt: skip
+    command = ["ssh", "-F", "/dev/null", "-i", str(key), "-o", "IdentitiesOnly=yes"]
+    command += ["-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={lay.known_hosts}"]
+    command += ["-o", "StrictHostKeyChecking=yes", "-o", "ConnectTimeout=5"]
+    command += [f"root@{node.address}", "true"]
+    done = subprocess.run(command, capture_output=True, timeout=30, check=False)
     return done.returncode == 0
 
 
@@ -116,7 +115,8 @@ def test_a_file_sshd_refuses_is_refused_never_repaired(lay, tmp_path, case):
         expect = {
             "mode666": "~/.ssh/authorized_keys is writable by others (owner uid 0, mode 0666)",
             "dir777": "~/.ssh is writable by others (owner uid 0, mode 0777)",
-            "symlink": f"~/.ssh/authorized_keys is a symlink to {other if case == 'symlink' else ''}",
+            "symlink": "~/.ssh/authorized_keys is a symlink to "
+            f"{other if case == 'symlink' else ''}",
         }[case]
         assert expect in dry.stderr
         assert "Traceback" not in dry.stderr

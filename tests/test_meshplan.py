@@ -111,7 +111,8 @@ def test_a_name_two_nodes_claim_is_a_conflict():
     assert kept[a] == [("10.0.0.1", "hostfile")]
     assert kept[b] == [("10.0.0.2", "hostfile")]
     assert notes == [
-        "address 172.17.0.1 is on 2 nodes (a local bridge such as docker0?): recorded for none of them"
+        "address 172.17.0.1 is on 2 nodes (a local bridge such as docker0?): "
+        "recorded for none of them"
     ]
     (still,) = mp.name_conflicts(kept)
     assert "'10.0.0.1' is claimed by 10.0.0.1 (hostfile) and 10.0.0.3 (address)" in still

@@ -28,7 +28,8 @@ def test_verify_script_by_both_names_and_one_failure_per_pair():
     assert [(f.target.host, f.error) for f in failures] == [
         (
             "b",
-            "Permission denied (publickey).; Host key verification failed. (host key by hostname nodeb)",
+            "Permission denied (publickey).; Host key verification failed. "
+            "(host key by hostname nodeb)",
         ),
         ("c", "no result (host key by hostname nodec)"),
     ]

@@ -383,7 +383,7 @@ def rank_of(result_line: str) -> int:
     }
 )
 def demo(context: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: float = 300.0) -> None:
-    """sandbox.up -> mesh -> train the bundled example (torchrun, gloo, a real all_reduce) -> results.
+    """sandbox.up -> mesh -> train the bundled example (torchrun, gloo, an all_reduce) -> results.
 
     Needs root (the sandbox). Leaves the sandbox up to explore; `meshkit sandbox.down` removes it.
     """
