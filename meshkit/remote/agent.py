@@ -78,17 +78,7 @@ class Agent:
         if not raw:
             err = self.channel.makefile_stderr("rb").read(65536).decode(errors="replace")
             raise AgentGone(self.channel.recv_exit_status(), self._explain(err))
-        if not raw.endswith(b"\n"):
-            raise ProtocolError(f"the node agent's reply to {op} exceeds {MAX_LINE} bytes")
-        try:
-            reply = protocol.decode_reply(protocol.op_of(request), raw.decode(errors="replace"))
-        except protocol.NodeFailure as exc:
-            raise _NodeSaid(f"{op} failed on the node: {exc}") from None
-        except protocol.ProtocolViolation as exc:
-            raise ProtocolError(f"malformed reply to {op} from the node agent: {exc}") from None
-        if not isinstance(reply, expect):
-            raise ProtocolError(f"the node agent answered {op} with {type(reply).__name__}")
-        return reply
+        return read_reply(request, raw, expect)
 
     def _explain(self, err: str) -> str:
         """Why the agent is gone, as the fix: mostly a missing interpreter or meshkit."""
@@ -105,6 +95,24 @@ class Agent:
         with contextlib.suppress(Exception):
             self.channel.shutdown_write()
             self.channel.close()
+
+
+def read_reply(request: Request, raw: bytes, expect: type[R]) -> R:
+    """The node agent's reply line to ``request``, checked: anything malformed in it (a field of
+    the wrong type, a number JSON does not allow, a time no clock shows) is the node's
+    ``ProtocolError``; the node's own failure is a ``RemoteError`` that leaves the agent usable."""
+    op = type(request).__name__
+    if not raw.endswith(b"\n"):
+        raise ProtocolError(f"the node agent's reply to {op} exceeds {MAX_LINE} bytes")
+    try:
+        reply = protocol.decode_reply(protocol.op_of(request), raw.decode(errors="replace"))
+    except protocol.NodeFailure as exc:
+        raise _NodeSaid(f"{op} failed on the node: {exc}") from None
+    except protocol.ProtocolViolation as exc:
+        raise ProtocolError(f"malformed reply to {op} from the node agent: {exc}") from None
+    if not isinstance(reply, expect):
+        raise ProtocolError(f"the node agent answered {op} with {type(reply).__name__}")
+    return reply
 
 
 class AgentPool:
