@@ -14,11 +14,12 @@ from typing import TypeVar
 import paramiko
 
 from .. import protocol
-from ..errors import AgentGone, ProtocolError, RemoteError
+from ..errors import AgentGone, MeshkitError, ProtocolError, RemoteError
 from ..hostfile import Host
 from ..outcome import Outcome, ProgressFn
-from ..protocol import MAX_LINE, PutReply, PutRequest, Reply, Request
+from ..protocol import MAX_LINE, PUT_CHUNK, PutReply, PutRequest, Reply, Request
 from .connection import Remote, Settings
+from .describe import describe
 from .group import SshGroup
 
 R = TypeVar("R", bound=Reply)
@@ -54,7 +55,7 @@ class Agent:
             self.broken = exc
             raise
         except RemoteError as exc:
-            if not isinstance(exc, _NodeSaid):
+            if not isinstance(exc, (_NodeSaid, _NotSent)):
                 self.broken = exc  # a timeout: a late reply would answer the next request
             raise
 
@@ -62,11 +63,15 @@ class Agent:
         op = type(request).__name__
         limit = timeout or self.remote.settings.command_timeout
         self.channel.settimeout(limit)
+        try:
+            line = protocol.encode_request(request)
+        except protocol.ProtocolViolation as exc:  # too long, say: the caller's to handle
+            raise _NotSent(f"{op} was not sent to the node agent: {exc}") from None
         raw = b""
         try:
             # sendall, not a buffered stdin file: paramiko's file objects flush again when they
             # are garbage-collected and print a traceback if the agent is already gone.
-            self.channel.sendall(protocol.encode_request(request).encode())
+            self.channel.sendall(line.encode())
             raw = self._out.readline(MAX_LINE + 2)
         except (socket.timeout, TimeoutError):
             raise RemoteError(f"the node agent did not answer {op} within {limit:.0f}s") from None
@@ -204,12 +209,33 @@ class AgentPool:
 
     def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
         """Write a file on ``host`` through its agent (parents created, a temporary beside it,
-        then renamed): no SFTP subsystem, which would start the user's shell once more."""
+        then renamed): no SFTP subsystem, which would start the user's shell once more. It goes
+        in ``PUT_CHUNK`` pieces, so a line never exceeds the protocol's limit whatever its size,
+        and only one piece is encoded at a time."""
         remote = self.group.remotes.get(host)
         if remote is None:
             raise RemoteError(f"{host.label}: not connected: {self.failures.get(host, '?')}")
-        data = base64.b64encode(text.encode()).decode()
-        self._agent(remote).call(PutRequest(path, data, 0, True, mode, time.time()), PutReply)
+        try:
+            self._put(remote, path, text.encode(), mode)
+        except MeshkitError:
+            raise
+        except Exception as exc:  # the link or the agent failed: a node's outcome, as in call_all
+            why = describe(exc, host, self.settings)
+            raise RemoteError(f"{host.label}: writing {path}: {why}") from None
+
+    def _put(self, remote: Remote, path: str, data: bytes, mode: int) -> None:
+        agent = self._agent(remote)
+        whole = memoryview(data)
+        stamp = time.time()
+        offset = 0
+        while True:
+            piece = whole[offset : offset + PUT_CHUNK]
+            last = offset + len(piece) >= len(whole)
+            encoded = base64.b64encode(piece).decode()
+            agent.call(PutRequest(path, encoded, offset, last, mode, stamp), PutReply)
+            if last:
+                return
+            offset += len(piece)
 
     def _agent(self, remote: Remote) -> Agent:
         agent = self._agents.get(remote.host)
@@ -221,6 +247,10 @@ class AgentPool:
 
 class _NodeSaid(RemoteError):
     """The agent answered that the request failed on the node; the agent itself is fine."""
+
+
+class _NotSent(RemoteError):
+    """The request could not be encoded (too long, say): nothing was sent, the agent is fine."""
 
 
 class _Skipped(Exception):
