@@ -90,6 +90,7 @@ def test_one_missed_poll_is_not_a_failure():
 
 def test_backoff_doubles_and_is_capped():
     assert [backoff(k, 2.0, 10.0) for k in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
+    assert backoff(10**100, 2.0, 10.0) == 10.0  # a damaged record's attempt: no overflow
 
 
 def test_the_record_round_trips_through_the_protocol_and_a_nodes_copy():
