@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 VERSION = 2
 MAX_LINE = 1 << 20  # bytes in one request or reply line
 MAX_LOG_BYTES = 256 * 1024  # log bytes one `logs` reply carries
-PUT_CHUNK = 512 * 1024  # raw bytes one `put` carries (base64 keeps its line well under MAX_LINE)
+PUT_CHUNK = 512 * 1024  # raw bytes one `put` carries (base64: well under MAX_LINE)
 
 
 ProtocolViolation = Invalid  # a line that is not a well-formed request or reply

@@ -44,11 +44,12 @@ __all__ = [
     "split",
 ]
 
-# A field annotated ``WallTime`` is a wall-clock time (seconds since 1970): a float that ``build``
-# also holds to the range ``datetime`` can show, so a reader never fails on a time it was sent.
+# A field annotated ``WallTime`` is a wall-clock time (seconds since 1970): a float that
+# ``build`` also holds to the range ``datetime`` can show, so no reader fails on a time it was
+# sent. The last day is 9999-12-31 UTC: datetime's last year, a day short for time zones.
 WallTime = float
 EARLIEST_TIME = 0.0
-LATEST_TIME = 253_402_214_400.0  # 9999-12-31 UTC: datetime's last year, a day short for time zones
+LATEST_TIME = 253_402_214_400.0
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(field,))
@@ -117,9 +118,10 @@ def _fields_of(cls: type) -> tuple[tuple[Field[object], _Shape], ...]:
 
 
 def _shape(text: str, names: dict[str, object]) -> _Shape:
-    """The shape of an annotation string: ``list[int]``, ``tuple[str, ...]``, ``WallTime | None``,
+    """The shape of an annotation string: ``list[int]``, ``tuple[str, ...]``, ``str | None``,
     ``dict[str, str]``, ``Literal['a', 'b']``, or a record class or string enum of the module
-    that uses it. The tree's records use nothing else (a test parses them all)."""
+    that uses it, or ``WallTime``. The tree's records use nothing else (a test parses them
+    all)."""
     options = split(text, "|")
     if len(options) > 1:
         return _Shape("union", tuple(_shape(option, names) for option in options))
@@ -205,7 +207,8 @@ def _check(shape: _Shape, value: object, where: str) -> object:
             if not math.isfinite(number):
                 raise Invalid(f"{where}: {number!r} is not a finite number")
             if tag == "time" and not EARLIEST_TIME <= number <= LATEST_TIME:
-                raise Invalid(f"{where}: {number!r} is not a time (seconds from 1970 to year 9999)")
+                why = "is not a time (seconds from 1970 to year 9999)"
+                raise Invalid(f"{where}: {number!r} {why}")
             return number
     elif tag == "int":
         if isinstance(value, int) and not isinstance(value, bool):

@@ -29,7 +29,7 @@ class DamagedState(Exception):
 
 
 def _read_number(path: str) -> float | None:
-    """A finite number a state file holds (None: no file, or unreadable: not such a number)."""
+    """The finite number a state file holds (None: no file, or not such a number)."""
     try:
         number = float((files.read_text(path, 64) or "").strip())
     except ValueError:
@@ -79,8 +79,8 @@ def jobs(request: protocol.JobsRequest) -> protocol.JobsReply:
 
 
 def started_at(job_id: str) -> float | None:
-    """When the keeper started the job's current attempt (by this node's clock); None before it
-    has written it. A file that holds no such time is ``DamagedState``."""
+    """When the keeper started the job's current attempt (by this node's clock); None before
+    it has written it. A file that holds no such time is ``DamagedState``."""
     path = files.started_file(files.job_dir(job_id))
     started = _read_number(path)
     if started is not None and EARLIEST_TIME <= started <= LATEST_TIME:

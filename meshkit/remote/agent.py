@@ -103,9 +103,9 @@ class Agent:
 
 
 def read_reply(request: Request, raw: bytes, expect: type[R]) -> R:
-    """The node agent's reply line to ``request``, checked: anything malformed in it (a field of
-    the wrong type, a number JSON does not allow, a time no clock shows) is the node's
-    ``ProtocolError``; the node's own failure is a ``RemoteError`` that leaves the agent usable."""
+    """The node agent's reply line to ``request``, checked: anything malformed in it (a field
+    of the wrong type, a number JSON does not allow, a time no clock shows) is the node's
+    ``ProtocolError``; the node's own failure is a ``RemoteError``, the agent still usable."""
     op = type(request).__name__
     if not raw.endswith(b"\n"):
         raise ProtocolError(f"the node agent's reply to {op} exceeds {MAX_LINE} bytes")
@@ -209,9 +209,9 @@ class AgentPool:
 
     def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
         """Write a file on ``host`` through its agent (parents created, a temporary beside it,
-        then renamed): no SFTP subsystem, which would start the user's shell once more. It goes
-        in ``PUT_CHUNK`` pieces, so a line never exceeds the protocol's limit whatever its size,
-        and only one piece is encoded at a time."""
+        then renamed): no SFTP subsystem, which would start the user's shell once more. It
+        goes in ``PUT_CHUNK`` pieces, so no line exceeds the protocol's limit whatever the
+        size, and only one piece is encoded at a time."""
         remote = self.group.remotes.get(host)
         if remote is None:
             raise RemoteError(f"{host.label}: not connected: {self.failures.get(host, '?')}")
@@ -219,7 +219,7 @@ class AgentPool:
             self._put(remote, path, text.encode(), mode)
         except MeshkitError:
             raise
-        except Exception as exc:  # the link or the agent failed: a node's outcome, as in call_all
+        except Exception as exc:  # the link or the agent failed: the node's outcome
             why = describe(exc, host, self.settings)
             raise RemoteError(f"{host.label}: writing {path}: {why}") from None
 
@@ -250,7 +250,8 @@ class _NodeSaid(RemoteError):
 
 
 class _NotSent(RemoteError):
-    """The request could not be encoded (too long, say): nothing was sent, the agent is fine."""
+    """The request could not be encoded (too long, say): nothing went out; the agent is
+    fine."""
 
 
 class _Skipped(Exception):

@@ -21,8 +21,8 @@ def env_ok(rank: int, port: int = 25000, master: str = "10.0.0.1") -> p.EnvReply
 
 
 class FakePool:
-    """Each node answers from ``replies[op][host]`` (a Reply, an exception to raise, or the raw
-    reply line a node sent, newline left out, read as the real agent client reads it)."""
+    """Each node answers from ``replies[op][host]``: a Reply, an exception to raise, or the
+    raw reply line a node sent (newline left out), read as the real agent client reads it."""
 
     def __init__(self, replies: dict[str, dict[Host, object]], failures=None) -> None:
         self.replies = replies
