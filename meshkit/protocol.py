@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from .record import Invalid, StrEnum, asdict, build, field, record
+from .record import Invalid, StrEnum, WallTime, asdict, build, field, record
 
 TYPE_CHECKING = False  # no runtime `typing`: every agent imports this module (see record.py)
 if TYPE_CHECKING:
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 VERSION = 2
 MAX_LINE = 1 << 20  # bytes in one request or reply line
 MAX_LOG_BYTES = 256 * 1024  # log bytes one `logs` reply carries
+PUT_CHUNK = 512 * 1024  # raw bytes one `put` carries (base64: well under MAX_LINE)
 
 
 ProtocolViolation = Invalid  # a line that is not a well-formed request or reply
@@ -171,7 +172,7 @@ class StatusRequest(Request):
 class StatusReply(Reply):
     state: JobState
     exit_code: int | None
-    started: float | None
+    started: WallTime | None
     last_line: str | None
     idle: float | None = None  # seconds since the log was last written (the node's own clock)
 
@@ -225,7 +226,7 @@ class FactsReply(Reply):
     cuda: str | None
     nccl: str | None
     gpus: int
-    clock: float  # time.time() on the node when it answered
+    clock: WallTime  # time.time() on the node when it answered
     writable: str | None  # None: the workdir is writable; else why not
     marker: str  # "written" | "seen" | why not (the marker is how "is the workdir shared" is told)
 
@@ -369,7 +370,7 @@ class RankError:
 
     rank: int
     node_rank: int | None  # the node the rank ran on (shared storage: every node sees every file)
-    time: float
+    time: WallTime
     error: str  # the exception's last line
     traceback: list[str]
 
@@ -531,7 +532,10 @@ class NodeFailure(Exception):
 
 
 def _line(data: dict[str, object]) -> str:
-    text = json.dumps(data, separators=(",", ":"))
+    try:
+        text = json.dumps(data, separators=(",", ":"), allow_nan=False)
+    except ValueError as exc:  # NaN or infinity: not JSON, and no reader would take it
+        raise ProtocolViolation(f"message not sent: {exc}") from None
     if len(text.encode()) > MAX_LINE:
         raise ProtocolViolation(f"message of {len(text)} bytes exceeds {MAX_LINE}")
     return text + "\n"
@@ -541,9 +545,14 @@ def _load(line: str) -> dict[str, Any]:
     if len(line.encode()) > MAX_LINE + 1:
         raise ProtocolViolation(f"line longer than {MAX_LINE} bytes")
     try:
-        data = json.loads(line)
+        data = json.loads(line, parse_constant=_no_constant)
     except ValueError as exc:
         raise ProtocolViolation(f"not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ProtocolViolation("not a JSON object")
     return data
+
+
+def _no_constant(name: str) -> object:
+    """JSON has no NaN or infinity (Python's json writes them unless told not to): refused."""
+    raise ProtocolViolation(f"{name} is not a number JSON allows")

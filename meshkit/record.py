@@ -9,6 +9,7 @@ interpreter is small against one parallel step on real machines.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import (
     MISSING,
     Field,
@@ -31,7 +32,24 @@ else:
         return lambda function: function
 
 
-__all__ = ["Invalid", "StrEnum", "asdict", "build", "field", "fields", "replace", "split"]
+__all__ = [
+    "Invalid",
+    "StrEnum",
+    "WallTime",
+    "asdict",
+    "build",
+    "field",
+    "fields",
+    "replace",
+    "split",
+]
+
+# A field annotated ``WallTime`` is a wall-clock time (seconds since 1970): a float that
+# ``build`` also holds to the range ``datetime`` can show, so no reader fails on a time it was
+# sent. The last day is 9999-12-31 UTC: datetime's last year, a day short for time zones.
+WallTime = float
+EARLIEST_TIME = 0.0
+LATEST_TIME = 253_402_214_400.0
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(field,))
@@ -74,7 +92,8 @@ def build(cls: type[T], data: object, where: str) -> T:
 class _Shape:
     """An annotation, parsed once. ``tag``: a scalar type's name, ``list``, ``tuple``, ``dict``,
     ``literal`` (its strings in ``values``), ``enum`` (the class in ``cls``, its members'
-    strings in ``values``), ``union`` or ``record`` (the class in ``cls``)."""
+    strings in ``values``), ``union``, ``record`` (the class in ``cls``) or ``time`` (a
+    ``WallTime``)."""
 
     tag: str
     args: tuple[_Shape, ...] = ()
@@ -101,7 +120,8 @@ def _fields_of(cls: type) -> tuple[tuple[Field[object], _Shape], ...]:
 def _shape(text: str, names: dict[str, object]) -> _Shape:
     """The shape of an annotation string: ``list[int]``, ``tuple[str, ...]``, ``str | None``,
     ``dict[str, str]``, ``Literal['a', 'b']``, or a record class or string enum of the module
-    that uses it. The tree's records use nothing else (a test parses them all)."""
+    that uses it, or ``WallTime``. The tree's records use nothing else (a test parses them
+    all)."""
     options = split(text, "|")
     if len(options) > 1:
         return _Shape("union", tuple(_shape(option, names) for option in options))
@@ -118,6 +138,8 @@ def _shape(text: str, names: dict[str, object]) -> _Shape:
             return _Shape(head, args)
     elif text in _SCALARS:
         return _Shape(text)
+    elif text == "WallTime":
+        return _Shape("time")
     else:
         found = names.get(text)
         if isinstance(found, type) and issubclass(found, StrEnum):
@@ -144,11 +166,15 @@ def split(text: str, sep: str) -> list[str]:
 def _check(shape: _Shape, value: object, where: str) -> object:
     tag = shape.tag
     if tag == "union":
+        number_refused = None  # a number's own reason (not finite, not a time) says more
         for option in shape.args:
             try:
                 return _check(option, value, where)
-            except Invalid:
-                continue
+            except Invalid as exc:
+                if option.tag in ("float", "time") and isinstance(value, (int, float)):
+                    number_refused = exc
+        if number_refused is not None and not isinstance(value, bool):
+            raise number_refused
         raise Invalid(f"{where}: unexpected {type(value).__name__}")
     if tag == "None":
         if value is None:
@@ -172,9 +198,18 @@ def _check(shape: _Shape, value: object, where: str) -> object:
         if isinstance(value, str) and value in shape.values:
             return value if shape.cls is None else shape.cls(value)
         raise Invalid(f"{where}: {str(value)[:40]!r} is not one of {', '.join(shape.values)}")
-    elif tag == "float":
+    elif tag in ("float", "time"):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int of hundreds of digits
+                number = math.inf
+            if not math.isfinite(number):
+                raise Invalid(f"{where}: {number!r} is not a finite number")
+            if tag == "time" and not EARLIEST_TIME <= number <= LATEST_TIME:
+                why = "is not a time (seconds from 1970 to year 9999)"
+                raise Invalid(f"{where}: {number!r} {why}")
+            return number
     elif tag == "int":
         if isinstance(value, int) and not isinstance(value, bool):
             return value

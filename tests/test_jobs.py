@@ -167,6 +167,34 @@ def test_agent_answers_and_survives_bad_requests(tmp_path):
     assert got[-1]["ok"]  # still serving after all of that
 
 
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e300", "-1e12", "NaN\n"])
+def test_a_started_file_holding_no_time_is_the_nodes_problem_never_sent(
+    text, tmp_path, monkeypatch
+):
+    """``float()`` reads "nan" and "inf": a state file holding them is unreadable, and a started
+    file holding no time is reported as damaged (naming the file), rather than sent on."""
+    monkeypatch.setattr(files, "jobs_root", lambda: str(tmp_path))
+    job_id = "ab" * 8
+    directory = Path(files.job_dir(job_id))
+    directory.mkdir()
+    assert node_jobs.started_at(job_id) is None  # not written yet
+    Path(files.started_file(str(directory))).write_text(text)
+    with pytest.raises(node_jobs.DamagedState, match=f"{directory}/started holds .*, not a time"):
+        node_jobs.started_at(job_id)
+    Path(files.started_file(str(directory))).write_text("1700000000.125\n")
+    assert node_jobs.started_at(job_id) == 1700000000.125
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf"])
+def test_an_exit_file_holding_nan_or_inf_reads_as_unreadable(text, tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "jobs_root", lambda: str(tmp_path))
+    job_id = "ab" * 8
+    directory = Path(files.job_dir(job_id))
+    directory.mkdir()
+    Path(files.exit_file(str(directory))).write_text(text)  # int() of it would raise
+    assert node_jobs.job_state(job_id) == (protocol.JobState.ABSENT, None)
+
+
 # ---- the keeper and stop, with real processes under a private tmux server ---------------------
 
 

@@ -1,6 +1,7 @@
 """meshkit.record: every record annotation parses, and bytes from a node are checked field by
 field."""
 
+import dataclasses
 import json
 
 import pytest
@@ -47,3 +48,60 @@ def test_a_state_is_checked_against_its_enum_and_read_as_its_member() -> None:
         protocol.decode_request(line)
     with pytest.raises(protocol.ProtocolViolation, match="not one of running, relaunching"):
         record.build(protocol.Supervision, shown_only, "record")
+
+
+def status_line(started: str) -> str:
+    """A status reply as a node would send it, ``started`` spliced in as raw JSON text."""
+    fields = f'"state":"running","exit_code":null,"started":{started},"last_line":null'
+    return '{"ok":true,"result":{' + fields + "}}"
+
+
+@pytest.mark.parametrize(
+    ("started", "why"),
+    [
+        ("NaN", "not JSON: NaN is not a number JSON allows"),
+        ("Infinity", "not JSON: Infinity is not a number JSON allows"),
+        ("-Infinity", "not JSON: -Infinity is not a number JSON allows"),
+        ("1e400", r"result\.started: inf is not a finite number"),  # json reads it as inf
+        ("1" + "0" * 400, r"result\.started: inf is not a finite number"),
+        ("1e300", r"result\.started: 1e\+300 is not a time"),
+        ("-1e12", r"result\.started: -1000000000000.0 is not a time"),
+        ("253402300800", r"result\.started: 253402300800.0 is not a time"),  # year 10000
+    ],
+)
+def test_a_number_no_reader_could_use_is_a_protocol_violation(started: str, why: str) -> None:
+    with pytest.raises(protocol.ProtocolViolation, match=why):
+        protocol.decode_reply("status", status_line(started))
+
+
+def test_every_wall_clock_field_is_held_to_times_and_any_float_to_finite_numbers() -> None:
+    reply = protocol.decode_reply("status", status_line("1700000000.5"))
+    assert isinstance(reply, protocol.StatusReply)
+    assert reply.started == 1700000000.5
+    assert protocol.decode_reply("status", status_line("0")).started == 0.0
+    assert wall_clock_fields() == {"StatusReply.started", "FactsReply.clock", "RankError.time"}
+    error = {"rank": 0, "node_rank": 0, "time": -5, "error": "x", "traceback": []}
+    with pytest.raises(record.Invalid, match=r"errors\[\]\.time: -5.0 is not a time"):
+        record.build(protocol.RankError, error, "errors[]")
+    idle = json.loads(status_line("null"))
+    idle["result"]["idle"] = 1e300  # a duration: any finite number (the node's own clock)
+    assert protocol.decode_reply("status", json.dumps(idle)).idle == 1e300
+
+
+def wall_clock_fields() -> set[str]:
+    """Every protocol field checked as a wall-clock time."""
+    found = set()
+    for cls in vars(protocol).values():
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            continue
+        for each, shape in record._fields_of(cls):
+            options = shape.args if shape.tag == "union" else (shape,)
+            if any(option.tag == "time" for option in options):
+                found.add(f"{cls.__name__}.{each.name}")
+    return found
+
+
+def test_a_node_never_sends_what_json_does_not_allow() -> None:
+    reply = protocol.StatusReply(protocol.JobState.RUNNING, None, None, None, float("nan"))
+    with pytest.raises(protocol.ProtocolViolation, match="message not sent: Out of range float"):
+        protocol.encode_reply(reply)

@@ -90,6 +90,7 @@ def test_one_missed_poll_is_not_a_failure():
 
 def test_backoff_doubles_and_is_capped():
     assert [backoff(k, 2.0, 10.0) for k in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
+    assert backoff(10**100, 2.0, 10.0) == 10.0  # a damaged record's attempt: no overflow
 
 
 def test_the_record_round_trips_through_the_protocol_and_a_nodes_copy():
@@ -235,6 +236,45 @@ def test_loop_gives_up_when_restarts_run_out_keeping_exit_codes():
     stops = [r for op, _, r in pool.calls if op == "stop"]
     assert len(stops) == 3
     assert not any(r.keep_exit for r in stops)  # only the restart's stop
+
+
+def sent_started(started: str) -> str:
+    """A running node's status reply line with ``started`` as the raw JSON text it sent."""
+    fields = f'"state":"running","exit_code":null,"started":{started},"last_line":null'
+    return '{"ok":true,"result":{' + fields + "}}"
+
+
+def test_a_node_replying_a_time_no_clock_shows_is_a_node_that_did_not_answer():
+    """A status reply whose ``started`` is NaN (or 1e300) is that node's protocol error: the
+    leader takes it as a missed poll, as from a node that did not answer (one is no failure),
+    and goes on watching; it does not end with a traceback."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    bad = sent_started("NaN")
+    far = sent_started("1e300")
+    running = [st("running")] * 3
+    ok = [st("exited", 0, 2.0)] * 3
+    polls = [running, [st("running"), bad, st("running")], running, [far, *running[1:]], ok]
+    final, launched, _ = run(job, polls)
+    assert launched == []
+    assert (final.supervisor, final.attempt) == (SupervisorState.DONE, 1)
+    rows = ops.status(
+        FakePool(healthy(status=dict(zip(HOSTS, [st("running"), bad, far])))), job, HOSTS
+    )
+    assert [row.error is None for row in rows] == [True, False, False]
+    assert "result.started" not in rows[1].error  # NaN is no JSON at all
+    assert "not a number JSON allows" in rows[1].error
+    assert "result.started: 1e+300 is not a time" in rows[2].error
+
+
+def test_a_node_replying_bad_times_twice_in_a_row_is_gone_and_the_job_restarts():
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    bad = sent_started("-1e12")
+    running = [st("running")] * 3
+    ok = [st("exited", 0, 2.0)] * 3
+    polls = [running, [st("running"), bad, st("running")], [st("running"), bad, st("running")]]
+    final, launched, _ = run(job, [*polls, ok])
+    assert launched == [2]
+    assert final.last_restart_reason == "node 1 (10.0.0.2) is not answering"
 
 
 class Died(Exception):

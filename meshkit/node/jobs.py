@@ -11,23 +11,32 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
 
 from .. import protocol
-from ..record import asdict
+from ..record import EARLIEST_TIME, LATEST_TIME, asdict
 from . import files, procs, tmux
 
 KEEPER_START_TIMEOUT = 10.0  # the keeper writes its pid file within this after tmux starts it
 
 
+class DamagedState(Exception):
+    """A job's state file is there but does not hold what it should (another writer, a full
+    disk): the node says so, rather than send what it read."""
+
+
 def _read_number(path: str) -> float | None:
-    """A number a state file holds (None: none, or not a number)."""
+    """The finite number a state file holds (None: no file, or not such a number)."""
     try:
-        return float((files.read_text(path, 64) or "").strip())
+        number = float((files.read_text(path, 64) or "").strip())
     except ValueError:
         return None
+    if not math.isfinite(number):  # float() reads "nan" and "inf", which no time or code is
+        return None
+    return number
 
 
 def keeper_pid(job_id: str) -> int | None:
@@ -70,8 +79,19 @@ def jobs(request: protocol.JobsRequest) -> protocol.JobsReply:
 
 
 def started_at(job_id: str) -> float | None:
-    """When the keeper started the job's current attempt (by this node's clock)."""
-    return _read_number(files.started_file(files.job_dir(job_id)))
+    """When the keeper started the job's current attempt (by this node's clock); None before
+    it has written it. A file that holds no such time is ``DamagedState``."""
+    path = files.started_file(files.job_dir(job_id))
+    started = _read_number(path)
+    if started is not None and EARLIEST_TIME <= started <= LATEST_TIME:
+        return started
+    text = files.read_text(path, 64)
+    if text is None:
+        return None
+    raise DamagedState(
+        f"the job's state file {path} holds {text.strip()[:40]!r}, not a time: "
+        "stop the job (meshkit stop) and start it again"
+    )
 
 
 def job_state(job_id: str) -> tuple[protocol.JobState, int | None]:

@@ -112,7 +112,10 @@ def decide(
 
 def backoff(restart_number: int, base: float = BACKOFF, cap: float = MAX_BACKOFF) -> float:
     """Seconds to wait before relaunch number ``restart_number`` (1, 2, ...)."""
-    return float(min(cap, base * 2 ** max(0, restart_number - 1)))
+    # The cap is reached long before 64 doublings; bounding them keeps an absurd attempt
+    # number (a damaged record copy) from overflowing the float.
+    doublings = min(max(0, restart_number - 1), 64)
+    return float(min(cap, base * 2**doublings))
 
 
 def views(rows: Sequence[StatusRow], misses: dict[int, int]) -> list[NodeView]:

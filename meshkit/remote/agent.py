@@ -14,11 +14,12 @@ from typing import TypeVar
 import paramiko
 
 from .. import protocol
-from ..errors import AgentGone, ProtocolError, RemoteError
+from ..errors import AgentGone, MeshkitError, ProtocolError, RemoteError
 from ..hostfile import Host
 from ..outcome import Outcome, ProgressFn
-from ..protocol import MAX_LINE, PutReply, PutRequest, Reply, Request
+from ..protocol import MAX_LINE, PUT_CHUNK, PutReply, PutRequest, Reply, Request
 from .connection import Remote, Settings
+from .describe import describe
 from .group import SshGroup
 
 R = TypeVar("R", bound=Reply)
@@ -54,7 +55,7 @@ class Agent:
             self.broken = exc
             raise
         except RemoteError as exc:
-            if not isinstance(exc, _NodeSaid):
+            if not isinstance(exc, (_NodeSaid, _NotSent)):
                 self.broken = exc  # a timeout: a late reply would answer the next request
             raise
 
@@ -62,11 +63,15 @@ class Agent:
         op = type(request).__name__
         limit = timeout or self.remote.settings.command_timeout
         self.channel.settimeout(limit)
+        try:
+            line = protocol.encode_request(request)
+        except protocol.ProtocolViolation as exc:  # too long, say: the caller's to handle
+            raise _NotSent(f"{op} was not sent to the node agent: {exc}") from None
         raw = b""
         try:
             # sendall, not a buffered stdin file: paramiko's file objects flush again when they
             # are garbage-collected and print a traceback if the agent is already gone.
-            self.channel.sendall(protocol.encode_request(request).encode())
+            self.channel.sendall(line.encode())
             raw = self._out.readline(MAX_LINE + 2)
         except (socket.timeout, TimeoutError):
             raise RemoteError(f"the node agent did not answer {op} within {limit:.0f}s") from None
@@ -78,17 +83,7 @@ class Agent:
         if not raw:
             err = self.channel.makefile_stderr("rb").read(65536).decode(errors="replace")
             raise AgentGone(self.channel.recv_exit_status(), self._explain(err))
-        if not raw.endswith(b"\n"):
-            raise ProtocolError(f"the node agent's reply to {op} exceeds {MAX_LINE} bytes")
-        try:
-            reply = protocol.decode_reply(protocol.op_of(request), raw.decode(errors="replace"))
-        except protocol.NodeFailure as exc:
-            raise _NodeSaid(f"{op} failed on the node: {exc}") from None
-        except protocol.ProtocolViolation as exc:
-            raise ProtocolError(f"malformed reply to {op} from the node agent: {exc}") from None
-        if not isinstance(reply, expect):
-            raise ProtocolError(f"the node agent answered {op} with {type(reply).__name__}")
-        return reply
+        return read_reply(request, raw, expect)
 
     def _explain(self, err: str) -> str:
         """Why the agent is gone, as the fix: mostly a missing interpreter or meshkit."""
@@ -105,6 +100,24 @@ class Agent:
         with contextlib.suppress(Exception):
             self.channel.shutdown_write()
             self.channel.close()
+
+
+def read_reply(request: Request, raw: bytes, expect: type[R]) -> R:
+    """The node agent's reply line to ``request``, checked: anything malformed in it (a field
+    of the wrong type, a number JSON does not allow, a time no clock shows) is the node's
+    ``ProtocolError``; the node's own failure is a ``RemoteError``, the agent still usable."""
+    op = type(request).__name__
+    if not raw.endswith(b"\n"):
+        raise ProtocolError(f"the node agent's reply to {op} exceeds {MAX_LINE} bytes")
+    try:
+        reply = protocol.decode_reply(protocol.op_of(request), raw.decode(errors="replace"))
+    except protocol.NodeFailure as exc:
+        raise _NodeSaid(f"{op} failed on the node: {exc}") from None
+    except protocol.ProtocolViolation as exc:
+        raise ProtocolError(f"malformed reply to {op} from the node agent: {exc}") from None
+    if not isinstance(reply, expect):
+        raise ProtocolError(f"the node agent answered {op} with {type(reply).__name__}")
+    return reply
 
 
 class AgentPool:
@@ -196,12 +209,33 @@ class AgentPool:
 
     def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
         """Write a file on ``host`` through its agent (parents created, a temporary beside it,
-        then renamed): no SFTP subsystem, which would start the user's shell once more."""
+        then renamed): no SFTP subsystem, which would start the user's shell once more. It
+        goes in ``PUT_CHUNK`` pieces, so no line exceeds the protocol's limit whatever the
+        size, and only one piece is encoded at a time."""
         remote = self.group.remotes.get(host)
         if remote is None:
             raise RemoteError(f"{host.label}: not connected: {self.failures.get(host, '?')}")
-        data = base64.b64encode(text.encode()).decode()
-        self._agent(remote).call(PutRequest(path, data, 0, True, mode, time.time()), PutReply)
+        try:
+            self._put(remote, path, text.encode(), mode)
+        except MeshkitError:
+            raise
+        except Exception as exc:  # the link or the agent failed: the node's outcome
+            why = describe(exc, host, self.settings)
+            raise RemoteError(f"{host.label}: writing {path}: {why}") from None
+
+    def _put(self, remote: Remote, path: str, data: bytes, mode: int) -> None:
+        agent = self._agent(remote)
+        whole = memoryview(data)
+        stamp = time.time()
+        offset = 0
+        while True:
+            piece = whole[offset : offset + PUT_CHUNK]
+            last = offset + len(piece) >= len(whole)
+            encoded = base64.b64encode(piece).decode()
+            agent.call(PutRequest(path, encoded, offset, last, mode, stamp), PutReply)
+            if last:
+                return
+            offset += len(piece)
 
     def _agent(self, remote: Remote) -> Agent:
         agent = self._agents.get(remote.host)
@@ -213,6 +247,11 @@ class AgentPool:
 
 class _NodeSaid(RemoteError):
     """The agent answered that the request failed on the node; the agent itself is fine."""
+
+
+class _NotSent(RemoteError):
+    """The request could not be encoded (too long, say): nothing went out; the agent is
+    fine."""
 
 
 class _Skipped(Exception):

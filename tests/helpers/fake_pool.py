@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from meshkit import protocol as p
+from meshkit.errors import MeshkitError
 from meshkit.hostfile import Host
 from meshkit.outcome import Outcome
+from meshkit.remote.agent import read_reply
 
 HOSTS = [Host("10.0.0.1", lineno=1), Host("10.0.0.2", lineno=2), Host("10.0.0.3", lineno=3)]
 
@@ -19,7 +21,8 @@ def env_ok(rank: int, port: int = 25000, master: str = "10.0.0.1") -> p.EnvReply
 
 
 class FakePool:
-    """Each node answers from ``replies[op][host]`` (a Reply, or an exception to raise)."""
+    """Each node answers from ``replies[op][host]``: a Reply, an exception to raise, or the
+    raw reply line a node sent (newline left out), read as the real agent client reads it."""
 
     def __init__(self, replies: dict[str, dict[Host, object]], failures=None) -> None:
         self.replies = replies
@@ -45,6 +48,11 @@ class FakePool:
             op = p.op_of(request)
             self.calls.append((op, host, request))
             answer = self.replies.get(op, {}).get(host)
+            if isinstance(answer, str):
+                try:
+                    answer = read_reply(request, f"{answer}\n".encode(), expect)
+                except MeshkitError as exc:
+                    answer = exc
             if isinstance(answer, Exception):
                 out[host] = Outcome(exc=answer, error=str(answer))
             else:
