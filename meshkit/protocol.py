@@ -234,12 +234,15 @@ class FactsReply(Reply):
 class ListenRequest(Request):
     """A short-lived TCP listener: on ``ifname``'s IPv4 address (None: every address) and
     ``port`` (0: any free one); it closes by itself after ``seconds``. ``bandwidth``: it serves
-    throughput tests (``doctor_bandwidth``) instead of only accepting."""
+    throughput tests (``doctor_bandwidth``) instead of only accepting, on ``addresses`` (the
+    tested ones; never every address), to peers that present ``token`` first."""
 
     ifname: str | None
     port: int
     seconds: float
     bandwidth: bool = False
+    addresses: list[str] = field(default_factory=list)
+    token: str = ""
 
 
 @record
@@ -320,6 +323,7 @@ class BandwidthRequest(Request):
     seconds: float
     max_bytes: int
     repeats: int
+    token: str = ""  # the round's, which the targets' listeners ask for
 
 
 @record

@@ -15,6 +15,7 @@ import fcntl
 import importlib.util
 import os
 import re
+import select
 import signal
 import socket
 import struct
@@ -161,14 +162,29 @@ def facts(request: p.FactsRequest) -> p.FactsReply:
 
 
 class Listener:
-    """A listening socket and the event that stops the thread serving it."""
+    """The listening sockets of one listen request (one per address, on one port), the event that
+    stops the thread serving them, and the peers being served (closed with the listener)."""
 
-    def __init__(self, sock: socket.socket, stop: threading.Event) -> None:
-        self.sock = sock
+    def __init__(self, socks: list[socket.socket], stop: threading.Event) -> None:
+        self.socks = socks
         self.stop = stop
+        self.peers: set[socket.socket] = set()
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the sockets now, not at the serving thread's next tick (a job may bind this port
+        next), and cut off every peer still being served (its thread closes it)."""
+        self.stop.set()
+        for sock in self.socks:
+            sock.close()
+        with self.lock:
+            for peer in self.peers:
+                with contextlib.suppress(OSError):
+                    peer.shutdown(socket.SHUT_RDWR)
 
 
 _listeners: dict[int, Listener] = {}  # port -> this agent's listener on it
+MAX_PEERS = 16  # peers a bandwidth listener serves at once; one more is closed unserved
 
 
 def interface_address(ifname: str, request: int = SIOCGIFADDR) -> str | None:
@@ -220,59 +236,112 @@ def _listening_sockets(port: int) -> set[str]:
     return inodes
 
 
-def _serve(sock: socket.socket, stop: threading.Event, deadline: float, bandwidth: bool) -> None:
-    sock.settimeout(0.2)
-    while not stop.is_set() and time.monotonic() < deadline:
+def _serve(listener: Listener, deadline: float, token: str | None) -> None:
+    """Accept until stopped or ``deadline``; with a ``token`` (a bandwidth listener), serve each
+    peer its throughput test in a thread of its own, so that a slow peer delays nobody else."""
+    while not listener.stop.is_set() and time.monotonic() < deadline:
         try:
-            connection, _ = sock.accept()
-        except (TimeoutError, socket.timeout):
-            continue
-        except OSError:
-            break
-        if bandwidth:  # one peer per round, its tests one after the other: served in turn
-            throughput.serve_test(connection)
+            ready, _, _ = select.select(listener.socks, [], [], 0.2)
+        except (OSError, ValueError):
+            break  # closed by ``done``
+        for sock in ready:
+            try:
+                connection, _ = sock.accept()
+            except OSError:
+                continue
+            if token is None:
+                connection.close()
+            else:
+                _serve_peer_in_thread(listener, connection, token)
+    listener.close()
+
+
+def _serve_peer_in_thread(listener: Listener, connection: socket.socket, token: str) -> None:
+    with listener.lock:
+        if len(listener.peers) >= MAX_PEERS:
+            connection.close()
+            return
+        listener.peers.add(connection)
+    thread = threading.Thread(target=_serve_peer, args=(listener, connection, token), daemon=True)
+    thread.start()
+
+
+def _serve_peer(listener: Listener, connection: socket.socket, token: str) -> None:
+    try:
+        throughput.serve_test(connection, token)
+    finally:
+        with listener.lock:
+            listener.peers.discard(connection)
         connection.close()
-    sock.close()
-    stop.set()
 
 
-def listen(request: p.ListenRequest) -> p.ListenReply:
-    port = request.port
-    address: str | None = ""  # every address
-    if request.ifname:
-        address = interface_address(request.ifname)
+def listen_addresses(request: p.ListenRequest) -> list[str] | p.ListenReply:
+    """Where to listen: a bandwidth listener on the tested addresses only, never every
+    address; another on ``ifname``'s address, or on every address ("")."""
+    if request.bandwidth:
+        if not request.addresses:
+            return p.ListenReply("", request.port, "no address to listen on was given")
+        return request.addresses
+    if not request.ifname:
+        return [""]
+    address = interface_address(request.ifname)
     if address is None:
-        return p.ListenReply("", port, f"interface {request.ifname} has no IPv4 address here")
+        why = f"interface {request.ifname} has no IPv4 address here"
+        return p.ListenReply("", request.port, why)
+    return [address]
+
+
+def _bound(address: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # as torchrun's store does: a port in TIME_WAIT is free, one with a listener is not
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((address, port))
         sock.listen(64)
-    except OSError as exc:
+    except OSError:
         sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            holder = port_holder(port)
-            held = f" (held by {holder})" if holder else ""
-            return p.ListenReply(address, port, f"port {port} is busy{held}")
-        why = f"cannot listen on {address or '*'}:{port}: {exc.strerror or exc}"
-        return p.ListenReply(address, port, why)
-    port = int(sock.getsockname()[1])
+        raise
+    return sock
+
+
+def _cannot_listen(address: str, port: int, exc: OSError) -> p.ListenReply:
+    if exc.errno == errno.EADDRINUSE:
+        holder = port_holder(port)
+        held = f" (held by {holder})" if holder else ""
+        return p.ListenReply(address, port, f"port {port} is busy{held}")
+    why = f"cannot listen on {address or '*'}:{port}: {exc.strerror or exc}"
+    return p.ListenReply(address, port, why)
+
+
+def listen(request: p.ListenRequest) -> p.ListenReply:
+    """Listen on each address, all on one port (the first's, when ``request.port`` is 0)."""
+    addresses = listen_addresses(request)
+    if isinstance(addresses, p.ListenReply):
+        return addresses
+    port = request.port
+    socks: list[socket.socket] = []
+    for address in addresses:
+        try:
+            socks.append(_bound(address, port))
+        except OSError as exc:
+            for sock in socks:
+                sock.close()
+            return _cannot_listen(address, port, exc)
+        port = int(socks[0].getsockname()[1])
     stop = threading.Event()
+    listener = Listener(socks, stop)
     deadline = time.monotonic() + min(max(request.seconds, 0.1), MAX_SECONDS)
-    serve = threading.Thread(
-        target=_serve, args=(sock, stop, deadline, request.bandwidth), daemon=True
-    )
+    token = request.token if request.bandwidth else None
+    serve = threading.Thread(target=_serve, args=(listener, deadline, token), daemon=True)
     serve.start()
-    _listeners[port] = Listener(sock, stop)
-    return p.ListenReply(address or "*", port, None)
+    _listeners[port] = listener
+    return p.ListenReply(addresses[0] or "*", port, None)
 
 
 def done(request: p.DoneRequest) -> p.DoneReply:
     closed = len(_listeners)
     for listener in _listeners.values():
-        listener.stop.set()
-        listener.sock.close()  # now, not at the thread's next tick: a job may bind this port next
+        listener.close()
     _listeners.clear()
     if request.marker:
         with contextlib.suppress(OSError):
@@ -373,7 +442,7 @@ def bandwidth(request: p.BandwidthRequest) -> p.BandwidthReply:
             if errors[i] is not None:
                 continue  # failed once: not tried again
             try:
-                sent, received = throughput.run_test(target, seconds, size)
+                sent, received = throughput.run_test(target, seconds, size, request.token)
             except (OSError, ValueError) as exc:
                 errors[i] = _test_error(target, exc)
                 continue
