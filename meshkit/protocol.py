@@ -488,7 +488,7 @@ OPS: dict[str, tuple[type[Request], type[Reply], str]] = {
     "logs": (LogsRequest, LogsReply, "jobs.logs"),
     "diagnose": (DiagnoseRequest, DiagnoseReply, "diagnose.diagnose"),
     "doctor_facts": (FactsRequest, FactsReply, "doctor.facts"),
-    "doctor_listen": (ListenRequest, ListenReply, "doctor.listen"),
+    "doctor_listen": (ListenRequest, ListenReply, "listeners.listen"),
     "doctor_connect": (ConnectRequest, ConnectReply, "doctor.connect"),
     "doctor_done": (DoneRequest, DoneReply, "doctor.done"),
     "doctor_probe": (ProbeRequest, ProbeReply, "doctor.probe"),

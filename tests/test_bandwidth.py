@@ -286,6 +286,7 @@ class Intruded:
         self.pool = pool
         self.nodes = {node.address: node for node in lay.nodes}
         self.bound: dict[str, tuple[list[str], list[str]]] = {}  # node -> (asked, listening)
+        self.ports: dict[str, list[int]] = {}  # node -> the ports it listened on
         self.answers: list[bytes] = []  # what the tokenless peers got
         self.peers: list[threading.Thread] = []
 
@@ -314,6 +315,7 @@ class Intruded:
             assert isinstance(asked, ListenRequest)
             table = sandbox.node_exec(self.nodes[host.label], ["cat", "/proc/net/tcp"]).stdout
             self.bound[host.label] = (asked.addresses, listening(table, reply.port))
+            self.ports.setdefault(host.label, []).append(reply.port)
             address = (reply.address, reply.port)
             for peer in (self.tokenless, self.slow):
                 thread = threading.Thread(target=peer, args=(address,), daemon=True)
@@ -353,7 +355,8 @@ def listening(table: str, port: int) -> list[str]:
 def test_the_listener_binds_the_tested_addresses_and_serves_no_intruder(meshed):
     """A round of ``measure_pairs`` with a tokenless and a slow peer at every listener: they get
     nothing, every pair is still measured ok, and each listener listens on exactly the addresses
-    its client tests (the exported network's first), never on every address."""
+    its client tests (the exported network's first), never on every address, until its round
+    ends."""
     from meshkit.remote import AgentPool, Settings
 
     lay, _ = meshed
@@ -374,3 +377,6 @@ def test_the_listener_binds_the_tested_addresses_and_serves_no_intruder(meshed):
         assert asked[0] == node  # the exported network's address first
         assert bound == sorted(asked), node
         assert "0.0.0.0" not in bound
+    for node, ports in pool.ports.items():  # every round's listeners closed with it
+        table = sandbox.node_exec(pool.nodes[node], ["cat", "/proc/net/tcp"]).stdout
+        assert [port for port in ports if listening(table, port)] == [], node

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshkit.node import doctor, throughput
+from meshkit.node import doctor, listeners, throughput
 from meshkit.protocol import BandwidthTarget, DoneRequest, ListenRequest
 
 TOKEN = "0123456789abcdef" * 2
@@ -30,7 +30,7 @@ def test_only_this_rounds_token_is_accepted():
 @pytest.fixture
 def listener() -> Iterator[tuple[str, int]]:
     request = ListenRequest(None, 0, 60, bandwidth=True, addresses=["127.0.0.1"], token=TOKEN)
-    reply = doctor.listen(request)
+    reply = listeners.listen(request)
     assert reply.error is None
     try:
         yield reply.address, reply.port
@@ -39,14 +39,14 @@ def listener() -> Iterator[tuple[str, int]]:
 
 
 def test_a_bandwidth_listener_binds_only_the_addresses_asked():
-    refused = doctor.listen(ListenRequest(None, 0, 5, bandwidth=True, token=TOKEN))
+    refused = listeners.listen(ListenRequest(None, 0, 5, bandwidth=True, token=TOKEN))
     assert refused.error == "no address to listen on was given"
-    reply = doctor.listen(
+    reply = listeners.listen(
         ListenRequest(None, 0, 5, bandwidth=True, addresses=["127.0.0.1"], token=TOKEN)
     )
     try:
         assert reply.address == "127.0.0.1"
-        assert [sock.getsockname() for sock in doctor._listeners[reply.port].socks] == [
+        assert [sock.getsockname() for sock in listeners._listeners[reply.port].socks] == [
             ("127.0.0.1", reply.port)
         ]
     finally:

@@ -267,7 +267,7 @@ def bandwidth_round(
 ) -> Results:
     """One round: each server (``pairs``' values) listens on the addresses its client tests (on
     their first ``networks`` networks in common), for peers that present this round's token;
-    each client tests towards it."""
+    each client tests towards it; the listeners close when the round ends."""
     bound = BW_REPEATS * 2 * (BW_SECONDS + 5)  # one test's worst case (a drain after each try)
     token = secrets.token_hex(16)
     tests: dict[Host, list[p.BandwidthTarget]] = {}
@@ -309,7 +309,10 @@ def bandwidth_round(
 
     most_tests = max((len(targets) for targets in tests.values()), default=1)
     timeout = bound * most_tests + 30
-    done = pool.call_all("bandwidth", test, p.BandwidthReply, list(pairs), timeout=timeout)
+    try:
+        done = pool.call_all("bandwidth", test, p.BandwidthReply, list(pairs), timeout=timeout)
+    finally:  # the round's listeners close with it, and any peer they still serve
+        pool.call_all("", lambda host: p.DoneRequest(None), p.DoneReply, list(asks))
     for client, server in pairs.items():
         if client not in done:
             continue
