@@ -23,7 +23,10 @@ class UsageError(MeshkitError):
 
 
 class HostfileError(MeshkitError):
-    """The hostfile (or a filter) is malformed; each problem names ``path:line`` and the fix."""
+    """The hostfile (or a filter) is malformed or cannot be read; each problem names
+    ``path:line`` and the fix. Bad input: exit code 2, as for every usage error."""
+
+    exit_code = 2
 
 
 class ConfigError(UsageError):
@@ -31,7 +34,11 @@ class ConfigError(UsageError):
 
 
 class TopologyError(MeshkitError):
-    """This node cannot be placed in the hostfile (no match, or several)."""
+    """This node cannot be placed in the hostfile (no match, or several). Bad input (exit code
+    2): the hostfile given does not describe this machine, or ``--node-rank`` is needed; no node
+    failed and nothing was touched."""
+
+    exit_code = 2
 
 
 class SourceError(MeshkitError):

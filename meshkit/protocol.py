@@ -235,12 +235,15 @@ class FactsReply(Reply):
 class ListenRequest(Request):
     """A short-lived TCP listener: on ``ifname``'s IPv4 address (None: every address) and
     ``port`` (0: any free one); it closes by itself after ``seconds``. ``bandwidth``: it serves
-    throughput tests (``doctor_bandwidth``) instead of only accepting."""
+    throughput tests (``doctor_bandwidth``) instead of only accepting, on ``addresses`` (the
+    tested ones; never every address), to peers that present ``token`` first."""
 
     ifname: str | None
     port: int
     seconds: float
     bandwidth: bool = False
+    addresses: list[str] = field(default_factory=list)
+    token: str = ""
 
 
 @record
@@ -321,6 +324,7 @@ class BandwidthRequest(Request):
     seconds: float
     max_bytes: int
     repeats: int
+    token: str = ""  # the round's, which the targets' listeners ask for
 
 
 @record
@@ -485,7 +489,7 @@ OPS: dict[str, tuple[type[Request], type[Reply], str]] = {
     "logs": (LogsRequest, LogsReply, "jobs.logs"),
     "diagnose": (DiagnoseRequest, DiagnoseReply, "diagnose.diagnose"),
     "doctor_facts": (FactsRequest, FactsReply, "doctor.facts"),
-    "doctor_listen": (ListenRequest, ListenReply, "doctor.listen"),
+    "doctor_listen": (ListenRequest, ListenReply, "listeners.listen"),
     "doctor_connect": (ConnectRequest, ConnectReply, "doctor.connect"),
     "doctor_done": (DoneRequest, DoneReply, "doctor.done"),
     "doctor_probe": (ProbeRequest, ProbeReply, "doctor.probe"),

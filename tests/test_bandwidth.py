@@ -5,24 +5,40 @@ whole interface is flagged against every peer and nothing else is; the heatmap i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
+import socket
+import struct
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from itertools import combinations
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from conftest import meshkit, named, need_root, sandbox_dir
 
 from meshkit import sandbox
 from meshkit.cli.common import rate
+from meshkit.discovery import read_hosts
 from meshkit.errors import UsageError
-from meshkit.hostfile import parse
+from meshkit.hostfile import Host, parse
 from meshkit.ops import bandwidth
-from meshkit.protocol import BandwidthReply, BandwidthResult
+from meshkit.ops.pool import NodePool
+from meshkit.outcome import Outcome
+from meshkit.protocol import (
+    BandwidthReply,
+    BandwidthResult,
+    ListenReply,
+    ListenRequest,
+    Reply,
+    Request,
+)
 
+R = TypeVar("R", bound=Reply)
 HOSTS = parse("10.0.0.1\n10.0.0.2\n10.0.0.3\n10.0.0.4\n")
 GBIT = 1e9 / 8  # bytes/s of 1 Gbit/s
 MBIT = 1e6 / 8  # bytes/s of 1 Mbit/s
@@ -259,3 +275,108 @@ def test_bad_flags_are_usage_errors(meshed):
         assert out.returncode == 2
         assert said in out.stderr
         assert "Traceback" not in out.stderr
+
+
+class Intruded:
+    """A ``NodePool`` that, as each bandwidth listener opens, reads which addresses listen on its
+    port on that node (/proc/net/tcp) and points a tokenless peer and a slow peer (a byte every
+    half second) at it, before the round's clients test."""
+
+    def __init__(self, pool: NodePool, lay: sandbox.Layout) -> None:
+        self.pool = pool
+        self.nodes = {node.address: node for node in lay.nodes}
+        self.bound: dict[str, tuple[list[str], list[str]]] = {}  # node -> (asked, listening)
+        self.ports: dict[str, list[int]] = {}  # node -> the ports it listened on
+        self.answers: list[bytes] = []  # what the tokenless peers got
+        self.peers: list[threading.Thread] = []
+
+    @property
+    def failures(self) -> dict[Host, str]:
+        return self.pool.failures
+
+    def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
+        self.pool.write_file(host, path, text, mode)
+
+    def call_all(
+        self,
+        phase: str,
+        request_for: Callable[[Host], Request | None],
+        expect: type[R],
+        hosts: Sequence[Host] | None = None,
+        timeout: float | None = None,
+    ) -> dict[Host, Outcome[R]]:
+        found = self.pool.call_all(phase, request_for, expect, hosts, timeout)
+        if phase != "listen":
+            return found
+        for host, outcome in found.items():
+            reply = outcome.value
+            assert isinstance(reply, ListenReply) and reply.error is None, outcome
+            asked = request_for(host)
+            assert isinstance(asked, ListenRequest)
+            table = sandbox.node_exec(self.nodes[host.label], ["cat", "/proc/net/tcp"]).stdout
+            self.bound[host.label] = (asked.addresses, listening(table, reply.port))
+            self.ports.setdefault(host.label, []).append(reply.port)
+            address = (reply.address, reply.port)
+            for peer in (self.tokenless, self.slow):
+                thread = threading.Thread(target=peer, args=(address,), daemon=True)
+                thread.start()
+                self.peers.append(thread)
+        time.sleep(0.3)  # the intruders connect first
+        return found
+
+    def tokenless(self, address: tuple[str, int]) -> None:
+        """The old protocol's header, then data: nothing may be served to it."""
+        with socket.create_connection(address, timeout=10) as peer:
+            try:
+                peer.sendall(b"send 0.2 1000000".ljust(32))
+                self.answers.append(peer.recv(1024))
+            except ConnectionResetError:
+                self.answers.append(b"")
+
+    def slow(self, address: tuple[str, int]) -> None:
+        """A byte every half second, 40 at most, until the listener closes it."""
+        with socket.create_connection(address, timeout=10) as peer, contextlib.suppress(OSError):
+            for _ in range(40):
+                peer.sendall(b"s")
+                time.sleep(0.5)
+
+
+def listening(table: str, port: int) -> list[str]:
+    """The local addresses listening on ``port`` in a /proc/net/tcp table."""
+    found = []
+    for line in table.splitlines()[1:]:
+        fields = line.split()
+        local_hex, port_hex = fields[1].split(":")
+        if fields[3] == "0A" and int(port_hex, 16) == port:
+            found.append(socket.inet_ntoa(struct.pack("<I", int(local_hex, 16))))
+    return sorted(found)
+
+
+def test_the_listener_binds_the_tested_addresses_and_serves_no_intruder(meshed):
+    """A round of ``measure_pairs`` with a tokenless and a slow peer at every listener: they get
+    nothing, every pair is still measured ok, and each listener listens on exactly the addresses
+    its client tests (the exported network's first), never on every address, until its round
+    ends."""
+    from meshkit.remote import AgentPool, Settings
+
+    lay, _ = meshed
+    hosts = read_hosts(lay.hostfile)
+    settings = Settings(connect_timeout=5.0, ssh_configs=(str(lay.ssh_config),))
+    with AgentPool.connect(hosts, settings, sys.executable) as agents:
+        pool = Intruded(agents, lay)
+        ifnames: dict[Host, str | None] = {host: "eth0" for host in hosts}
+        measured = bandwidth.measure_pairs(pool, hosts, ifnames, 0.1, 0.0)
+    for peer in pool.peers:
+        peer.join(timeout=30)
+    pairs = [c for c in measured.checks if c.check == "bandwidth"]
+    assert len(pairs) == 6
+    assert all(c.ok for c in pairs), [c.detail for c in pairs if not c.ok]
+    assert pool.answers and set(pool.answers) == {b""}
+    assert len(pool.bound) >= 3
+    for node, (asked, bound) in pool.bound.items():
+        assert asked[0] == node  # the exported network's address first
+        assert bound == sorted(asked), node
+        assert "0.0.0.0" not in bound
+    for node, ports in pool.ports.items():  # every round's listeners closed with it
+        table = sandbox.node_exec(pool.nodes[node], ["cat", "/proc/net/tcp"]).stdout
+        assert [port for port in ports if listening(table, port)] == [], node

@@ -78,11 +78,36 @@ def test_same_output_with_config_files_and_env(tmp_path, config):
 def test_errors_match_and_unknown_flags_fall_back(tmp_path):
     (tmp_path / "hostfile").write_text("a\nb:0\n")
     fast, slow = both_paths(["env"], tmp_path, {})
-    assert fast.returncode == slow.returncode == 1
+    assert fast.returncode == slow.returncode == 2  # a bad hostfile is bad input
     assert fast.stderr == slow.stderr
     fast, slow = both_paths(["env", "--bogus"], tmp_path, {})
     assert fast.returncode != 0
     assert "--bogus" in fast.stdout + fast.stderr
+
+
+@pytest.mark.parametrize(
+    ("hostfile", "flags", "message"),
+    [
+        ("a\nb:0\n", [], "hostfile:2: bad port '0'"),
+        (None, ["--hostfile", "missing"], "missing: no such hostfile"),
+        ("10.255.255.1\n10.255.255.2\n", [], "matches no line"),  # not this machine
+    ],
+)
+def test_bad_hostfiles_and_a_machine_not_in_it_exit_2_on_both_paths(
+    tmp_path, hostfile, flags, message
+):
+    """Bad input exits 2 everywhere (README's exit codes), the hostfile included; a hostfile that
+    does not list this machine is bad input too: nothing failed on a node, the fix is the
+    hostfile or --node-rank."""
+    if hostfile is not None:
+        (tmp_path / "hostfile").write_text(hostfile)
+    for task in (["env"], ["run", "--cmd", "true"]):
+        fast, slow = both_paths([*task, *flags], tmp_path, {})
+        assert fast.returncode == slow.returncode == 2, (task, fast.stderr, slow.stderr)
+        assert message in fast.stderr, fast.stderr
+        # the first line: the local addresses listed after it come and go with other sandboxes
+        assert fast.stderr.splitlines()[0] == slow.stderr.splitlines()[0]
+        assert "Traceback" not in fast.stderr + slow.stderr
 
 
 def test_settings_layering_without_invoke(tmp_path, monkeypatch):

@@ -58,7 +58,7 @@ def conf() -> settings.Config:
 
 @contextmanager
 def reported() -> Iterator[None]:
-    """Turn meshkit's errors into a message and their exit code (1, or 2 for usage errors), and
+    """Turn meshkit's errors into a message and their exit code (1, or 2 for bad input), and
     Ctrl-C into 130, never a traceback. Connections opened inside are closed on the way out."""
     try:
         yield

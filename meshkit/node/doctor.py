@@ -1,7 +1,6 @@
-"""The node side of ``meshkit doctor``: facts about this node, short-lived TCP listeners, TCP
-connect probes and throughput tests to the other nodes, and the collective probe. Standard library
-only, and every call is bounded in time: the agent answers one request at a time, so listeners run
-in background threads of the agent and close by themselves.
+"""The node side of ``meshkit doctor``: facts about this node, TCP connect probes and throughput
+tests to the other nodes, and the collective probe (the short-lived listeners they connect to are
+``listeners.py``'s). Standard library only, and every call is bounded in time.
 
 Versions come from package metadata and files, never from importing torch (seconds, and a GPU
 context, on every node).
@@ -10,25 +9,20 @@ context, on every node).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import importlib.util
 import os
 import re
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
 
 from .. import protocol as p
-from . import throughput
+from . import listeners, throughput
 from .gpus import gpu_count
+from .listeners import MAX_SECONDS, SIOCGIFNETMASK, interface_address
 
-MAX_SECONDS = 120.0  # no doctor call holds a listener or retries longer than this
-SIOCGIFADDR = 0x8915  # the ioctl that reads an interface's IPv4 address
-SIOCGIFNETMASK = 0x891B  # ... and its netmask
 # torch/version.py's line ``cuda = '12.1'`` (or ``cuda: Optional[str] = None``: no CUDA build)
 CUDA_LINE = re.compile(r"^cuda\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", re.MULTILINE)
 NCCL_BUILDS = (13, 12, 11)  # the CUDA majors of the nvidia-nccl-cuNN wheels, newest first
@@ -160,120 +154,8 @@ def facts(request: p.FactsRequest) -> p.FactsReply:
     )
 
 
-class Listener:
-    """A listening socket and the event that stops the thread serving it."""
-
-    def __init__(self, sock: socket.socket, stop: threading.Event) -> None:
-        self.sock = sock
-        self.stop = stop
-
-
-_listeners: dict[int, Listener] = {}  # port -> this agent's listener on it
-
-
-def interface_address(ifname: str, request: int = SIOCGIFADDR) -> str | None:
-    """The IPv4 address of an interface (what gloo binds for GLOO_SOCKET_IFNAME), or its netmask."""
-    asked = struct.pack("256s", ifname.encode()[:15])  # a struct ifreq: the name (15 bytes at most)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            answer = fcntl.ioctl(sock.fileno(), request, asked)
-        except OSError:
-            return None
-    return socket.inet_ntoa(answer[20:24])  # the address bytes of the answer's sockaddr_in
-
-
-def port_holder(port: int) -> str | None:
-    """Which process listens on TCP ``port`` here (from /proc; None when it cannot be told)."""
-    inodes = _listening_sockets(port)
-    if not inodes:
-        return None
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            descriptors = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue  # gone, or not ours to look at
-        for fd in descriptors:
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
-                    with open(f"/proc/{pid}/comm") as handle:
-                        command = handle.read().strip()
-                    return f"pid {pid} ({command})"
-    return None
-
-
-def _listening_sockets(port: int) -> set[str]:
-    """The sockets listening on TCP ``port``, as /proc/PID/fd links name them."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as handle:
-                text = handle.read()
-        except OSError:
-            continue
-        for line in text.splitlines()[1:]:
-            fields = line.split()
-            listening = len(fields) > 9 and fields[3] == "0A"  # 0A: TCP_LISTEN
-            if listening and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-    return inodes
-
-
-def _serve(sock: socket.socket, stop: threading.Event, deadline: float, bandwidth: bool) -> None:
-    sock.settimeout(0.2)
-    while not stop.is_set() and time.monotonic() < deadline:
-        try:
-            connection, _ = sock.accept()
-        except (TimeoutError, socket.timeout):
-            continue
-        except OSError:
-            break
-        if bandwidth:  # one peer per round, its tests one after the other: served in turn
-            throughput.serve_test(connection)
-        connection.close()
-    sock.close()
-    stop.set()
-
-
-def listen(request: p.ListenRequest) -> p.ListenReply:
-    port = request.port
-    address: str | None = ""  # every address
-    if request.ifname:
-        address = interface_address(request.ifname)
-    if address is None:
-        return p.ListenReply("", port, f"interface {request.ifname} has no IPv4 address here")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    # as torchrun's store does: a port in TIME_WAIT is free, one with a listener is not
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((address, port))
-        sock.listen(64)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            holder = port_holder(port)
-            held = f" (held by {holder})" if holder else ""
-            return p.ListenReply(address, port, f"port {port} is busy{held}")
-        why = f"cannot listen on {address or '*'}:{port}: {exc.strerror or exc}"
-        return p.ListenReply(address, port, why)
-    port = int(sock.getsockname()[1])
-    stop = threading.Event()
-    deadline = time.monotonic() + min(max(request.seconds, 0.1), MAX_SECONDS)
-    serve = threading.Thread(
-        target=_serve, args=(sock, stop, deadline, request.bandwidth), daemon=True
-    )
-    serve.start()
-    _listeners[port] = Listener(sock, stop)
-    return p.ListenReply(address or "*", port, None)
-
-
 def done(request: p.DoneRequest) -> p.DoneReply:
-    closed = len(_listeners)
-    for listener in _listeners.values():
-        listener.stop.set()
-        listener.sock.close()  # now, not at the thread's next tick: a job may bind this port next
-    _listeners.clear()
+    closed = listeners.close_all()
     if request.marker:
         with contextlib.suppress(OSError):
             os.unlink(request.marker)
@@ -373,7 +255,7 @@ def bandwidth(request: p.BandwidthRequest) -> p.BandwidthReply:
             if errors[i] is not None:
                 continue  # failed once: not tried again
             try:
-                sent, received = throughput.run_test(target, seconds, size)
+                sent, received = throughput.run_test(target, seconds, size, request.token)
             except (OSError, ValueError) as exc:
                 errors[i] = _test_error(target, exc)
                 continue

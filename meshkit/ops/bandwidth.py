@@ -7,9 +7,10 @@ pair, a slow node, a faster network than the exported one), pure functions of th
 from __future__ import annotations
 
 import ipaddress
+import secrets
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import protocol as p
 from ..hostfile import Host
@@ -264,41 +265,54 @@ def infiniband_check(host: Host, reply: p.BandwidthReply) -> Check:
 def bandwidth_round(
     pool: NodePool, pairs: dict[Host, Host], replies: Replies, ifnames: Ifnames, networks: int = 64
 ) -> Results:
-    """One round: each server (``pairs``' values) listens, each client tests towards it (on its
-    first ``networks`` networks in common)."""
+    """One round: each server (``pairs``' values) listens on the addresses its client tests (on
+    their first ``networks`` networks in common), for peers that present this round's token;
+    each client tests towards it; the listeners close when the round ends."""
     bound = BW_REPEATS * 2 * (BW_SECONDS + 5)  # one test's worst case (a drain after each try)
-    request = p.ListenRequest(None, 0, bound * 4, bandwidth=True)
-    servers = list(pairs.values())
-    listens = pool.call_all("listen", lambda host: request, p.ListenReply, servers)
+    token = secrets.token_hex(16)
     tests: dict[Host, list[p.BandwidthTarget]] = {}
+    for client, server in pairs.items():
+        server_if = ifnames[server]
+        targets = pair_targets(replies[client], replies[server], server_if, server.label, 0)
+        tests[client] = targets[:networks]
+    asks = {}
+    for client, server in pairs.items():
+        if tests[client]:
+            addresses = [target.host for target in tests[client]]
+            asks[server] = p.ListenRequest(
+                None, 0, bound * 4, bandwidth=True, addresses=addresses, token=token
+            )
+    listens = pool.call_all("listen", asks.get, p.ListenReply, list(asks))
     results = {}
     for client, server in pairs.items():
-        listened = listens.get(server, Outcome[p.ListenReply](error="unreachable"))
-        if listened.value is not None:
-            cannot = listened.value.error
-            port = listened.value.port
-        else:
-            cannot = listened.error
-            port = 0
-        if cannot:
-            tests[client] = []
-            why = f"{server.label} cannot listen: {cannot}"
-        else:
-            server_if = ifnames[server]
-            targets = pair_targets(replies[client], replies[server], server_if, server.label, port)
-            tests[client] = targets[:networks]
-            why = "no network in common"
+        why = "no network in common"
+        if tests[client]:
+            listened = listens.get(server, Outcome[p.ListenReply](error="unreachable"))
+            if listened.value is not None:
+                cannot = listened.value.error
+                port = listened.value.port
+            else:
+                cannot = listened.error
+                port = 0
+            if cannot:
+                tests[client] = []
+                why = f"{server.label} cannot listen: {cannot}"
+            else:
+                tests[client] = [replace(target, port=port) for target in tests[client]]
         # the pair's result unless its client's tests replace it below
         results[client, server] = [p.BandwidthResult(server.label, "", 0.0, 0.0, why)]
 
     def test(host: Host) -> p.BandwidthRequest | None:
         if not tests[host]:
             return None
-        return p.BandwidthRequest(tests[host], BW_SECONDS, BW_BYTES, BW_REPEATS)
+        return p.BandwidthRequest(tests[host], BW_SECONDS, BW_BYTES, BW_REPEATS, token)
 
     most_tests = max((len(targets) for targets in tests.values()), default=1)
     timeout = bound * most_tests + 30
-    done = pool.call_all("bandwidth", test, p.BandwidthReply, list(pairs), timeout=timeout)
+    try:
+        done = pool.call_all("bandwidth", test, p.BandwidthReply, list(pairs), timeout=timeout)
+    finally:  # the round's listeners close with it, and any peer they still serve
+        pool.call_all("", lambda host: p.DoneRequest(None), p.DoneReply, list(asks))
     for client, server in pairs.items():
         if client not in done:
             continue

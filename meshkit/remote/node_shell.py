@@ -33,7 +33,41 @@ MAX_READ = 4 << 20  # a node's file meshkit reads (authorized_keys, known_hosts,
 READY = b"=meshkit-ready"  # the shell's first line, after whatever the user's shell printed
 END = b"."  # the line that ends every answer
 
+EXIT_STATUS_WAIT = 1.0  # how long the shell's exit status may follow the end of its output
+MAX_STDERR = 1 << 16  # of the shell's error output, what is read when it ended
+NOT_FOUND = 127  # sh's exit status for a command it cannot find
+
 Request = str | tuple[str, bytes]  # a request line, or a line and the bytes it announces
+
+
+def shell_ended(connected: bool, status: int | None, stderr: str) -> str:
+    """Why the node shell stopped answering, from what was seen: the connection closed (a reboot
+    first: it ends every session), or the shell exited (``status``; None: it was killed by a
+    signal), with its last line of error output. Missing tools are named only when that is what
+    was seen: exit status 127, or the shell's last words saying "not found"."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    last_error = lines[-1][:200] if lines else ""
+    if not connected:
+        seen = "the connection to the node closed while its shell was answering"
+    elif status is None:
+        seen = "the node's shell ended without an exit status (killed by a signal)"
+    else:
+        seen = f"the node's shell exited with status {status}"
+    if last_error:
+        seen += f", saying {last_error!r}"
+    # a tool the shell could not run ends it, over a connection that stays up; its complaint is
+    # the last thing it says (a ~/.bashrc's own "not found" comes before)
+    tool_missing = status == NOT_FOUND or "not found" in last_error.lower()
+    if connected and tool_missing:
+        likely = (
+            "a tool it needs is missing: sh, head, base64, stat and flock are needed on the node"
+        )
+    else:
+        likely = (
+            "likely the node rebooting, or its sshd restarting, or the network or something on "
+            "the node ending the session; try again once the node is back"
+        )
+    return f"{seen}: {likely}"
 
 
 @dataclass(frozen=True)
@@ -69,13 +103,29 @@ class NodeShell:
             self.channel.settimeout(self.remote.remaining())
             chunk = self.channel.recv(1 << 16)
             if not chunk:
-                raise MeshkitError(
-                    "the node's shell ended unexpectedly (sh, head, base64, stat and flock are "
-                    "needed on the node)"
-                )
+                raise MeshkitError(self._ended())
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         return line
+
+    def _ended(self) -> str:
+        """What was seen when the shell stopped answering: whether the connection is still up,
+        the shell's exit status (waited for briefly: it follows the output), its last error
+        output."""
+        wait = 0.0
+        with contextlib.suppress(TimeoutError):
+            wait = min(EXIT_STATUS_WAIT, self.remote.remaining())
+        self.channel.status_event.wait(wait)
+        status = None
+        if self.channel.exit_status != -1:  # paramiko's "none came" (a signal, or no exit)
+            status = self.channel.exit_status
+        stderr = b""
+        with contextlib.suppress(Exception):
+            while self.channel.recv_stderr_ready() and len(stderr) < MAX_STDERR:
+                stderr += self.channel.recv_stderr(MAX_STDERR)
+        transport = self.channel.get_transport()
+        connected = transport is not None and transport.is_active()
+        return shell_ended(connected, status, stderr.decode(errors="replace"))
 
     def send(self, *requests: Request) -> None:
         """Send each request (a line, or a line and the bytes it announces)."""
@@ -90,7 +140,12 @@ class NodeShell:
                 raise ValueError(f"a request is one line: {line!r}")
             out += f"{self.token} {line}\n".encode() + data
         self.channel.settimeout(self.remote.remaining())
-        self.channel.sendall(out)
+        try:
+            self.channel.sendall(out)
+        except OSError:
+            if not self.channel.closed:
+                raise  # a timeout: the phase's to report
+            raise MeshkitError(self._ended()) from None
 
     def _skip_noise(self) -> None:
         """Read past what the user's shell printed before the node shell started."""
