@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -28,6 +29,12 @@ MAX_SPEC = 1 << 20  # bytes of the spec (the agent wrote it from a request of at
 
 
 def keep(directory: str) -> int:
+    try:
+        files.check_dir(directory)
+    except files.UnsafeStateDir as exc:
+        # Nothing in it is trusted or written: a spec there may be another user's.
+        print(f"meshkit keeper: {exc}", file=sys.stderr)
+        return 2
     try:
         # The agent wrote it from a request it had checked; checked again, as any file read.
         with open(files.spec_file(directory), "rb") as handle:
