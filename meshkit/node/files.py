@@ -39,9 +39,9 @@ NEVER = "meshkit never uses a state directory another user can write"
 
 
 def unsafe(path: str) -> UnsafeStateDir | None:
-    """Why the directory ``path`` must not be used (None: it is safe, or it is absent). As tmux
-    checks /tmp/tmux-UID: a real directory (not a symlink), this user's, with no write bit for
-    group or other."""
+    """Why the directory ``path`` must not be used (None: it is safe, or it is absent). As
+    tmux checks /tmp/tmux-UID: a real directory (not a symlink), this user's, with no write
+    bit for group or other."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -90,9 +90,10 @@ def check_dir(path: str) -> None:
 
 
 def private_dir(path: str) -> str:
-    """``path`` (the state root or a directory below it), each missing level created 0700, each
-    level checked; returns ``path``. Every directory meshkit uses in its state goes through this,
-    never ``os.makedirs(..., exist_ok=True)``, which accepts a directory someone else made."""
+    """``path`` (the state root or a directory below it), each missing level created 0700,
+    each level checked; returns ``path``. Every directory meshkit uses in its state goes
+    through this, never ``os.makedirs(..., exist_ok=True)``, which accepts a directory
+    someone else made."""
     for level in levels(path):
         with contextlib.suppress(FileExistsError):  # checked next, whoever made it
             os.mkdir(level, 0o700)
@@ -103,8 +104,8 @@ def private_dir(path: str) -> str:
 
 
 def check_state() -> None:
-    """The state root, ``jobs/`` and ``supervisors/`` (those that exist): the preflight's check
-    on every node before anything is started anywhere."""
+    """The state root, ``jobs/`` and ``supervisors/`` (those that exist): the preflight's
+    check on every node before anything is started anywhere."""
     check_dir(jobs_root())
     check_dir(supervisors_root())
 

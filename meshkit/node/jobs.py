@@ -172,7 +172,8 @@ def start(request: protocol.StartRequest) -> protocol.StartReply:
             return failed(f"processes of {victim.label} survived TERM and KILL: {survivors}")
         if ended.found:
             replaced.append(victim)
-    directory = files.private_dir(files.job_dir(job.job_id))  # the stop left none of its files
+    # The stop above left none of its files.
+    directory = files.private_dir(files.job_dir(job.job_id))
     files.write_atomic(files.spec_file(directory), json.dumps(asdict(job)))
     tmux.kill_session(job.tmux_session)  # a stale one whose keeper is gone
     keeper = [sys.executable, "-m", "meshkit.node", "keep", directory]

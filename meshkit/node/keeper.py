@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 import time
 
@@ -29,12 +28,9 @@ MAX_SPEC = 1 << 20  # bytes of the spec (the agent wrote it from a request of at
 
 
 def keep(directory: str) -> int:
-    try:
-        files.check_dir(directory)
-    except files.UnsafeStateDir as exc:
-        # Nothing in it is trusted or written: a spec there may be another user's.
-        print(f"meshkit keeper: {exc}", file=sys.stderr)
-        return 2
+    # A directory another user could write is refused (UnsafeStateDir) before anything in it is
+    # read or written: its spec may be theirs.
+    files.check_dir(directory)
     try:
         # The agent wrote it from a request it had checked; checked again, as any file read.
         with open(files.spec_file(directory), "rb") as handle:

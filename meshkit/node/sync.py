@@ -17,7 +17,8 @@ from .files import NEW_FILE, temporary_name
 
 MAX_FILES = 100000  # a workdir larger than this is not a job's code: the launcher says so
 
-_temporaries: dict[str, str] = {}  # a file being put -> its temporary, from its first chunk on
+# A file being put -> its temporary, from its first chunk on.
+_temporaries: dict[str, str] = {}
 
 
 def walk(root: Path, skip: set[str]) -> Iterator[FileState]:
@@ -67,7 +68,8 @@ def put(request: PutRequest) -> PutReply:
     else:
         temporary = _temporaries.get(str(path), "")
         if not temporary:
-            raise ValueError(f"put: {request.path[:200]!r}: a chunk at an offset before the first")
+            where = request.path[:200]
+            raise ValueError(f"put: {where!r}: a chunk at an offset before the first")
         descriptor = os.open(temporary, os.O_WRONLY | os.O_NOFOLLOW)
     with os.fdopen(descriptor, "wb") as out:
         out.seek(request.offset)

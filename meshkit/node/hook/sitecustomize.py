@@ -35,9 +35,9 @@ def error_path(errors: str, rank: str) -> str:
     return f"{errors}/rank{rank}.json"
 
 
-# No umask here: the hook runs inside the user's ranks, and a umask would change the modes of
-# every file the user's own code writes. The hook's own files are made 0600 instead (its FIFO's
-# directory 0700), as node/files.py makes the node's.
+# No umask here: the hook runs inside the user's ranks, and a umask would change the
+# modes of every file the user's own code writes. The hook's own files are made 0600
+# instead (its FIFO's directory 0700), as node/files.py makes the node's.
 NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 
 
@@ -51,8 +51,9 @@ def _write_new(path: str, data: bytes) -> None:
 
 
 def _private(directory: str) -> bool:
-    """The FIFOs' directory (node/files.py's state root) made 0700 if missing, and used only if
-    it is a real directory of this user that nobody else can write, as node/files.py checks it."""
+    """The FIFOs' directory (node/files.py's state root), made 0700 if missing, and used
+    only if it is a real directory of this user that nobody else can write, as node/files.py
+    checks it."""
     import contextlib
     import stat
 
@@ -111,7 +112,8 @@ def _flight() -> None:
     fifo = fifo_path(os.getpid())
     try:
         if not _private(os.path.dirname(fifo)):
-            return  # no flight recorder rather than a FIFO in a directory another user controls
+            # No flight recorder rather than a FIFO in a directory another user controls.
+            return
         os.mkfifo(fifo, 0o600)
     except OSError:
         return
