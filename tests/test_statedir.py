@@ -56,6 +56,12 @@ def test_the_state_directories_and_files_are_this_users_alone(root):
     assert mode_of(Path(directory)) == 0o700
     assert mode_of(spec) == 0o600
     assert os.listdir(directory) == [files.SPEC]  # no temporary left
+    record = protocol.Supervision(protocol.SupervisorState.RUNNING, 1, 2, version=1)
+    node_supervise.supervisor(protocol.SupervisorRequest(JOB_ID, "", record=record))
+    supervisors = root / "supervisors"
+    assert mode_of(supervisors) == 0o700
+    modes = {path.name: mode_of(path) for path in supervisors.iterdir()}
+    assert modes == {f"{JOB_ID}.json": 0o600, f"{JOB_ID}.json.lock": 0o600}
 
 
 def test_write_atomic_never_follows_a_link_at_its_temporary_name(tmp_path, monkeypatch):

@@ -84,7 +84,9 @@ def supervisor(request: SupervisorRequest) -> SupervisorReply:
         if len(text) > MAX_COPY:
             raise ValueError("a supervision record over 64 KiB")
         private_dir(supervisors_root())
-        with open(supervision_lock(request.job_id), "a") as lock:
+        lock_flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+        descriptor = os.open(supervision_lock(request.job_id), lock_flags, 0o600)
+        with os.fdopen(descriptor, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time on this node
             if version_of(read_text(copy)) <= request.version:
                 write_atomic(copy, text)
