@@ -69,7 +69,7 @@ def put(request: PutRequest) -> PutReply:
         temporary = _temporaries.get(str(path), "")
         if not temporary:
             where = request.path[:200]
-            raise ValueError(f"put: {where!r}: a chunk at an offset before the first")
+            raise ValueError(f"put: {where!r}: a chunk at {request.offset} before its first chunk")
         descriptor = os.open(temporary, os.O_WRONLY | os.O_NOFOLLOW)
     with os.fdopen(descriptor, "wb") as out:
         out.seek(request.offset)
