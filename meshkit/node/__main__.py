@@ -12,9 +12,14 @@ def main(argv: list[str]) -> int:
         serve(sys.stdin, sys.stdout)
         return 0
     if len(argv) == 2 and argv[0] == "keep":
+        from .files import UnsafeStateDir
         from .keeper import keep
 
-        return keep(argv[1])
+        try:
+            return keep(argv[1])
+        except UnsafeStateDir as exc:
+            print(f"meshkit keeper: {exc}", file=sys.stderr)
+            return 2
     print("usage: python -m meshkit.node serve | keep STATE_DIR", file=sys.stderr)
     return 2
 

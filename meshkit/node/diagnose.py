@@ -40,6 +40,7 @@ YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
 def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
+    files.check_dir(files.job_dir(request.job_id))
     state, code = jobs.job_state(request.job_id)
     started = jobs.started_at(request.job_id)
     keeper = jobs.keeper_pid(request.job_id)

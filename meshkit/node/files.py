@@ -12,8 +12,10 @@ ranks: it builds the FIFO and error-file paths by the same convention, and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import stat
 
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
 SPEC = "spec.json"  # also what the keeper calls the spec when it says why it is unreadable
@@ -26,6 +28,86 @@ def state_root() -> str:
     """This user's meshkit state on this node: jobs, supervisors, the ranks' flight-recorder
     FIFOs. In /tmp on purpose: a reboot empties it, so a rebooted node reads the truth."""
     return f"/tmp/meshkit-{os.getuid()}"
+
+
+class UnsafeStateDir(Exception):
+    """A state directory (or one below it) that another user could have written: meshkit uses
+    none, and says which, what was found and what to do."""
+
+
+NEVER = "meshkit never uses a state directory another user can write"
+
+
+def unsafe(path: str) -> UnsafeStateDir | None:
+    """Why the directory ``path`` must not be used (None: it is safe, or it is absent). As
+    tmux checks /tmp/tmux-UID: a real directory (not a symlink), this user's, with no write
+    bit for group or other."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    remove = f"remove it (rm -rf {path}) and run meshkit again, which makes its own; {NEVER}"
+    if stat.S_ISLNK(info.st_mode):
+        return UnsafeStateDir(f"the state directory {path} is a symlink: {remove}")
+    if not stat.S_ISDIR(info.st_mode):
+        return UnsafeStateDir(f"the state directory {path} is not a directory: {remove}")
+    if info.st_uid != os.getuid():
+        owner = f"owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
+        fix = f"it is not yours: ask its owner or the admin to remove it; {NEVER}"
+        return UnsafeStateDir(f"the state directory {path} is {owner}: {fix}")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022:
+        found = f"mode {mode:04o}, writable by others"
+        return UnsafeStateDir(f"the state directory {path} is {found}: {remove}")
+    if mode & 0o077:
+        # This user's own, and nobody else could write in it (an older meshkit made the root
+        # 0755): only the read bits go.
+        os.chmod(path, 0o700)
+    return None
+
+
+def levels(path: str) -> list[str]:
+    """The state root and each directory below it down to ``path``. A directory outside the
+    state root (a test's own ``jobs_root``) is checked from the root that holds it, if any."""
+    for top in (state_root(), jobs_root(), supervisors_root()):
+        if path == top or path.startswith(f"{top}/"):
+            chain = [top]
+            for part in path[len(top) :].split("/"):
+                if part:
+                    chain.append(f"{chain[-1]}/{part}")
+            return chain
+    return [path]
+
+
+def check_dir(path: str) -> None:
+    """Refuse (``UnsafeStateDir``) if ``path`` or a directory above it up to the state root
+    exists and is unsafe. Creates nothing (an absent level holds nothing to trust); the one
+    change it makes is taking the read bits off a directory of this user's."""
+    for level in levels(path):
+        refusal = unsafe(level)
+        if refusal is not None:
+            raise refusal
+
+
+def private_dir(path: str) -> str:
+    """``path`` (the state root or a directory below it), each missing level created 0700,
+    each level checked; returns ``path``. Every directory meshkit uses in its state goes
+    through this, never ``os.makedirs(..., exist_ok=True)``, which accepts a directory
+    someone else made."""
+    for level in levels(path):
+        with contextlib.suppress(FileExistsError):  # checked next, whoever made it
+            os.mkdir(level, 0o700)
+        refusal = unsafe(level)
+        if refusal is not None:
+            raise refusal
+    return path
+
+
+def check_state() -> None:
+    """The state root, ``jobs/`` and ``supervisors/`` (those that exist): the preflight's
+    check on every node before anything is started anywhere."""
+    check_dir(jobs_root())
+    check_dir(supervisors_root())
 
 
 def check_job_id(job_id: str) -> None:
@@ -155,12 +237,27 @@ def read_text(path: str | os.PathLike[str], limit: int = 65536) -> str | None:
         return None
 
 
-def write_atomic(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o600) -> None:
-    """Write ``path`` whole or not at all: readers never see it half-written."""
-    path = os.fspath(path)
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+
+
+def temporary_name(path: str) -> str:
+    """A temporary file's name beside ``path`` that nobody can guess in advance."""
     head, name = os.path.split(path)
-    temporary = os.path.join(head, f".{name}.{os.getpid()}")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(descriptor, "wb") as out:
-        out.write(data.encode() if isinstance(data, str) else data)
-    os.replace(temporary, path)
+    return os.path.join(head, f".{name}.{os.getpid()}.{os.urandom(8).hex()}")
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o600) -> None:
+    """Write ``path`` whole or not at all: readers never see it half-written. The temporary is
+    new (``O_EXCL|O_NOFOLLOW``, an unguessable name): whatever is planted at a name is never
+    followed or written through."""
+    path = os.fspath(path)
+    temporary = temporary_name(path)
+    descriptor = os.open(temporary, NEW_FILE, mode)
+    try:
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(data.encode() if isinstance(data, str) else data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise

@@ -75,6 +75,7 @@ def running_jobs() -> list[protocol.RunningJob]:
 
 
 def jobs(request: protocol.JobsRequest) -> protocol.JobsReply:
+    files.check_state()  # the preflight asks every node this before anything is started
     return protocol.JobsReply(running_jobs())
 
 
@@ -107,8 +108,9 @@ def stop(request: protocol.StopRequest) -> protocol.StopReply:
     """End a job's whole tree: its descendants first (while the keeper still holds them), then
     the keeper, then whatever still carries the tag; then look again."""
     job_id = request.job_id
-    keeper = keeper_pid(job_id)
     directory = files.job_dir(job_id)
+    files.check_dir(directory)
+    keeper = keeper_pid(job_id)
     tmux_session = _spec(job_id, "tmux_session")
 
     def below() -> list[int]:
@@ -169,6 +171,7 @@ def start(request: protocol.StartRequest) -> protocol.StartReply:
     """Start the job here unless another meshkit job runs (and ``replace`` was not given);
     the same job's old run is replaced. Then look: is its keeper up (or has it already exited)?"""
     job = request.job
+    files.check_state()
     others = [running for running in running_jobs() if running.job_id != job.job_id]
     if others and not request.replace:
         conflict = "another meshkit job is running here"
@@ -189,8 +192,8 @@ def start(request: protocol.StartRequest) -> protocol.StartReply:
             return failed(f"processes of {victim.label} survived TERM and KILL: {survivors}")
         if ended.found:
             replaced.append(victim)
-    directory = files.job_dir(job.job_id)  # the stop above left none of its files
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    # The stop above left none of its files.
+    directory = files.private_dir(files.job_dir(job.job_id))
     files.write_atomic(files.spec_file(directory), json.dumps(asdict(job)))
     tmux.kill_session(job.tmux_session)  # a stale one whose keeper is gone
     keeper = [sys.executable, "-m", "meshkit.node", "keep", directory]
@@ -212,6 +215,7 @@ def start(request: protocol.StartRequest) -> protocol.StartReply:
 
 
 def status(request: protocol.StatusRequest) -> protocol.StatusReply:
+    files.check_dir(files.job_dir(request.job_id))
     state, code = job_state(request.job_id)
     started = None
     if state != protocol.JobState.ABSENT:

@@ -28,6 +28,9 @@ MAX_SPEC = 1 << 20  # bytes of the spec (the agent wrote it from a request of at
 
 
 def keep(directory: str) -> int:
+    # A directory another user could write is refused (UnsafeStateDir) before anything in it is
+    # read or written: its spec may be theirs.
+    files.check_dir(directory)
     try:
         # The agent wrote it from a request it had checked; checked again, as any file read.
         with open(files.spec_file(directory), "rb") as handle:

@@ -7,12 +7,13 @@ import errno
 import socket
 
 from ..protocol import PortsReply, PortsRequest, PortState
-from . import jobs
+from . import files, jobs
 
 MAX_PORTS = 256  # asked about in one request; the rest are not looked at
 
 
 def ports(request: PortsRequest) -> PortsReply:
+    files.check_dir(files.job_dir(request.job_id))
     states = [PortState(port, port_free(port)) for port in request.ports[:MAX_PORTS]]
     ours = jobs.keeper_pid(request.job_id) is not None
     return PortsReply(states, ours)

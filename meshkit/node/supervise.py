@@ -15,10 +15,13 @@ from ..protocol import Supervision, SupervisorReply, SupervisorRequest
 from ..record import build
 from . import procs, tmux
 from .files import (
+    check_dir,
+    private_dir,
     read_text,
     supervision_copy,
     supervision_lock,
     supervisor_pid_file,
+    supervisors_root,
     write_atomic,
 )
 
@@ -27,9 +30,8 @@ MAX_COPY = 65536  # characters of a supervision record this node stores
 
 def register(job_id: str) -> None:
     """Called by the supervisor itself: this process supervises ``job_id`` here."""
-    path = supervisor_pid_file(job_id)
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    write_atomic(path, f"{os.getpid()}\n")
+    private_dir(supervisors_root())
+    write_atomic(supervisor_pid_file(job_id), f"{os.getpid()}\n")
 
 
 def beat(job_id: str) -> None:
@@ -58,6 +60,7 @@ def version_of(text: str | None) -> int:
 
 
 def supervisor(request: SupervisorRequest) -> SupervisorReply:
+    check_dir(supervisors_root())
     pid = supervisor_pid(request.job_id)
     pid_file = supervisor_pid_file(request.job_id)
     copy = supervision_copy(request.job_id)
@@ -80,8 +83,10 @@ def supervisor(request: SupervisorRequest) -> SupervisorReply:
         text = request.record.to_json()
         if len(text) > MAX_COPY:
             raise ValueError("a supervision record over 64 KiB")
-        os.makedirs(os.path.dirname(copy), mode=0o700, exist_ok=True)
-        with open(supervision_lock(request.job_id), "a") as lock:
+        private_dir(supervisors_root())
+        lock_flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+        descriptor = os.open(supervision_lock(request.job_id), lock_flags, 0o600)
+        with os.fdopen(descriptor, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time on this node
             if version_of(read_text(copy)) <= request.version:
                 write_atomic(copy, text)

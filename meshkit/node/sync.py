@@ -5,6 +5,7 @@ library only."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 from collections.abc import Iterator
 from itertools import islice
@@ -12,8 +13,12 @@ from pathlib import Path
 from stat import S_ISREG
 
 from ..protocol import FileState, ManifestReply, ManifestRequest, PutReply, PutRequest
+from .files import NEW_FILE, temporary_name
 
 MAX_FILES = 100000  # a workdir larger than this is not a job's code: the launcher says so
+
+# A file being put -> its temporary, from its first chunk on.
+_temporaries: dict[str, str] = {}
 
 
 def walk(root: Path, skip: set[str]) -> Iterator[FileState]:
@@ -47,17 +52,31 @@ def put(request: PutRequest) -> PutReply:
     if not path.is_absolute() or ".." in path.parts:
         raise ValueError(f"put: {request.path[:200]!r} is not an absolute path without '..'")
     path.parent.mkdir(parents=True, exist_ok=True)
-    # One agent sends every chunk of a file; two controllers writing one file do not share it.
-    temporary = path.with_name(f".{path.name}.meshkit-{os.getpid()}")
     data = base64.b64decode(request.data.encode(), validate=True)
-    flags = os.O_WRONLY | os.O_CREAT
+    # One agent sends every chunk of a file; two controllers writing one file do not share it.
+    # The first chunk makes a new temporary of a name nobody can guess (O_EXCL|O_NOFOLLOW:
+    # nothing planted is followed); the next chunks find it by that name, never by following a
+    # link.
     if request.offset == 0:
-        flags |= os.O_TRUNC  # the file's first chunk: whatever an earlier try left is gone
-    with os.fdopen(os.open(temporary, flags, 0o600), "wb") as out:
+        earlier = _temporaries.pop(str(path), None)
+        if earlier:  # what an earlier try of this file left
+            with contextlib.suppress(OSError):
+                os.unlink(earlier)
+        temporary = temporary_name(str(path))
+        _temporaries[str(path)] = temporary
+        descriptor = os.open(temporary, NEW_FILE, 0o600)
+    else:
+        temporary = _temporaries.get(str(path), "")
+        if not temporary:
+            where = request.path[:200]
+            raise ValueError(f"put: {where!r}: a chunk at {request.offset} before its first chunk")
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_NOFOLLOW)
+    with os.fdopen(descriptor, "wb") as out:
         out.seek(request.offset)
         out.write(data)
     if request.last:
         os.chmod(temporary, request.mode & 0o7777)
         os.utime(temporary, (request.mtime, request.mtime))
         os.replace(temporary, path)
+        del _temporaries[str(path)]
     return PutReply(len(data))

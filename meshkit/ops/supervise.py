@@ -320,7 +320,7 @@ def _save_diagnosis(
     text = json.dumps(found.as_json(), indent=1) + "\n"
     for host in job.home_copies(hosts):
         with contextlib.suppress(MeshkitError):  # the restart goes on without it
-            pool.write_file(host, path, text)
+            pool.write_file(host, path, text, 0o600)  # stacks and paths: this user's only
     outliers = f"rank {spans(found.outliers)}" if found.outliers else "none"
     reason = f"{decision.reason}; outliers: {outliers} (diagnosis: {path})"
     return path, replace(decision, reason=reason)

@@ -35,6 +35,40 @@ def error_path(errors: str, rank: str) -> str:
     return f"{errors}/rank{rank}.json"
 
 
+# No umask here: the hook runs inside the user's ranks, and a umask would change the
+# modes of every file the user's own code writes. The hook's own files are made 0600
+# instead (its FIFO's directory 0700), as node/files.py makes the node's.
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """``path`` written whole through a new temporary of a name nobody can guess: whatever was
+    planted at a name is never followed or written through."""
+    temporary = f"{path}.{os.getpid()}.{os.urandom(8).hex()}"
+    with os.fdopen(os.open(temporary, NEW_FILE, 0o600), "wb") as handle:
+        handle.write(data)
+    os.replace(temporary, path)
+
+
+def _private(directory: str) -> bool:
+    """The FIFOs' directory (node/files.py's state root), made 0700 if missing, and used
+    only if it is a real directory of this user that nobody else can write, as node/files.py
+    checks it."""
+    import contextlib
+    import stat
+
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        return False  # a symlink, a file, another user's
+    if info.st_mode & 0o022:
+        return False
+    if info.st_mode & 0o077:
+        os.chmod(directory, 0o700)
+    return True
+
+
 def _install(rank: str, errors: str) -> None:
     try:
         with open(YAMA) as handle:
@@ -62,10 +96,7 @@ def _install(rank: str, errors: str) -> None:
             data = {"message": {"message": message, "extraInfo": info}, "meshkit": ours}
             os.makedirs(errors, exist_ok=True)
             path = error_path(errors, rank)
-            temporary = f"{path}.{os.getpid()}"
-            with open(temporary, "w") as handle:
-                json.dump(data, handle)
-            os.replace(temporary, path)
+            _write_new(path, json.dumps(data).encode())
         except Exception:  # the rank's own error must still be shown
             pass
         previous(kind, value, traceback_object)
@@ -80,7 +111,9 @@ def _install(rank: str, errors: str) -> None:
 def _flight() -> None:
     fifo = fifo_path(os.getpid())
     try:
-        os.makedirs(os.path.dirname(fifo), mode=0o700, exist_ok=True)
+        if not _private(os.path.dirname(fifo)):
+            # No flight recorder rather than a FIFO in a directory another user controls.
+            return
         os.mkfifo(fifo, 0o600)
     except OSError:
         return
@@ -91,10 +124,7 @@ def _flight() -> None:
             data = sys.modules["torch"]._C._distributed_c10d._dump_fr_trace_json()
         except Exception:  # no torch.distributed (yet), or a torch without the recorder
             data = b"{}"
-        temporary = f"{fifo}.tmp"
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-        os.replace(temporary, fifo_dump_path(fifo))
+        _write_new(fifo_dump_path(fifo), data)
 
 
 def _chain() -> None:
