@@ -21,7 +21,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..protocol import DiagnoseReply, DiagnoseRequest, RankError, RankStack
+from ..protocol import DiagnoseReply, DiagnoseRequest, JobState, RankError, RankStack
 from ..record import asdict, build
 from . import files, jobs, procs
 
@@ -61,7 +61,7 @@ def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
             stacks = list(pool.map(ask_keeper, found))
     errors = read_errors(files.errors_dir(request.home), started)
     tail: list[str] = []
-    if state == "exited" and code and not errors:
+    if state == JobState.EXITED and code and not errors:
         tail = log_traceback(request.log)  # no rank left an error file: the log may say
     idle = jobs.idle(request.log, started)
     return DiagnoseReply(state, code, idle, stacks, errors, tail, problem)

@@ -13,7 +13,7 @@ from typing import Literal
 from ..hostfile import Host
 from ..job import Job
 from ..outcome import Outcome
-from ..protocol import DiagnoseReply, DiagnoseRequest, RankError
+from ..protocol import DiagnoseReply, DiagnoseRequest, JobState, RankError
 from .jobs import is_stalled
 from .pool import NodePool, unanswered
 
@@ -82,7 +82,7 @@ class Failure:
 class NodeRow:
     node_rank: int
     host: str
-    state: str
+    state: JobState
     exit_code: int | None
     idle_s: float | None
     error: str | None = None  # the node could not be asked, or no stack could be read there
@@ -129,7 +129,7 @@ def build(
         outcome = replies.get(host)
         if outcome is None or outcome.value is None:
             why = unanswered(outcome, host, failures)
-            nodes.append(NodeRow(number, host.label, "absent", None, None, str(why)))
+            nodes.append(NodeRow(number, host.label, JobState.ABSENT, None, None, str(why)))
             continue
         reply = outcome.value
         row = NodeRow(number, host.label, reply.state, reply.exit_code, reply.idle, reply.problem)
@@ -151,7 +151,7 @@ def build(
             if error.rank not in errors or error.time < errors[error.rank].error.time:
                 errors[error.rank] = ReportedError(number, error)
     ranks.sort(key=lambda rank: rank.rank)
-    answered = [node for node in nodes if node.error is None or node.state != "absent"]
+    answered = [node for node in nodes if node.error is None or node.state != JobState.ABSENT]
     state = job_state(job, answered)
     groups, outliers = group(ranks)
     failure = None
@@ -163,12 +163,12 @@ def build(
 
 def job_state(job: Job, answered: Sequence[NodeRow]) -> State:
     """Pure: the job's state from the nodes that answered."""
-    if any(node.state == "exited" and node.exit_code for node in answered):
+    if any(node.state == JobState.EXITED and node.exit_code for node in answered):
         return "failed"
-    if any(node.state == "running" for node in answered):
+    if any(node.state == JobState.RUNNING for node in answered):
         stalled = is_stalled(job.stall_after, [(node.state, node.idle_s) for node in answered])
         return "stalled" if stalled else "running"
-    if answered and all(node.state == "exited" for node in answered):
+    if answered and all(node.state == JobState.EXITED for node in answered):
         return "done"
     return "absent"
 
@@ -224,7 +224,7 @@ def first_failure(
             error.rank, node.host, node.exit_code, error.error, error.traceback, error.time
         )
     for node in nodes:
-        if node.state == "exited" and node.exit_code:
+        if node.state == JobState.EXITED and node.exit_code:
             outcome = replies.get(hosts[node.node_rank])
             tail: list[str] = []
             if outcome is not None and outcome.value is not None:

@@ -17,6 +17,7 @@ from ...ops import jobs as ops
 from ...ops import lookup
 from ...ops.diagnose import Diagnosis, spans
 from ...ops.pool import connect
+from ...protocol import JobState, SupervisorShown
 from ..common import HELP, conf, helps, progress, reported, table, task
 
 JOB_FLAGS = ("hostfile", "session", "workdir")
@@ -33,7 +34,7 @@ def supervisor_lines(row: ops.StatusRow, job: Job) -> list[str]:
     """What the supervision of a supervised job says (the master's row carries it)."""
     if row.supervisor is None:
         return [f"supervisor: none (restarts {job.restarts})"]
-    if row.supervisor == "not responding":
+    if row.supervisor == SupervisorShown.NOT_RESPONDING:
         return [f"supervisor: not responding: {row.last_restart_reason}"]
     leader = f" (leader: node {row.leader})" if row.leader is not None else ""
     last = f", last restart: {row.last_restart_reason}" if row.last_restart_reason else ""
@@ -265,7 +266,7 @@ def render_diagnosis(diagnosis: Diagnosis, job: Job) -> str:
     if diagnosis.state == "stalled":
         quiet = []
         for node in diagnosis.nodes:
-            if node.state == "running" and node.idle_s is not None:
+            if node.state == JobState.RUNNING and node.idle_s is not None:
                 quiet.append(node.idle_s)
         state += f" (no output for {min(quiet):.0f}s)"
     out = [f"job {job.label}: {state}"]
