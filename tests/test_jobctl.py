@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MESHKIT, meshkit
+from helpers.sandbox_jobs import wait_for
 
 from meshkit import sandbox
 
@@ -40,16 +41,6 @@ def project(lay, name: str) -> Path:
     return work
 
 
-def wait_for(predicate, timeout: float = 60, interval: float = 0.3):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"not reached within {timeout}s")
-
-
 def states(lay, index: int, cwd: str, *where: str) -> list[str]:
     out = inside(lay, index, cwd, "status", "--json", *where)
     assert out.returncode in (0, 1), out.stderr
@@ -65,7 +56,9 @@ def test_status_logs_stop_and_relaunch_from_another_nodes_home(meshed):
     assert out.returncode == 0, out.stdout + out.stderr
     where = ("--hostfile", hf, "--session", "far")
     # node2, in root's home: nothing but the hostfile and the session name
-    assert wait_for(lambda: states(lay, 2, "/root", *where) == ["running"] * 3)
+    assert wait_for(
+        lambda: states(lay, 2, "/root", *where) == ["running"] * 3, timeout=60, interval=0.3
+    )
     logs = inside(lay, 2, "/root", "logs", *where, "--lines", "5")
     assert logs.returncode == 0, logs.stderr
     assert {f"[{r}] hello from {r}" for r in range(3)} <= set(logs.stdout.splitlines())
@@ -75,7 +68,9 @@ def test_status_logs_stop_and_relaunch_from_another_nodes_home(meshed):
     assert states(lay, 1, "/tmp", *where) == ["absent"] * 3
     again = inside(lay, 1, "/root", "train", *where)  # a bare relaunch, from a third place
     assert again.returncode == 0, again.stdout + again.stderr
-    assert wait_for(lambda: states(lay, 0, "/", *where) == ["running"] * 3)
+    assert wait_for(
+        lambda: states(lay, 0, "/", *where) == ["running"] * 3, timeout=60, interval=0.3
+    )
     assert inside(lay, 0, "/", "stop", *where).returncode == 0
     # nothing found: the error says where it looked
     missing = inside(lay, 2, "/root", "status", "--hostfile", hf, "--session", "nosuch")
@@ -116,7 +111,7 @@ def test_stop_finds_setsid_env_i_processes_and_says_so_only_after_looking(meshed
         found = sandbox.node_exec(lay.nodes[index], ["pgrep", "-a", "-x", "sleep"])
         return [ln for ln in found.stdout.splitlines() if ln.endswith(("sleep 301", "sleep 302"))]
 
-    assert wait_for(lambda: all(len(sleeping(i)) == 2 for i in range(3)))
+    assert wait_for(lambda: all(len(sleeping(i)) == 2 for i in range(3)), timeout=60, interval=0.3)
     out = inside(lay, 2, str(work), "stop")
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("nothing left") == 3, out.stdout + out.stderr
@@ -153,7 +148,7 @@ def test_paths_with_tmux_format_characters_are_only_paths(meshed):
     cmd = 'pwd > "where$NODE_RANK"; echo done'
     out = inside(lay, 0, str(work), "train", "--hostfile", hf, "--cmd", cmd)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert wait_for(lambda: states(lay, 1, str(work)) == ["exited"] * 3)
+    assert wait_for(lambda: states(lay, 1, str(work)) == ["exited"] * 3, timeout=60, interval=0.3)
     assert all((work / f"where{r}").read_text().strip() == str(work) for r in range(3))
     assert not list(lay.shared.rglob("pwned"))
     assert not Path("/root/pwned").exists()
@@ -267,10 +262,10 @@ def test_each_agent_starts_as_its_node_connects_and_serves_every_later_phase(mes
 
     with AgentPool.connect(hosts, settings, sys.executable, events.append) as pool:
         assert [e.phase for e in events if e.finished] == ["connect"]
-        wait_for(lambda: all(agents_on(n) == 1 for n in lay.nodes), timeout=20)
+        wait_for(lambda: all(agents_on(n) == 1 for n in lay.nodes), timeout=20, interval=0.3)
         first = pool.call_all("jobs", lambda h: JobsRequest(), JobsReply)
         second = pool.call_all("jobs", lambda h: JobsRequest(), JobsReply)
         assert list(first) == list(second) == hosts
         assert all(o.ok for o in [*first.values(), *second.values()])
         assert all(agents_on(n) == 1 for n in lay.nodes)
-    wait_for(lambda: all(agents_on(n) == 0 for n in lay.nodes), timeout=20)
+    wait_for(lambda: all(agents_on(n) == 0 for n in lay.nodes), timeout=20, interval=0.3)
