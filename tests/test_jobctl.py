@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MESHKIT, meshkit
-from helpers.sandbox_jobs import wait_for
+from helpers.sandbox_jobs import inside, wait_for
 
 from meshkit import sandbox
 
@@ -27,12 +26,6 @@ def meshed(cluster):
     out = meshkit("mesh", "--hostfile", str(cluster.hostfile), "--no-verify")
     assert out.returncode == 0, out.stdout + out.stderr
     return cluster
-
-
-def inside(lay, index: int, cwd: str, *args: str, timeout: float = 120):
-    """``meshkit ARGS`` run inside node ``index`` from directory ``cwd``."""
-    line = f"cd {shlex.quote(cwd)} && {shlex.join([sys.executable, '-m', 'meshkit', *args])}"
-    return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
 
 
 def project(lay, name: str) -> Path:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import meshkit
+from helpers.sandbox_jobs import inside
 
 from meshkit import protocol, sandbox
 from meshkit.errors import MeshkitError
@@ -76,12 +77,6 @@ def meshed(cluster):
     out = meshkit("mesh", "--hostfile", str(cluster.hostfile), "--no-verify")
     assert out.returncode == 0, out.stdout + out.stderr
     return cluster
-
-
-def inside(lay, index: int, cwd: str, *args: str, timeout: float = 120):
-    """``meshkit ARGS`` run inside node ``index`` from directory ``cwd``."""
-    line = f"cd {shlex.quote(cwd)} && {shlex.join([sys.executable, '-m', 'meshkit', *args])}"
-    return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
 
 
 def states(lay, cwd: str, *where: str) -> list[str]:

@@ -56,3 +56,9 @@ def job_processes(lay) -> list[str]:
         out = sandbox.node_exec(node, ["pgrep", "-af", "example_train|torchrun|meshkit run"])
         left += [f"{node.name}: {line}" for line in out.stdout.splitlines() if "pgrep" not in line]
     return left
+
+
+def inside(lay, index: int, cwd: str, *args: str, timeout: float = 120):
+    """``meshkit ARGS`` run inside node ``index`` from directory ``cwd``."""
+    line = f"cd {shlex.quote(cwd)} && {shlex.join([sys.executable, '-m', 'meshkit', *args])}"
+    return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
