@@ -3,7 +3,9 @@ machine from the repository root: ``python3 tests/hardware/gpu_check.py``. Check
 (each way ``gpu_count`` can learn it), the doctor's CUDA and NCCL versions, ``meshkit env
 --nproc-per-node auto``, and ``init_distributed``'s nccl path under torchrun, without it, and
 under ``meshkit run --spawn``, all started by ``meshkit run``; then the example job (under
-torchrun and spawned) and the doctor's collective probe. Exit 0 only if every check passed."""
+torchrun and spawned), the doctor's collective probe, and ``diagnose`` on GPU ranks (their stacks
+through py-spy and the last NCCL collective from torch's flight recorder), started and read through
+the node agent as ``meshkit train``/``diagnose`` do. Exit 0 only if every check passed."""
 
 from __future__ import annotations
 
@@ -13,12 +15,26 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 import meshkit as package
+from meshkit.job import Job
 from meshkit.node import doctor, gpus
+from meshkit.protocol import (
+    DiagnoseReply,
+    DiagnoseRequest,
+    Reply,
+    Request,
+    StartReply,
+    StartRequest,
+    StopRequest,
+    decode_reply,
+    encode_request,
+    op_of,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -142,8 +158,89 @@ def main() -> int:
     check("the doctor's collective probe picks nccl and sums right",
           out.returncode == 0 and "backend=nccl" in out.stdout and "ok=True" in out.stdout,
           (out.stdout[-400:] + out.stderr[-1500:]).strip())  # fmt: skip
+    check_diagnose(cuda, work, hostfile)
     print(f"\n{'all checks passed' if not failed else 'FAILED: ' + ', '.join(failed)}")
     return 1 if failed else 0
+
+
+# A rank that enters three NCCL all_reduces, then waits in time.sleep (line 9): diagnose must
+# read its stack there and its flight recorder's last collective.
+HANG = """import sys, time
+import torch
+import torch.distributed as dist
+from meshkit.torch import init_distributed
+place = init_distributed(hostfile=sys.argv[1], timeout=60)
+for _ in range(3):
+    dist.all_reduce(torch.ones(1, device="cuda"))
+torch.cuda.synchronize(); print("entered", flush=True)
+time.sleep(120)
+"""
+
+
+def check_diagnose(cuda: int, work: Path, hostfile: Path) -> None:
+    """The node agent starts a spawned NCCL job (a rank per GPU) and diagnoses it: every rank's
+    stack read by py-spy, waiting in the script's sleep, and the flight recorder's last
+    collective an nccl all_reduce, sequence 3 or more."""
+    (work / "gpu_hang.py").write_text(HANG)
+    job = Job(
+        f"{sys.executable} gpu_hang.py {hostfile}",
+        str(work),
+        "meshkit-gpu-diagnose",
+        str(hostfile),
+        sys.executable,
+        29531,
+        nproc_per_node=cuda,
+        spawn=True,
+        env={"MESHKIT_NODE_RANK": "0"},
+    )
+    env = dict(os.environ)
+    if FROM_CHECKOUT:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "meshkit.node", "serve"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=work,
+    )  # fmt: skip
+
+    def ask(request: Request) -> Reply:
+        assert agent.stdin is not None and agent.stdout is not None
+        agent.stdin.write(encode_request(request))
+        agent.stdin.flush()
+        return decode_reply(op_of(request), agent.stdout.readline())
+
+    found: DiagnoseReply | None = None
+    try:
+        started = ask(StartRequest(job.node_job()))
+        check("the agent starts a spawned NCCL job", isinstance(started, StartReply)
+              and started.started, started)  # fmt: skip
+        request = DiagnoseRequest(job.id, str(job.home), job.log(0), seconds=20.0)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            reply = ask(request)
+            assert isinstance(reply, DiagnoseReply), reply
+            found = reply
+            ready = len(reply.ranks) == cuda and all(
+                rank.frames and rank.frames[-1].endswith("gpu_hang.py:9)") and rank.seq
+                for rank in reply.ranks
+            )  # fmt: skip
+            if ready or reply.state in ("exited", "failed"):
+                break
+            time.sleep(1)
+        ranks = found.ranks if found is not None else []
+        stacks = [(rank.rank, rank.frames[-1:] or rank.error) for rank in ranks]
+        check("diagnose reads every GPU rank's stack (py-spy)", len(ranks) == cuda and all(
+            rank.error is None and rank.frames[-1].endswith("gpu_hang.py:9)") for rank in ranks
+        ), stacks or found)  # fmt: skip
+        recorded = [(rank.rank, rank.seq, rank.collective) for rank in ranks]
+        check("the flight recorder names each rank's last NCCL collective", bool(ranks) and all(
+            (rank.seq or 0) >= 3 and "nccl:all_reduce" in (rank.collective or "")
+            for rank in ranks
+        ), recorded)  # fmt: skip
+    finally:
+        with_stop = ask(StopRequest(job.id))
+        print(f"stopped: {with_stop}")
+        assert agent.stdin is not None
+        agent.stdin.close()
+        agent.wait(10)
 
 
 if __name__ == "__main__":
