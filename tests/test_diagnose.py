@@ -317,6 +317,40 @@ def test_first_failure_by_time_and_states():
     assert not down.ok
 
 
+def test_the_first_failure_is_judged_on_one_clock_whatever_the_nodes_clocks_say():
+    """Node 1's clock runs 30 s ahead of this machine's, node 2's is right. Rank 2 (node 1)
+    raised at 1000 by this machine's clock, rank 4 (node 2) 5 s later: by their own clocks,
+    rank 4's error looks 25 s the earlier. Each node said its time when the request arrived,
+    which corrects it."""
+    sent = {HOSTS[0]: 900.0, HOSTS[1]: 900.0, HOSTS[2]: 900.0}
+    on_node1 = RankError(2, 1, 1030.0, "ValueError: bad batch", ["ValueError: bad batch"])
+    on_node2 = RankError(4, 2, 1005.0, "RuntimeError: Connection closed by peer", [])
+
+    def answered(arrived: float, *errors: RankError) -> Outcome[DiagnoseReply]:
+        return Outcome(DiagnoseReply("exited", 1, 1.0, [], list(errors), [], None, arrived))
+
+    replies = {
+        HOSTS[0]: answered(900.01),
+        HOSTS[1]: answered(930.01, on_node1),
+        HOSTS[2]: answered(900.01, on_node2),
+    }
+    assert op.clock_offsets(HOSTS, replies, sent) == pytest.approx({0: 0.01, 1: 30.01, 2: 0.01})
+    failure = op.build(JOB, HOSTS, replies, {}, sent).first_failure
+    assert failure is not None
+    assert (failure.rank, failure.node, failure.error) == (2, "10.0.0.1", "ValueError: bad batch")
+    assert failure.time == pytest.approx(999.99)
+    # shared storage: node 0 returns both files too; each is read on the clock of the node its
+    # rank ran on (the file says which), not of the node that returned it
+    replies[HOSTS[0]] = answered(900.01, on_node1, on_node2)
+    failure = op.build(JOB, HOSTS, replies, {}, sent).first_failure
+    assert failure is not None
+    assert (failure.rank, failure.node) == (2, "10.0.0.1")
+    # uncorrected (no times sent, as from a node that says none), the clocks mislead
+    failure = op.build(JOB, HOSTS, replies, {}).first_failure
+    assert failure is not None
+    assert failure.rank == 4
+
+
 def test_stall_and_durations():
     assert is_stalled(30.0, [("running", 31.0), ("exited", 1.0), ("running", 40.0)])
     assert not is_stalled(30.0, [("running", 31.0), ("running", 2.0)])
