@@ -388,6 +388,9 @@ class DiagnoseReply(Reply):
     errors: list[RankError]
     log_traceback: list[str]  # the log's last traceback, when no rank left an error file
     problem: str | None = None  # why no stack could be read at all (py-spy missing, say)
+    # time.time() on the node when the request arrived: the controller knows when it sent it,
+    # and corrects the node's error-file times by the difference (the nodes' clocks differ)
+    clock: WallTime | None = None
 
 
 @record

@@ -2,7 +2,8 @@
 without root they skip, and .ci/run fails a CI run in which they skipped.
 
 Each test module gets its own named sandbox (bridge, namespaces, subnet, directory), so modules run
-in parallel under pytest-xdist (``--dist loadfile``) without touching each other's nodes."""
+in parallel under pytest-xdist (``--dist loadfile``) without touching each other's nodes. The
+longest modules run first (``SECONDS``), so that no long one starts last."""
 
 from __future__ import annotations
 
@@ -21,8 +22,45 @@ from meshkit import sandbox
 MESHKIT = [sys.executable, "-m", "meshkit"]
 
 
+# Seconds each long module took, run alone on a shared 2-core machine under load (--durations;
+# their sizes against each other are what counts). Modules run longest first: under xdist's
+# --dist loadfile (.ci/run) a worker takes the next module when it is nearly done, and a long
+# module started last leaves the other worker idle meanwhile. A module not listed counts as
+# UNLISTED if it brings up a sandbox (the ``cluster`` fixture), else as 0.
+SECONDS = {
+    "test_diagnose": 510,
+    "test_supervised": 490,
+    "test_train": 370,
+    "test_network_train": 300,
+    "test_mesh": 300,
+    "test_bandwidth": 190,
+    "test_cmpirun": 160,
+    "test_jobctl": 160,
+    "test_doctor": 130,
+    "test_sync": 120,
+    "test_cslurm": 85,
+    "test_fastcli": 60,
+}
+UNLISTED = 60
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sandbox: needs root; runs against a real local cluster")
+    # xdist would otherwise run the modules with the most tests first (unit-test modules, the
+    # quick ones), whatever the order below
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest modules' tests first; a module's tests keep their order (a stable sort)."""
+    expected: dict[Path, int] = {}
+    for item in items:
+        guess = SECONDS.get(item.path.stem)
+        if guess is None:
+            guess = UNLISTED if "cluster" in getattr(item, "fixturenames", ()) else 0
+        expected[item.path] = max(expected.get(item.path, 0), guess)
+    items.sort(key=lambda item: -expected[item.path])
 
 
 # One letter that starts every test sandbox's name: two checkouts (git worktrees) running the suite

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import meshkit, need_root
-from helpers.sandbox_jobs import on_node, wait_for
+from helpers.sandbox_jobs import on_node, supervisor_said, wait_for
 
 from meshkit import sandbox
 from meshkit.hostfile import Host
@@ -44,10 +44,17 @@ from meshkit.protocol import (
 
 SANDBOX_NODES = 3
 HANG = """\
-import os, sys, time
-print("importing torch", flush=True)  # (a relaunch busy importing is not silent, so not stalled)
+import os, sys, threading, time
+joined = threading.Event()
+def importing():  # a relaunch busy importing torch is not silent, so not stalled
+    while True:
+        print("importing torch", flush=True)
+        if joined.wait(1):
+            return
+threading.Thread(target=importing, daemon=True).start()
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
+joined.set()
 rank, mode, odd = dist.get_rank(), sys.argv[1], int(sys.argv[2])
 print(f"rank {rank} ready", flush=True)
 if rank == odd and (mode == "sleep" or (mode == "once" and not os.path.exists("slept"))):
@@ -61,8 +68,8 @@ dist.all_reduce(t)
 print(f"rank {rank} sum {t.item()}", flush=True)
 dist.destroy_process_group()  # (exiting with gloo's threads alive can abort: std::terminate)
 """
-SLEEP_LINE = 9
-REDUCE_LINE = 14
+SLEEP_LINE = HANG.splitlines().index("    time.sleep(600)") + 1
+REDUCE_LINE = HANG.splitlines().index("dist.all_reduce(t)") + 1
 LAUNCHERS = {"torchrun": ("torchrun hang.py",), "spawn": ("--spawn", "python hang.py")}
 
 
@@ -166,7 +173,15 @@ def test_the_first_failure_is_the_rank_that_raised(meshed, launcher):
     lay, workdir = meshed
     session = f"raise-{launcher}"
     train(lay, workdir, session, launcher, "raise 4")
-    wait_for(lambda: all(r["state"] == "exited" for r in status(lay, session)), timeout=180)
+
+    def every_node_exited() -> bool:
+        # status (a second of CPU a round) only once rank 4's error is in the logs
+        logs = (workdir / ".meshkit" / session).glob("node*.log")
+        if not any("boom on rank 4" in log.read_text() for log in logs):
+            return False
+        return all(r["state"] == "exited" for r in status(lay, session))
+
+    wait_for(every_node_exited, timeout=180)
     found = json.loads(task(lay, 1, "diagnose", session, "--json").stdout)
     assert found["state"] == "failed", found
     first = found["first_failure"]
@@ -184,12 +199,17 @@ def test_restart_on_stall_saves_the_diagnosis_then_completes(meshed):
     lay, workdir = meshed
     session = "restall"
     (workdir / "slept").unlink(missing_ok=True)
-    # Long enough for 6 ranks to import torch without a word on a shared 2-core machine under a
-    # load of 25 (the relaunched attempt must not be judged stalled before it prints).
-    flags = ("--restarts", "1", "--restart-on-stall", "--stall-after", "45s")
-    train(lay, workdir, session, "torchrun", "once 3", *flags)
+    # The ranks say "importing torch" every second until they have joined the group, and
+    # --spawn starts them without a launcher that imports torch first: an attempt is silent
+    # only while `meshkit run` starts, seconds even on a shared 2-core machine under a load of
+    # 25, so it is not judged stalled before its ranks print. (test_supervised relaunches
+    # torchrun jobs; the stall tests above find stalls under both launchers.)
+    flags = ("--restarts", "1", "--restart-on-stall", "--stall-after", "15s")
+    train(lay, workdir, session, "spawn", "once 3", *flags)
 
     def supervisor_done() -> list[dict[str, object]] | None:
+        if not supervisor_said(workdir, session, " done: "):
+            return None
         rows = status(lay, session)
         if rows and rows[0]["supervisor"] == "done":
             return rows
@@ -315,6 +335,40 @@ def test_first_failure_by_time_and_states():
     down = op.build(JOB, HOSTS, {}, {h: "timed out" for h in HOSTS})
     assert down.state == "absent"
     assert not down.ok
+
+
+def test_the_first_failure_is_judged_on_one_clock_whatever_the_nodes_clocks_say():
+    """Node 1's clock runs 30 s ahead of this machine's, node 2's is right. Rank 2 (node 1)
+    raised at 1000 by this machine's clock, rank 4 (node 2) 5 s later: by their own clocks,
+    rank 4's error looks 25 s the earlier. Each node said its time when the request arrived,
+    which corrects it."""
+    sent = {HOSTS[0]: 900.0, HOSTS[1]: 900.0, HOSTS[2]: 900.0}
+    on_node1 = RankError(2, 1, 1030.0, "ValueError: bad batch", ["ValueError: bad batch"])
+    on_node2 = RankError(4, 2, 1005.0, "RuntimeError: Connection closed by peer", [])
+
+    def answered(arrived: float, *errors: RankError) -> Outcome[DiagnoseReply]:
+        return Outcome(DiagnoseReply("exited", 1, 1.0, [], list(errors), [], None, arrived))
+
+    replies = {
+        HOSTS[0]: answered(900.01),
+        HOSTS[1]: answered(930.01, on_node1),
+        HOSTS[2]: answered(900.01, on_node2),
+    }
+    assert op.clock_offsets(HOSTS, replies, sent) == pytest.approx({0: 0.01, 1: 30.01, 2: 0.01})
+    failure = op.build(JOB, HOSTS, replies, {}, sent).first_failure
+    assert failure is not None
+    assert (failure.rank, failure.node, failure.error) == (2, "10.0.0.1", "ValueError: bad batch")
+    assert failure.time == pytest.approx(999.99)
+    # shared storage: node 0 returns both files too; each is read on the clock of the node its
+    # rank ran on (the file says which), not of the node that returned it
+    replies[HOSTS[0]] = answered(900.01, on_node1, on_node2)
+    failure = op.build(JOB, HOSTS, replies, {}, sent).first_failure
+    assert failure is not None
+    assert (failure.rank, failure.node) == (2, "10.0.0.1")
+    # uncorrected (no times sent, as from a node that says none), the clocks mislead
+    failure = op.build(JOB, HOSTS, replies, {}).first_failure
+    assert failure is not None
+    assert failure.rank == 4
 
 
 def test_stall_and_durations():

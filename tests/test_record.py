@@ -79,7 +79,8 @@ def test_every_wall_clock_field_is_held_to_times_and_any_float_to_finite_numbers
     assert isinstance(reply, protocol.StatusReply)
     assert reply.started == 1700000000.5
     assert protocol.decode_reply("status", status_line("0")).started == 0.0
-    assert wall_clock_fields() == {"StatusReply.started", "FactsReply.clock", "RankError.time"}
+    clocks = {"StatusReply.started", "FactsReply.clock", "RankError.time", "DiagnoseReply.clock"}
+    assert wall_clock_fields() == clocks
     error = {"rank": 0, "node_rank": 0, "time": -5, "error": "x", "traceback": []}
     with pytest.raises(record.Invalid, match=r"errors\[\]\.time: -5.0 is not a time"):
         record.build(protocol.RankError, error, "errors[]")

@@ -7,20 +7,39 @@ restarts leave a record that says why; stop ends every supervisor first."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 from conftest import meshkit
-from helpers.sandbox_jobs import NPROC, RESULT, check_results, job_processes, on_node, wait_for
+from helpers.sandbox_jobs import (
+    NPROC,
+    RESULT,
+    check_results,
+    job_processes,
+    on_node,
+    supervisor_said,
+    wait_for,
+)
 
 from meshkit import sandbox
 
 SANDBOX_NODES = 3
 REPO = Path(__file__).resolve().parent.parent
-TORCH = "torchrun example_train.py --sleep 25"
 FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+def torch_job(session: str) -> str:
+    """The example job. Its first attempt sleeps 25 s after the all_reduce, so it still runs
+    when the test ends a worker or reboots a node; the test then writes ``SESSION.sleep`` (0),
+    so a relaunch ends once every rank has reported."""
+    return f"torchrun example_train.py --sleep $(cat {session}.sleep 2>/dev/null || echo 25)"
+
+
+def relaunches_end(workdir: Path, session: str) -> None:
+    (workdir / f"{session}.sleep").write_text("0\n")
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +72,26 @@ def status_when(lay, workdir: Path, session: str, ready):
     return rows if rows and ready(rows) else None
 
 
+def is_held(rows) -> bool:
+    return bool(rows[0]["held"])
+
+
+def took_over(workdir: Path, session: str, rank: int) -> bool:
+    """Whether node ``rank``'s supervisor logged a relaunch it makes (a takeover's first word)."""
+    log = workdir / ".meshkit" / session / f"supervisor-node{rank}.log"
+    return log.exists() and ": relaunching" in log.read_text()
+
+
 def led_by(rank: int):
     """Whether status names ``rank``'s supervisor as the leader."""
     return lambda rows: rows[0]["leader"] == rank
 
 
 def supervisor_is(lay, workdir: Path, session: str, *states: str):
+    """Status once its supervisor is in one of ``states`` ("done", "gave up"); asked only once a
+    supervisor's log says "STATE: " (status rounds are dear, logs cheap)."""
+    if not any(supervisor_said(workdir, session, f" {state}: ") for state in states):
+        return None
     rows = status(lay, workdir, session)
     return rows if rows[0]["supervisor"] in states else None
 
@@ -113,8 +146,10 @@ def test_exhausted_restarts_give_up_with_the_reason_and_last_exit_codes(meshed):
 def test_a_killed_worker_restarts_the_whole_job_with_the_same_ranks(meshed):
     lay, workdir = meshed
     n = len(lay.nodes)
-    train(lay, workdir, "killed", "--restarts", "2", "--nproc-per-node", str(NPROC), "--cmd", TORCH)
+    args = ("--restarts", "2", "--nproc-per-node", str(NPROC), "--cmd", torch_job("killed"))
+    train(lay, workdir, "killed", *args)
     wait_for(lambda: len(results_of(workdir, "killed", n, 1)) == n * NPROC, timeout=180)
+    relaunches_end(workdir, "killed")
     rows = status(lay, workdir, "killed")
     assert rows[0]["supervisor"] == "running"
     assert rows[0]["attempt"] == 1
@@ -135,8 +170,10 @@ def test_a_killed_worker_restarts_the_whole_job_with_the_same_ranks(meshed):
 def test_a_rebooted_node_is_relaunched_once_it_is_back(meshed):
     lay, workdir = meshed
     n = len(lay.nodes)
-    train(lay, workdir, "reboot", "--restarts", "1", "--nproc-per-node", str(NPROC), "--cmd", TORCH)
+    args = ("--restarts", "1", "--nproc-per-node", str(NPROC), "--cmd", torch_job("reboot"))
+    train(lay, workdir, "reboot", *args)
     wait_for(lambda: len(results_of(workdir, "reboot", n, 1)) == n * NPROC, timeout=180)
+    relaunches_end(workdir, "reboot")
     sandbox.reboot(lay, 2)
     rows = wait_for(lambda: supervisor_is(lay, workdir, "reboot", "done", "gave up"), timeout=300)
     assert rows[0]["supervisor"] == "done", rows
@@ -189,10 +226,10 @@ def test_a_rebooted_launching_node_is_relaunched_with_no_command(meshed):
     ranks, and start node 0's supervisor again."""
     lay, workdir = meshed
     n = len(lay.nodes)
-    train(
-        lay, workdir, "reboot0", "--restarts", "1", "--nproc-per-node", str(NPROC), "--cmd", TORCH
-    )
+    args = ("--restarts", "1", "--nproc-per-node", str(NPROC), "--cmd", torch_job("reboot0"))
+    train(lay, workdir, "reboot0", *args)
     wait_for(lambda: len(results_of(workdir, "reboot0", n, 1)) == n * NPROC, timeout=180)
+    relaunches_end(workdir, "reboot0")
     assert status(lay, workdir, "reboot0")[0]["leader"] == 0
     sandbox.reboot(lay, 0)
     rows = wait_for(lambda: supervisor_is(lay, workdir, "reboot0", "done", "gave up"), timeout=300)
@@ -220,7 +257,8 @@ def test_a_leader_killed_during_a_held_relaunch_leaves_exactly_one_relaunch(mesh
     assert sandbox.node_exec(lay.nodes[2], ["sh", "-c", ro]).returncode == 0
     try:
         sandbox.node_exec(lay.nodes[1], ["pkill", "-9", "-f", "^sleep 600"])
-        rows = wait_for(lambda: status_when(lay, workdir, "held", lambda rows: rows[0]["held"]))
+        said = functools.partial(supervisor_said, workdir, "held", "held by")
+        rows = wait_for(lambda: said() and status_when(lay, workdir, "held", is_held))
         assert rows[0]["supervisor"] == "running"
         assert rows[0]["relaunching"]
         assert rows[0]["attempt"] == 2
@@ -232,7 +270,9 @@ def test_a_leader_killed_during_a_held_relaunch_leaves_exactly_one_relaunch(mesh
         # node 0's supervisor hangs (frozen: tmux resumes a stopped pane at once): its heartbeat
         # goes stale and node 1 takes the attempt over
         with frozen(host_pid(lay, "held", 0)):
-            rows = wait_for(lambda: status_when(lay, workdir, "held", led_by(1)))
+            # node 1 says so once it took over (its heartbeat stale: a minute)
+            taken = functools.partial(took_over, workdir, "held", 1)
+            rows = wait_for(lambda: taken() and status_when(lay, workdir, "held", led_by(1)))
             assert rows[0]["supervisor"] == "running"
             assert rows[0]["relaunching"]
             assert rows[0]["attempt"] == 2
@@ -249,7 +289,8 @@ def test_a_leader_killed_during_a_held_relaunch_leaves_exactly_one_relaunch(mesh
     def relaunched(rows) -> bool:
         return rows[0]["supervisor"] == "running" and all(row["state"] == "running" for row in rows)
 
-    rows = wait_for(lambda: status_when(lay, workdir, "held", relaunched), timeout=120)
+    said = functools.partial(supervisor_said, workdir, "held", "attempt 2 started")
+    rows = wait_for(lambda: said() and status_when(lay, workdir, "held", relaunched), timeout=120)
     assert (rows[0]["attempt"], rows[0]["restarts_left"], rows[0]["held"]) == (2, 2, None)
     for rank in range(len(lay.nodes)):
         text = (workdir / ".meshkit" / "held" / f"node{rank}.log").read_text()

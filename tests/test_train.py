@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -10,7 +11,15 @@ from pathlib import Path
 
 import pytest
 from conftest import meshkit
-from helpers.sandbox_jobs import NPROC, RESULT, check_results, job_processes, on_node, wait_for
+from helpers.sandbox_jobs import (
+    NPROC,
+    RESULT,
+    check_results,
+    every_log_says,
+    job_processes,
+    on_node,
+    wait_for,
+)
 
 from meshkit import sandbox
 
@@ -110,13 +119,14 @@ def test_seed_style_run_sh_from_a_worker_and_exit_codes(meshed):
     cmd = f"{run_sh} $GPUS_PER_NODE $NNODES $NODE_RANK $MASTER_ADDR $MASTER_PORT"
     out = train_on(lay, 2, workdir, "seed", "--nproc-per-node", str(NPROC), "--cmd", cmd)
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = wait_for(lambda: all_exited(lay, workdir, "seed"))
+    rows = wait_for(lambda: all_exited(lay, workdir, "seed", reported(workdir, "seed", nodes)))
     assert [row["exit_code"] for row in rows] == [0] * nodes
     check_results(results(workdir, "seed", nodes), nodes)
 
     out = train_on(lay, 0, workdir, "fails", "--cmd", "echo about to fail; exit 7")
     assert out.returncode == 0
-    rows = wait_for(lambda: all_exited(lay, workdir, "fails"))
+    said = functools.partial(every_log_says, workdir, "fails", nodes, "about to fail")
+    rows = wait_for(lambda: all_exited(lay, workdir, "fails", said))
     ends = [(row["exit_code"], row["last_line"]) for row in rows]
     assert ends == [(7, "about to fail")] * nodes
 
@@ -127,7 +137,9 @@ def test_spawn_starts_every_rank_without_torchrun_and_a_failure_ends_the_node(me
     args = ("--nproc-per-node", str(NPROC), "--spawn")
     out = train_on(lay, 1, workdir, "spawned", *args, "--cmd", "python example_train.py")
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = wait_for(lambda: all_exited(lay, workdir, "spawned"))
+    rows = wait_for(
+        lambda: all_exited(lay, workdir, "spawned", reported(workdir, "spawned", nodes))
+    )
     assert [row["exit_code"] for row in rows] == [0] * nodes
     found = results(workdir, "spawned", nodes)
     check_results(found, nodes)
@@ -139,7 +151,9 @@ def test_spawn_starts_every_rank_without_torchrun_and_a_failure_ends_the_node(me
     out = on_node(lay, 2, workdir, "train", "--session", "spawned")
     assert out.returncode == 0, out.stdout + out.stderr
     wait_for(lambda: len(results(workdir, "spawned", nodes)) == 2 * nodes * NPROC)
-    rows = wait_for(lambda: all_exited(lay, workdir, "spawned"))
+    rows = wait_for(
+        lambda: all_exited(lay, workdir, "spawned", reported(workdir, "spawned", nodes))
+    )
     assert [row["exit_code"] for row in rows] == [0] * nodes
     assert json.loads((workdir / ".meshkit" / "spawned" / "job.json").read_text())["spawn"]
 
@@ -158,7 +172,8 @@ def test_spawn_starts_every_rank_without_torchrun_and_a_failure_ends_the_node(me
     cmd = "if [ $LOCAL_RANK = 1 ]; then echo rank $RANK fails; exit 5; fi; exec sleep 600"
     out = train_on(lay, 0, workdir, "spawnfail", *args, "--cmd", cmd)
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = wait_for(lambda: all_exited(lay, workdir, "spawnfail"), timeout=60)
+    said = functools.partial(every_log_says, workdir, "spawnfail", nodes, " fails")
+    rows = wait_for(lambda: all_exited(lay, workdir, "spawnfail", said), timeout=60)
     assert [row["exit_code"] for row in rows] == [5] * nodes
     assert [row["last_line"] for row in rows] == [f"rank {2 * i + 1} fails" for i in range(nodes)]
     for node in lay.nodes:
@@ -171,7 +186,16 @@ def test_spawn_starts_every_rank_without_torchrun_and_a_failure_ends_the_node(me
     assert nothing_started(lay, "spawnbad")
 
 
-def all_exited(lay, workdir: Path, session: str):
+def reported(workdir: Path, session: str, nodes: int):
+    """A check: every rank printed its result line (right before it ends)."""
+    return lambda: len(results(workdir, session, nodes)) >= nodes * NPROC
+
+
+def all_exited(lay, workdir: Path, session: str, ready):
+    """Status once every node exited; asked only once ``ready()`` (the logs say the job is
+    ending): the logs are cheap to read, a status round costs about a second of CPU."""
+    if not ready():
+        return None
     rows = status(lay, workdir, session)
     if all(row["state"] == "exited" for row in rows):
         return rows

@@ -40,6 +40,7 @@ YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
 def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
+    arrived = time.time()  # against the controller's clock: see DiagnoseReply.clock
     files.check_dir(files.job_dir(request.job_id))
     state, code = jobs.job_state(request.job_id)
     started = jobs.started_at(request.job_id)
@@ -64,7 +65,7 @@ def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
     if state == JobState.EXITED and code and not errors:
         tail = log_traceback(request.log)  # no rank left an error file: the log may say
     idle = jobs.idle(request.log, started)
-    return DiagnoseReply(state, code, idle, stacks, errors, tail, problem)
+    return DiagnoseReply(state, code, idle, stacks, errors, tail, problem, arrived)
 
 
 def rank_processes(keeper: int) -> dict[int, int]:

@@ -6,6 +6,7 @@ pure, unit-tested with plain replies.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -32,6 +33,7 @@ class ReportedError:
 
 
 Errors = dict[int, ReportedError]  # rank -> its earliest error file
+Offsets = dict[int, float]  # node rank -> its clock less this machine's, in seconds
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Failure:
     exit_code: int | None
     error: str
     traceback: list[str]
-    time: float | None = None
+    time: float | None = None  # when it raised, on this machine's clock
 
 
 @dataclass(frozen=True)
@@ -111,17 +113,25 @@ class Diagnosis:
 
 
 def diagnose(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Diagnosis:
+    sent: dict[Host, float] = {}
+
     def request(host: Host) -> DiagnoseRequest:
+        sent[host] = time.time()  # as the doctor's facts round does: see clock_offsets
         return DiagnoseRequest(job.id, str(job.home), job.log(hosts.index(host)), SECONDS)
 
     replies = pool.call_all("diagnose", request, DiagnoseReply, timeout=SECONDS + 30)
-    return build(job, hosts, replies, pool.failures)
+    return build(job, hosts, replies, pool.failures, sent)
 
 
 def build(
-    job: Job, hosts: Sequence[Host], replies: Replies, failures: dict[Host, str]
+    job: Job,
+    hosts: Sequence[Host],
+    replies: Replies,
+    failures: dict[Host, str],
+    sent: dict[Host, float] | None = None,
 ) -> Diagnosis:
-    """Pure: the replies as one diagnosis."""
+    """Pure: the replies as one diagnosis. ``sent``: when each node's request left (this
+    machine's clock), to correct its clock (``clock_offsets``)."""
     nodes: list[NodeRow] = []
     ranks: list[Rank] = []
     errors: Errors = {}
@@ -156,7 +166,8 @@ def build(
     groups, outliers = group(ranks)
     failure = None
     if state == "failed" or errors:
-        failure = first_failure(hosts, nodes, errors, replies)
+        offsets = clock_offsets(hosts, replies, sent or {})
+        failure = first_failure(hosts, nodes, errors, replies, offsets)
     stall_after = job.stall_after
     return Diagnosis(state, failure, ranks, outliers, groups, nodes, stall_after, flight(ranks))
 
@@ -208,21 +219,53 @@ def group(ranks: Sequence[Rank]) -> tuple[list[Group], list[int]]:
     return groups, sorted(outliers)
 
 
+def clock_offsets(hosts: Sequence[Host], replies: Replies, sent: dict[Host, float]) -> Offsets:
+    """Pure: each answering node's clock less this machine's, by node rank: the node's
+    clock when the request arrived less this machine's when it left. The request's one-way
+    trip (milliseconds) makes it that much too large; what it corrects is larger: the
+    clocks of nodes without time sync differ by seconds or more."""
+    offsets: Offsets = {}
+    for number, host in enumerate(hosts):
+        outcome = replies.get(host)
+        if outcome is None or outcome.value is None:
+            continue
+        arrived = outcome.value.clock
+        if arrived is not None and host in sent:
+            offsets[number] = arrived - sent[host]
+    return offsets
+
+
+def ran_on(reported: ReportedError, nodes: int) -> int:
+    """The node (by rank) an error file's rank ran on: as the file says (with shared storage
+    every node returns every file), else the node that returned it."""
+    said = reported.error.node_rank
+    if said is not None and 0 <= said < nodes:
+        return said
+    return reported.node_rank
+
+
 def first_failure(
-    hosts: Sequence[Host], nodes: Sequence[NodeRow], errors: Errors, replies: Replies
+    hosts: Sequence[Host],
+    nodes: Sequence[NodeRow],
+    errors: Errors,
+    replies: Replies,
+    offsets: Offsets | None = None,
 ) -> Failure | None:
-    """The rank that raised first (by its error file's time: a peer that died of the closed
-    connection raised later); without error files, the first failed node's log traceback."""
+    """The rank that raised first (by its error file's time, on this machine's clock by the
+    ``offsets`` of the nodes' clocks: a peer that died of the closed connection raised later);
+    without error files, the first failed node's log traceback."""
     if errors:
-        earliest = min(errors.values(), key=lambda reported: reported.error.time)
+        known = offsets or {}
+
+        def raised(reported: ReportedError) -> float:
+            """When it raised, on this machine's clock."""
+            return reported.error.time - known.get(ran_on(reported, len(nodes)), 0.0)
+
+        earliest = min(errors.values(), key=raised)
         error = earliest.error
-        number = earliest.node_rank
-        if error.node_rank is not None and 0 <= error.node_rank < len(nodes):
-            number = error.node_rank  # the node it ran on, as its file says (storage is shared)
-        node = nodes[number]
-        return Failure(
-            error.rank, node.host, node.exit_code, error.error, error.traceback, error.time
-        )
+        node = nodes[ran_on(earliest, len(nodes))]
+        when = raised(earliest)
+        return Failure(error.rank, node.host, node.exit_code, error.error, error.traceback, when)
     for node in nodes:
         if node.state == JobState.EXITED and node.exit_code:
             outcome = replies.get(hosts[node.node_rank])

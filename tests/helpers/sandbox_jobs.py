@@ -35,6 +35,22 @@ def wait_for(predicate, timeout: float = 120, interval: float = 0.5):
     raise AssertionError(f"not reached within {timeout}s")
 
 
+def supervisor_said(workdir: Path, session: str, text: str) -> bool:
+    """Whether a supervisor of ``session`` logged ``text`` (" done: ", "attempt 2 started").
+    A wait reads the logs until they say what it waits for, and only then asks status: a
+    status round costs about a second of CPU, which a 2-core machine running two test
+    modules at once pays for in time."""
+    home = workdir / ".meshkit" / session
+    return any(text in log.read_text() for log in home.glob("supervisor-node*.log"))
+
+
+def every_log_says(workdir: Path, session: str, nodes: int, text: str) -> bool:
+    """Whether every node's log of ``session`` holds ``text`` (read before asking status, as
+    ``supervisor_said``)."""
+    logs = [workdir / ".meshkit" / session / f"node{rank}.log" for rank in range(nodes)]
+    return all(log.exists() and text in log.read_text() for log in logs)
+
+
 def check_results(found, nodes: int) -> None:
     """Every rank of the world reported once, each with the right all_reduce sum, from the node
     its NODE_RANK names."""
