@@ -438,10 +438,13 @@ class SupervisorReply(Reply):
 
 @record
 class ManifestRequest(Request):
-    """Size and mtime of every file under ``root`` (relative paths), ``exclude`` names skipped."""
+    """Size and mtime of every file under ``root`` (relative paths), ``exclude`` names skipped,
+    in pages: ``page`` 0 starts the listing, each next one goes on while the reply says
+    ``more``."""
 
     root: str
     exclude: list[str] = field(default_factory=list)
+    page: int = 0
 
 
 @record
@@ -453,16 +456,28 @@ class FileState:
 
 
 @record
+class Blocker:
+    """An entry under a node's workdir that is neither a file nor a directory: sync writes
+    nothing through it or over it."""
+
+    path: str
+    what: str  # "a symlink to /nvme/dataset", "a FIFO", ...
+
+
+@record
 class ManifestReply(Reply):
     exists: bool
     files: list[FileState]
-    truncated: bool = False
+    blockers: list[Blocker] = field(default_factory=list)
+    more: bool = False  # another page follows
 
 
 @record
 class PutRequest(Request):
-    """A chunk of a file (base64 ``data`` at ``offset``); ``last`` moves it into place with
-    ``mode`` and ``mtime`` (until then it is a hidden temporary beside it)."""
+    """A chunk of a file (base64 ``data`` at ``offset``, at most ``PUT_CHUNK`` bytes); ``last``
+    moves it into place with ``mode`` and ``mtime`` (until then it is a hidden temporary beside
+    it). ``path`` is below ``root`` (the workdir; empty: ``path``'s own directory), through no
+    link on the node."""
 
     path: str
     data: str
@@ -470,6 +485,7 @@ class PutRequest(Request):
     last: bool
     mode: int = 0o644
     mtime: float = 0.0
+    root: str = ""
 
 
 @record
