@@ -489,8 +489,27 @@ class PutRequest(Request):
 
 
 @record
+class WholeFile:
+    """A small file in one piece: ``path`` (below the request's ``root``), base64 ``data``."""
+
+    path: str
+    data: str
+    mode: int
+    mtime: float
+
+
+@record
+class PutFilesRequest(Request):
+    """Small files at once (their data and paths together within ``PUT_CHUNK`` bytes), each
+    written as a ``PutRequest`` of one last chunk writes it: one round trip for many."""
+
+    root: str
+    files: list[WholeFile]
+
+
+@record
 class PutReply(Reply):
-    written: int
+    written: int  # bytes
 
 
 # op -> (request, reply, handler): the handler is "module.function" of meshkit.node, imported on
@@ -513,6 +532,7 @@ OPS: dict[str, tuple[type[Request], type[Reply], str]] = {
     "supervisor": (SupervisorRequest, SupervisorReply, "supervise.supervisor"),
     "manifest": (ManifestRequest, ManifestReply, "sync.manifest"),
     "put": (PutRequest, PutReply, "sync.put"),
+    "put_files": (PutFilesRequest, PutReply, "sync.put_files"),
 }
 _OP_OF = {request: op for op, (request, _, _) in OPS.items()}
 

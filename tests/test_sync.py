@@ -51,7 +51,7 @@ def results(lay, session: str) -> list:
     for rank in range(len(lay.nodes)):
         log = private(lay, rank, WORK / ".meshkit" / session / f"node{rank}.log")
         if log.exists():
-            found += [(rank, m) for m in RESULT.finditer(log.read_text())]
+            found += [(rank, match) for match in RESULT.finditer(log.read_text())]
     return found
 
 
@@ -63,7 +63,7 @@ def run_in(lay, index: int, *args: str, env: str = ""):
 
 def test_private_workdirs_are_synced_and_the_job_works_from_any_node(meshed):
     lay = meshed
-    n = len(lay.nodes)
+    nodes = len(lay.nodes)
     cmd = "torchrun example_train.py --sleep 600"
     base = ["--workdir", str(WORK), "--session", "sy"]
     out = run_in(
@@ -97,26 +97,26 @@ def test_private_workdirs_are_synced_and_the_job_works_from_any_node(meshed):
 
     def all_results() -> list | None:
         found = results(lay, "sy")
-        if len(found) == n * NPROC:
+        if len(found) == nodes * NPROC:
             return found
         return None
 
-    check_results(wait_for(all_results), n)
+    check_results(wait_for(all_results), nodes)
 
     # status from a node without the hostfile: through --workdir, and through the index
     rows = json.loads(run_in(lay, 2, "status", *base, "--json").stdout)
-    assert [r["state"] for r in rows] == ["running"] * n
+    assert [row["state"] for row in rows] == ["running"] * nodes
     assert rows[0]["supervisor"] == "running"
     rows = json.loads(
         run_in(lay, 1, "status", "--hostfile", str(HOSTFILE), "--session", "sy", "--json").stdout
     )
-    assert [r["node_rank"] for r in rows] == list(range(n))
+    assert [row["node_rank"] for row in rows] == list(range(nodes))
     logs = run_in(lay, 1, "logs", *base, "--node", "2", "--lines", "5").stdout
     assert "[2] meshkit-example" in logs
 
     # a changed file (and a new one) is re-synced on a bare relaunch; unchanged ones are not
-    with open(private(lay, 0, WORK) / "example_train.py", "a") as f:
-        f.write("# v2\n")
+    with open(private(lay, 0, WORK) / "example_train.py", "a") as script:
+        script.write("# v2\n")
     (private(lay, 0, WORK) / "new.txt").write_text("new\n")
     out = run_in(lay, 0, "train", *base)
     assert "relaunching saved job" in out.stdout
@@ -124,13 +124,13 @@ def test_private_workdirs_are_synced_and_the_job_works_from_any_node(meshed):
     for i in (1, 2):
         assert (private(lay, i, WORK) / "example_train.py").read_text().endswith("# v2\n")
         assert (private(lay, i, WORK) / "new.txt").read_text() == "new\n"
-    wait_for(lambda: len(results(lay, "sy")) == 2 * n * NPROC)
+    wait_for(lambda: len(results(lay, "sy")) == 2 * nodes * NPROC)
 
     out = run_in(lay, 2, "stop", *base)
-    assert out.stdout.count("nothing left") == n
+    assert out.stdout.count("nothing left") == nodes
     assert job_processes(lay) == []
     rows = json.loads(run_in(lay, 1, "status", *base, "--json").stdout)
-    assert [r["state"] for r in rows] == ["absent"] * n
+    assert [row["state"] for row in rows] == ["absent"] * nodes
     assert rows[0]["supervisor"] is None
 
 

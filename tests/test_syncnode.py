@@ -6,21 +6,25 @@ from __future__ import annotations
 import base64
 import os
 import time
+from dataclasses import replace
 
 import pytest
 
 from meshkit.node.agent import handler
-from meshkit.node.sync import MAX_FILES, manifest, put
-from meshkit.ops.sync import Manifest, plan
+from meshkit.node.sync import MAX_FILES, manifest, put, put_files
+from meshkit.ops.sync import Manifest, Sender, local_files, plan
 from meshkit.protocol import (
     MAX_LINE,
+    PUT_CHUNK,
     Blocker,
     FileState,
     ManifestRequest,
+    PutFilesRequest,
     PutRequest,
     Supervision,
     SupervisorRequest,
     SupervisorState,
+    WholeFile,
     decode_request,
     encode_reply,
     encode_request,
@@ -156,11 +160,61 @@ def test_put_never_writes_through_a_link_below_the_workdir(tmp_path):
         put(PutRequest(f"{root}/x", "", 0, True, 0o644, 1.0, "/elsewhere"))
 
 
+def test_a_sender_sends_small_files_together_and_a_large_one_a_chunk_at_a_time(tmp_path):
+    """What the controller sends one node, applied by the node's handlers: every line within
+    the protocol's limit, many small files per round trip, a large file streamed with at most
+    a few chunks in memory (tracemalloc's peak, far below the file's size)."""
+    import tracemalloc
+
+    here = tmp_path / "here"
+    (here / "src").mkdir(parents=True)
+    for number in range(1000):
+        (here / "src" / f"m{number:04}.py").write_text(f"x = {number}\n")
+    (here / "src" / "mid.bin").write_bytes(os.urandom(PUT_CHUNK - 10))
+    big = here / "model.pt"
+    with open(big, "wb") as out:  # sparse: 16 MiB on disk in a moment
+        out.write(b"head")
+        out.seek(16 << 20)
+        out.write(b"tail")
+    there = tmp_path / "there"
+
+    def elsewhere(path: str) -> str:
+        return path.replace(str(here), str(there), 1)
+
+    files = local_files(str(here), [])
+    sender = Sender(str(here), files)
+    requests = 0
+    tracemalloc.start()
+    while sender.has_more():
+        request = sender.next_request()
+        assert len(encode_request(request).encode()) <= MAX_LINE
+        # the node's root is elsewhere here: the same relative paths below it
+        if isinstance(request, PutFilesRequest):
+            moved = [replace(small, path=elsewhere(small.path)) for small in request.files]
+            put_files(PutFilesRequest(str(there), moved))
+        else:
+            put(replace(request, path=elsewhere(request.path), root=str(there)))
+        requests += 1
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 * PUT_CHUNK, peak  # the file is 32 chunks
+    assert sender.sent == len(files) == 1002
+    assert requests < 1000 // 100 + (16 << 20) // PUT_CHUNK + 4  # small files: hundreds at once
+    assert (there / "model.pt").read_bytes() == big.read_bytes()
+    assert (there / "model.pt").stat().st_blocks * 512 < 2 * PUT_CHUNK  # its zeros left holes
+    assert (there / "src" / "mid.bin").read_bytes() == (here / "src" / "mid.bin").read_bytes()
+    assert (there / "src" / "m0999.py").read_text() == "x = 999\n"
+    assert (there / "src" / "m0999.py").stat().st_mtime == (
+        here / "src" / "m0999.py"
+    ).stat().st_mtime
+
+
 def test_new_ops_round_trip_and_have_handlers():
     for request in (
         SupervisorRequest("ab" * 8, "s-abababab-sup", "start", ["x"], record(3), 3),
         ManifestRequest("/w", [".git"], 3),
         PutRequest("/w/x", "AA==", 0, True, 0o600, 1.0, "/w"),
+        PutFilesRequest("/w", [WholeFile("/w/y", "AA==", 0o644, 2.0)]),
     ):
         op, back = decode_request(encode_request(request))
         assert back == request

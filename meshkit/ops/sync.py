@@ -8,6 +8,7 @@ is sent: memory is bounded whatever the files' number and sizes. ``plan`` is pur
 from __future__ import annotations
 
 import base64
+import json
 import os
 import secrets
 import time
@@ -28,6 +29,7 @@ from .pool import NodePool, unanswered
 
 ALWAYS_EXCLUDED = (".meshkit",)  # each node's logs and job state live there: never overwritten
 DEFAULT_EXCLUDE = (".git", "__pycache__")
+FILE_FIELDS = 100  # bytes of a small file's encoded entry besides its data and path
 MTIME_SLACK = 0.002  # seconds: filesystems keep mtimes at different resolutions
 
 
@@ -258,6 +260,24 @@ class Sender:
             self.mtime = info.st_mtime
         return self.file is not None
 
+    def next_request(self) -> protocol.PutRequest | protocol.PutFilesRequest:
+        """The open file's next chunk; or, where it is small, it whole with the small files
+        after it (data and paths together within ``PUT_CHUNK``, so the line stays far below
+        ``MAX_LINE``): one round trip for many small files."""
+        if self.file is None or self.offset > 0 or self.size > protocol.PUT_CHUNK:
+            return self.next_put()
+        files: list[protocol.WholeFile] = []
+        used = 0
+        while self.file is not None and self.offset == 0:
+            cost = self.size + len(json.dumps(self.path)) + FILE_FIELDS
+            if files and used + cost > protocol.PUT_CHUNK:
+                break
+            put = self.next_put()
+            files.append(protocol.WholeFile(put.path, put.data, put.mode, put.mtime))
+            used += cost
+            self.has_more()
+        return protocol.PutFilesRequest(self.root, files)
+
     def next_put(self) -> protocol.PutRequest:
         """The open file's next chunk, read now (an empty file is one empty chunk)."""
         if self.file is None:
@@ -287,15 +307,15 @@ def send_all(pool: NodePool, senders: dict[Host, Sender]) -> list[str]:
     busy = dict(senders)
     problems: list[str] = []
 
-    def next_put(host: Host) -> protocol.PutRequest:
-        return busy[host].next_put()
+    def next_request(host: Host) -> protocol.PutRequest | protocol.PutFilesRequest:
+        return busy[host].next_request()
 
     try:
         while True:
             busy = {host: sender for host, sender in busy.items() if sender.has_more()}
             if not busy:
                 return problems
-            replies = pool.call_all("sync", next_put, protocol.PutReply, list(busy))
+            replies = pool.call_all("sync", next_request, protocol.PutReply, list(busy))
             for host in list(busy):
                 outcome = replies.get(host)
                 if outcome is None or outcome.error:
