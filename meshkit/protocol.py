@@ -441,10 +441,13 @@ class SupervisorReply(Reply):
 
 @record
 class ManifestRequest(Request):
-    """Size and mtime of every file under ``root`` (relative paths), ``exclude`` names skipped."""
+    """Size and mtime of every file under ``root`` (relative paths), ``exclude`` names skipped,
+    in pages: ``page`` 0 starts the listing, each next one goes on while the reply says
+    ``more``."""
 
     root: str
     exclude: list[str] = field(default_factory=list)
+    page: int = 0
 
 
 @record
@@ -456,16 +459,28 @@ class FileState:
 
 
 @record
+class Blocker:
+    """An entry under a node's workdir that is neither a file nor a directory: sync writes
+    nothing through it or over it."""
+
+    path: str
+    what: str  # "a symlink to /nvme/dataset", "a FIFO", ...
+
+
+@record
 class ManifestReply(Reply):
     exists: bool
     files: list[FileState]
-    truncated: bool = False
+    blockers: list[Blocker] = field(default_factory=list)
+    more: bool = False  # another page follows
 
 
 @record
 class PutRequest(Request):
-    """A chunk of a file (base64 ``data`` at ``offset``); ``last`` moves it into place with
-    ``mode`` and ``mtime`` (until then it is a hidden temporary beside it)."""
+    """A chunk of a file (base64 ``data`` at ``offset``, at most ``PUT_CHUNK`` bytes); ``last``
+    moves it into place with ``mode`` and ``mtime`` (until then it is a hidden temporary beside
+    it). ``path`` is below ``root`` (the workdir; empty: ``path``'s own directory), through no
+    link on the node."""
 
     path: str
     data: str
@@ -473,11 +488,31 @@ class PutRequest(Request):
     last: bool
     mode: int = 0o644
     mtime: float = 0.0
+    root: str = ""
+
+
+@record
+class WholeFile:
+    """A small file in one piece: ``path`` (below the request's ``root``), base64 ``data``."""
+
+    path: str
+    data: str
+    mode: int
+    mtime: float
+
+
+@record
+class PutFilesRequest(Request):
+    """Small files at once (their data and paths together within ``PUT_CHUNK`` bytes), each
+    written as a ``PutRequest`` of one last chunk writes it: one round trip for many."""
+
+    root: str
+    files: list[WholeFile]
 
 
 @record
 class PutReply(Reply):
-    written: int
+    written: int  # bytes
 
 
 # op -> (request, reply, handler): the handler is "module.function" of meshkit.node, imported on
@@ -500,6 +535,7 @@ OPS: dict[str, tuple[type[Request], type[Reply], str]] = {
     "supervisor": (SupervisorRequest, SupervisorReply, "supervise.supervisor"),
     "manifest": (ManifestRequest, ManifestReply, "sync.manifest"),
     "put": (PutRequest, PutReply, "sync.put"),
+    "put_files": (PutFilesRequest, PutReply, "sync.put_files"),
 }
 _OP_OF = {request: op for op, (request, _, _) in OPS.items()}
 

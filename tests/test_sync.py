@@ -12,17 +12,20 @@ from pathlib import Path
 
 import pytest
 from conftest import meshkit
-from helpers.sandbox_jobs import NPROC, RESULT, check_results, job_processes, on_node, wait_for
+from helpers.sandbox_jobs import (
+    NPROC,
+    RESULT,
+    check_results,
+    job_processes,
+    on_node,
+    private,
+    wait_for,
+)
 
 SANDBOX_NODES = 3
 REPO = Path(__file__).resolve().parent.parent
 WORK = Path("/tmp/mkwork")  # under every node's own /tmp: private to each node
 HOSTFILE = Path("/tmp/mkhosts/hostfile")
-
-
-def private(lay, index: int, path: Path) -> Path:
-    """``path`` (under /tmp) as node ``index`` sees it, from the controller."""
-    return lay.node_dir(lay.nodes[index]) / "tmp" / path.relative_to("/tmp")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def results(lay, session: str) -> list:
     for rank in range(len(lay.nodes)):
         log = private(lay, rank, WORK / ".meshkit" / session / f"node{rank}.log")
         if log.exists():
-            found += [(rank, m) for m in RESULT.finditer(log.read_text())]
+            found += [(rank, match) for match in RESULT.finditer(log.read_text())]
     return found
 
 
@@ -60,7 +63,7 @@ def run_in(lay, index: int, *args: str, env: str = ""):
 
 def test_private_workdirs_are_synced_and_the_job_works_from_any_node(meshed):
     lay = meshed
-    n = len(lay.nodes)
+    nodes = len(lay.nodes)
     cmd = "torchrun example_train.py --sleep 600"
     base = ["--workdir", str(WORK), "--session", "sy"]
     out = run_in(
@@ -94,26 +97,26 @@ def test_private_workdirs_are_synced_and_the_job_works_from_any_node(meshed):
 
     def all_results() -> list | None:
         found = results(lay, "sy")
-        if len(found) == n * NPROC:
+        if len(found) == nodes * NPROC:
             return found
         return None
 
-    check_results(wait_for(all_results), n)
+    check_results(wait_for(all_results), nodes)
 
     # status from a node without the hostfile: through --workdir, and through the index
     rows = json.loads(run_in(lay, 2, "status", *base, "--json").stdout)
-    assert [r["state"] for r in rows] == ["running"] * n
+    assert [row["state"] for row in rows] == ["running"] * nodes
     assert rows[0]["supervisor"] == "running"
     rows = json.loads(
         run_in(lay, 1, "status", "--hostfile", str(HOSTFILE), "--session", "sy", "--json").stdout
     )
-    assert [r["node_rank"] for r in rows] == list(range(n))
+    assert [row["node_rank"] for row in rows] == list(range(nodes))
     logs = run_in(lay, 1, "logs", *base, "--node", "2", "--lines", "5").stdout
     assert "[2] meshkit-example" in logs
 
     # a changed file (and a new one) is re-synced on a bare relaunch; unchanged ones are not
-    with open(private(lay, 0, WORK) / "example_train.py", "a") as f:
-        f.write("# v2\n")
+    with open(private(lay, 0, WORK) / "example_train.py", "a") as script:
+        script.write("# v2\n")
     (private(lay, 0, WORK) / "new.txt").write_text("new\n")
     out = run_in(lay, 0, "train", *base)
     assert "relaunching saved job" in out.stdout
@@ -121,13 +124,13 @@ def test_private_workdirs_are_synced_and_the_job_works_from_any_node(meshed):
     for i in (1, 2):
         assert (private(lay, i, WORK) / "example_train.py").read_text().endswith("# v2\n")
         assert (private(lay, i, WORK) / "new.txt").read_text() == "new\n"
-    wait_for(lambda: len(results(lay, "sy")) == 2 * n * NPROC)
+    wait_for(lambda: len(results(lay, "sy")) == 2 * nodes * NPROC)
 
     out = run_in(lay, 2, "stop", *base)
-    assert out.stdout.count("nothing left") == n
+    assert out.stdout.count("nothing left") == nodes
     assert job_processes(lay) == []
     rows = json.loads(run_in(lay, 1, "status", *base, "--json").stdout)
-    assert [r["state"] for r in rows] == ["absent"] * n
+    assert [row["state"] for row in rows] == ["absent"] * nodes
     assert rows[0]["supervisor"] is None
 
 
@@ -147,5 +150,45 @@ def test_train_doctor_on_private_workdirs_checks_the_synced_copies(meshed):
     assert out.stdout.count("synced 1 changed files") == len(lay.nodes) - 1, out.stdout
     for i in range(1, len(lay.nodes)):
         assert (private(lay, i, work) / "job.sh").exists()
+    out = run_in(lay, 1, "stop", *base)
+    assert out.stdout.count("nothing left") == len(lay.nodes)
+
+
+def test_a_node_side_link_is_reported_and_nothing_is_written_through_it(meshed):
+    """node1's workdir has data -> /tmp/dataset (its own, outside the workdir), where this
+    machine has a directory: train copies everything else everywhere, says what is in the way on
+    node1 and the fix, writes nothing through the link and starts nothing; excluding the name is
+    the fix."""
+    lay = meshed
+    work = Path("/tmp/mkwork-link")
+    here = private(lay, 0, work)
+    (here / "data" / "shards").mkdir(parents=True)
+    (here / "data" / "shards" / "train.bin").write_bytes(b"the controller's copy\n" * 100)
+    (here / "data" / "new.bin").write_bytes(b"new\n")
+    (here / "job.sh").write_text("sleep 120\n")
+    dataset = private(lay, 1, Path("/tmp/dataset"))
+    (dataset / "shards").mkdir(parents=True)
+    (dataset / "shards" / "train.bin").write_bytes(b"node1's own dataset\n")
+    (private(lay, 1, work)).mkdir()
+    (private(lay, 1, work) / "data").symlink_to("/tmp/dataset")
+    base = ["--workdir", str(work), "--session", "sl"]
+    line = ["train", "--hostfile", str(HOSTFILE), *base, "--cmd", "bash job.sh"]
+    out = on_node(lay, 0, Path("/"), *line)
+    said = out.stdout + out.stderr
+    assert out.returncode != 0, said
+    link = f"{lay.nodes[1].address}: {work}/data is a symlink to /tmp/dataset on the node"
+    assert link in said, said
+    assert "exclude it (config sync_exclude: [data])" in said, said
+    assert "nothing was started" in said, said
+    assert lay.nodes[2].address not in said, said  # node2 had nothing in the way
+    assert (dataset / "shards" / "train.bin").read_bytes() == b"node1's own dataset\n"
+    assert sorted(os.listdir(dataset)) == ["shards"]
+    assert sorted(os.listdir(dataset / "shards")) == ["train.bin"]
+    assert (private(lay, 1, work) / "job.sh").read_text() == "sleep 120\n"  # the rest is there
+    assert (private(lay, 2, work) / "data" / "shards" / "train.bin").exists()
+    assert job_processes(lay) == []
+    # the fix the message names: the link is left out, and the job starts
+    out = run_in(lay, 0, *line, env="MESHKIT_SYNC_EXCLUDE='[\"data\"]'")
+    assert (dataset / "shards" / "train.bin").read_bytes() == b"node1's own dataset\n"
     out = run_in(lay, 1, "stop", *base)
     assert out.stdout.count("nothing left") == len(lay.nodes)

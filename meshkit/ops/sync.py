@@ -1,30 +1,35 @@
 """Clusters without shared storage: find out whether every node sees the launcher's workdir (a
 marker file written here, looked for on every node through its agent), and copy the workdir to
 the same path on the nodes that do not, through the agents already open (only files whose size or
-modification time differ; never deleting anything there). ``plan`` is pure."""
+modification time differ; never deleting anything there, never writing through a link there).
+Each node's listing comes in pages and each file goes one chunk at a time, read from disk as it
+is sent: memory is bounded whatever the files' number and sizes. ``plan`` is pure."""
 
 from __future__ import annotations
 
 import base64
+import json
+import os
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from itertools import islice
+from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISREG
+from typing import BinaryIO
 
 from .. import protocol
 from ..errors import LaunchError
 from ..hostfile import Host
 from ..job import Job
-from ..node.sync import MAX_FILES, walk
+from ..node.sync import MAX_FILES, refusal, walk
 from ..outcome import Outcome
 from .lookup import read_local
-from .pool import NodePool
+from .pool import NodePool, unanswered
 
 ALWAYS_EXCLUDED = (".meshkit",)  # each node's logs and job state live there: never overwritten
 DEFAULT_EXCLUDE = (".git", "__pycache__")
-CHUNK = 512 * 1024  # raw bytes per put request (base64 keeps the line under protocol.MAX_LINE)
+FILE_FIELDS = 100  # bytes of a small file's encoded entry besides its data and path
 MTIME_SLACK = 0.002  # seconds: filesystems keep mtimes at different resolutions
 
 
@@ -103,24 +108,81 @@ def unshared(pool: NodePool, workdir: str, hosts: Sequence[Host]) -> tuple[list[
 
 
 def local_files(root: str, exclude: Sequence[str]) -> list[protocol.FileState]:
-    """The files under ``root`` (paths relative to it), as a node's manifest lists its own."""
+    """The regular files under ``root`` (paths relative to it), as a node's manifest lists its
+    own; a link here is not followed, and not copied."""
     excluded = set(exclude) | set(ALWAYS_EXCLUDED)
-    # One more than the limit is enough to tell that there are too many.
-    found = list(islice(walk(Path(root), excluded), MAX_FILES + 1))
-    if len(found) > MAX_FILES:
-        raise LaunchError(
-            f"{root}: more than {MAX_FILES} files to sync; exclude data directories with "
-            "config sync_exclude"
+    found: list[protocol.FileState] = []
+    for relative, info in walk(root, excluded):
+        if not S_ISREG(info.st_mode):
+            continue
+        if len(found) == MAX_FILES:
+            raise LaunchError(
+                f"{root}: more than {MAX_FILES} files to sync; exclude data directories with "
+                "config sync_exclude"
+            )
+        found.append(
+            protocol.FileState(relative, info.st_size, info.st_mtime, info.st_mode & 0o777)
         )
     return found
 
 
-def plan(
-    local: Sequence[protocol.FileState], remote: Sequence[protocol.FileState]
-) -> list[protocol.FileState]:
-    """Pure: the local files a node lacks or holds in another size or modification time."""
-    there = {state.path: state for state in remote}
-    return [state for state in local if not _same(state, there.get(state.path))]
+@dataclass
+class Manifest:
+    """A node's listing of its copy of the workdir, all pages together."""
+
+    exists: bool = False
+    files: list[protocol.FileState] = field(default_factory=list)
+    blockers: list[protocol.Blocker] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to send a node, and what stands in the way of the rest (by the blocking path)."""
+
+    send: list[protocol.FileState]
+    blocked: list[protocol.Blocker]
+
+
+def plan(local: Sequence[protocol.FileState], there: Manifest) -> Plan:
+    """Pure: the local files the node lacks or holds in another size or modification time,
+    except those at or below something that is not a directory there (a link, a FIFO, a file
+    where this machine has a directory) or where the node has a directory: nothing is sent
+    through or over those, which are ``blocked``, each once."""
+    files = {state.path: state for state in there.files}
+    blockers = {blocker.path: blocker for blocker in there.blockers}
+    directories = set()
+    for path in [*files, *blockers]:
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            directories.add("/".join(parts[:depth]))
+    send = []
+    blocked: dict[str, protocol.Blocker] = {}
+    for state in local:
+        found = _in_the_way(state.path, files, blockers, directories)
+        if found is not None:
+            blocked.setdefault(found.path, found)
+        elif not _same(state, files.get(state.path)):
+            send.append(state)
+    return Plan(send, list(blocked.values()))
+
+
+def _in_the_way(
+    path: str,
+    files: dict[str, protocol.FileState],
+    blockers: dict[str, protocol.Blocker],
+    directories: set[str],
+) -> protocol.Blocker | None:
+    """What on the node stands at ``path`` or above it, where a file or a directory is wanted."""
+    parts = path.split("/")
+    for depth in range(1, len(parts) + 1):
+        above = "/".join(parts[:depth])
+        if above in blockers:
+            return blockers[above]
+        if depth < len(parts) and above in files:
+            return protocol.Blocker(above, "a file")
+    if path in directories:
+        return protocol.Blocker(path, "a directory")
+    return None
 
 
 def _same(state: protocol.FileState, other: protocol.FileState | None) -> bool:
@@ -130,12 +192,148 @@ def _same(state: protocol.FileState, other: protocol.FileState | None) -> bool:
     return abs(other.mtime - state.mtime) <= MTIME_SLACK
 
 
+def manifests(
+    pool: NodePool, root: str, exclude: list[str], hosts: Sequence[Host]
+) -> dict[Host, Manifest]:
+    """Every node's listing of ``root``, page after page, all nodes at once; ``LaunchError``
+    when a node cannot list it."""
+    found = {host: Manifest() for host in hosts}
+    problems = []
+    page = 0
+    waiting = list(hosts)
+
+    def manifest_request(host: Host) -> protocol.ManifestRequest:
+        return protocol.ManifestRequest(root, exclude, page)
+
+    while waiting:
+        replies = pool.call_all("manifest", manifest_request, protocol.ManifestReply, waiting)
+        more = []
+        for host in waiting:
+            outcome = replies.get(host)
+            if outcome is None or outcome.value is None:
+                problems.append(f"{host.label}: {unanswered(outcome, host, pool.failures)}")
+                continue
+            listing = found[host]
+            listing.exists = outcome.value.exists
+            listing.files += outcome.value.files
+            listing.blockers += outcome.value.blockers
+            if outcome.value.more:
+                more.append(host)
+        waiting = more
+        page += 1
+    if problems:
+        raise LaunchError([*problems, "train: cannot sync the workdir; nothing was started"])
+    return found
+
+
+class Sender:
+    """One node's copy: the files it lacks, each read one ``PUT_CHUNK`` at a time as its put
+    request is made (never a whole file in memory), in order."""
+
+    def __init__(self, root: str, files: Sequence[protocol.FileState]) -> None:
+        self.root = root
+        self.waiting = list(reversed(files))  # the next file last
+        self.sent = 0  # files whose last chunk has been made
+        self.file: BinaryIO | None = None
+        self.path = ""
+        self.offset = 0
+        self.size = 0
+        self.mode = 0
+        self.mtime = 0.0
+
+    def has_more(self) -> bool:
+        """A file is open to send from (the next one opened if none is; one gone since the
+        listing is skipped: nothing to copy)."""
+        while self.file is None and self.waiting:
+            state = self.waiting.pop()
+            path = f"{self.root.rstrip('/')}/{state.path}"
+            try:
+                file = open(path, "rb")  # noqa: SIM115 (read across requests; ``close`` closes it)
+            except FileNotFoundError:
+                continue
+            info = os.fstat(file.fileno())
+            self.file = file
+            self.path = path
+            self.offset = 0
+            self.size = info.st_size  # as it is now: a file changed since the listing goes as is
+            self.mode = info.st_mode & 0o777
+            self.mtime = info.st_mtime
+        return self.file is not None
+
+    def next_request(self) -> protocol.PutRequest | protocol.PutFilesRequest:
+        """The open file's next chunk; or, where it is small, it whole with the small files
+        after it (data and paths together within ``PUT_CHUNK``, so the line stays far below
+        ``MAX_LINE``): one round trip for many small files."""
+        if self.file is None or self.offset > 0 or self.size > protocol.PUT_CHUNK:
+            return self.next_put()
+        files: list[protocol.WholeFile] = []
+        used = 0
+        while self.file is not None and self.offset == 0:
+            cost = self.size + len(json.dumps(self.path)) + FILE_FIELDS
+            if files and used + cost > protocol.PUT_CHUNK:
+                break
+            put = self.next_put()
+            files.append(protocol.WholeFile(put.path, put.data, put.mode, put.mtime))
+            used += cost
+            self.has_more()
+        return protocol.PutFilesRequest(self.root, files)
+
+    def next_put(self) -> protocol.PutRequest:
+        """The open file's next chunk, read now (an empty file is one empty chunk)."""
+        if self.file is None:
+            raise ValueError("no file open: has_more() first")
+        wanted = min(protocol.PUT_CHUNK, self.size - self.offset)
+        data = self.file.read(wanted)
+        last = len(data) < wanted or self.offset + len(data) >= self.size
+        encoded = base64.b64encode(data).decode()
+        put = protocol.PutRequest(
+            self.path, encoded, self.offset, last, self.mode, self.mtime, self.root
+        )
+        self.offset += len(data)
+        if last:
+            self.close()
+            self.sent += 1
+        return put
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def send_all(pool: NodePool, senders: dict[Host, Sender]) -> list[str]:
+    """Every node's files, one put request per node at a time, to every node at once. A node
+    whose put fails gets no more; the others go on. Returns what failed, per node."""
+    busy = dict(senders)
+    problems: list[str] = []
+
+    def next_request(host: Host) -> protocol.PutRequest | protocol.PutFilesRequest:
+        return busy[host].next_request()
+
+    try:
+        while True:
+            busy = {host: sender for host, sender in busy.items() if sender.has_more()}
+            if not busy:
+                return problems
+            replies = pool.call_all("sync", next_request, protocol.PutReply, list(busy))
+            for host in list(busy):
+                outcome = replies.get(host)
+                if outcome is None or outcome.error:
+                    problems.append(f"{host.label}: {unanswered(outcome, host, pool.failures)}")
+                    busy.pop(host).close()
+    finally:
+        for sender in senders.values():
+            sender.close()
+
+
 def sync_workdir(
     pool: NodePool, job: Job, hosts: Sequence[Host], lacking: Sequence[Host] | None = None
 ) -> dict[str, int]:
     """Copy the workdir to every node that does not see it (``lacking``, when the caller has just
     asked), then the job's hostfile copy (which the nodes run with) to every node. Returns the
-    files sent to each node that does not see it (by its label)."""
+    files sent to each node that does not see it (by its label). Something in the way on a node
+    (a link where this machine has a directory or a file) is reported with its fix, after the
+    rest has been copied everywhere: ``LaunchError``, since that node's copy is incomplete."""
     text = read_local(job.hostfile)
     if not text:
         raise LaunchError(f"{job.hostfile}: cannot read the hostfile to store it with the job")
@@ -143,64 +341,24 @@ def sync_workdir(
         lacking, _ = unshared(pool, job.workdir, hosts)
     exclude = [*DEFAULT_EXCLUDE, *job.sync_exclude]
     local = local_files(job.workdir, exclude)
-    listing = protocol.ManifestRequest(job.workdir, [*exclude, *ALWAYS_EXCLUDED])
-
-    def manifest_request(host: Host) -> protocol.ManifestRequest:
-        return listing
-
-    manifests = pool.call_all("manifest", manifest_request, protocol.ManifestReply, lacking)
+    listings = manifests(pool, job.workdir, [*exclude, *ALWAYS_EXCLUDED], lacking)
     problems = []
-    for host, outcome in manifests.items():
-        if outcome.error:
-            problems.append(f"{host.label}: {outcome.error}")
-    for host in lacking:
-        if host not in manifests:
-            problems.append(f"{host.label}: unreachable")
+    senders = {}
+    for host, listing in listings.items():
+        chosen = plan(local, listing)
+        for blocker in chosen.blocked:
+            where = f"{job.workdir.rstrip('/')}/{blocker.path}"
+            name = blocker.path.rsplit("/", 1)[-1]
+            problems.append(f"{host.label}: {refusal(where, blocker.what, name)}")
+        senders[host] = Sender(job.workdir, chosen.send)
+    problems += send_all(pool, senders)
     if problems:
-        raise LaunchError([*problems, "train: cannot sync the workdir; nothing was started"])
-    # Each node's put requests, sent one at a time per node, to every node at once.
-    queues: dict[Host, list[protocol.PutRequest]] = {}
-    for host, outcome in manifests.items():
-        assert outcome.value is not None
-        queues[host] = []
-        for state in plan(local, outcome.value.files):
-            queues[host] += _puts(job.workdir, state)
-    sent = {}
-    for host, queue in queues.items():
-        sent[host.label] = sum(1 for put in queue if put.last)  # one last chunk per file
-
-    def next_put(host: Host) -> protocol.PutRequest:
-        return queues[host][0]
-
-    while any(queues.values()):
-        busy = [host for host, queue in queues.items() if queue]
-        done = pool.call_all("sync", next_put, protocol.PutReply, busy)
-        failed = []
-        for host, reply in done.items():
-            if reply.error:
-                failed.append(f"{host.label}: {reply.error}")
-        if failed:
-            raise LaunchError([*failed, "train: sync failed; nothing was started"])
-        for host in done:
-            queues[host].pop(0)
+        raise LaunchError(
+            [*problems, "train: the workdir is not fully synced; nothing was started"]
+        )
     for host in hosts:
         pool.write_file(host, str(job.home / "hostfile"), text)
+    sent = {}
+    for host, sender in senders.items():
+        sent[host.label] = sender.sent
     return sent
-
-
-def _puts(root: str, state: protocol.FileState) -> list[protocol.PutRequest]:
-    """A file as put requests, read now (a file changed since the listing is sent as it is). An
-    empty file is one empty chunk."""
-    target = str(Path(root) / state.path)
-    data = Path(target).read_bytes()
-    chunks = []
-    for offset in range(0, len(data), CHUNK):
-        chunks.append(base64.b64encode(data[offset : offset + CHUNK]).decode())
-    if not chunks:
-        chunks = [""]
-    last = len(chunks) - 1
-    puts = []
-    for i, chunk in enumerate(chunks):
-        offset = i * CHUNK
-        puts.append(protocol.PutRequest(target, chunk, offset, i == last, state.mode, state.mtime))
-    return puts

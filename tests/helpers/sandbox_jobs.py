@@ -25,6 +25,12 @@ def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: 
     return sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=timeout)
 
 
+def private(lay, index: int, path: Path) -> Path:
+    """``path`` (under /tmp, which is each node's own) as node ``index`` sees it, from the
+    controller."""
+    return lay.node_dir(lay.nodes[index]) / "tmp" / path.relative_to("/tmp")
+
+
 def wait_for(predicate, timeout: float = 120, interval: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
