@@ -416,8 +416,10 @@ class Supervision:
 class SupervisorRequest(Request):
     """The job's supervisor on this node, and this node's copy of the supervision record.
     ``action``: look; ``start`` one (``argv``, in tmux ``tmux_session``) unless one is live here;
-    ``end`` it (and drop the copy). ``record``: write it as the copy unless the copy is newer than
-    ``version`` (compare-and-set: two writers that read the same version cannot both win)."""
+    ``end`` it (and drop the copy). ``record``: write it as the copy
+    unless the copy is newer than ``version`` (compare-and-set: two writers that read the same
+    version cannot both win). ``session``, ``workdir``: the job's, which the supervisor's command
+    line must name (its pid file may hold a pid reused by another job's supervisor)."""
 
     job_id: str
     tmux_session: str
@@ -425,6 +427,8 @@ class SupervisorRequest(Request):
     argv: list[str] = field(default_factory=list)
     record: Supervision | None = None
     version: int = 0
+    session: str = ""
+    workdir: str = ""
 
 
 @record

@@ -3,7 +3,11 @@ policy -> action), its record as status shows it, and the loop against scripted 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 from helpers.fake_pool import HOSTS, FakePool, healthy
@@ -344,3 +348,100 @@ def test_a_leader_that_hung_while_another_took_over_launches_nothing():
     assert launched == []
     assert final.supervisor == SupervisorState.DONE
     assert final.by == 1
+
+
+# ---- the heartbeat: a thread of its own, on the node's monotonic clock -----------------------
+
+SLOW_RELAUNCH = """
+import sys, time
+from contextlib import nullcontext
+sys.path.insert(0, sys.argv[1])
+from meshkit.node import files
+files.supervisors_root = lambda: sys.argv[2]
+from test_supervise import HOSTS, ScriptedPool, first_record, launched_rows, st
+from meshkit.job import Job
+from meshkit.ops import supervision as sup
+from meshkit.ops.supervise import Heartbeat, Supervisor
+
+job = Job("x", sys.argv[5], sys.argv[4], "/h", "/p", 1, restarts=2)
+failed = [st("running"), st("exited", 1), st("running")]
+pool = ScriptedPool([failed, [st("exited", 0, 2.0)] * 3], {0, 1})
+sup.write(pool, job, HOSTS, first_record(2), 0, every=True)
+
+def slow_gate(*_args):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[3]))
+    return []
+
+with Heartbeat(job.id, every=0.1).beating() as heart:
+    final = Supervisor(
+        lambda wait: nullcontext(pool), job, HOSTS, 0, lambda _m: None, interval=0,
+        base_backoff=0, relaunch=launched_rows, gate=slow_gate, heart=heart,
+    ).run()
+print(final.supervisor, final.attempt, flush=True)
+"""
+
+
+def launched_rows(pool, job, attempt):
+    """A relaunch that starts every node."""
+    rows = [ops.StartRow(i, host.label, "running", None, []) for i, host in enumerate(HOSTS)]
+    return ops.Launch(job, rows, None, False)
+
+
+def test_a_relaunch_slower_than_the_staleness_limit_is_not_taken_over(tmp_path, monkeypatch):
+    """A supervisor process whose relaunch (its health checks) takes twice the staleness
+    limit: its node's agent sees it beat throughout, so the next rank follows it instead of
+    taking the attempt over; the relaunch then finishes, attempt 2."""
+    from meshkit.node import files
+    from meshkit.node import supervise as nsup
+
+    monkeypatch.setattr(files, "supervisors_root", lambda: str(tmp_path))
+    monkeypatch.setattr(sup, "STALE", 1.5)
+    workdir = str(tmp_path / "work")
+    job = Job("x", workdir, "slow", "/h", "/p", 1, restarts=2)
+    tests = str(Path(__file__).resolve().parent)
+    argv = [sys.executable, "-c", SLOW_RELAUNCH, tests, str(tmp_path), "3", "slow", workdir]
+    argv += ["supervise", "--session", "slow", "--workdir", workdir]  # as `meshkit supervise`
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == "held\n"
+        claim = Supervision(SupervisorState.RELAUNCHING, 2, 1, by=0)
+        look = p.SupervisorRequest(job.id, "", session="slow", workdir=workdir)
+        steps = []
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            reply = nsup.supervisor(look)
+            assert reply.pid == child.pid
+            live = sup.live_ranks(HOSTS[:1], {HOSTS[0]: reply}) | {1}
+            steps.append(next_step(1, live, claim))
+            time.sleep(0.05)
+        assert len(steps) > 10
+        assert set(steps) == {Step.FOLLOW}  # never RESUME: rank 0 is live all along
+        assert child.stdout.readline() == "done 2\n"
+        assert child.wait(30) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_loop_that_stops_moving_lets_its_heartbeat_go_stale(tmp_path, monkeypatch):
+    """The beats go on while the loop moves, and stop once it has not moved for ``hung``: a
+    supervisor stuck past every bound of its steps goes stale as a frozen one does."""
+    from meshkit.node import files
+    from meshkit.node import supervise as nsup
+    from meshkit.ops.supervise import Heartbeat
+
+    monkeypatch.setattr(files, "supervisors_root", lambda: str(tmp_path))
+    job_id = "ab" * 8
+    with Heartbeat(job_id, every=0.05, hung=0.4).beating() as heart:
+        for _ in range(6):
+            heart.moved()
+            time.sleep(0.1)
+            age = nsup.beat_age(job_id)
+            assert age is not None
+            assert age < 0.3
+        time.sleep(0.9)
+        age = nsup.beat_age(job_id)
+        assert age is not None
+        assert age > 0.3

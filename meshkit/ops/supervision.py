@@ -14,9 +14,8 @@ from ..protocol import Supervision, SupervisorReply, SupervisorRequest
 from ..record import replace
 from .pool import NodePool
 
-STALE = 60.0  # a supervisor whose heartbeat is older is gone: longer than any step between two
-# beats (the doctor's quick checks take up to about 35 s, one connection try ops.supervise's
-# RECONNECT)
+STALE = 60.0  # a supervisor whose heartbeat is older is gone (a thread of its own beats every
+# few seconds, whatever its loop does: only a frozen, dead or hung supervisor goes quiet)
 
 Answers = dict[Host, SupervisorReply]
 
@@ -30,13 +29,22 @@ def ask(
     version: int = 0,
 ) -> Answers:
     """The ``supervisor`` op on ``hosts``: the replies of the nodes that answered."""
-    request = SupervisorRequest(job.id, job.supervisor_tmux, action, record=record, version=version)
+    request = SupervisorRequest(
+        job.id,
+        job.supervisor_tmux,
+        action,
+        record=record,
+        version=version,
+        session=job.session,
+        workdir=job.workdir,
+    )
     outcomes = pool.call_all("supervisor", lambda host: request, SupervisorReply, hosts)
     return {host: outcome.value for host, outcome in outcomes.items() if outcome.value is not None}
 
 
 def alive(reply: SupervisorReply) -> bool:
-    """A supervisor that runs and beat within ``STALE`` s (its own node's clock: no skew)."""
+    """A supervisor that runs and beat within ``STALE`` s (its own node's monotonic clock: no
+    skew, no step)."""
     if reply.pid is None or reply.beat is None:
         return False
     return reply.beat <= STALE
@@ -88,7 +96,9 @@ def start_all(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
         argv += ["--hostfile", job.node_hostfile, "--session", job.session]
         argv += ["--workdir", job.workdir]
         argv += ["--rank", str(rank), "--log", job.supervisor_log(rank)]
-        return SupervisorRequest(job.id, job.supervisor_tmux, "start", argv)
+        return SupervisorRequest(
+            job.id, job.supervisor_tmux, "start", argv, session=job.session, workdir=job.workdir
+        )
 
     outcomes = pool.call_all("supervisor", start, SupervisorReply, hosts)
     failed = [
