@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -126,3 +127,29 @@ def test_the_record_copy_is_compare_and_set_on_its_version(tmp_path, monkeypatch
     assert put_(record(3), 0)
     with pytest.raises(ValueError, match="bad job id"):
         nsup.supervisor(SupervisorRequest("../x", ""))
+
+
+def test_a_stop_lands_over_any_copy_and_only_a_stop_replaces_it(tmp_path, monkeypatch):
+    """A stop's record lands whatever the version it read; an ``end`` that carries it keeps it
+    as the copy (a supervisor cut off from the stop finds it later); no running or relaunching
+    write, however new, replaces it."""
+    monkeypatch.setattr(files, "supervisors_root", lambda: str(tmp_path))
+    job_id = "ab" * 8
+    stopped = Supervision(SupervisorState.STOPPED, 1, 2, version=2)
+
+    def put_(copy: Supervision, version: int, action: Literal["look", "end"] = "look") -> bool:
+        request = SupervisorRequest(job_id, "", action, record=copy, version=version)
+        nsup.supervisor(request)
+        return nsup.supervisor(SupervisorRequest(job_id, "")).record == copy
+
+    assert put_(record(7), 6)
+    assert put_(stopped, 1, "end")  # read version 1; the copy is at 7: a stop lands anyway
+    assert not put_(record(9), 8)  # a supervisor that counted on alone: the stop stays
+    claim = Supervision(SupervisorState.RELAUNCHING, 2, 1, version=9, by=2)
+    assert not put_(claim, 8)
+    assert put_(Supervision(SupervisorState.STOPPED, 1, 2, version=3), 2)  # a stop again
+    stored = files.read_text(files.supervision_copy(job_id))
+    assert nsup.accepts(stored, stopped, 0)
+    assert not nsup.accepts(stored, record(100), 100)
+    assert nsup.accepts(None, record(1), 0)
+    assert nsup.accepts("garbage", record(1), 0)  # an unreadable copy is version 0

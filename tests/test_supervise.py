@@ -14,7 +14,7 @@ from helpers.fake_pool import HOSTS, FakePool, healthy
 
 from meshkit import protocol as p
 from meshkit.job import Job
-from meshkit.node.supervise import copy_of, version_of
+from meshkit.node.supervise import accepts, copy_of
 from meshkit.ops import jobs as ops
 from meshkit.ops import supervision as sup
 from meshkit.ops.supervise import Supervisor
@@ -139,7 +139,8 @@ def test_liveness_is_a_live_pid_with_a_fresh_heartbeat():
 class ScriptedPool(FakePool):
     """``status`` answers come from a script, one poll at a time (the last one repeats); the
     ``supervisor`` op keeps each node's record copy as the node stores it, with the node's own
-    compare-and-set rule, and says the supervisors of ``live`` ranks run."""
+    compare-and-set rule, and says the supervisors of ``live`` ranks run (until an ``end``).
+    A node in ``failures`` answers nothing."""
 
     def __init__(self, polls: list[list[p.StatusReply]], live: set[int]) -> None:
         super().__init__(healthy())
@@ -158,14 +159,18 @@ class ScriptedPool(FakePool):
         if expect is p.SupervisorReply:
             answers = {}
             for host in hosts if hosts is not None else HOSTS:
+                if host in self.failures:
+                    continue
                 request = request_for(host)
                 self.calls.append(("supervisor", host, request))
                 written = False
                 if request.record is not None:
-                    written = version_of(self.copies[host]) <= request.version
+                    written = accepts(self.copies[host], request.record, request.version)
                 if written:
                     self.copies[host] = request.record.to_json()
                 pid = 1 if HOSTS.index(host) in self.live else None
+                if request.action == "end":
+                    self.live.discard(HOSTS.index(host))
                 beat = 0.0 if pid else None
                 copy = copy_of(self.copies[host])
                 answers[host] = Outcome(p.SupervisorReply(pid, beat, [], copy, written))
@@ -348,6 +353,85 @@ def test_a_leader_that_hung_while_another_took_over_launches_nothing():
     assert launched == []
     assert final.supervisor == SupervisorState.DONE
     assert final.by == 1
+
+
+# ---- a stop is remembered: the stopped record, and a supervisor the stop did not reach --------
+
+
+def test_the_state_machine_a_stop_is_final_and_wins_whatever_the_versions():
+    """Each state's next step for a leader (rank 0), a follower (rank 1) and a claimer (rank 2),
+    and the copy that wins: STOPPED over every other, whatever the versions."""
+    running = Supervision(SupervisorState.RUNNING, 1, 2, version=9)
+    claim = Supervision(SupervisorState.RELAUNCHING, 2, 1, version=10, by=2)
+    stopped = Supervision(SupervisorState.STOPPED, 1, 2, version=4)
+    done = Supervision(SupervisorState.DONE, 1, 2, version=11)
+    every = {0, 1, 2}
+    assert [next_step(me, every, running) for me in (0, 1, 2)] == [
+        Step.WATCH,
+        Step.FOLLOW,
+        Step.FOLLOW,
+    ]
+    assert [next_step(me, every, claim) for me in (0, 1, 2)] == [
+        Step.FOLLOW,
+        Step.FOLLOW,
+        Step.RESUME,
+    ]
+    assert [next_step(me, every, done) for me in (0, 1, 2)] == [Step.END] * 3
+    assert [next_step(me, every, stopped) for me in (0, 1, 2)] == [Step.STOP] * 3
+    assert next_step(2, {2}, stopped) == Step.STOP  # alone, cut off until now
+    assert newest([running, claim, done, stopped]) == stopped
+    assert newest([stopped, replace(stopped, version=5), claim]) == replace(stopped, version=5)
+    # what stop writes: the winning copy, stopped, one version on, nothing holding it
+    answers = {
+        HOSTS[0]: p.SupervisorReply(1, 0.0, [], replace(claim, held="x: workdir: y")),
+        HOSTS[1]: p.SupervisorReply(None, None, [], running),
+    }
+    record = sup.stop_record(answers, 2)
+    assert record == replace(claim, supervisor=SupervisorState.STOPPED, version=11)
+    assert sup.stop_record({}, 3) == Supervision(SupervisorState.STOPPED, 0, 3, version=1)
+
+
+def test_a_stop_that_misses_a_node_is_remembered_and_its_supervisor_relaunches_nothing():
+    """``stop`` with node 2 cut off: nodes 0 and 1 keep a stopped record, and stop names node 2
+    and what happens there. Node 2's supervisor, on its own side, counted a version on; once it
+    reconnects it finds the stop, ends the job on its node, leaves the stop there, and ends
+    without a launch."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    pool = ScriptedPool([[st("running")] * 3], {0, 1, 2})
+    base = sup.write(pool, job, HOSTS, first_record(2), 0, every=True)
+    assert base is not None
+    pool.failures = {HOSTS[2]: "No route to host"}
+    stopped = ops.stop_with_supervisors(pool, job, HOSTS)
+    assert not stopped.ok
+    assert [row.ok for row in stopped.rows] == [True, True, False]
+    then = ops.UNREACHED_SUPERVISED
+    assert stopped.unreached == [
+        ops.Unreached(2, "10.0.0.3", "unreachable: No route to host", then)
+    ]
+    shown = stopped.as_json()
+    assert shown["unreached"] == [
+        {"node_rank": 2, "host": "10.0.0.3", "error": "unreachable: No route to host", "then": then}
+    ]
+    assert [node["node_rank"] for node in shown["nodes"]] == [0, 1, 2]  # type: ignore[index]
+    marked = replace(base, supervisor=SupervisorState.STOPPED, version=base.version + 1)
+    assert pool.records() == [marked, marked, base]
+    # meanwhile node 2's supervisor, alone, gave up on its side: a newer version, there only
+    alone = replace(base, supervisor=SupervisorState.GAVE_UP, version=base.version + 5)
+    pool.copies[HOSTS[2]] = alone.to_json()
+    # the partition heals
+    pool.failures = {}
+    pool.live = {2}
+    pool.calls.clear()
+    final, launched = loop(job, pool, me=2)
+    assert final == marked
+    assert launched == []
+    assert [host for op, host, _ in pool.calls if op == "stop"] == [HOSTS[2]]
+    assert pool.records() == [marked] * 3
+    starts = [r for op, _, r in pool.calls if op == "supervisor" and r.action == "start"]
+    assert starts == []
+    rows = ops.with_supervision(job, ops.status(pool, job, HOSTS), marked, None)
+    assert rows[0].supervisor == SupervisorState.STOPPED
+    assert rows[0].as_json()["supervisor"] is None  # the fixed names: no supervisor
 
 
 # ---- the heartbeat: a thread of its own, on the node's monotonic clock -----------------------

@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-from ..protocol import Supervision, SupervisorReply, SupervisorRequest
+from ..protocol import Supervision, SupervisorReply, SupervisorRequest, SupervisorState
 from ..record import build
 from . import procs, tmux
 from .files import (
@@ -116,8 +116,20 @@ def version_of(text: str | None) -> int:
     return 0 if copy is None else copy.version
 
 
+def accepts(stored: str | None, record: Supervision, version: int) -> bool:
+    """Pure: whether a node whose copy is ``stored`` keeps ``record``, written by one who read
+    ``version``. A stop always lands; nothing else replaces a stop; otherwise compare-and-set:
+    only over a copy no newer than the writer read (an unreadable copy counts as version 0)."""
+    if record.supervisor == SupervisorState.STOPPED:
+        return True
+    copy = copy_of(stored)
+    if copy is not None and copy.supervisor == SupervisorState.STOPPED:
+        return False
+    return version_of(stored) <= version
+
+
 def _store(request: SupervisorRequest, record: Supervision) -> bool:
-    """``record`` as this node's copy, unless the copy is newer than the writer read."""
+    """``record`` as this node's copy, if the node's rule (``accepts``) keeps it."""
     text = record.to_json()
     if len(text) > MAX_COPY:
         raise ValueError("a supervision record over 64 KiB")
@@ -127,7 +139,7 @@ def _store(request: SupervisorRequest, record: Supervision) -> bool:
     descriptor = os.open(supervision_lock(request.job_id), lock_flags, 0o600)
     with os.fdopen(descriptor, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time on this node
-        if version_of(read_text(copy)) > request.version:
+        if not accepts(read_text(copy), record, request.version):
             return False
         write_atomic(copy, text)
         return True
@@ -139,16 +151,21 @@ def supervisor(request: SupervisorRequest) -> SupervisorReply:
     pid_file = supervisor_pid_file(request.job_id)
     copy = supervision_copy(request.job_id)
     if request.action == "end":
+        # A stop's record goes first, so a supervisor looking meanwhile ends by itself; it is
+        # kept (a supervisor cut off from this stop must find it), where a train drops the copy.
+        if request.record is not None:
+            _store(request, request.record)
         left: list[int] = []
         if pid is not None:
             _, left = procs.end(lambda: [pid] if procs.alive(pid) else [])
         if request.tmux_session:
             tmux.kill_session(request.tmux_session)
         if not left:
-            for path in (pid_file, copy):
+            dropped = [pid_file] if request.record is not None else [pid_file, copy]
+            for path in dropped:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-        return SupervisorReply(pid, None, left, None)
+        return SupervisorReply(pid, None, left, copy_of(read_text(copy)))
     if request.action == "start" and pid is None:
         tmux.kill_session(request.tmux_session)
         tmux.new_session(request.tmux_session, request.argv)

@@ -175,19 +175,21 @@ class Supervisor:
         while True:
             look = self._look(pool)
             record = look.record
+            if not look.answered:
+                return None
+            if record is None:  # every copy is gone (a train dropped them to start anew)
+                why = "the supervision record is gone from every node"
+                return Supervision(SupervisorState.GAVE_UP, 0, 0, why)
+            step = next_step(self.me, look.live, record)
+            if step == Step.STOP:
+                return self._carry_stop(pool, record)
+            if step == Step.END:
+                return record
             # a node that did not answer (never connected, or its channel died with a reboot)
             # may be back by now: look through a new connection
             late = time.monotonic() - since > RECONNECT
-            if not look.answered:
-                return None
             if look.answered < len(self.hosts) and late:
                 return None
-            step = next_step(self.me, look.live, record)
-            if record is None:  # every copy is gone: the job was stopped
-                why = "the supervision record is gone (meshkit stop)"
-                return Supervision(SupervisorState.GAVE_UP, 0, 0, why)
-            if step == Step.END:
-                return record
             if step == Step.RESUME:
                 return Restart(record, record, takeover=True)
             if step == Step.FOLLOW:
@@ -233,6 +235,28 @@ class Supervisor:
                     restarts_left=record.restarts_left - 1,
                 )
                 return Restart(record, claim, takeover=False)
+
+    def _carry_stop(self, pool: NodePool, stopped: Supervision) -> Supervision:
+        """The job was stopped, and this supervisor survived it (cut off from ``stop``): the
+        stop ends the whole job, so on the nodes whose copy does not say stopped yet (the stop
+        did not reach them) leave the stop's record, then end the job there; relaunch
+        nothing."""
+        job = self.job
+        answers = ask(pool, job, self.hosts)
+        behind = [
+            host
+            for host, reply in answers.items()
+            if reply.record is None or reply.record.supervisor != SupervisorState.STOPPED
+        ]
+        if not behind:
+            self.say("the job was stopped (meshkit stop); relaunching nothing")
+            return stopped
+        where = ", ".join(host.label for host in behind)
+        self.say(f"the job was stopped (meshkit stop) without reaching {where}: ending it there")
+        ask(pool, job, behind, record=stopped, version=stopped.version)
+        ending = StopRequest(job.id)
+        pool.call_all("stop", lambda host: ending, StopReply, behind)
+        return stopped
 
     def _give_up(
         self, pool: NodePool, record: Supervision, seen: list[NodeView], why: str

@@ -10,7 +10,7 @@ from typing import Literal
 
 from ..hostfile import Host
 from ..job import Job
-from ..protocol import Supervision, SupervisorReply, SupervisorRequest
+from ..protocol import Supervision, SupervisorReply, SupervisorRequest, SupervisorState
 from ..record import replace
 from .pool import NodePool
 
@@ -56,9 +56,20 @@ def live_ranks(hosts: Sequence[Host], answers: Answers) -> set[int]:
 
 
 def newest(copies: Iterable[Supervision | None]) -> Supervision | None:
-    """Pure: the newest of the nodes' copies (None: no node has one)."""
+    """Pure: the copy that wins (None: no node has one): a stop, else the newest."""
     records = [copy for copy in copies if copy is not None]
-    return max(records, key=lambda record: record.version, default=None)
+    return max(records, key=Supervision.precedence, default=None)
+
+
+def stop_record(answers: Answers, restarts: int) -> Supervision:
+    """Pure: the record ``meshkit stop`` leaves on every node: the winning copy, STOPPED and one
+    version on (a job none of whose nodes keeps a copy gets a bare one)."""
+    record = newest(reply.record for reply in answers.values())
+    if record is None:
+        record = Supervision(SupervisorState.STOPPED, 0, restarts)
+    return replace(
+        record, supervisor=SupervisorState.STOPPED, version=record.version + 1, held=None
+    )
 
 
 def write(
@@ -110,13 +121,16 @@ def start_all(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
     return failed + unreached
 
 
-def end_supervisor(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
-    """End the job's supervisors on every node (and drop their record copies), before the job
-    itself is touched (one would take a stop for a failure and relaunch). Looked at again until
-    a round finds none: a leader ended mid-relaunch may have started one meanwhile. Returns the
-    nodes where one survived."""
+def end_supervisor(
+    pool: NodePool, job: Job, hosts: Sequence[Host], stopped: Supervision | None = None
+) -> list[str]:
+    """End the job's supervisors on every node, before the job itself is touched (one would
+    take a stop for a failure and relaunch), and drop their record copies, or with ``stopped``
+    (``meshkit stop``) leave that record as every copy. Looked at again until a round finds
+    none: a leader ended mid-relaunch may have started one meanwhile. Returns the nodes where
+    one survived."""
     for _ in range(3):
-        answers = ask(pool, job, hosts, action="end")
+        answers = ask(pool, job, hosts, action="end", record=stopped)
         left = [
             f"{host.label}: supervisor pid {reply.left} survived"
             for host, reply in answers.items()
