@@ -427,7 +427,9 @@ def test_a_stop_that_misses_a_node_is_remembered_and_its_supervisor_relaunches_n
     assert launched == []
     assert [host for op, host, _ in pool.calls if op == "stop"] == [HOSTS[2]]
     assert pool.records() == [marked] * 3
-    starts = [r for op, _, r in pool.calls if op == "supervisor" and r.action == "start"]
+    starts = [
+        request for op, _, request in pool.calls if op == "supervisor" and request.action == "start"
+    ]
     assert starts == []
     rows = ops.with_supervision(job, ops.status(pool, job, HOSTS), marked, None)
     assert rows[0].supervisor == SupervisorState.STOPPED
