@@ -377,7 +377,7 @@ def render_stop(stopped: ops.Stopped) -> str:
         cells.append((row.node_rank, row.host, ended, signalled, verified))
     out = [table(["rank", "host", "job", "signalled", "verified"], cells)]
     for node in stopped.unreached:
-        out.append(f"node {node.node_rank} ({node.host}) was not reached: {node.then}")
+        out.append(f"node {node.node_rank} ({node.host}) could not be asked: {node.then}")
     return "\n".join(out)
 
 
