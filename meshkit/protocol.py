@@ -36,13 +36,15 @@ class JobState(StrEnum):
 
 
 class SupervisorState(StrEnum):
-    """A supervised job's supervision (DESIGN.md, Supervision): RUNNING -> RELAUNCHING (the
-    next attempt claimed) -> RUNNING ..., ending in GAVE_UP or DONE."""
+    """A supervised job's supervision (the state machine: ``ops.supervision_policy``): RUNNING
+    -> RELAUNCHING (the next attempt claimed) -> RUNNING ..., ending in GAVE_UP or DONE, or
+    STOPPED by ``meshkit stop`` from any state."""
 
     RUNNING = "running"
     RELAUNCHING = "relaunching"
     GAVE_UP = "gave up"
     DONE = "done"
+    STOPPED = "stopped"
 
 
 class SupervisorShown(StrEnum):
@@ -398,7 +400,8 @@ class Supervision:
     """A supervised job's supervision record, as status shows it; every node keeps a copy.
     Every write bumps ``version``; a node keeps a write only over a copy no newer than the one
     the writer read (compare-and-set), and readers take the newest copy, so a node that was
-    down (its copy gone with its /tmp) costs nothing."""
+    down (its copy gone with its /tmp) costs nothing. A STOPPED record (``meshkit stop``) always
+    lands and wins, and nothing but another stop replaces it (``precedence``)."""
 
     supervisor: SupervisorState
     attempt: int
@@ -414,13 +417,21 @@ class Supervision:
         """The copy as a node stores it."""
         return json.dumps(asdict(self), sort_keys=True) + "\n"
 
+    def precedence(self) -> tuple[bool, int]:
+        """Which of two copies wins: a STOPPED one over any other, whatever the versions (a
+        supervisor cut off from ``stop`` may have counted further on its side), else the
+        newer."""
+        return (self.supervisor == SupervisorState.STOPPED, self.version)
+
 
 @record
 class SupervisorRequest(Request):
     """The job's supervisor on this node, and this node's copy of the supervision record.
     ``action``: look; ``start`` one (``argv``, in tmux ``tmux_session``) unless one is live here;
-    ``end`` it (and drop the copy). ``record``: write it as the copy unless the copy is newer than
-    ``version`` (compare-and-set: two writers that read the same version cannot both win)."""
+    ``end`` it (and drop the copy, or keep a stop's ``record``). ``record``: write it as the copy
+    unless the copy is newer than ``version`` (compare-and-set: two writers that read the same
+    version cannot both win). ``session``, ``workdir``: the job's, which the supervisor's command
+    line must name (its pid file may hold a pid reused by another job's supervisor)."""
 
     job_id: str
     tmux_session: str
@@ -428,6 +439,8 @@ class SupervisorRequest(Request):
     argv: list[str] = field(default_factory=list)
     record: Supervision | None = None
     version: int = 0
+    session: str = ""
+    workdir: str = ""
 
 
 @record

@@ -3,14 +3,18 @@ policy -> action), its record as status shows it, and the loop against scripted 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 from helpers.fake_pool import HOSTS, FakePool, healthy
 
 from meshkit import protocol as p
 from meshkit.job import Job
-from meshkit.node.supervise import copy_of, version_of
+from meshkit.node.supervise import accepts, copy_of
 from meshkit.ops import jobs as ops
 from meshkit.ops import supervision as sup
 from meshkit.ops.supervise import Supervisor
@@ -135,7 +139,8 @@ def test_liveness_is_a_live_pid_with_a_fresh_heartbeat():
 class ScriptedPool(FakePool):
     """``status`` answers come from a script, one poll at a time (the last one repeats); the
     ``supervisor`` op keeps each node's record copy as the node stores it, with the node's own
-    compare-and-set rule, and says the supervisors of ``live`` ranks run."""
+    compare-and-set rule, and says the supervisors of ``live`` ranks run (until an ``end``).
+    A node in ``failures`` answers nothing."""
 
     def __init__(self, polls: list[list[p.StatusReply]], live: set[int]) -> None:
         super().__init__(healthy())
@@ -154,14 +159,18 @@ class ScriptedPool(FakePool):
         if expect is p.SupervisorReply:
             answers = {}
             for host in hosts if hosts is not None else HOSTS:
+                if host in self.failures:
+                    continue
                 request = request_for(host)
                 self.calls.append(("supervisor", host, request))
                 written = False
                 if request.record is not None:
-                    written = version_of(self.copies[host]) <= request.version
+                    written = accepts(self.copies[host], request.record, request.version)
                 if written:
                     self.copies[host] = request.record.to_json()
                 pid = 1 if HOSTS.index(host) in self.live else None
+                if request.action == "end":
+                    self.live.discard(HOSTS.index(host))
                 beat = 0.0 if pid else None
                 copy = copy_of(self.copies[host])
                 answers[host] = Outcome(p.SupervisorReply(pid, beat, [], copy, written))
@@ -344,3 +353,181 @@ def test_a_leader_that_hung_while_another_took_over_launches_nothing():
     assert launched == []
     assert final.supervisor == SupervisorState.DONE
     assert final.by == 1
+
+
+# ---- a stop is remembered: the stopped record, and a supervisor the stop did not reach --------
+
+
+def test_the_state_machine_a_stop_is_final_and_wins_whatever_the_versions():
+    """Each state's next step for a leader (rank 0), a follower (rank 1) and a claimer (rank 2),
+    and the copy that wins: STOPPED over every other, whatever the versions."""
+    running = Supervision(SupervisorState.RUNNING, 1, 2, version=9)
+    claim = Supervision(SupervisorState.RELAUNCHING, 2, 1, version=10, by=2)
+    stopped = Supervision(SupervisorState.STOPPED, 1, 2, version=4)
+    done = Supervision(SupervisorState.DONE, 1, 2, version=11)
+    every = {0, 1, 2}
+    assert [next_step(me, every, running) for me in (0, 1, 2)] == [
+        Step.WATCH,
+        Step.FOLLOW,
+        Step.FOLLOW,
+    ]
+    assert [next_step(me, every, claim) for me in (0, 1, 2)] == [
+        Step.FOLLOW,
+        Step.FOLLOW,
+        Step.RESUME,
+    ]
+    assert [next_step(me, every, done) for me in (0, 1, 2)] == [Step.END] * 3
+    assert [next_step(me, every, stopped) for me in (0, 1, 2)] == [Step.STOP] * 3
+    assert next_step(2, {2}, stopped) == Step.STOP  # alone, cut off until now
+    assert newest([running, claim, done, stopped]) == stopped
+    assert newest([stopped, replace(stopped, version=5), claim]) == replace(stopped, version=5)
+    # what stop writes: the winning copy, stopped, one version on, nothing holding it
+    answers = {
+        HOSTS[0]: p.SupervisorReply(1, 0.0, [], replace(claim, held="x: workdir: y")),
+        HOSTS[1]: p.SupervisorReply(None, None, [], running),
+    }
+    record = sup.stop_record(answers, 2)
+    assert record == replace(claim, supervisor=SupervisorState.STOPPED, version=11)
+    assert sup.stop_record({}, 3) == Supervision(SupervisorState.STOPPED, 0, 3, version=1)
+
+
+def test_a_stop_that_misses_a_node_is_remembered_and_its_supervisor_relaunches_nothing():
+    """``stop`` with node 2 cut off: nodes 0 and 1 keep a stopped record, and stop names node 2
+    and what happens there. Node 2's supervisor, on its own side, counted a version on; once it
+    reconnects it finds the stop, ends the job on its node, leaves the stop there, and ends
+    without a launch."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    pool = ScriptedPool([[st("running")] * 3], {0, 1, 2})
+    base = sup.write(pool, job, HOSTS, first_record(2), 0, every=True)
+    assert base is not None
+    pool.failures = {HOSTS[2]: "No route to host"}
+    stopped = ops.stop_with_supervisors(pool, job, HOSTS)
+    assert not stopped.ok
+    assert [row.ok for row in stopped.rows] == [True, True, False]
+    then = ops.UNREACHED_SUPERVISED
+    assert stopped.unreached == [
+        ops.Unreached(2, "10.0.0.3", "unreachable: No route to host", then)
+    ]
+    shown = stopped.as_json()
+    assert shown["unreached"] == [
+        {"node_rank": 2, "host": "10.0.0.3", "error": "unreachable: No route to host", "then": then}
+    ]
+    assert [node["node_rank"] for node in shown["nodes"]] == [0, 1, 2]  # type: ignore[index]
+    marked = replace(base, supervisor=SupervisorState.STOPPED, version=base.version + 1)
+    assert pool.records() == [marked, marked, base]
+    # meanwhile node 2's supervisor, alone, gave up on its side: a newer version, there only
+    alone = replace(base, supervisor=SupervisorState.GAVE_UP, version=base.version + 5)
+    pool.copies[HOSTS[2]] = alone.to_json()
+    # the partition heals
+    pool.failures = {}
+    pool.live = {2}
+    pool.calls.clear()
+    final, launched = loop(job, pool, me=2)
+    assert final == marked
+    assert launched == []
+    assert [host for op, host, _ in pool.calls if op == "stop"] == [HOSTS[2]]
+    assert pool.records() == [marked] * 3
+    starts = [
+        request for op, _, request in pool.calls if op == "supervisor" and request.action == "start"
+    ]
+    assert starts == []
+    rows = ops.with_supervision(job, ops.status(pool, job, HOSTS), marked, None)
+    assert rows[0].supervisor == SupervisorState.STOPPED
+    assert rows[0].as_json()["supervisor"] is None  # the fixed names: no supervisor
+
+
+# ---- the heartbeat: a thread of its own, on the node's monotonic clock -----------------------
+
+SLOW_RELAUNCH = """
+import sys, time
+from contextlib import nullcontext
+sys.path.insert(0, sys.argv[1])
+from meshkit.node import files
+files.supervisors_root = lambda: sys.argv[2]
+from test_supervise import HOSTS, ScriptedPool, first_record, launched_rows, st
+from meshkit.job import Job
+from meshkit.ops import supervision as sup
+from meshkit.ops.supervise import Heartbeat, Supervisor
+
+job = Job("x", sys.argv[5], sys.argv[4], "/h", "/p", 1, restarts=2)
+failed = [st("running"), st("exited", 1), st("running")]
+pool = ScriptedPool([failed, [st("exited", 0, 2.0)] * 3], {0, 1})
+sup.write(pool, job, HOSTS, first_record(2), 0, every=True)
+
+def slow_gate(*_args):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[3]))
+    return []
+
+with Heartbeat(job.id, every=0.1).beating() as heart:
+    final = Supervisor(
+        lambda wait: nullcontext(pool), job, HOSTS, 0, lambda _m: None, interval=0,
+        base_backoff=0, relaunch=launched_rows, gate=slow_gate, heart=heart,
+    ).run()
+print(final.supervisor, final.attempt, flush=True)
+"""
+
+
+def launched_rows(pool, job, attempt):
+    """A relaunch that starts every node."""
+    rows = [ops.StartRow(i, host.label, "running", None, []) for i, host in enumerate(HOSTS)]
+    return ops.Launch(job, rows, None, False)
+
+
+def test_a_relaunch_slower_than_the_staleness_limit_is_not_taken_over(tmp_path, monkeypatch):
+    """A supervisor process whose relaunch (its health checks) takes twice the staleness
+    limit: its node's agent sees it beat throughout, so the next rank follows it instead of
+    taking the attempt over; the relaunch then finishes, attempt 2."""
+    from meshkit.node import files
+    from meshkit.node import supervise as nsup
+
+    monkeypatch.setattr(files, "supervisors_root", lambda: str(tmp_path))
+    monkeypatch.setattr(sup, "STALE", 1.5)
+    workdir = str(tmp_path / "work")
+    job = Job("x", workdir, "slow", "/h", "/p", 1, restarts=2)
+    tests = str(Path(__file__).resolve().parent)
+    argv = [sys.executable, "-c", SLOW_RELAUNCH, tests, str(tmp_path), "3", "slow", workdir]
+    argv += ["supervise", "--session", "slow", "--workdir", workdir]  # as `meshkit supervise`
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == "held\n"
+        claim = Supervision(SupervisorState.RELAUNCHING, 2, 1, by=0)
+        look = p.SupervisorRequest(job.id, "", session="slow", workdir=workdir)
+        steps = []
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            reply = nsup.supervisor(look)
+            assert reply.pid == child.pid
+            live = sup.live_ranks(HOSTS[:1], {HOSTS[0]: reply}) | {1}
+            steps.append(next_step(1, live, claim))
+            time.sleep(0.05)
+        assert len(steps) > 10
+        assert set(steps) == {Step.FOLLOW}  # never RESUME: rank 0 is live all along
+        assert child.stdout.readline() == "done 2\n"
+        assert child.wait(30) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_loop_that_stops_moving_lets_its_heartbeat_go_stale(tmp_path, monkeypatch):
+    """The beats go on while the loop moves, and stop once it has not moved for ``hung``: a
+    supervisor stuck past every bound of its steps goes stale as a frozen one does."""
+    from meshkit.node import files
+    from meshkit.node import supervise as nsup
+    from meshkit.ops.supervise import Heartbeat
+
+    monkeypatch.setattr(files, "supervisors_root", lambda: str(tmp_path))
+    job_id = "ab" * 8
+    with Heartbeat(job_id, every=0.05, hung=0.4).beating() as heart:
+        for _ in range(6):
+            heart.moved()
+            time.sleep(0.1)
+            age = nsup.beat_age(job_id)
+            assert age is not None
+            assert age < 0.3
+        time.sleep(0.9)
+        age = nsup.beat_age(job_id)
+        assert age is not None
+        assert age > 0.3

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 from .. import protocol as p
 from ..errors import LaunchError
@@ -20,7 +20,7 @@ from ..outcome import Outcome
 from ..protocol import JobState, Supervision, SupervisorShown, SupervisorState
 from ..record import replace
 from .pool import NodePool, unanswered
-from .supervision import ask, end_supervisor, live_ranks, newest
+from .supervision import ask, end_supervisor, live_ranks, newest, stop_record
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
 FOLLOW = 0.5  # seconds between polls of logs --follow
@@ -237,7 +237,7 @@ class StatusRow:
     attempt: int | None = None
     restarts_left: int | None = None
     last_restart_reason: str | None = None
-    supervisor: SupervisorState | SupervisorShown | None = None  # None: no record (e.g. stopped)
+    supervisor: SupervisorState | SupervisorShown | None = None  # None: no record
     idle_s: float | None = None  # seconds since the node's log was last written
     stalled: bool = False  # the job's: running, and no node has written output for stall_after
     diagnosis: str | None = None  # the diagnosis the supervisor saved before a stall restart
@@ -255,6 +255,8 @@ class StatusRow:
         if self.supervised:  # the fixed names: a claimed relaunch is still a running supervisor
             relaunching = self.supervisor == SupervisorState.RELAUNCHING
             data["supervisor"] = SupervisorState.RUNNING if relaunching else self.supervisor
+            if self.supervisor == SupervisorState.STOPPED:
+                data["supervisor"] = None  # no "stopped" in the fixed names: no supervisor
             data["relaunching"] = relaunching
         return data
 
@@ -392,24 +394,60 @@ def status_with_supervision(pool: NodePool, job: Job, hosts: Sequence[Host]) -> 
     return with_supervision(job, rows, record, leader)
 
 
+UNREACHED = "the job may still run there; `meshkit stop` again once it answers ends it"
+UNREACHED_SUPERVISED = (
+    "the job and its supervisor may still run there; the supervisor relaunches nothing: when it "
+    "reconnects it finds the stop, ends the job there and ends itself (`meshkit stop` again once "
+    "the node answers checks it)"
+)
+
+
+@dataclass(frozen=True)
+class Unreached:
+    """A node ``stop`` could not ask, and what happens there (``then``)."""
+
+    node_rank: int
+    host: str
+    error: str
+    then: str
+
+
 @dataclass(frozen=True)
 class Stopped:
-    """``meshkit stop``: each node's row, and the supervisors that could not be ended (then the
-    job was still stopped)."""
+    """``meshkit stop``: each node's row, the supervisors that could not be ended (then the job
+    was still stopped), and the nodes it could not reach."""
 
     rows: list[StopRow]
     supervisor_left: list[str]
+    unreached: list[Unreached] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.supervisor_left and all(row.ok for row in self.rows)
 
+    def as_json(self) -> dict[str, object]:
+        """The ``stop --json`` shape."""
+        return {
+            "ok": self.ok,
+            "nodes": [asdict(row) for row in self.rows],
+            "supervisor_left": self.supervisor_left,
+            "unreached": [asdict(node) for node in self.unreached],
+        }
+
 
 def stop_with_supervisors(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Stopped:
     """``meshkit stop``: end every supervisor first (each would take the stop for a failure),
-    then the job."""
-    left = end_supervisor(pool, job, hosts) if job.restarts else []
-    return Stopped(stop(pool, job, hosts), left)
+    leaving a stopped record on every node that answers (a supervisor this stop cannot reach
+    finds it when it reconnects, and relaunches nothing), then the job."""
+    left = []
+    then = UNREACHED
+    if job.restarts:
+        stopped = stop_record(ask(pool, job, hosts), job.restarts)
+        left = end_supervisor(pool, job, hosts, stopped)
+        then = UNREACHED_SUPERVISED
+    rows = stop(pool, job, hosts)
+    unreached = [Unreached(row.node_rank, row.host, row.error, then) for row in rows if row.error]
+    return Stopped(rows, left, unreached)
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import LaunchError, MeshkitError, RemoteError, UsageError
 from ..hostfile import Host
@@ -43,6 +44,9 @@ FOLLOWER_POLLS = 3  # a follower polls every 3rd interval: all at every one is N
 COME_BACK = 300.0  # seconds a relaunch waits for every node to answer, then for its checks
 GIVE_UP_GRACE = 30.0  # seconds the nodes still running get to end by themselves after a give-up
 RECONNECT = 10.0  # seconds between new connections while some node does not answer
+BEAT_EVERY = 5.0  # seconds between heartbeats (well inside supervision.STALE)
+HUNG = 900.0  # seconds a loop may go without a step before its heartbeat stops: longer than
+# any one step it takes (a relaunch's two 300 s waits, its stop and launch)
 
 Connect = Callable[[float], AbstractContextManager[NodePool]]
 Gate = Callable[[NodePool, Job, Sequence[Host]], list[str]]  # one line per failed check
@@ -70,6 +74,42 @@ class Look:
     answered: int
 
 
+@dataclass
+class Heartbeat:
+    """A supervisor's heartbeat, from a thread of its own every ``every`` s whatever the loop is
+    doing: a relaunch (stop, health checks, launch, resync) may take longer than
+    ``supervision.STALE``, and another supervisor must not take it for a hung one and take the
+    attempt over. The loop marks each step (``moved``); one that has not moved for ``hung`` s is
+    stuck past every bound its steps have, and then the beats stop, so it goes stale as a frozen
+    one does."""
+
+    job_id: str
+    every: float = BEAT_EVERY
+    hung: float = HUNG
+    last_move: float = field(default_factory=time.monotonic)
+
+    def moved(self) -> None:
+        self.last_move = time.monotonic()
+
+    @contextlib.contextmanager
+    def beating(self) -> Iterator[Heartbeat]:
+        register(self.job_id)
+        done = threading.Event()
+
+        def beat_on() -> None:
+            while not done.wait(self.every):
+                if time.monotonic() - self.last_move < self.hung:
+                    beat(self.job_id)
+
+        thread = threading.Thread(target=beat_on, name="heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            done.set()
+            thread.join()
+
+
 def health(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
     """The doctor's quick checks on every node: the failures, as "NODE: CHECK: DETAIL"."""
     from .doctor import quick
@@ -92,6 +132,7 @@ class Supervisor:
     base_backoff: float = BACKOFF
     relaunch: Launcher | None = None
     gate: Gate = health
+    heart: Heartbeat | None = None  # None: nothing beats (the loop run on its own, in tests)
 
     def run(self) -> Supervision:
         while True:
@@ -106,9 +147,14 @@ class Supervisor:
                 return final
             time.sleep(self.interval)
 
+    def _moved(self) -> None:
+        """The loop took a step: its heartbeat goes on."""
+        if self.heart is not None:
+            self.heart.moved()
+
     def _look(self, pool: NodePool) -> Look:
-        """Beat, then look at every node's supervisor."""
-        beat(self.job.id)
+        """Look at every node's supervisor."""
+        self._moved()
         answers = ask(pool, self.job, self.hosts)
         live = live_ranks(self.hosts, answers)
         record = newest(reply.record for reply in answers.values())
@@ -129,19 +175,21 @@ class Supervisor:
         while True:
             look = self._look(pool)
             record = look.record
+            if not look.answered:
+                return None
+            if record is None:  # every copy is gone (a train dropped them to start anew)
+                why = "the supervision record is gone from every node"
+                return Supervision(SupervisorState.GAVE_UP, 0, 0, why)
+            step = next_step(self.me, look.live, record)
+            if step == Step.STOP:
+                return self._carry_stop(pool, record)
+            if step == Step.END:
+                return record
             # a node that did not answer (never connected, or its channel died with a reboot)
             # may be back by now: look through a new connection
             late = time.monotonic() - since > RECONNECT
-            if not look.answered:
-                return None
             if look.answered < len(self.hosts) and late:
                 return None
-            step = next_step(self.me, look.live, record)
-            if record is None:  # every copy is gone: the job was stopped
-                why = "the supervision record is gone (meshkit stop)"
-                return Supervision(SupervisorState.GAVE_UP, 0, 0, why)
-            if step == Step.END:
-                return record
             if step == Step.RESUME:
                 return Restart(record, record, takeover=True)
             if step == Step.FOLLOW:
@@ -188,6 +236,28 @@ class Supervisor:
                 )
                 return Restart(record, claim, takeover=False)
 
+    def _carry_stop(self, pool: NodePool, stopped: Supervision) -> Supervision:
+        """The job was stopped, and this supervisor survived it (cut off from ``stop``): the
+        stop ends the whole job, so on the nodes whose copy does not say stopped yet (the stop
+        did not reach them) leave the stop's record, then end the job there; relaunch
+        nothing."""
+        job = self.job
+        answers = ask(pool, job, self.hosts)
+        behind = [
+            host
+            for host, reply in answers.items()
+            if reply.record is None or reply.record.supervisor != SupervisorState.STOPPED
+        ]
+        if not behind:
+            self.say("the job was stopped (meshkit stop); relaunching nothing")
+            return stopped
+        where = ", ".join(host.label for host in behind)
+        self.say(f"the job was stopped (meshkit stop) without reaching {where}: ending it there")
+        ask(pool, job, behind, record=stopped, version=stopped.version)
+        ending = StopRequest(job.id)
+        pool.call_all("stop", lambda host: ending, StopReply, behind)
+        return stopped
+
     def _give_up(
         self, pool: NodePool, record: Supervision, seen: list[NodeView], why: str
     ) -> Supervision:
@@ -218,11 +288,11 @@ class Supervisor:
 
     @contextlib.contextmanager
     def _every_node(self) -> Iterator[NodePool]:
-        """A pool once every node answers (trying again every ``RECONNECT`` s, beating between),
-        or, after ``COME_BACK`` s, the pool as it is."""
+        """A pool once every node answers (trying again every ``RECONNECT`` s), or, after
+        ``COME_BACK`` s, the pool as it is."""
         deadline = time.monotonic() + COME_BACK
         while True:
-            beat(self.job.id)
+            self._moved()
             wait = min(RECONNECT, max(0.0, deadline - time.monotonic()))
             with self.connect(wait) as pool:
                 if not pool.failures or time.monotonic() >= deadline:
@@ -273,7 +343,7 @@ class Supervisor:
                     if renewed is None:
                         return None
                     claimed = renewed
-                beat(job.id)
+                self._moved()
                 time.sleep(self.interval)
             # The claim renewed right before the launch: a supervisor that hung while another
             # took this attempt over finds a newer copy here and launches nothing.
@@ -330,11 +400,11 @@ def run(
     connect: Connect, job: Job, hosts: Sequence[Host], rank: int, say: Callable[[str], None]
 ) -> Supervision:
     """``meshkit supervise`` (what ``train --restarts`` starts in tmux on every node): register
-    here (the pid file is the heartbeat), then follow or lead until the job ends."""
+    here, with a heartbeat in its pid file, then follow or lead until the job ends."""
     if not 0 <= rank < len(hosts):
         raise UsageError(f"--rank {rank}: the job has ranks 0..{len(hosts) - 1}")
-    register(job.id)
-    say(f"supervising {job.label} from node {rank}, restarts {job.restarts}")
-    record = Supervisor(connect, job, hosts, rank, say).run()
+    with Heartbeat(job.id).beating() as heart:
+        say(f"supervising {job.label} from node {rank}, restarts {job.restarts}")
+        record = Supervisor(connect, job, hosts, rank, say, heart=heart).run()
     say(f"ending: the job's supervision is {record.supervisor}")
     return record

@@ -10,13 +10,12 @@ from typing import Literal
 
 from ..hostfile import Host
 from ..job import Job
-from ..protocol import Supervision, SupervisorReply, SupervisorRequest
+from ..protocol import Supervision, SupervisorReply, SupervisorRequest, SupervisorState
 from ..record import replace
 from .pool import NodePool
 
-STALE = 60.0  # a supervisor whose heartbeat is older is gone: longer than any step between two
-# beats (the doctor's quick checks take up to about 35 s, one connection try ops.supervise's
-# RECONNECT)
+STALE = 60.0  # a supervisor whose heartbeat is older is gone (a thread of its own beats every
+# few seconds, whatever its loop does: only a frozen, dead or hung supervisor goes quiet)
 
 Answers = dict[Host, SupervisorReply]
 
@@ -30,13 +29,22 @@ def ask(
     version: int = 0,
 ) -> Answers:
     """The ``supervisor`` op on ``hosts``: the replies of the nodes that answered."""
-    request = SupervisorRequest(job.id, job.supervisor_tmux, action, record=record, version=version)
+    request = SupervisorRequest(
+        job.id,
+        job.supervisor_tmux,
+        action,
+        record=record,
+        version=version,
+        session=job.session,
+        workdir=job.workdir,
+    )
     outcomes = pool.call_all("supervisor", lambda host: request, SupervisorReply, hosts)
     return {host: outcome.value for host, outcome in outcomes.items() if outcome.value is not None}
 
 
 def alive(reply: SupervisorReply) -> bool:
-    """A supervisor that runs and beat within ``STALE`` s (its own node's clock: no skew)."""
+    """A supervisor that runs and beat within ``STALE`` s (its own node's monotonic clock: no
+    skew, no step)."""
     if reply.pid is None or reply.beat is None:
         return False
     return reply.beat <= STALE
@@ -48,9 +56,20 @@ def live_ranks(hosts: Sequence[Host], answers: Answers) -> set[int]:
 
 
 def newest(copies: Iterable[Supervision | None]) -> Supervision | None:
-    """Pure: the newest of the nodes' copies (None: no node has one)."""
+    """Pure: the copy that wins (None: no node has one): a stop, else the newest."""
     records = [copy for copy in copies if copy is not None]
-    return max(records, key=lambda record: record.version, default=None)
+    return max(records, key=Supervision.precedence, default=None)
+
+
+def stop_record(answers: Answers, restarts: int) -> Supervision:
+    """Pure: the record ``meshkit stop`` leaves on every node: the winning copy, STOPPED and one
+    version on (a job none of whose nodes keeps a copy gets a bare one)."""
+    record = newest(reply.record for reply in answers.values())
+    if record is None:
+        record = Supervision(SupervisorState.STOPPED, 0, restarts)
+    return replace(
+        record, supervisor=SupervisorState.STOPPED, version=record.version + 1, held=None
+    )
 
 
 def write(
@@ -88,7 +107,9 @@ def start_all(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
         argv += ["--hostfile", job.node_hostfile, "--session", job.session]
         argv += ["--workdir", job.workdir]
         argv += ["--rank", str(rank), "--log", job.supervisor_log(rank)]
-        return SupervisorRequest(job.id, job.supervisor_tmux, "start", argv)
+        return SupervisorRequest(
+            job.id, job.supervisor_tmux, "start", argv, session=job.session, workdir=job.workdir
+        )
 
     outcomes = pool.call_all("supervisor", start, SupervisorReply, hosts)
     failed = [
@@ -100,13 +121,16 @@ def start_all(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
     return failed + unreached
 
 
-def end_supervisor(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
-    """End the job's supervisors on every node (and drop their record copies), before the job
-    itself is touched (one would take a stop for a failure and relaunch). Looked at again until
-    a round finds none: a leader ended mid-relaunch may have started one meanwhile. Returns the
-    nodes where one survived."""
+def end_supervisor(
+    pool: NodePool, job: Job, hosts: Sequence[Host], stopped: Supervision | None = None
+) -> list[str]:
+    """End the job's supervisors on every node, before the job itself is touched (one would
+    take a stop for a failure and relaunch), and drop their record copies, or with ``stopped``
+    (``meshkit stop``) leave that record as every copy. Looked at again until a round finds
+    none: a leader ended mid-relaunch may have started one meanwhile. Returns the nodes where
+    one survived."""
     for _ in range(3):
-        answers = ask(pool, job, hosts, action="end")
+        answers = ask(pool, job, hosts, action="end", record=stopped)
         left = [
             f"{host.label}: supervisor pid {reply.left} survived"
             for host, reply in answers.items()

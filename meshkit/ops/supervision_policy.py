@@ -1,6 +1,27 @@
 """The supervisor's policy, pure: how one poll's status rows look to it (``views``), what to do
-about them (``decide``), how long to wait before a relaunch (``backoff``), and which supervisor
-leads (``next_step``). The loop around it is ``ops.supervise``.
+about them (``decide``), how long to wait before a relaunch (``backoff``), and what each
+supervisor does next (``next_step``). The loop around it is ``ops.supervise``.
+
+The supervision's states (``protocol.SupervisorState``), one record per job with a copy on every
+node, written by compare-and-set (``ops.supervision``)::
+
+                  claim (every node answering)                 launched
+      RUNNING  ---------------------------------> RELAUNCHING ---------> RUNNING (attempt + 1)
+         |  every node exited 0 ------> DONE           |
+         |  a fatal code, no restarts -> GAVE UP       +-- nodes gone, held past 300 s -> GAVE UP
+
+      any state  ---- meshkit stop ---->  STOPPED
+
+1. ``RUNNING``: the attempt runs; the leader, the lowest live rank, watches it (``decide``).
+2. ``RELAUNCHING``: rank ``by`` claimed the next attempt and makes it; if it is gone, the
+   leader finishes the same attempt (``RESUME``), never a new one.
+3. ``DONE``, ``GAVE UP``: final; every supervisor ends (``END``).
+4. ``STOPPED``: final, and it wins over every other record whatever the versions
+   (``Supervision.precedence``; a node replaces it with nothing but another stop), so a
+   supervisor that ``stop`` could not reach (a partition) and that counted versions on its own
+   side still finds it once it reconnects. It relaunches nothing: a stop ends the whole job, so
+   it ends the job on the nodes whose copy does not say stopped yet (the ones the stop did not
+   reach), leaves the record there, and ends (``STOP``).
 """
 
 from __future__ import annotations
@@ -51,10 +72,12 @@ class Decision:
 
 
 class Step(StrEnum):
-    """What a supervisor does next: END (the supervision is over), FOLLOW another one, WATCH the
-    job as the leader, or RESUME a claimed relaunch."""
+    """What a supervisor does next: END (the supervision is over), STOP (the job was stopped:
+    carry the stop to the nodes it did not reach, then end), FOLLOW another one, WATCH the job
+    as the leader, or RESUME a claimed relaunch."""
 
     END = "end"
+    STOP = "stop"
     FOLLOW = "follow"
     WATCH = "watch"
     RESUME = "resume"
@@ -144,6 +167,8 @@ def next_step(me: int, live: set[int], record: Supervision | None) -> Step:
     by the leader (the lowest live rank); it is never begun anew."""
     if record is None or record.supervisor in (SupervisorState.DONE, SupervisorState.GAVE_UP):
         return Step.END
+    if record.supervisor == SupervisorState.STOPPED:
+        return Step.STOP
     relaunching = record.supervisor == SupervisorState.RELAUNCHING
     if relaunching and record.by in live:
         return Step.RESUME if record.by == me else Step.FOLLOW

@@ -211,7 +211,7 @@ def supervise(
 
         quiet = functools.partial(connect, conf(), job.hostfile, hosts, job.python, None)
         record = sup.run(quiet, job, hosts, int(rank), say)  # quiet: no progress lines per poll
-    if record.supervisor != SupervisorState.DONE:
+    if record.supervisor not in (SupervisorState.DONE, SupervisorState.STOPPED):
         raise Exit(code=1)
 
 
@@ -335,22 +335,35 @@ def logs(
         raise Exit(code=1)
 
 
-@task(help=helps(*JOB_FLAGS))
+@task(help=helps(*JOB_FLAGS, "json"))
 def stop(
     context: Context,
     hostfile: str | None = None,
     session: str | None = None,
     workdir: str | None = None,
+    json: bool = False,
 ) -> None:
     """End the job on every node: its tmux session and every process it started (torchrun, its
     workers, anything they detached), TERM then KILL; then check on each node that nothing of it
-    is left."""
+    is left. A node it cannot reach is named, with what happens there."""
     with reported():
         stopped = lookup.on_saved(
             conf(), hostfile, session, workdir, ops.stop_with_supervisors, progress
         )[1]
-    for problem in stopped.supervisor_left:
-        print(f"meshkit: {problem}", file=sys.stderr)
+    if json:
+        print(jsonlib.dumps(stopped.as_json()))
+    else:
+        for problem in stopped.supervisor_left:
+            print(f"meshkit: {problem}", file=sys.stderr)
+        print(render_stop(stopped))
+    bad = [row.host for row in stopped.rows if not row.ok]
+    if stopped.supervisor_left:
+        raise Exit("meshkit: the job's supervisor could not be ended (see above)", 1)
+    if bad:
+        raise Exit(f"meshkit: could not verify the job ended on: {', '.join(bad)}", 1)
+
+
+def render_stop(stopped: ops.Stopped) -> str:
     cells = []
     for row in stopped.rows:
         if row.error:
@@ -362,12 +375,10 @@ def stop(
             signalled = row.signalled
             verified = f"{len(row.left)} LEFT: {row.left[:10]}" if row.left else "nothing left"
         cells.append((row.node_rank, row.host, ended, signalled, verified))
-    print(table(["rank", "host", "job", "signalled", "verified"], cells))
-    bad = [row.host for row in stopped.rows if not row.ok]
-    if stopped.supervisor_left:
-        raise Exit("meshkit: the job's supervisor could not be ended (see above)", 1)
-    if bad:
-        raise Exit(f"meshkit: could not verify the job ended on: {', '.join(bad)}", 1)
+    out = [table(["rank", "host", "job", "signalled", "verified"], cells)]
+    for node in stopped.unreached:
+        out.append(f"node {node.node_rank} ({node.host}) could not be asked: {node.then}")
+    return "\n".join(out)
 
 
 def rank_of(result_line: str) -> int:
