@@ -1,9 +1,10 @@
-"""The whole flow as an ordinary user, as most people on shared GPU nodes are: the sandbox's user
-(``meshkit-user``, see meshkit.sandbox.user), with a home of its own on every node and its own key,
-known_hosts and hostfile on the controller. As that user: ``mesh`` from the controller (this
-machine), ``train`` from one node, ``status``, ``logs`` and ``diagnose`` from another node and
-another directory, ``stop``, and a supervised job relaunched after a node reboots. The user runs a
-Python environment of its own (helpers.other_user): this checkout may be one it cannot enter."""
+"""The whole flow as an ordinary user, as most people on shared GPU nodes are: the sandbox's
+user (``meshkit-user``, see meshkit.sandbox.user), with a home of its own on every node and its
+own key, known_hosts and hostfile on the controller. As that user: ``mesh`` from the controller
+(this machine), ``train`` from one node, ``status``, ``logs`` and ``diagnose`` from another node
+and another directory, ``stop``, and a supervised job relaunched after a node reboots. The user
+runs a Python environment of its own (helpers.other_user): this checkout may be one it cannot
+enter."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from meshkit import sandbox
 
 SANDBOX_NODES = 2
 USER = sandbox.USER
-EXAMPLE = Path(__file__).resolve().parent.parent / "meshkit" / "templates" / "example_train.py"
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "meshkit" / "templates" / "example_train.py"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def lay() -> Iterator[sandbox.Layout]:
 
 @pytest.fixture(scope="module")
 def python(lay) -> Iterator[Path]:
-    """The user's interpreter, at the same path on the controller and every node (/var/tmp)."""
+    """The user's interpreter, at one path on the controller and every node (/var/tmp)."""
     with readable_python(USER, ["torch"]) as interpreter:
         yield interpreter
 
@@ -54,7 +56,7 @@ def on_controller(lay, python: Path, *args: str) -> subprocess.CompletedProcess[
 
 
 def login(lay, python: Path, index: int, line: str) -> subprocess.CompletedProcess[str]:
-    """``line`` in the user's shell on node ``index``, logged in by its own key through sshd."""
+    """``line`` in the user's shell on node ``index``, logged in by its key through sshd."""
     node = lay.nodes[index].name
     ssh = ["ssh", "-F", str(lay.user_ssh_config), "-o", "BatchMode=yes", node, line]
     return subprocess.run(
@@ -67,14 +69,14 @@ def login(lay, python: Path, index: int, line: str) -> subprocess.CompletedProce
     )
 
 
-def inside(lay, python: Path, index: int, cwd: str, *args: str) -> subprocess.CompletedProcess[str]:
+def inside(lay, python: Path, index: int, cwd: str, *args: str):
     """``meshkit ARGS`` run by the user on node ``index``, from directory ``cwd``."""
     command = shlex.join([str(python), "-m", "meshkit", *args])
     return login(lay, python, index, f"cd {cwd} && {command}")
 
 
 def project(lay, name: str) -> Path:
-    """A workdir of the user's on the shared storage (an admin made it, then gave it away), with
+    """A workdir of the user's on the shared storage (an admin made it and gave it away), with
     a hostfile of the nodes and the example job."""
     user = sandbox.user.account()
     assert user is not None
@@ -148,8 +150,9 @@ def test_train_status_logs_diagnose_and_stop_as_the_user(lay, python, meshed):
     """The one torch run: gloo between the user's ranks on both nodes."""
     work = project(lay, "project")
     where = ("--hostfile", str(work / "hostfile"), "--session", "first")
-    train = ["train", *where, "--spawn", "--nproc-per-node", str(NPROC)]
-    out = inside(lay, python, 0, str(work), *train, "--cmd", "python example_train.py --sleep 300")
+    command = "python example_train.py --sleep 300"
+    train = ["train", *where, "--spawn", "--nproc-per-node", str(NPROC), "--cmd", command]
+    out = inside(lay, python, 0, str(work), *train)
     assert out.returncode == 0, out.stdout + out.stderr
     world = len(lay.nodes) * NPROC
 
@@ -184,7 +187,7 @@ def test_train_status_logs_diagnose_and_stop_as_the_user(lay, python, meshed):
     assert sorted(rank["rank"] for rank in ranks) == list(range(world))
     for rank in ranks:
         assert rank["error"] is None, rank
-        assert "example_train.py:" in rank["frames"][-1], rank  # its own stack, read by py-spy
+        assert "example_train.py:" in rank["frames"][-1], rank  # its stack, read by py-spy
     stop = inside(lay, python, 1, "~", "stop", *where)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert stop.stdout.count("nothing left") == len(lay.nodes), stop.stdout
@@ -196,16 +199,18 @@ def test_a_supervised_job_is_relaunched_after_a_reboot(lay, python, meshed):
     work = project(lay, "supervised")
     where = ("--hostfile", str(work / "hostfile"), "--session", "sup")
     command = 'echo "attempt on $NODE_RANK"; sleep 300'
-    out = inside(lay, python, 0, str(work), "train", *where, "--restarts", "1", "--cmd", command)
+    train = ["train", *where, "--restarts", "1", "--cmd", command]
+    out = inside(lay, python, 0, str(work), *train)
     assert out.returncode == 0, out.stdout + out.stderr
 
     def supervised_and_running(attempt: int):
         def ready() -> list[dict[str, object]] | None:
             rows = status(lay, python, 0, "~", *where)
-            every_node = [row["state"] for row in rows] == ["running"] * len(lay.nodes)
-            if every_node and rows[0]["supervisor"] == "running" and rows[0]["attempt"] == attempt:
-                return rows
-            return None
+            if [row["state"] for row in rows] != ["running"] * len(lay.nodes):
+                return None
+            if rows[0]["supervisor"] != "running" or rows[0]["attempt"] != attempt:
+                return None
+            return rows
 
         return ready
 
