@@ -17,11 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import fresh_sandbox, sandbox_name
+from conftest import fresh_sandbox, named, need_root, sandbox_name
 from helpers.other_user import as_user, login_env, readable_python
 from helpers.sandbox_jobs import NPROC, RESULT, check_results, wait_for
 
 from meshkit import sandbox
+from meshkit.errors import SandboxError
 
 SANDBOX_NODES = 2
 USER = sandbox.USER
@@ -94,6 +95,17 @@ def meshed(lay, python) -> subprocess.CompletedProcess[str]:
     out = on_controller(lay, python, "mesh", "--hostfile", str(lay.user_hostfile))
     assert out.returncode == 0, out.stdout + out.stderr
     return out
+
+
+def test_a_place_the_user_could_not_reach_is_refused_before_anything_is_made(tmp_path):
+    need_root()
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    name = named("nclosed")
+    where = closed / "sandbox"
+    with pytest.raises(SandboxError, match=f"{closed} is closed to other users"):
+        sandbox.up(where, sandbox.default_subnet("", name), 1, name, user=True)
+    assert not where.exists()
 
 
 def test_the_user_logs_in_by_key_to_a_home_of_its_own_on_every_node(lay, python):

@@ -184,6 +184,8 @@ def up(
     if slurm:
         slurm_cluster.preflight()
     sandbox = layout(root, subnet, count, name, networks, bashrc, user)
+    if user:
+        sandbox_user.check_place(sandbox)
     down(sandbox.root, name)
     check_subnet(sandbox)
     if user:

@@ -45,6 +45,21 @@ def account() -> Account | None:
     return Account(entry.pw_name, entry.pw_uid, entry.pw_gid, Path(entry.pw_dir))
 
 
+def check_place(sandbox: Layout) -> None:
+    """Refuse a sandbox directory the user could not reach its own files in (before anything
+    is made)."""
+    blocked = []
+    for parent in sandbox.root.parents:
+        if parent.exists() and not parent.stat().st_mode & 0o001:
+            blocked.append(parent)
+    if blocked:
+        raise SandboxError(
+            f"{blocked[0]} is closed to other users, so the sandbox's user could not reach its "
+            f"files in {sandbox.user_dir}; put the sandbox in a directory such as /var/tmp "
+            "(--dir)"
+        )
+
+
 def ensure_account() -> None:
     """Create the user unless it exists. Its password field is ``*``: no password, yet not
     locked (sshd without PAM refuses a locked account's keys too). Its home here is the mount
@@ -84,17 +99,9 @@ def _existing() -> Account:
 
 
 def write_files(sandbox: Layout) -> None:
-    """The user's controller files and its home on every node, all owned by the user. The
-    sandbox's directory must let the user through to its own ``user/``."""
+    """The user's controller files and its home on every node, all owned by the user."""
     user = _existing()
-    blocked = [parent for parent in sandbox.root.parents if not parent.stat().st_mode & 0o001]
-    if blocked:
-        raise SandboxError(
-            f"{blocked[0]} is closed to other users, so the sandbox's user cannot reach its "
-            f"files in {sandbox.user_dir}; put the sandbox in a directory such as /var/tmp "
-            "(--dir)"
-        )
-    sandbox.root.chmod(0o755)
+    sandbox.root.chmod(0o755)  # the way to its own user/
     _private_dir(sandbox.user_dir, user)
     keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"{NAME}@controller"]
     run([*keygen, "-f", str(sandbox.user_key)])
