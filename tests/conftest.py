@@ -91,9 +91,10 @@ def need_root() -> None:
 
 
 @contextmanager
-def fresh_sandbox(name: str, nodes: int) -> Iterator[sandbox.Layout]:
+def fresh_sandbox(name: str, nodes: int, user: bool = False) -> Iterator[sandbox.Layout]:
     need_root()
-    lay = sandbox.up(sandbox_dir(name), sandbox.default_subnet("", name), nodes, name)
+    subnet = sandbox.default_subnet("", name)
+    lay = sandbox.up(sandbox_dir(name), subnet, nodes, name, user=user)
     try:
         yield lay
     finally:

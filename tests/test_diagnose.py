@@ -11,13 +11,14 @@ import shlex
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import meshkit, need_root
+from helpers.other_user import as_user, readable_python
 from helpers.sandbox_jobs import on_node, supervisor_said, wait_for
 
 from meshkit import sandbox
@@ -475,12 +476,18 @@ def test_the_log_traceback_ends_at_the_exception_line(tmp_path):
     ]
 
 
-def test_a_job_run_as_a_non_root_user(tmp_path):
+@pytest.fixture
+def nobody_python() -> Iterator[Path]:
+    """An interpreter with meshkit that nobody can run: this checkout may be one nobody cannot
+    enter (a clone in /root)."""
+    need_root()
+    with readable_python("nobody") as python:
+        yield python
+
+
+def test_a_job_run_as_a_non_root_user(nobody_python):
     """The node side as the job's own user (nobody): the agent starts the job (keeper, tmux,
     ``meshkit run --spawn``), then reads its ranks' stacks with py-spy and the error one left."""
-    need_root()
-    if not Path("/usr/bin/python3").exists() or sys.version_info[:2] != (3, 11):
-        pytest.skip("needs /usr/bin/python3 of this interpreter's version, outside root's home")
     work = Path(tempfile.mkdtemp(prefix="meshkit-diag-"))  # nobody must be able to write there
     work.chmod(0o777)
     (work / "hostfile").write_text("127.0.0.1 slots=2\n")
@@ -493,24 +500,18 @@ def test_a_job_run_as_a_non_root_user(tmp_path):
         str(work),
         "nobody",
         str(work / "hostfile"),
-        "/usr/bin/python3",  # this venv's interpreter sits in root's home (mode 700)
+        str(nobody_python),
         29999,
         nproc_per_node=2,
         spawn=True,
         env={"MESHKIT_NODE_RANK": "0"},
     )
-    as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
     agent = subprocess.Popen(
-        [*as_nobody, "/usr/bin/python3", "-m", "meshkit.node", "serve"],
+        [*as_user("nobody"), str(nobody_python), "-m", "meshkit.node", "serve"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={
-            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",  # py-spy, as installed
-            "HOME": str(work),
-            # this checkout and its venv's packages (same Python minor), for /usr/bin/python3
-            "PYTHONPATH": f"{HOOK.parent.parent.parent}:{sysconfig.get_paths()['purelib']}",
-        },
+        env={"PATH": f"{nobody_python.parent}:/usr/bin:/bin", "HOME": str(work)},  # py-spy there
         cwd=work,
     )
 

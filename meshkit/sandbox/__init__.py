@@ -8,11 +8,18 @@ filesystem is shared, like NFS on a real cluster. Each node runs a real OpenSSH 
 accepts keys only. The controller (this machine, outside the namespaces) logs in with a bootstrap
 key and knows the nodes' host keys; the nodes know nothing of each other until ``meshkit mesh``.
 
+``up(user=True)`` adds an ordinary user, ``meshkit-user`` (``USER``), created on this machine
+if absent: a home of its own on every node (a per-node directory bind-mounted over its home,
+as ``/root/.ssh`` is) that accepts its own key, and its controller files (key, known_hosts,
+hostfile, ssh_config) in the sandbox's ``user/``, which nodes do not see. ``down`` removes the
+account when a sandbox created it and no other sandbox is running.
+
 This module is the sandbox's life (``up``, ``down``, ``load``, ``reboot``) and its state file;
 the parts live beside it: ``layout`` (names and addresses), ``host_setup`` (what this machine
 needs), ``node_files`` (the files nodes boot from), ``bashrc`` (the nodes' ~/.bashrc),
 ``nodes`` (booting, killing and entering a node), ``networks`` (real-world network features),
-``slurm`` (a private SLURM cluster) and ``system`` (commands and files).
+``slurm`` (a private SLURM cluster), ``user`` (the ordinary user) and ``system`` (commands and
+files).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 
 from ..errors import SandboxError
 from . import slurm as slurm_cluster
+from . import user as sandbox_user
 from .bashrc import CONDA_BASHRC, NODE_BASHRC, SHELLS_FILE, reset_shells, shells
 from .host_setup import (
     PROGRAMS,
@@ -61,6 +69,7 @@ from .nodes import (
 )
 from .system import COMMAND_TIMEOUT, SSHD, netns_pids, write
 from .system import run as _run
+from .user import NAME as USER
 
 # Defined in a submodule; the CLI, the tests and the benchmarks use them as sandbox.X.
 __all__ = [
@@ -75,6 +84,7 @@ __all__ = [
     "READY_TIMEOUT",
     "SHELLS_FILE",
     "SSHD",
+    "USER",
     "Layout",
     "Node",
     "NodeStatus",
@@ -139,6 +149,9 @@ def down(root: str | os.PathLike[str], name: str = DEFAULT) -> list[str]:
     if state and state.get("created_root_ssh") and not others_running:
         with contextlib.suppress(OSError):  # not empty, or gone already
             Path("/root/.ssh").rmdir()
+    # The same for the sandbox's user: another sandbox's nodes may mount its home.
+    if state and state.get("user") and not others_running and sandbox_user.remove_account():
+        removed.append(f"user {USER}")
     return removed
 
 
@@ -160,17 +173,23 @@ def up(
     networks: Options | None = None,
     slurm: bool = False,
     bashrc: str = "minimal",
+    user: bool = False,
 ) -> Layout:
     """Create (or re-create) the sandbox ``name`` of ``count`` nodes and wait until every sshd
     answers. ``networks`` adds real-world network features (see networks.py); ``slurm`` also a
     private SLURM cluster on the nodes (see slurm.py); ``bashrc`` the nodes' ~/.bashrc (a key of
-    BASHRCS: ``conda`` costs what conda's does and counts shells)."""
+    BASHRCS: ``conda`` costs what conda's does and counts shells); ``user`` an ordinary user
+    with a home of its own on every node (see user.py)."""
     preflight()
     if slurm:
         slurm_cluster.preflight()
-    sandbox = layout(root, subnet, count, name, networks, bashrc)
+    sandbox = layout(root, subnet, count, name, networks, bashrc, user)
+    if user:
+        sandbox_user.check_place(sandbox)
     down(sandbox.root, name)
     check_subnet(sandbox)
+    if user:
+        sandbox_user.ensure_account()
     state = {
         "name": name,
         "nodes": count,
@@ -179,12 +198,15 @@ def up(
         "networks": sandbox.networks.as_state(),
         "bashrc": bashrc,
         "created_root_ssh": not Path("/root/.ssh").exists(),
+        "user": user,
     }
     # The bind-mount point for each node's own ~/.ssh; another sandbox may create it meanwhile.
     Path("/root/.ssh").mkdir(mode=0o700, exist_ok=True)
     write(sandbox.root / "state.json", json.dumps(state))
     try:
         prepare_files(sandbox)
+        if user:
+            sandbox_user.write_files(sandbox)
         create_network(sandbox)
         for node in sandbox.nodes:
             start_node(sandbox, node)
@@ -206,7 +228,8 @@ def load(root: str | os.PathLike[str]) -> Layout:
     networks = Options.from_state(state.get("networks"))
     subnet = str(state["subnet"])
     count = int(str(state["nodes"]))
-    return layout(root, subnet, count, name, networks, bashrc)
+    user = bool(state.get("user", False))
+    return layout(root, subnet, count, name, networks, bashrc, user)
 
 
 def reboot(sandbox: Layout, index: int) -> Node:

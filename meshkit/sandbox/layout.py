@@ -135,6 +135,7 @@ class Layout:
     name: str = DEFAULT
     networks: Options = field(default_factory=Options)
     bashrc: str = "minimal"  # the nodes' ~/.bashrc: a key of BASHRCS
+    user: bool = False  # the sandbox's ordinary user (user.py) on the controller and nodes
 
     @property
     def bridge(self) -> str:
@@ -210,6 +211,32 @@ class Layout:
         """A directory every node sees at the same path: a place for jobs' workdirs."""
         return self.root / "shared"
 
+    @property
+    def user_dir(self) -> Path:
+        """The sandbox's user's controller files (its own, private): key, known_hosts,
+        hostfile and the ssh_config beside it."""
+        return self.root / "user"
+
+    @property
+    def user_hostfile(self) -> Path:
+        return self.user_dir / "hostfile"
+
+    @property
+    def user_ssh_config(self) -> Path:
+        return self.user_dir / "ssh_config"
+
+    @property
+    def user_key(self) -> Path:
+        return self.user_dir / "id_ed25519"
+
+    @property
+    def user_known_hosts(self) -> Path:
+        return self.user_dir / "known_hosts"
+
+    def user_home(self, node: Node) -> Path:
+        """The sandbox's user's home on ``node`` (mounted over its home inside the node)."""
+        return self.node_dir(node) / "home"
+
     def sshd_log(self, node: Node) -> Path:
         return self.root / "logs" / f"{node.name}.sshd.log"
 
@@ -236,6 +263,7 @@ def layout(
     name: str = DEFAULT,
     networks: Options | None = None,
     bashrc: str = "minimal",
+    user: bool = False,
 ) -> Layout:
     """The layout, every input checked here rather than by ``ip`` failing mid-up."""
     check_name(name)
@@ -255,7 +283,7 @@ def layout(
             f"subnet {network} is too small for {count} nodes (it holds {holds}); use a /24"
         )
     options = networks or Options()
-    sandbox = Layout(Path(root).resolve(), network, count, name, options, bashrc)
+    sandbox = Layout(Path(root).resolve(), network, count, name, options, bashrc, user)
     long = [ifname for ifname in ifnames(sandbox) if len(ifname) > IFNAME_MAX]
     if long:
         raise SandboxError(

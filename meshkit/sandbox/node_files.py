@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SandboxError
@@ -108,19 +109,36 @@ def _write_key_files(sandbox: Layout) -> None:
 
 def _write_controller_files(sandbox: Layout) -> None:
     """The hostfile (rank order) and the ssh_config meshkit reads beside it."""
+    write(sandbox.hostfile, hostfile_text(sandbox))
+    login = Login("root", sandbox.key, sandbox.known_hosts)
+    write(sandbox.ssh_config, ssh_config_text(sandbox, sandbox.ssh_config, login))
+
+
+def hostfile_text(sandbox: Layout) -> str:
     addresses = "".join(f"{node.address}\n" for node in sandbox.nodes)
-    write(
-        sandbox.hostfile,
-        f"# meshkit sandbox cluster (rank order; node0 is the master)\n{addresses}",
-    )
+    return f"# meshkit sandbox cluster (rank order; node0 is the master)\n{addresses}"
+
+
+@dataclass(frozen=True)
+class Login:
+    """Who logs in to the nodes from the controller: the user, its key, the known_hosts that
+    holds the nodes' host keys."""
+
+    user: str
+    key: Path
+    known_hosts: Path
+
+
+def ssh_config_text(sandbox: Layout, path: Path, login: Login) -> str:
+    """The ssh_config at ``path``, beside a hostfile: the nodes by name, logged in to as
+    ``login`` says, host keys checked strictly."""
     aliases = "".join(f"Host {node.name}\n  HostName {node.address}\n" for node in sandbox.nodes)
     names = [node.name for node in sandbox.nodes]
     every = " ".join(names + [node.address for node in sandbox.nodes])
-    write(
-        sandbox.ssh_config,
-        f"# meshkit sandbox: ssh -F {sandbox.ssh_config} node0"
+    return (
+        f"# meshkit sandbox: ssh -F {path} node0"
         "  (read by meshkit beside the hostfile)\n"
-        f"{aliases}Host {every}\n  User root\n  IdentityFile {sandbox.key}\n"
+        f"{aliases}Host {every}\n  User {login.user}\n  IdentityFile {login.key}\n"
         "  IdentitiesOnly yes\n"
-        f"  UserKnownHostsFile {sandbox.known_hosts}\n  StrictHostKeyChecking yes\n",
+        f"  UserKnownHostsFile {login.known_hosts}\n  StrictHostKeyChecking yes\n"
     )

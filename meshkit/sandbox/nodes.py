@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SandboxError
+from . import user
 from .layout import Layout, Node
 from .system import COMMAND_TIMEOUT, netns_pids, nsenter
 
@@ -24,8 +25,8 @@ READY_PER_NODE = 0.1
 # Runs inside a node's fresh mount+UTS namespace; its data arrives as positional arguments only.
 NODE_INIT = r"""
 set -e
-name=$1 node=$2 hide=$3
-shift 3
+name=$1 node=$2 hide=$3 home=$4
+shift 4
 hostname "$name"
 mount --bind /tmp "$node/hosttmp"
 mount --bind "$node/tmp" /tmp
@@ -34,6 +35,8 @@ for shared in "$@"; do
   mount --bind "$node/hosttmp/${shared#/tmp/}" "$shared"
 done
 mount --bind "$node/ssh" /root/.ssh
+# The sandbox's user (when it has one): a home of its own on this node, as root's ~/.ssh.
+if [ -n "$home" ]; then mount --bind "$node/home" "$home"; fi
 mount --bind "$node/etc_ssh" /etc/ssh
 mount --bind "$node/hosts" /etc/hosts
 # This machine's own ~/.bashrc (pyenv init, say) would run at every login of every node; pyenv's
@@ -41,6 +44,7 @@ mount --bind "$node/hosts" /etc/hosts
 if [ -f /root/.bashrc ]; then mount --bind "$node/bashrc" /root/.bashrc; fi
 mount -t tmpfs -o size=64k,mode=700 meshkit-hidden "$hide/controller"
 mount -t tmpfs -o size=64k,mode=700 meshkit-hidden "$hide/nodes"
+if [ -n "$home" ]; then mount -t tmpfs -o size=64k,mode=700 meshkit-hidden "$hide/user"; fi
 exec /usr/sbin/sshd -D -f /etc/ssh/sshd_config -E "$hide/logs/$name.sshd.log"
 """
 
@@ -71,7 +75,10 @@ def start_node(sandbox: Layout, node: Node) -> None:
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
     fresh = ["--mount", "--uts", "--pid", "--fork", "--mount-proc", "--propagation", "private"]
     node_dir = str(sandbox.node_dir(node))
-    init = ["sh", "-c", NODE_INIT, "node-init", node.name, node_dir, str(sandbox.root)]
+    home = ""
+    if sandbox.user:
+        home = user.mount_point()
+    init = ["sh", "-c", NODE_INIT, "node-init", node.name, node_dir, str(sandbox.root), home]
     argv = ["ip", "netns", "exec", node.netns, "unshare", *fresh, *init, *_shared_under_tmp()]
     with open(sandbox.root / "logs" / f"{node.name}.boot.log", "w") as log:
         subprocess.Popen(

@@ -41,6 +41,8 @@ def _load(dir: str | None, name: str | None) -> sandbox.Layout:
         "networks": "real-world networks, comma list of: second (a second network per node),"
         " ifnames (interface names differ between nodes), docker0 (the same docker0 address in"
         " every node), debian-hosts (the '127.0.1.1 <hostname>' line); or 'all'",
+        "user": f"also an ordinary user, {sandbox.USER} (created here if absent), with a"
+        " home of its own on every node",
     }
 )
 def up(
@@ -51,6 +53,7 @@ def up(
     name: str | None = None,
     slurm: bool = False,
     networks: str | None = None,
+    user: bool = False,
 ) -> None:
     """Create a local cluster of N real sshd nodes (root only); replaces a stale one."""
     with reported():
@@ -60,7 +63,8 @@ def up(
         chosen_subnet = subnet or sandbox.default_subnet(str(configured.subnet), label)
         options = sandbox.Options.parse(networks or "")
         count = int(nodes or configured.nodes)
-        created = sandbox.up(_dir(dir, label), chosen_subnet, count, label, options, slurm)
+        where = _dir(dir, label)
+        created = sandbox.up(where, chosen_subnet, count, label, options, slurm, user=user)
         took = time.monotonic() - started
     rows = [(node.name, node.address, node.netns) for node in created.nodes]
     print(table(["node", "address", "netns"], rows))
@@ -72,6 +76,9 @@ def up(
     if created.networks.any:
         print(f"networks:    {created.networks.describe()}")
     print(f"next:        meshkit mesh --hostfile {created.hostfile}")
+    if user:
+        print(f"user:        {sandbox.USER}, its files in {created.user_dir}")
+        print(f"             (as it: meshkit mesh --hostfile {created.user_hostfile})")
     if slurm:
         env = f"SLURM_CONF={slurm_conf_path(created)}"
         print(f"slurm:       export {env}   (in a node: nsenter or ssh, then srun/sbatch)")
