@@ -185,12 +185,14 @@ def import_self_times(trace: str) -> dict[str, float]:
     return sums
 
 
-def measure(n: int, repeats: int, tools: Sequence[str], bins: dict[str, Path]) -> dict[str, object]:
-    """One sandbox of ``n`` nodes: every repeat, the floor and each tool once, in rotating order."""
-    lay = sandbox.up(ROOT, default_subnet("", NAME), n, NAME, bashrc=BASHRC)
+def measure(
+    count: int, repeats: int, tools: Sequence[str], bins: dict[str, Path]
+) -> dict[str, object]:
+    """One sandbox of ``count`` nodes: each repeat, the floor and each tool once, in turn."""
+    lay = sandbox.up(ROOT, default_subnet("", NAME), count, NAME, bashrc=BASHRC)
     samples: dict[str, list[float]] = {"floor": []}
     failures: dict[str, list[str]] = {}
-    limit = 120.0 + 2.0 * n
+    limit = 120.0 + 2.0 * count
     try:
         for repeat in range(repeats):
             order = list(tools[repeat % len(tools) :]) + list(tools[: repeat % len(tools)])
@@ -208,7 +210,8 @@ def measure(n: int, repeats: int, tools: Sequence[str], bins: dict[str, Path]) -
                     failures.setdefault(tool, []).append(str(exc)[:500])
                     continue
                 samples.setdefault(tool, []).append(seconds)
-                print(f"N={n} r{repeat + 1} {tool}: {seconds:.3f}s", file=sys.stderr, flush=True)
+                sample = f"N={count} r{repeat + 1} {tool}: {seconds:.3f}s"
+                print(sample, file=sys.stderr, flush=True)
     finally:
         sandbox.down(ROOT, NAME)
     medians = {
@@ -221,7 +224,7 @@ def measure(n: int, repeats: int, tools: Sequence[str], bins: dict[str, Path]) -
         if tool in medians and fastest:
             ratios[tool] = round(medians[tool] / fastest, 3)
     return {
-        "nodes": n,
+        "nodes": count,
         "samples": samples,
         "medians_s": medians,
         "ratio_to_fastest": ratios,
@@ -274,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tools = [tool for tool in chosen if tool not in unavailable]
     for tool, why in unavailable.items():
         print(f"left out {tool}: {why}", file=sys.stderr)
-    rows = [measure(n, args.repeats, tools, bins) for n in sizes]
+    rows = [measure(count, args.repeats, tools, bins) for count in sizes]
     results: dict[str, object] = {
         "command": COMMAND,
         "bashrc": BASHRC,
