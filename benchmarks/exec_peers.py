@@ -4,7 +4,8 @@
 sandbox per N (the conda-like bashrc, as the main benchmark's) and, in each repeat, in a rotating
 order: the floor (N parallel ``ssh node true``), then one round of ``hostname`` on every node with
 each tool at full fan-out:
-- ``meshkit exec --cmd hostname`` (this checkout's wheel, as the main benchmark installs it);
+- ``meshkit exec --cmd hostname`` (this checkout's wheel, as the main benchmark installs it;
+  ``MESHKIT_PARALLEL=N``);
 - ``pdsh -R ssh -f N -w NODES hostname`` (Debian pdsh);
 - ``clush -b -f N -w NODES hostname`` (clustershell in the benchmark's peer venv);
 - ``parallel-ssh -i -p N -h HOSTS hostname`` (Debian pssh: ``apt-get install pssh``).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import statistics
@@ -77,6 +79,8 @@ def tool_argv(tool: str, lay: sandbox.Layout, bins: dict[str, Path]) -> list[str
 def tool_env(tool: str, lay: sandbox.Layout) -> dict[str, str] | None:
     if tool == "pdsh":
         return peers.pdsh_env(lay.ssh_config)
+    if tool == "meshkit":  # full fan-out, as the others are given (-f N, -p N)
+        return {**os.environ, "MESHKIT_PARALLEL": str(lay.count)}
     return None
 
 
