@@ -161,7 +161,12 @@ def _gather(
         left = deadline - time.monotonic()
         if left <= 0:
             return f"timed out after {timeout:g}s (its process group was killed)"
-        for fd, _ in poller.poll(min(left, POLL_S) * 1000):
+        slice_s = min(left, POLL_S)
+        if not streams:  # its output closed: wait for the exit itself, then look again
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(slice_s)
+            slice_s = 0
+        for fd, _ in poller.poll(slice_s * 1000):
             if fd == watched:
                 return "the controller left (its process group was killed)"
             data = os.read(fd, READ_BYTES)
