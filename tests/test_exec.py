@@ -74,6 +74,12 @@ def test_output_is_cut_to_its_head_and_tail_on_the_node_and_fits_a_reply_line():
     assert reply.stdout_cut == 20 * 1024 * 1024 + 5 - 2 * EXEC_KEEP
     assert f"[meshkit exec: {reply.stdout_cut} bytes cut]\n" in reply.stdout
     assert reply.stdout.endswith("\nend\n")
+    kept = node_exec.Kept(3)
+    kept.add("abé".encode())  # the head ends inside "é", the tail starts there
+    kept.add(b"cd")
+    assert (kept.text(), kept.cut) == ("abécd", 0)
+    kept.add(b"efgh")
+    assert (kept.text(), kept.cut) == ("ab\ufffd\n[meshkit exec: 4 bytes cut]\nfgh", 4)
     # NUL bytes are JSON's longest escape (6 bytes each); both streams cut still fit one line
     both = node_exec.run(request("head -c 1M /dev/zero; head -c 1M /dev/zero >&2"), None)
     assert len(encode_reply(both)) < MAX_LINE

@@ -62,10 +62,10 @@ class Kept:
 
     def text(self) -> str:
         """What was kept, as text; where bytes were left out, a line says how many."""
+        if not self.cut:  # one text: a character may straddle the head and the tail
+            return (self.head + self.tail).decode(errors="replace")
         head = self.head.decode(errors="replace")
         tail = self.tail.decode(errors="replace")
-        if not self.cut:
-            return head + tail
         if not head.endswith("\n"):
             head += "\n"
         return f"{head}[meshkit exec: {self.cut} bytes cut]\n{tail}"
