@@ -142,9 +142,14 @@ def test_identical_and_differing_outputs_are_grouped_and_a_failing_node_is_named
     assert f"meshkit exec: {nodes[2].address} (rank 2): exit code 4" in out.stderr
     assert "1 of 4 nodes failed" in out.stderr
 
-    lines = run_exec(cluster, "--lines", "--node", "1-2", "--cmd", "echo a; echo b >&2")
+    # --exclude leaves node 0 out: the others are ranks 0..2 (as `meshkit env --exclude` says),
+    # and --node picks among those
+    cmd = "echo a $NODE_RANK $NNODES; echo b >&2"
+    selected = ["--exclude", nodes[0].address, "--node", "0-1"]
+    lines = run_exec(cluster, "--lines", *selected, "--cmd", cmd)
     assert lines.returncode == 0
-    assert lines.stdout.splitlines() == [f"{nodes[1].address}: a", f"{nodes[2].address}: a"]
+    expected = [f"{nodes[1].address}: a 0 3", f"{nodes[2].address}: a 1 3"]
+    assert lines.stdout.splitlines() == expected
     assert f"{nodes[2].address}: b" in lines.stderr.splitlines()
 
 
