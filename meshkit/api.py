@@ -24,6 +24,7 @@ from .hostfile import Host
 from .job import Job
 from .ops import diagnose as diagnose_op
 from .ops import doctor as doctor_op
+from .ops import execute as execute_op
 from .ops import jobs, lookup
 from .ops import mesh as mesh_op
 from .ops import train as train_op
@@ -140,6 +141,24 @@ class Cluster:
     def stop(self) -> jobs.Stopped:
         """``meshkit stop``: the supervisor, then the job's whole tree on every node; verified."""
         return self._on_saved(jobs.stop_with_supervisors)
+
+    def exec(
+        self, cmd: str, *, nodes: str | None = None, timeout: float | None = None
+    ) -> list[execute_op.NodeResult]:
+        """``meshkit exec``: ``cmd`` on every node (or the ranks ``nodes`` names: ``0-3,5``) at
+        once, each with its node's ``meshkit env`` variables; a result per node, in rank order
+        (exit code, output, why it failed). ``timeout``: seconds per node (default: config
+        command_timeout)."""
+        return execute_op.execute(
+            self.conf,
+            cmd,
+            hostfile=self.hostfile,
+            session=self.session,
+            include=self.conf.include,
+            exclude=self.conf.exclude,
+            nodes=nodes,
+            timeout=timeout,
+        )
 
     def _on_saved(self, op: Callable[[NodePool, Job, list[Host]], T]) -> T:
         _, result = lookup.on_saved(self.conf, self.hostfile, self.session, self.workdir, op)

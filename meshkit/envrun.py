@@ -121,7 +121,7 @@ FLIGHT = {
 }
 
 
-def _environment(node: NodeEnv, log: str | None) -> dict[str, str]:
+def environment(node: NodeEnv, log: str | None) -> dict[str, str]:
     # Nodes share the venv path: make its tools (torchrun) reachable as if it were activated.
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     env = {**os.environ, **variables(node), "PATH": path}
@@ -146,7 +146,7 @@ def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
     sys.stdout.flush()
     # Not Python's SIG_IGN for SIGPIPE: `yes | head` in the command must end quietly.
     reset_for_exec()
-    os.execvpe("bash", ["bash", "-c", script], _environment(node, log))
+    os.execvpe("bash", ["bash", "-c", script], environment(node, log))
 
 
 SPAWN_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")  # as python -m
@@ -173,7 +173,7 @@ def spawn_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
 
     check_spawn_cmd(cmd)
     script = _script(node, cmd, log)
-    base = _environment(node, log)
+    base = environment(node, log)
     if node.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
         # What torchrun sets: N ranks x all cores would oversubscribe.
         base["OMP_NUM_THREADS"] = "1"

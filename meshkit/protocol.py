@@ -21,6 +21,9 @@ VERSION = 2
 MAX_LINE = 1 << 20  # bytes in one request or reply line
 MAX_LOG_BYTES = 256 * 1024  # log bytes one `logs` reply carries
 PUT_CHUNK = 512 * 1024  # raw bytes one `put` carries (base64: well under MAX_LINE)
+# bytes `exec` keeps of each stream's start and of its end: JSON writes a byte as at most 6
+# (\u0000), so both streams' head and tail stay under MAX_LINE
+EXEC_KEEP = 32 * 1024
 
 
 ProtocolViolation = Invalid  # a line that is not a well-formed request or reply
@@ -528,6 +531,34 @@ class PutReply(Reply):
     written: int  # bytes
 
 
+@record
+class ExecRequest(Request):
+    """Run ``cmd`` under bash in the user's home directory with the node's ``meshkit env``
+    variables (``meshkit run --node-rank R``: the rest is the controller's hostfile, so a node
+    needs no copy of it), in a session of its own, bounded by ``timeout`` seconds. Keeps the
+    first and last ``EXEC_KEEP`` bytes of each stream; the controller closing the agent's stdin
+    ends the command's whole process group."""
+
+    cmd: str
+    node_rank: int
+    nnodes: int
+    master_addr: str
+    master_port: int
+    session: str
+    timeout: float
+    nproc_per_node: int | None = None
+
+
+@record
+class ExecReply(Reply):
+    exit_code: int | None  # None: it did not end by itself (timed out), or never started
+    stdout: str  # the head and the tail, with a line saying how much was cut between them
+    stderr: str
+    stdout_cut: int = 0  # bytes left out of the middle
+    stderr_cut: int = 0
+    error: str | None = None  # why there is no exit code
+
+
 # op -> (request, reply, handler): the handler is "module.function" of meshkit.node, imported on
 # first use (a status round needs none of doctor, sync or supervise).
 OPS: dict[str, tuple[type[Request], type[Reply], str]] = {
@@ -549,6 +580,7 @@ OPS: dict[str, tuple[type[Request], type[Reply], str]] = {
     "manifest": (ManifestRequest, ManifestReply, "sync.manifest"),
     "put": (PutRequest, PutReply, "sync.put"),
     "put_files": (PutFilesRequest, PutReply, "sync.put_files"),
+    "exec": (ExecRequest, ExecReply, "execute.execute"),
 }
 _OP_OF = {request: op for op, (request, _, _) in OPS.items()}
 

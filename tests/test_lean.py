@@ -59,6 +59,8 @@ def test_meshkit_env_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
             "meshkit.node.doctor",
             HEAVY | {"subprocess", "tempfile", "platform", "importlib.metadata"},
         ),
+        # `meshkit exec`'s command: the agent, the op and the variables it exports
+        ("meshkit.node.agent, meshkit.node.execute", HEAVY | {"tempfile", "platform"}),
     ],
 )
 def test_node_side_modules_stay_lean(modules: str, heavy: set[str]) -> None:

@@ -95,6 +95,19 @@ def alive(pid: int) -> bool:
     return _stat(pid)[:1] not in ("", "Z", "X")
 
 
+def in_group(group: int) -> list[int]:
+    """The live processes of process group ``group`` (zombies do not count: where init does not
+    reap, an ended group's orphans stay zombies, and ``killpg(group, 0)`` still finds them)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        fields = _stat(name).split()
+        if len(fields) > 2 and fields[2] == str(group) and fields[0] not in ("Z", "X"):
+            found.append(int(name))
+    return found
+
+
 def recorded(path: str, *marks: str) -> int | None:
     """The live process (not this one) whose pid the file ``path`` holds, if each of ``marks``
     is one of its command line's arguments: pids get reused."""

@@ -12,7 +12,7 @@ from invoke.context import Context
 from ...envrun import DISCOVERY_FLAGS
 from ...errors import UsageError
 from ..common import conf, helps, reported, task
-from . import doctor, jobs, mesh, sandbox
+from . import doctor, execute, jobs, mesh, sandbox
 
 
 @task(help=helps(*DISCOVERY_FLAGS, "json"))
@@ -91,6 +91,7 @@ def run(
 
 
 ns = Collection(env, run, mesh.mesh, mesh.check, mesh.unmesh, doctor.doctor, jobs.train)
+ns.add_task(execute.exec_)
 ns.add_collection(sandbox.ns)
 for job_task in (jobs.status, jobs.diagnose, jobs.logs, jobs.stop, jobs.supervise, jobs.demo):
     ns.add_task(job_task)

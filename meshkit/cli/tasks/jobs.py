@@ -7,18 +7,21 @@ import json as jsonlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from invoke.context import Context
 from invoke.exceptions import Exit
 
 from ...errors import LaunchError
 from ...job import Job
-from ...ops import jobs as ops
 from ...ops import lookup
-from ...ops.diagnose import Diagnosis, spans
 from ...ops.pool import connect
 from ...protocol import JobState, SupervisorShown
 from ..common import HELP, conf, helps, progress, reported, table, task
+
+if TYPE_CHECKING:  # every command builds the task list; only these tasks load their ops
+    from ...ops import jobs as ops
+    from ...ops.diagnose import Diagnosis
 
 JOB_FLAGS = ("hostfile", "session", "workdir")
 
@@ -225,6 +228,8 @@ def status(
 ) -> None:
     """Per node: rank, host, state (running / exited / absent), exit code, start time, last log
     line. Works from any node and any directory (the job is found through the hostfile)."""
+    from ...ops import jobs as ops
+
     with reported():
         job, rows = lookup.on_saved(
             conf(), hostfile, session, workdir, ops.status_with_supervision, progress
@@ -262,6 +267,8 @@ def diagnose(
 def render_diagnosis(diagnosis: Diagnosis, job: Job) -> str:
     """What a person reads at 3 a.m.: the state, one line per group (the outliers first, with
     their innermost frames), the ranks that could not be read, the first failure's traceback."""
+    from ...ops.diagnose import spans
+
     state: str = diagnosis.state
     if diagnosis.state == "stalled":
         quiet = []
@@ -314,6 +321,8 @@ def logs(
     follow: bool = False,
 ) -> None:
     """Each node's log, every line prefixed with the node's rank."""
+    from ...ops import jobs as ops
+
     with reported():
         job, hosts = lookup.saved(conf(), hostfile, session, workdir)
         lookup.check_log_flags(node, lines, len(hosts))
@@ -346,6 +355,8 @@ def stop(
     """End the job on every node: its tmux session and every process it started (torchrun, its
     workers, anything they detached), TERM then KILL; then check on each node that nothing of it
     is left. A node it cannot reach is named, with what happens there."""
+    from ...ops import jobs as ops
+
     with reported():
         stopped = lookup.on_saved(
             conf(), hostfile, session, workdir, ops.stop_with_supervisors, progress
@@ -402,6 +413,7 @@ def demo(context: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: flo
     from pathlib import Path
 
     from ... import sandbox, templates
+    from ...ops import jobs as ops
     from .mesh import mesh
 
     with reported():

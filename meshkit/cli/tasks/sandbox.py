@@ -6,14 +6,16 @@ import json as jsonlib
 import sys
 import time
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from invoke.collection import Collection
 from invoke.context import Context
 
-from ... import sandbox
 from ...errors import UsageError
-from ...sandbox.slurm import conf_path as slurm_conf_path
 from ..common import conf, rate, reported, table, task
+
+if TYPE_CHECKING:  # every command builds the task list; only the sandbox's tasks load the sandbox
+    from ...sandbox import Layout
 
 DIR_HELP = "sandbox state directory (default: config meshkit.sandbox.dir, /var/tmp/meshkit-sandbox)"
 NAME_HELP = "sandbox name, so that several run side by side (default: 'default')"
@@ -21,11 +23,15 @@ WHERE = {"dir": DIR_HELP, "name": NAME_HELP}
 
 
 def _dir(flag: str | None, name: str | None) -> str:
+    from ... import sandbox
+
     return flag or sandbox.default_dir(str(conf().sandbox.dir), name or sandbox.DEFAULT)
 
 
-def _load(dir: str | None, name: str | None) -> sandbox.Layout:
+def _load(dir: str | None, name: str | None) -> Layout:
     """The running sandbox, after the preflight (root, the system programs)."""
+    from ... import sandbox
+
     sandbox.preflight()
     return sandbox.load(_dir(dir, name))
 
@@ -56,6 +62,8 @@ def up(
     user: bool = False,
 ) -> None:
     """Create a local cluster of N real sshd nodes (root only); replaces a stale one."""
+    from ... import sandbox
+
     with reported():
         started = time.monotonic()
         label = sandbox.check_name(name or sandbox.DEFAULT)
@@ -80,6 +88,8 @@ def up(
         print(f"user:        {sandbox.USER}, its files in {created.user_dir}")
         print(f"             (as it: meshkit mesh --hostfile {created.user_hostfile})")
     if slurm:
+        from ...sandbox.slurm import conf_path as slurm_conf_path
+
         env = f"SLURM_CONF={slurm_conf_path(created)}"
         print(f"slurm:       export {env}   (in a node: nsenter or ssh, then srun/sbatch)")
         print(f"             e.g. {env} srun -N{created.count} {sys.executable} -m meshkit env")
@@ -88,6 +98,8 @@ def up(
 @task(help=WHERE)
 def down(c: Context, dir: str | None = None, name: str | None = None) -> None:
     """Remove the sandbox: its processes, namespaces, bridge and files (safe to repeat)."""
+    from ... import sandbox
+
     with reported():
         sandbox.preflight()
         removed = sandbox.down(_dir(dir, name), name or sandbox.DEFAULT)
@@ -100,6 +112,8 @@ def down(c: Context, dir: str | None = None, name: str | None = None) -> None:
 @task(help={"node": "index of the node to reboot (0 = node0)", **WHERE})
 def reboot(c: Context, node: int, dir: str | None = None, name: str | None = None) -> None:
     """Reboot one node: kill all its processes, empty its /tmp, start its sshd again."""
+    from ... import sandbox
+
     with reported():
         rebooted = sandbox.reboot(_load(dir, name), int(node))
     print(f"{rebooted.name} ({rebooted.address}) rebooted: processes killed, /tmp emptied, sshd up")
@@ -108,6 +122,8 @@ def reboot(c: Context, node: int, dir: str | None = None, name: str | None = Non
 @task(help={**WHERE, "json": "print JSON"})
 def status(c: Context, dir: str | None = None, name: str | None = None, json: bool = False) -> None:
     """Show the sandbox nodes: address, sshd up, process count."""
+    from ... import sandbox
+
     with reported():
         states = sandbox.status(_load(dir, name))
     if json:
@@ -140,6 +156,8 @@ def cut(
     name: str | None = None,
 ) -> None:
     """Cut the link between two nodes, both ways, on every network (undo with sandbox.mend)."""
+    from ... import sandbox
+
     with reported():
         pair = _pair(node, peer)
         sandbox.cut(_load(dir, name), *pair)
@@ -150,6 +168,8 @@ def cut(
 @task(help=PAIR_HELP)
 def mend(c: Context, node: int, peer: int, dir: str | None = None, name: str | None = None) -> None:
     """Restore the link between two nodes that sandbox.cut took down."""
+    from ... import sandbox
+
     with reported():
         pair = _pair(node, peer)
         sandbox.mend(_load(dir, name), *pair)
@@ -173,6 +193,8 @@ def shape(
 ) -> None:
     """Slow a link both ways (--peer), or a node's whole interface, with tc (undo:
     sandbox.unshape)."""
+    from ... import sandbox
+
     with reported():
         # Without --peer the node's whole interface is slowed; its index is still checked.
         if peer is None:
@@ -191,6 +213,8 @@ def shape(
 @task(help=WHERE)
 def unshape(c: Context, dir: str | None = None, name: str | None = None) -> None:
     """Remove every link and node slowing of sandbox.shape."""
+    from ... import sandbox
+
     with reported():
         sandbox.unshape(_load(dir, name))
     print("unshaped: every link at full speed")
