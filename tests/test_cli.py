@@ -122,3 +122,12 @@ def test_dash_h_is_help_everywhere_and_usage_errors_exit_2(workdir):
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert "Traceback" not in out.stderr
         assert out.stderr.startswith("meshkit: ")
+
+
+def test_sandbox_up_help_names_the_sandbox_user():
+    """The task list does not load the sandbox package, so its help spells the user's name: the
+    same one the sandbox creates."""
+    from meshkit.cli.tasks import sandbox as tasks
+    from meshkit.sandbox.user import NAME
+
+    assert NAME in tasks.up.help["user"]

@@ -47,7 +47,7 @@ def _load(dir: str | None, name: str | None) -> Layout:
         "networks": "real-world networks, comma list of: second (a second network per node),"
         " ifnames (interface names differ between nodes), docker0 (the same docker0 address in"
         " every node), debian-hosts (the '127.0.1.1 <hostname>' line); or 'all'",
-        "user": f"also an ordinary user, {sandbox.USER} (created here if absent), with a"
+        "user": "also an ordinary user, meshkit-user (created here if absent), with a"
         " home of its own on every node",
     }
 )
