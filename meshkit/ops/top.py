@@ -257,10 +257,9 @@ class Watch:
         for rank, host in enumerate(self.hosts):
             outcome = replies.get(host)
             if outcome is None or outcome.value is None:
-                if host in self.reconnecting:
-                    error = f"reconnecting: {self.pool.failures.get(host, 'connection lost')}"
-                else:
-                    error = unanswered(outcome, host, self.pool.failures)
+                error = unanswered(outcome, host, self.pool.failures)
+                if outcome is None and host not in self.pool.failures:
+                    error = "connection lost; connecting again"
                 since = self.down_since.setdefault(host, now)
                 views.append(NodeView(host.label, rank, None, error, now - since))
                 self.reconnect_later(host)
