@@ -1,7 +1,7 @@
 """meshkit on a real NVIDIA GPU node (not part of the suite: CI has no GPU). Run on a GPU
 machine from the repository root: ``python3 tests/hardware/gpu_check.py``. Checks GPU counting
-(each way ``gpu_count`` can learn it), the doctor's CUDA and NCCL versions, ``meshkit env
---nproc-per-node auto``, and ``init_distributed``'s nccl path under torchrun, without it, and
+(each way ``gpu_count`` can learn it), ``top``'s GPU readings (NVML and nvidia-smi), the doctor's
+CUDA and NCCL versions, ``meshkit env --nproc-per-node auto``, and ``init_distributed``'s nccl path under torchrun, without it, and
 under ``meshkit run --spawn``, all started by ``meshkit run``; then the example job (under
 torchrun and spawned) and the doctor's collective probe. Exit 0 only if every check passed."""
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import meshkit as package
-from meshkit.node import doctor, gpus
+from meshkit.node import doctor, gpu_readings, gpus
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -84,6 +84,19 @@ def main() -> int:
     os.environ.pop("CUDA_VISIBLE_DEVICES")
     if saved is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+    # --- top's GPU fields: NVML (through ctypes) and nvidia-smi agree, and read plausibly
+    library = gpu_readings.nvml()
+    raw = gpu_readings.read_nvml(library) if library else []
+    by_nvml = [gpu_readings.decode_nvml(readings) for readings in raw]
+    by_smi = gpu_readings.read_smi() or []
+    check("top: NVML and nvidia-smi read the same GPUs", len(by_nvml) == len(by_smi) >= 1,
+          f"{len(by_nvml)} through NVML, {len(by_smi)} through nvidia-smi")  # fmt: skip
+    check("top: read_gpus() reads through NVML", gpu_readings.read_gpus().source == "nvml")
+    for way, readings in (("NVML", by_nvml), ("nvidia-smi", by_smi)):
+        check(f"top: {way} gives every GPU's memory, utilisation and power plausibly",
+              all((gpu.memory_total or 0) > 0 and 0 <= (gpu.utilization or 0) <= 100
+                  and (gpu.power or 0) > 0 for gpu in readings), readings)  # fmt: skip
 
     # --- the doctor's versions, read from dist-info without importing torch
     check("doctor torch_cuda() == torch.version.cuda", doctor.torch_cuda() == torch.version.cuda,
