@@ -51,34 +51,37 @@ GIB = 1 << 30
 
 # nvidia-smi --query-gpu=index,name,utilization.gpu,memory.used,memory.total,power.draw,
 # power.limit,temperature.gpu --format=csv,noheader,nounits, as printed on an 8 x A100 node
-# during a job whose GPU 5 hung (first four lines) and on a GeForce that reports no power
+# during a job whose GPU 5 hung (first four lines), on a GeForce that reports no power, and on
+# the idle H200 whose NVML answers h200_idle records
 SMI_RECORDED = """\
 0, NVIDIA A100-SXM4-80GB, 100, 78453, 81920, 389.54, 400.00, 63
 1, NVIDIA A100-SXM4-80GB, 99, 78453, 81920, 377.02, 400.00, 61
 5, NVIDIA A100-SXM4-80GB, 0, 78453, 81920, 61.07, 400.00, 34
 7, NVIDIA A100-SXM4-80GB, 100, 78453, 81920, 392.11, 400.00, 65
 0, NVIDIA GeForce RTX 3090, 5, 1234, 24576, [N/A], [Not Supported], 45
+0, NVIDIA H200, 0, 0, 143771, 77.70, 700.00, 40
 """
 
 
-def h100_idle(index: int = 0) -> NvmlReadings:
-    """NVML's raw answers for an idle H100 SXM (milliwatts, bytes), as read through ctypes."""
+def h200_idle(index: int = 0) -> NvmlReadings:
+    """NVML's raw answers (milliwatts, bytes) as node/gpu_readings.py read them through ctypes on
+    an idle H200; NVML's memory used counts what the driver reserves (nvidia-smi's does not)."""
     return NvmlReadings(
         index=index,
-        name="NVIDIA H100 80GB HBM3",
+        name="NVIDIA H200",
         utilization=NvmlAnswer(0, 0),
-        memory_used=NvmlAnswer(0, 560_988_160),
-        memory_total=NvmlAnswer(0, 85_520_809_984),
-        power=NvmlAnswer(0, 69_447),
+        memory_used=NvmlAnswer(0, 644_939_776),
+        memory_total=NvmlAnswer(0, 150_754_820_096),
+        power=NvmlAnswer(0, 78_033),
         power_limit=NvmlAnswer(0, 700_000),
-        temperature=NvmlAnswer(0, 31),
+        temperature=NvmlAnswer(0, 32),
     )
 
 
 def test_nvml_values_decode_to_watts_bytes_and_percent() -> None:
-    gpu = decode_nvml(h100_idle(3))
+    gpu = decode_nvml(h200_idle(3))
     assert gpu == GpuSample(
-        3, "NVIDIA H100 80GB HBM3", 0.0, 560_988_160, 85_520_809_984, 69.447, 700.0, 31.0
+        3, "NVIDIA H200", 0.0, 644_939_776, 150_754_820_096, 78.033, 700.0, 32.0
     )
 
 
@@ -99,21 +102,23 @@ def test_nvml_calls_that_failed_or_have_no_value_are_none() -> None:
     assert gpu.power is None
     assert gpu.power_limit is None
     assert gpu.memory_total == 5 * GIB
-    bad_percent = NvmlReadings(**{**h100_idle().__dict__, "utilization": NvmlAnswer(0, 140)})
+    bad_percent = NvmlReadings(**{**h200_idle().__dict__, "utilization": NvmlAnswer(0, 140)})
     assert decode_nvml(bad_percent).utilization is None
 
 
 def test_nvidia_smi_csv_parses_with_units_and_not_available() -> None:
     gpus = parse_smi(SMI_RECORDED)
-    assert [gpu.index for gpu in gpus] == [0, 1, 5, 7, 0]
+    assert [gpu.index for gpu in gpus] == [0, 1, 5, 7, 0, 0]
     assert gpus[0] == GpuSample(
         0, "NVIDIA A100-SXM4-80GB", 100.0, 78453 << 20, 81920 << 20, 389.54, 400.0, 63.0
     )
-    geforce = gpus[-1]
+    geforce = gpus[4]
     assert geforce.name == "NVIDIA GeForce RTX 3090"
     assert geforce.power is None
     assert geforce.power_limit is None
     assert geforce.memory_total == 24 * GIB
+    h200 = gpus[5]
+    assert (h200.memory_total, h200.power, h200.power_limit) == (143771 << 20, 77.7, 700.0)
     assert parse_smi("") == []
     assert parse_smi("No devices were found\n") == []
 
