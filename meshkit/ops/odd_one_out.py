@@ -17,7 +17,7 @@ from ..protocol import PortRate, TopReply
 Kind = Literal["node", "gpu", "rank"]
 LOW = 0.5  # far below: under half the peers' median
 BUSY_PERCENT = 50.0  # a GPU's utilisation or power (of its limit), a node's CPU
-BUSY_RANK = 20.0  # percent of one core: a rank that computes (on a shared core it gets less)
+BUSY_RANK = 10.0  # percent of one core: a rank that computes (on a shared core it gets less)
 BUSY_NETWORK = 1e6  # bytes/s received and sent on the job's interface
 MIN_GROUP = 3  # fewer peers have no median to stand out from
 
