@@ -1,9 +1,10 @@
 """meshkit on a real NVIDIA GPU node (not part of the suite: CI has no GPU). Run on a GPU
 machine from the repository root: ``python3 tests/hardware/gpu_check.py``. Checks GPU counting
 (each way ``gpu_count`` can learn it), ``top``'s GPU readings (NVML and nvidia-smi), the doctor's
-CUDA and NCCL versions, ``meshkit env --nproc-per-node auto``, and ``init_distributed``'s nccl path under torchrun, without it, and
-under ``meshkit run --spawn``, all started by ``meshkit run``; then the example job (under
-torchrun and spawned) and the doctor's collective probe. Exit 0 only if every check passed."""
+CUDA and NCCL versions, ``meshkit env --nproc-per-node auto``, and ``init_distributed``'s nccl
+path under torchrun, without it, and under ``meshkit run --spawn``, all started by ``meshkit
+run``; then the example job (under torchrun and spawned) and the doctor's collective probe. Exit
+0 only if every check passed."""
 
 from __future__ import annotations
 
