@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 from helpers.fake_pool import HOSTS, FakePool
 from prometheus_client.parser import text_string_to_metric_families
 
+from meshkit.job import Job
 from meshkit.node import gpu_readings, top
 from meshkit.node.gpu_readings import NvmlAnswer, NvmlReadings, decode_nvml, parse_smi
 from meshkit.ops import odd_one_out
@@ -19,8 +21,12 @@ from meshkit.ops import top as op
 from meshkit.ops.top_prometheus import prometheus
 from meshkit.protocol import (
     GpuSample,
+    JobState,
     PortRate,
     RankSample,
+    Supervision,
+    SupervisorReply,
+    SupervisorState,
     TopReply,
     TopRequest,
     decode_reply,
@@ -293,3 +299,26 @@ def test_prometheus_text_parses_with_dcgm_and_node_exporter_names() -> None:
     assert (rank.labels["rank"], rank.value) == ("0", 97.0)
     up = {sample.labels["node"]: sample.value for sample in families["meshkit_node_up"].samples}
     assert up == {"10.0.0.1": 1.0, "10.0.0.2": 1.0, "10.0.0.3": 0.0}
+
+
+def test_a_supervised_stalled_job_shows_its_supervisor_and_stall() -> None:
+    """The job's part: each node's state and quiet time, the job stalled when every running node
+    has been quiet for stall_after, the supervision as status words it (leader: node 1, whose
+    supervisor beat recently)."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2, stall_after=60.0)
+    running = replace(node_sample(), job_state=JobState.RUNNING, idle=300.0)
+    record = Supervision(SupervisorState.RUNNING, 2, 1)
+    beating = SupervisorReply(pid=7, beat=1.0, left=[], record=record)
+    silent = SupervisorReply(pid=None, beat=None, left=[], record=None)
+    pool = FakePool(
+        {
+            "top": {host: running for host in HOSTS},
+            "supervisor": {HOSTS[0]: silent, HOSTS[1]: beating, HOSTS[2]: silent},
+        }
+    )
+    snapshot = op.snapshot(pool, HOSTS, job)
+    assert snapshot.stalled
+    assert all(view.stalled for view in snapshot.nodes)
+    assert snapshot.supervisor == "running, attempt 2 of 3 (leader: node 1)"
+    asked = [request for op_name, _, request in pool.calls if op_name == "top"]
+    assert [request.log for request in asked] == [job.log(rank) for rank in range(3)]

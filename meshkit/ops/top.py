@@ -194,12 +194,14 @@ def target(
     return Target(job.hostfile, hosts, job, job.python)
 
 
-def supervisor_state(pool: NodePool, job: Job, hosts: Sequence[Host]) -> str | None:
-    """A supervised job's supervision as ``status`` words it (None: not supervised, or no
-    record)."""
+def supervisor_state(
+    pool: NodePool, job: Job, hosts: Sequence[Host], asked: Sequence[Host]
+) -> str | None:
+    """A supervised job's supervision as ``status`` words it, from the nodes ``asked`` (None: not
+    supervised, or no record)."""
     if not job.restarts:
         return None
-    answers = ask(pool, job, hosts)
+    answers = ask(pool, job, asked)
     leader = min(live_ranks(hosts, answers), default=None)
     record = newest(reply.record for reply in answers.values())
     if record is None:
@@ -250,7 +252,7 @@ class Watch:
         )
         supervisor = None
         if self.job is not None:
-            supervisor = supervisor_state(self.pool, self.job, self.hosts)
+            supervisor = supervisor_state(self.pool, self.job, self.hosts, asked)
         now = time.monotonic()
         views = []
         answered: list[tuple[str, TopReply]] = []
