@@ -322,3 +322,35 @@ def test_a_supervised_stalled_job_shows_its_supervisor_and_stall() -> None:
     assert snapshot.supervisor == "running, attempt 2 of 3 (leader: node 1)"
     asked = [request for op_name, _, request in pool.calls if op_name == "top"]
     assert [request.log for request in asked] == [job.log(rank) for rank in range(3)]
+
+
+def test_the_plain_screen_shows_gpus_infiniband_and_a_down_node() -> None:
+    from meshkit.cli.tasks.top import plain
+
+    infiniband = PortRate("mlx5_0:1", 10**12, 10**12, 12.5e9, 12.5e9)
+    with_port = replace(node_sample(gpus=[gpu(0, 99.0), gpu(1, 97.0)]), ports=[infiniband])
+    pool = FakePool(
+        {"top": {HOSTS[0]: with_port, HOSTS[1]: node_sample()}},
+        failures={HOSTS[2]: "connection refused on port 22: is sshd running?"},
+    )
+    screen = plain(op.snapshot(pool, HOSTS, None), per_gpu=True)
+    lines = screen.splitlines()
+    assert lines[0].startswith("meshkit top") and "2/3 nodes up" in lines[0]
+    assert lines[1].split()[:9] == [
+        "rank",
+        "node",
+        "cpu",
+        "memory",
+        "load",
+        "rx/s",
+        "tx/s",
+        "ib",
+        "rx/s",
+    ]
+    node0 = lines[2].split()
+    assert "11.6GB" in node0  # 12.5e9 bytes/s received over InfiniBand
+    assert "2" in node0 and "98%" in node0  # two GPUs, their mean utilisation
+    assert " none " in lines[3]  # no GPUs: said so
+    assert "down: unreachable: connection refused on port 22" in lines[4]
+    gpu_rows = [line for line in lines if line.startswith("10.0.0.1  ")]
+    assert len(gpu_rows) == 2

@@ -135,6 +135,38 @@ def node_cells(view: NodeView) -> list[str]:
     ]
 
 
+INFINIBAND_HEADERS = ["ib rx/s", "ib tx/s"]
+INFINIBAND_AT = NODE_HEADERS.index("tx/s") + 1  # the InfiniBand columns follow the job's network
+
+
+def infiniband_cells(view: NodeView) -> list[str]:
+    """A node's InfiniBand ports' rates, summed (its ports other than the job's interface)."""
+    sample = view.sample
+    if sample is None:
+        return ["", ""]
+    ports = [port for port in sample.ports if port.name != sample.interface]
+    if not ports:
+        return ["-", "-"]
+    received = sum(port.receive_rate or 0.0 for port in ports)
+    sent = sum(port.send_rate or 0.0 for port in ports)
+    return [sizes(received, "B"), sizes(sent, "B")]
+
+
+def node_table(snapshot: Snapshot) -> tuple[list[str], list[list[str]]]:
+    """The headers and one row per node; InfiniBand columns only where some node has a port."""
+    rows = [node_cells(view) for view in snapshot.nodes]
+    with_infiniband = False
+    for view in snapshot.nodes:
+        if view.sample and any(port.name != view.sample.interface for port in view.sample.ports):
+            with_infiniband = True
+    if not with_infiniband:
+        return NODE_HEADERS, rows
+    headers = [*NODE_HEADERS[:INFINIBAND_AT], *INFINIBAND_HEADERS, *NODE_HEADERS[INFINIBAND_AT:]]
+    for row, view in zip(rows, snapshot.nodes):
+        row[INFINIBAND_AT:INFINIBAND_AT] = infiniband_cells(view)
+    return headers, rows
+
+
 GPU_HEADERS = ["node", "gpu", "name", "util", "memory", "power", "temp"]
 
 
@@ -179,7 +211,8 @@ def footer(snapshot: Snapshot) -> list[str]:
 
 def plain(snapshot: Snapshot, per_gpu: bool) -> str:
     out = [header(snapshot)]
-    out.append(table(NODE_HEADERS, [node_cells(view) for view in snapshot.nodes]))
+    headers, rows = node_table(snapshot)
+    out.append(table(headers, rows))
     if per_gpu:
         rows = gpu_rows(snapshot)
         out.append(table(GPU_HEADERS, rows) if rows else "no GPUs")
@@ -195,15 +228,16 @@ def live_view(snapshot: Snapshot, per_gpu: bool) -> Group:
 
     odd_nodes = {odd.node for odd in snapshot.odd}
     nodes = Table(box=None, header_style="bold", pad_edge=False)
-    for name in NODE_HEADERS:
+    headers, rows = node_table(snapshot)
+    for name in headers:
         nodes.add_column(name, no_wrap=True)
-    for view in snapshot.nodes:
+    for view, row in zip(snapshot.nodes, rows):
         style = ""
         if not view.up:
             style = "red"
         elif view.node in odd_nodes:
             style = "yellow"
-        nodes.add_row(*node_cells(view), style=style)
+        nodes.add_row(*row, style=style)
     parts: list[object] = [Text(header(snapshot), style="bold"), nodes]
     if per_gpu:
         gpus = Table(box=None, header_style="bold", pad_edge=False)
