@@ -51,24 +51,25 @@ SMI_RECORDED = """\
 
 def h200_idle(index: int = 0) -> NvmlReadings:
     """NVML's raw answers (milliwatts, bytes) as node/gpu_readings.py read them through ctypes on
-    an idle H200; NVML's memory used counts what the driver reserves (nvidia-smi's does not)."""
+    an idle H200 (memory through GetMemoryInfo_v2: the driver's reservation, 615 MiB there, is
+    not used memory, as nvidia-smi counts it)."""
     return NvmlReadings(
         index=index,
         name="NVIDIA H200",
         utilization=NvmlAnswer(0, 0),
-        memory_used=NvmlAnswer(0, 644_939_776),
+        memory_used=NvmlAnswer(0, 0),
         memory_total=NvmlAnswer(0, 150_754_820_096),
-        power=NvmlAnswer(0, 78_033),
+        power=NvmlAnswer(0, 79_676),
         power_limit=NvmlAnswer(0, 700_000),
-        temperature=NvmlAnswer(0, 32),
+        temperature=NvmlAnswer(0, 34),
     )
 
 
 def test_nvml_values_decode_to_watts_bytes_and_percent() -> None:
     gpu = decode_nvml(h200_idle(3))
-    assert gpu == GpuSample(
-        3, "NVIDIA H200", 0.0, 644_939_776, 150_754_820_096, 78.033, 700.0, 32.0
-    )
+    assert gpu == GpuSample(3, "NVIDIA H200", 0.0, 0, 150_754_820_096, 79.676, 700.0, 34.0)
+    smi = parse_smi(SMI_RECORDED)[-1]  # the same GPU through nvidia-smi: the same memory
+    assert (smi.memory_used, smi.memory_total) == (gpu.memory_used, gpu.memory_total)
 
 
 def test_nvml_calls_that_failed_or_have_no_value_are_none() -> None:

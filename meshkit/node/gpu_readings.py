@@ -9,6 +9,7 @@ Each reader only gathers the driver's raw answers; turning them into a ``GpuSamp
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from dataclasses import dataclass, field
 
@@ -144,6 +145,21 @@ class _Memory(ctypes.Structure):
     ]
 
 
+class _MemoryV2(ctypes.Structure):
+    """What nvidia-smi reads: ``used`` without the memory the driver reserves."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("total", ctypes.c_ulonglong),
+        ("reserved", ctypes.c_ulonglong),
+        ("free", ctypes.c_ulonglong),
+        ("used", ctypes.c_ulonglong),
+    ]
+
+
+NVML_MEMORY_V2 = ctypes.sizeof(_MemoryV2) | (2 << 24)  # nvmlMemory_v2: the struct's version
+
+
 class NvmlError(Exception):
     """NVML is there but would not answer (no device, a driver/library mismatch)."""
 
@@ -175,6 +191,25 @@ def _uint_answer(call: object, handle: ctypes.c_void_p, *args: object) -> NvmlAn
     return NvmlAnswer(int(code), value.value)
 
 
+@dataclass(frozen=True)
+class MemoryAnswers:
+    used: NvmlAnswer
+    total: NvmlAnswer
+
+
+def memory_answers(library: ctypes.CDLL, handle: ctypes.c_void_p) -> MemoryAnswers:
+    """Memory used and total as nvidia-smi shows them (``GetMemoryInfo_v2``: the driver's
+    reservation is not used memory); the first version's, which counts it, on older drivers."""
+    with contextlib.suppress(AttributeError):  # a driver from before the second version
+        second = _MemoryV2(version=NVML_MEMORY_V2)
+        code = int(library.nvmlDeviceGetMemoryInfo_v2(handle, ctypes.byref(second)))
+        if code == NVML_SUCCESS:
+            return MemoryAnswers(NvmlAnswer(code, second.used), NvmlAnswer(code, second.total))
+    first = _Memory()
+    code = int(library.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(first)))
+    return MemoryAnswers(NvmlAnswer(code, first.used), NvmlAnswer(code, first.total))
+
+
 def read_nvml(library: ctypes.CDLL) -> list[NvmlReadings]:
     """Every GPU's raw answers (the device count, then per device its handle and each reading)."""
     count = ctypes.c_uint(0)
@@ -191,15 +226,14 @@ def read_nvml(library: ctypes.CDLL) -> list[NvmlReadings]:
         library.nvmlDeviceGetName(handle, name, ctypes.c_uint(NAME_BUFFER))
         utilization = _Utilization()
         utilization_code = library.nvmlDeviceGetUtilizationRates(handle, ctypes.byref(utilization))
-        memory = _Memory()
-        memory_code = int(library.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)))
+        memory = memory_answers(library, handle)
         found.append(
             NvmlReadings(
                 index=index,
                 name=name.value.decode(errors="replace"),
                 utilization=NvmlAnswer(int(utilization_code), utilization.gpu),
-                memory_used=NvmlAnswer(memory_code, memory.used),
-                memory_total=NvmlAnswer(memory_code, memory.total),
+                memory_used=memory.used,
+                memory_total=memory.total,
                 power=_uint_answer(library.nvmlDeviceGetPowerUsage, handle),
                 power_limit=_uint_answer(library.nvmlDeviceGetEnforcedPowerLimit, handle),
                 temperature=_uint_answer(

@@ -94,6 +94,13 @@ def main() -> int:
     check("top: NVML and nvidia-smi read the same GPUs", len(by_nvml) == len(by_smi) >= 1,
           f"{len(by_nvml)} through NVML, {len(by_smi)} through nvidia-smi")  # fmt: skip
     check("top: read_gpus() reads through NVML", gpu_readings.read_gpus().source == "nvml")
+    totals = []
+    for through_nvml, through_smi in zip(by_nvml, by_smi):
+        totals.append(
+            ((through_nvml.memory_total or 0) >> 20, (through_smi.memory_total or 0) >> 20)
+        )
+    check("top: NVML and nvidia-smi give each GPU's memory alike (MiB)",
+          all(nvml_mib == smi_mib for nvml_mib, smi_mib in totals), totals)  # fmt: skip
     for way, readings in (("NVML", by_nvml), ("nvidia-smi", by_smi)):
         check(f"top: {way} gives every GPU's memory, utilisation and power plausibly",
               all((gpu.memory_total or 0) > 0 and 0 <= (gpu.utilization or 0) <= 100
