@@ -13,8 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import JobError
 from ..hostfile import Host
@@ -37,12 +36,6 @@ from .supervision import ask, live_ranks, newest
 
 HISTORY = 60.0  # seconds of each node's busy figure kept for its sparkline
 MIN_TIMEOUT = 5.0  # seconds a node gets to answer one sample, at the shortest intervals
-
-
-class ReconnectingPool(NodePool, Protocol):
-    """A pool that can open a node's connection and agent again (``remote.AgentPool``)."""
-
-    def reconnect(self, host: Host) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -226,8 +219,12 @@ class Watch:
         job: Job | None,
         interval: float,
         settle: float = 0.5,
+        reconnect_down: bool = True,
     ) -> None:
+        """``reconnect_down``: connect to a node that is down again in the background (a live view;
+        one snapshot has no later round to show it in)."""
         self.pool = pool
+        self.reconnect_down = reconnect_down
         self.hosts = list(hosts)
         self.job = job
         self.interval = interval
@@ -278,18 +275,11 @@ class Watch:
                     states.append((str(view.sample.job_state), view.sample.idle))
             stalled = is_stalled(self.job.stall_after, states)
         if stalled:
-            views = [
-                NodeView(
-                    view.node,
-                    view.node_rank,
-                    view.sample,
-                    view.error,
-                    view.down_for,
-                    view.sample is not None and view.sample.job_state == JobState.RUNNING,
-                    view.history,
-                )
-                for view in views
-            ]
+            marked = []
+            for view in views:
+                running = view.sample is not None and view.sample.job_state == JobState.RUNNING
+                marked.append(replace(view, stalled=running))
+            views = marked
         label = self.job.label if self.job else None
         return Snapshot(
             time.time(), self.interval, views, mark(answered), label, supervisor, stalled
@@ -308,8 +298,9 @@ class Watch:
     def reconnect_later(self, host: Host) -> None:
         """Open a down node's connection again in the background (a cut node's connect takes
         the whole connect timeout; the view does not wait for it)."""
+        # remote.AgentPool can; a test double need not
         reconnect = getattr(self.pool, "reconnect", None)
-        if reconnect is None:
+        if reconnect is None or not self.reconnect_down:
             return
         with self.lock:
             if host in self.reconnecting:
@@ -334,4 +325,6 @@ ONCE_SETTLE = 1.0  # seconds between a lone snapshot's two samples: rates over a
 
 def snapshot(pool: NodePool, hosts: Sequence[Host], job: Job | None) -> Snapshot:
     """One snapshot (``top --once``, ``Cluster.top()``)."""
-    return Watch(pool, hosts, job, interval=0.0, settle=ONCE_SETTLE).snapshot()
+    return Watch(
+        pool, hosts, job, interval=0.0, settle=ONCE_SETTLE, reconnect_down=False
+    ).snapshot()
