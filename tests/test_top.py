@@ -1,7 +1,8 @@
 """``meshkit top`` on the sandbox (3 real sshd nodes): the rank that busy-loops while the others
 sleep is marked, and its node; the pair that exchanges traffic has non-zero rates; the Prometheus
 text parses; a node that is powered off shows as down with why, the view going on, and comes back
-when it answers; Ctrl-C leaves the live view at once with the terminal restored. The pure parts
+when it answers; Ctrl-C leaves the live view at once with the terminal restored, and no agent
+is left on any node. The pure parts
 are tests/test_top_readings.py.
 
 The sandbox nodes share one kernel: /proc/stat and /proc/meminfo read the same on every node,
@@ -171,6 +172,14 @@ def test_prometheus_format_on_the_sandbox_parses(busy_job) -> None:
     assert "DCGM_FI_DEV_GPU_UTIL" not in families  # no GPUs here: none shown, no error
 
 
+def agents_left(lay: sandbox.Layout) -> list[str]:
+    left = []
+    for node in lay.nodes:
+        out = sandbox.node_exec(node, ["pgrep", "-af", "meshkit.node serve"])
+        left += [line for line in out.stdout.splitlines() if "pgrep" not in line]
+    return left
+
+
 class Reader:
     """A process's output, read as it comes in a thread (the test looks at it meanwhile)."""
 
@@ -246,4 +255,6 @@ def test_ctrl_c_leaves_the_live_view_at_once_and_restores_the_terminal(busy_job)
         os.close(controller)
     assert view.returncode == 130
     assert elapsed < 3
+    # nothing of top keeps running on the nodes: each agent ended with its connection
+    wait_for(lambda: not agents_left(cluster), timeout=15)
     assert with_rest.rfind(b"\x1b[?25h") > with_rest.rfind(b"\x1b[?25l")  # the cursor is back
