@@ -2,8 +2,7 @@
 sleep is marked, and its node; the pair that exchanges traffic has non-zero rates; the Prometheus
 text parses; a node that is powered off shows as down with why, the view going on, and comes back
 when it answers; Ctrl-C leaves the live view at once with the terminal restored, and no agent
-is left on any node. The pure parts
-are tests/test_top_readings.py.
+is left on any node. The pure parts are tests/test_top_readings.py.
 
 The sandbox nodes share one kernel: /proc/stat and /proc/meminfo read the same on every node,
 while each node's ranks (its own PID namespace) and its interface (its own network namespace)
