@@ -27,6 +27,7 @@ from .ops import doctor as doctor_op
 from .ops import execute as execute_op
 from .ops import jobs, lookup
 from .ops import mesh as mesh_op
+from .ops import top as top_op
 from .ops import train as train_op
 from .ops.pool import NodePool, connect, ssh_settings
 
@@ -179,3 +180,11 @@ class Cluster:
         return doctor_op.doctor(
             self.conf, job, hosts, quick, timeout, bandwidth, min_ratio, min_rate
         )
+
+    def top(self) -> top_op.Snapshot:
+        """``meshkit top --once``: one snapshot of every node (CPU, memory, load, network, GPUs,
+        the job's ranks when the hostfile has a saved job), the odd ones out marked; a node that
+        cannot be asked is in it, down, with ``error``."""
+        watched = top_op.target(self.conf, self.hostfile, self.session, self.workdir)
+        with connect(self.conf, watched.hostfile, watched.hosts, watched.python) as pool:
+            return top_op.snapshot(pool, watched.hosts, watched.job)

@@ -559,6 +559,72 @@ class ExecReply(Reply):
     error: str | None = None  # why there is no exit code
 
 
+@record
+class TopRequest(Request):
+    """One sample of this node for ``meshkit top``: its CPU, memory, load, network, GPUs and the
+    job's ranks. Rates are over the time since this agent's previous sample (the agent keeps the
+    previous counters, and nothing else runs between requests); the first request samples twice,
+    ``settle`` seconds apart. ``address``: the node as the hostfile names it (its interface is the
+    job's); ``job_id`` and ``log``: the job whose ranks to show (empty: none)."""
+
+    address: str
+    job_id: str = ""
+    log: str = ""
+    settle: float = 0.5
+
+
+@record
+class GpuSample:
+    """One GPU; a field the driver does not report is None."""
+
+    index: int
+    name: str
+    utilization: float | None  # percent
+    memory_used: int | None  # bytes
+    memory_total: int | None  # bytes
+    power: float | None  # watts
+    power_limit: float | None  # watts
+    temperature: float | None  # degrees Celsius
+
+
+@record
+class PortRate:
+    """A network interface or an InfiniBand port (``mlx5_0:1``): bytes so far and per second."""
+
+    name: str
+    received: int
+    sent: int
+    receive_rate: float | None  # bytes/s since the previous sample (None: the first)
+    send_rate: float | None
+
+
+@record
+class RankSample:
+    rank: int
+    pid: int
+    cpu: float | None  # percent of one core since the previous sample
+    rss: int  # resident memory, bytes
+
+
+@record
+class TopReply(Reply):
+    hostname: str
+    cpus: int
+    cpu: float | None  # percent of all cores busy since the previous sample
+    memory_used: int  # bytes (total less available)
+    memory_total: int
+    load: list[float]  # 1, 5 and 15 minutes
+    interface: str | None  # the job's interface (its rates are ``ports[0]``'s), when found
+    ports: list[PortRate]  # the job's interface first, then InfiniBand ports
+    gpus: list[GpuSample]
+    gpu_source: str  # "nvml", "nvidia-smi" or "none"
+    ranks: list[RankSample]
+    job_state: JobState | None = None  # None: no job asked about
+    idle: float | None = None  # seconds since the job's log was last written
+    gpu_error: str | None = None  # why GPUs could not be read although a driver is there
+    job_error: str | None = None  # why the job could not be looked at
+
+
 # op -> (request, reply, handler): the handler is "module.function" of meshkit.node, imported on
 # first use (a status round needs none of doctor, sync or supervise).
 OPS: dict[str, tuple[type[Request], type[Reply], str]] = {
@@ -581,6 +647,7 @@ OPS: dict[str, tuple[type[Request], type[Reply], str]] = {
     "put": (PutRequest, PutReply, "sync.put"),
     "put_files": (PutFilesRequest, PutReply, "sync.put_files"),
     "exec": (ExecRequest, ExecReply, "execute.execute"),
+    "top": (TopRequest, TopReply, "top.sample"),
 }
 _OP_OF = {request: op for op, (request, _, _) in OPS.items()}
 

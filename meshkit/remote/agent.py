@@ -207,6 +207,15 @@ class AgentPool:
                 answered[host] = outcome
         return answered
 
+    def reconnect(self, host: Host) -> None:
+        """Open ``host``'s connection and agent again, after the node went down (``top`` watching
+        it come back); raises, with the node among ``failures``, while it is still down."""
+        old = self._agents.pop(host, None)
+        if old is not None:
+            old.close()
+        remote = self.group.reopen(host)
+        self._agents[host] = Agent(remote, self.python)
+
     def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
         """Write a file on ``host`` through its agent (parents created, a temporary beside it,
         then renamed): no SFTP subsystem, which would start the user's shell once more. It

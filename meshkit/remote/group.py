@@ -117,6 +117,22 @@ class SshGroup:
             time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
             self._open(list(self.failures), "reconnect")
 
+    def reopen(self, host: Host) -> Remote:
+        """Open ``host``'s connection again (a node that went down and came back), closing the
+        old one; on failure the node is among ``failures`` with why, and the error is raised."""
+        old = self.remotes.pop(host, None)
+        if old is not None:
+            with contextlib.suppress(Exception):
+                old.close()
+        try:
+            remote = Remote(host, self.settings, self._config).open()
+        except Exception as exc:
+            self.failures[host] = describe(exc, host, self.settings)
+            raise
+        self.remotes[host] = remote
+        self.failures.pop(host, None)
+        return remote
+
     def each(
         self,
         phase: str,

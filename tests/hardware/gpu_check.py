@@ -1,11 +1,12 @@
 """meshkit on a real NVIDIA GPU node (not part of the suite: CI has no GPU). Run on a GPU
 machine from the repository root: ``python3 tests/hardware/gpu_check.py``. Checks GPU counting
-(each way ``gpu_count`` can learn it), the doctor's CUDA and NCCL versions, ``meshkit env
---nproc-per-node auto``, and ``init_distributed``'s nccl path under torchrun, without it, and
-under ``meshkit run --spawn``, all started by ``meshkit run``; then the example job (under
-torchrun and spawned), the doctor's collective probe, and ``diagnose`` on GPU ranks (their stacks
-through py-spy and the last NCCL collective from torch's flight recorder), started and read through
-the node agent as ``meshkit train``/``diagnose`` do. Exit 0 only if every check passed."""
+(each way ``gpu_count`` can learn it), ``top``'s GPU readings (NVML and nvidia-smi), the doctor's
+CUDA and NCCL versions, ``meshkit env --nproc-per-node auto``, and ``init_distributed``'s nccl
+path under torchrun, without it, and under ``meshkit run --spawn``, all started by ``meshkit
+run``; then the example job (under torchrun and spawned), the doctor's collective probe, and
+``diagnose`` on GPU ranks (their stacks through py-spy and the last NCCL collective from torch's
+flight recorder), started and read through the node agent as ``meshkit train``/``diagnose`` do.
+Exit 0 only if every check passed."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 
 import meshkit as package
 from meshkit.job import Job
-from meshkit.node import doctor, gpus
+from meshkit.node import doctor, gpu_readings, gpus
 from meshkit.protocol import (
     DiagnoseReply,
     DiagnoseRequest,
@@ -100,6 +101,26 @@ def main() -> int:
     os.environ.pop("CUDA_VISIBLE_DEVICES")
     if saved is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+    # --- top's GPU fields: NVML (through ctypes) and nvidia-smi agree, and read plausibly
+    library = gpu_readings.nvml()
+    raw = gpu_readings.read_nvml(library) if library else []
+    by_nvml = [gpu_readings.decode_nvml(readings) for readings in raw]
+    by_smi = gpu_readings.read_smi() or []
+    check("top: NVML and nvidia-smi read the same GPUs", len(by_nvml) == len(by_smi) >= 1,
+          f"{len(by_nvml)} through NVML, {len(by_smi)} through nvidia-smi")  # fmt: skip
+    check("top: read_gpus() reads through NVML", gpu_readings.read_gpus().source == "nvml")
+    totals = []
+    for through_nvml, through_smi in zip(by_nvml, by_smi):
+        totals.append(
+            ((through_nvml.memory_total or 0) >> 20, (through_smi.memory_total or 0) >> 20)
+        )
+    check("top: NVML and nvidia-smi give each GPU's memory alike (MiB)",
+          all(nvml_mib == smi_mib for nvml_mib, smi_mib in totals), totals)  # fmt: skip
+    for way, readings in (("NVML", by_nvml), ("nvidia-smi", by_smi)):
+        check(f"top: {way} gives every GPU's memory, utilisation and power plausibly",
+              all((gpu.memory_total or 0) > 0 and 0 <= (gpu.utilization or 0) <= 100
+                  and (gpu.power or 0) > 0 for gpu in readings), readings)  # fmt: skip
 
     # --- the doctor's versions, read from dist-info without importing torch
     check("doctor torch_cuda() == torch.version.cuda", doctor.torch_cuda() == torch.version.cuda,

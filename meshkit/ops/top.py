@@ -1,0 +1,330 @@
+"""``meshkit top``: one snapshot of every node at a time (its CPU, memory, load, network, GPUs and
+the job's ranks there), asked of every node's agent in parallel over the pool's one connection
+per node; the odd ones out marked (``odd_one_out``); the last minute of each node kept for a
+sparkline. A node that stops answering is down, with why, and is connected again in the
+background until it answers; the view goes on meanwhile.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+from ..errors import JobError
+from ..hostfile import Host
+from ..job import Job
+from ..protocol import (
+    GpuSample,
+    JobState,
+    RankSample,
+    SupervisorShown,
+    SupervisorState,
+    TopReply,
+    TopRequest,
+)
+from ..settings import Config
+from . import lookup
+from .jobs import is_stalled
+from .odd_one_out import Odd, job_port, mark
+from .pool import NodePool, unanswered
+from .supervision import ask, live_ranks, newest
+
+HISTORY = 60.0  # seconds of each node's busy figure kept for its sparkline
+MIN_TIMEOUT = 5.0  # seconds a node gets to answer one sample, at the shortest intervals
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node in one snapshot: its sample, or why it is down."""
+
+    node: str  # as the hostfile spells it
+    node_rank: int
+    sample: TopReply | None
+    error: str | None = None  # why it did not answer (then it is down)
+    down_for: float | None = None  # seconds since it was first seen down
+    stalled: bool = False  # the job's: no running node wrote output for stall_after
+    history: list[float] = field(default_factory=list)  # the last minute's busy %, oldest first
+
+    @property
+    def up(self) -> bool:
+        return self.sample is not None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    time: float  # wall clock, when the round ended
+    interval: float
+    nodes: list[NodeView]
+    odd: list[Odd]
+    job: str | None = None  # "SESSION in WORKDIR" when the hostfile has a saved job
+    supervisor: str | None = None  # a supervised job's supervision, as status says it
+    stalled: bool = False
+
+    def as_json(self) -> dict[str, object]:
+        """The ``--json`` shape, with fixed keys (README, ``meshkit top``)."""
+        return {
+            "time": round(self.time, 3),
+            "interval": self.interval,
+            "job": self.job,
+            "supervisor": self.supervisor,
+            "stalled": self.stalled,
+            "nodes": [node_json(node, self.odd) for node in self.nodes],
+            "odd": [asdict(odd) for odd in self.odd],
+        }
+
+
+def _rounded(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def gpu_json(gpu: GpuSample) -> dict[str, object]:
+    return {
+        "index": gpu.index,
+        "name": gpu.name,
+        "utilization_percent": gpu.utilization,
+        "memory_used_bytes": gpu.memory_used,
+        "memory_total_bytes": gpu.memory_total,
+        "power_watts": _rounded(gpu.power),
+        "power_limit_watts": _rounded(gpu.power_limit),
+        "temperature_celsius": gpu.temperature,
+    }
+
+
+def rank_json(rank: RankSample) -> dict[str, object]:
+    return {
+        "rank": rank.rank,
+        "pid": rank.pid,
+        "cpu_percent": _rounded(rank.cpu),
+        "rss_bytes": rank.rss,
+    }
+
+
+def node_json(view: NodeView, odd: Sequence[Odd]) -> dict[str, object]:
+    sample = view.sample
+    data: dict[str, object] = {
+        "node": view.node,
+        "node_rank": view.node_rank,
+        "up": view.up,
+        "error": view.error,
+        "odd": [each.reason for each in odd if each.node == view.node],
+    }
+    port = job_port(sample) if sample else None
+    data.update(
+        {
+            "hostname": sample.hostname if sample else None,
+            "cpus": sample.cpus if sample else None,
+            "cpu_percent": _rounded(sample.cpu) if sample else None,
+            "memory_used_bytes": sample.memory_used if sample else None,
+            "memory_total_bytes": sample.memory_total if sample else None,
+            "load": [round(each, 2) for each in sample.load] if sample else None,
+            "interface": sample.interface if sample else None,
+            "receive_bytes_per_s": _rounded(port.receive_rate) if port else None,
+            "transmit_bytes_per_s": _rounded(port.send_rate) if port else None,
+            "ports": [
+                {
+                    "name": each.name,
+                    "receive_bytes_per_s": _rounded(each.receive_rate),
+                    "transmit_bytes_per_s": _rounded(each.send_rate),
+                }
+                for each in (sample.ports if sample else [])
+            ],
+            "gpu_source": sample.gpu_source if sample else None,
+            "gpus": [gpu_json(gpu) for gpu in sample.gpus] if sample else [],
+            "ranks": [rank_json(rank) for rank in sample.ranks] if sample else [],
+            "job_state": sample.job_state if sample else None,
+            "idle_s": _rounded(sample.idle) if sample else None,
+            "stalled": view.stalled,
+            "history": [round(each, 1) for each in view.history],
+        }
+    )
+    return data
+
+
+def busy_figure(sample: TopReply) -> float | None:
+    """What a node's sparkline shows: its GPUs' mean utilisation, else its CPU %."""
+    utilizations = [gpu.utilization for gpu in sample.gpus if gpu.utilization is not None]
+    if utilizations:
+        return statistics.mean(utilizations)
+    return sample.cpu
+
+
+@dataclass(frozen=True)
+class Target:
+    """What top watches: the nodes, the saved job on them (if the hostfile has one), the
+    interpreter their agents run with."""
+
+    hostfile: str
+    hosts: list[Host]
+    job: Job | None
+    python: str
+
+
+def target(
+    conf: Config,
+    hostfile: str | None,
+    session: str | None,
+    workdir: str | None,
+    include: str | None = None,
+    exclude: str | None = None,
+) -> Target:
+    """The saved job of these flags and its nodes, else the hostfile's nodes without a job."""
+    import os
+
+    from ..discovery import read_hosts
+    from ..envrun import pick
+
+    try:
+        job, hosts = lookup.saved(conf, hostfile, session, workdir)
+    except JobError:
+        path = os.path.abspath(str(pick(conf, "hostfile", hostfile)))
+        chosen = read_hosts(path, pick(conf, "include", include), pick(conf, "exclude", exclude))
+        return Target(path, chosen, None, str(conf.python or sys.executable))
+    return Target(job.hostfile, hosts, job, job.python)
+
+
+def supervisor_state(
+    pool: NodePool, job: Job, hosts: Sequence[Host], asked: Sequence[Host]
+) -> str | None:
+    """A supervised job's supervision as ``status`` words it, from the nodes ``asked`` (None: not
+    supervised, or no record)."""
+    if not job.restarts:
+        return None
+    answers = ask(pool, job, asked)
+    leader = min(live_ranks(hosts, answers), default=None)
+    record = newest(reply.record for reply in answers.values())
+    if record is None:
+        return None
+    running = record.supervisor in (SupervisorState.RUNNING, SupervisorState.RELAUNCHING)
+    if running and leader is None:
+        return str(SupervisorShown.NOT_RESPONDING)
+    text = f"{record.supervisor}, attempt {record.attempt} of {job.restarts + 1}"
+    if running:
+        text += f" (leader: node {leader})"
+    return text
+
+
+class Watch:
+    """Snapshots of the same nodes over one pool: each node's previous counters stay in its agent,
+    its last minute here."""
+
+    def __init__(
+        self,
+        pool: NodePool,
+        hosts: Sequence[Host],
+        job: Job | None,
+        interval: float,
+        settle: float = 0.5,
+        reconnect_down: bool = True,
+    ) -> None:
+        """``reconnect_down``: connect to a node that is down again in the background (a live view;
+        one snapshot has no later round to show it in)."""
+        self.pool = pool
+        self.reconnect_down = reconnect_down
+        self.hosts = list(hosts)
+        self.job = job
+        self.interval = interval
+        self.settle = settle
+        self.timeout = max(MIN_TIMEOUT, 2 * interval)
+        self.history: dict[Host, deque[tuple[float, float]]] = {}
+        self.down_since: dict[Host, float] = {}
+        self.reconnecting: set[Host] = set()
+        self.lock = threading.Lock()
+
+    def request_for(self, host: Host) -> TopRequest:
+        rank = self.hosts.index(host)
+        if self.job is None:
+            return TopRequest(host.host, settle=self.settle)
+        return TopRequest(host.host, self.job.id, self.job.log(rank), self.settle)
+
+    def snapshot(self) -> Snapshot:
+        with self.lock:
+            asked = [host for host in self.hosts if host not in self.reconnecting]
+        replies = self.pool.call_all(
+            "", self.request_for, TopReply, hosts=asked, timeout=self.timeout
+        )
+        supervisor = None
+        if self.job is not None:
+            supervisor = supervisor_state(self.pool, self.job, self.hosts, asked)
+        now = time.monotonic()
+        views = []
+        answered: list[tuple[str, TopReply]] = []
+        for rank, host in enumerate(self.hosts):
+            outcome = replies.get(host)
+            if outcome is None or outcome.value is None:
+                error = unanswered(outcome, host, self.pool.failures)
+                if outcome is None and host not in self.pool.failures:
+                    error = "connection lost; connecting again"
+                since = self.down_since.setdefault(host, now)
+                views.append(NodeView(host.label, rank, None, error, now - since))
+                self.reconnect_later(host)
+                continue
+            self.down_since.pop(host, None)
+            sample = outcome.value
+            answered.append((host.label, sample))
+            views.append(NodeView(host.label, rank, sample, history=self.remember(host, sample)))
+        stalled = False
+        if self.job is not None:
+            states = []
+            for view in views:
+                if view.sample is not None and view.sample.job_state is not None:
+                    states.append((str(view.sample.job_state), view.sample.idle))
+            stalled = is_stalled(self.job.stall_after, states)
+        if stalled:
+            marked = []
+            for view in views:
+                running = view.sample is not None and view.sample.job_state == JobState.RUNNING
+                marked.append(replace(view, stalled=running))
+            views = marked
+        label = self.job.label if self.job else None
+        return Snapshot(
+            time.time(), self.interval, views, mark(answered), label, supervisor, stalled
+        )
+
+    def remember(self, host: Host, sample: TopReply) -> list[float]:
+        kept = self.history.setdefault(host, deque())
+        figure = busy_figure(sample)
+        now = time.monotonic()
+        if figure is not None:
+            kept.append((now, figure))
+        while kept and kept[0][0] < now - HISTORY:
+            kept.popleft()
+        return [value for _, value in kept]
+
+    def reconnect_later(self, host: Host) -> None:
+        """Open a down node's connection again in the background (a cut node's connect takes
+        the whole connect timeout; the view does not wait for it)."""
+        # remote.AgentPool can; a test double need not
+        reconnect = getattr(self.pool, "reconnect", None)
+        if reconnect is None or not self.reconnect_down:
+            return
+        with self.lock:
+            if host in self.reconnecting:
+                return
+            self.reconnecting.add(host)
+
+        def attempt() -> None:
+            try:
+                reconnect(host)
+            except Exception:  # still down: the pool keeps why, the next round tries again
+                time.sleep(self.interval)
+            finally:
+                with self.lock:
+                    self.reconnecting.discard(host)
+
+        # a daemon: Ctrl-C leaves at once, whatever connect is still waiting
+        threading.Thread(target=attempt, name=f"reconnect {host.label}", daemon=True).start()
+
+
+ONCE_SETTLE = 1.0  # seconds between a lone snapshot's two samples: rates over a whole second
+
+
+def snapshot(pool: NodePool, hosts: Sequence[Host], job: Job | None) -> Snapshot:
+    """One snapshot (``top --once``, ``Cluster.top()``)."""
+    return Watch(
+        pool, hosts, job, interval=0.0, settle=ONCE_SETTLE, reconnect_down=False
+    ).snapshot()
