@@ -17,7 +17,7 @@ TYPE_CHECKING = False  # no runtime `typing`: every agent imports this module (s
 if TYPE_CHECKING:
     from typing import Any, Literal
 
-VERSION = 2
+VERSION = 3  # 3: paged manifests, put_files, exec, top, the STOPPED supervision record
 MAX_LINE = 1 << 20  # bytes in one request or reply line
 MAX_LOG_BYTES = 256 * 1024  # log bytes one `logs` reply carries
 PUT_CHUNK = 512 * 1024  # raw bytes one `put` carries (base64: well under MAX_LINE)
