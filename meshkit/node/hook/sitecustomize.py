@@ -120,11 +120,31 @@ def _flight() -> None:
     while True:
         with open(fifo, "rb") as handle:
             handle.read()  # the agent opened and closed it: dump
+        _write_new(fifo_dump_path(fifo), _recorded())
+
+
+# torch keeps two flight recorders: gloo's (and other CPU backends') and NCCL's, each with its own
+# dump. One rank may use both (a gloo group beside the NCCL one); every entry of each is kept.
+RECORDERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
+
+
+def _recorded() -> bytes:
+    import json
+
+    merged: dict[str, object] = {}
+    entries: list[object] = []
+    for name in RECORDERS:
         try:
-            data = sys.modules["torch"]._C._distributed_c10d._dump_fr_trace_json()
-        except Exception:  # no torch.distributed (yet), or a torch without the recorder
-            data = b"{}"
-        _write_new(fifo_dump_path(fifo), data)
+            dump = getattr(sys.modules["torch"]._C._distributed_c10d, name)
+            data = json.loads(dump())
+        except Exception:  # no torch.distributed (yet), or a build without this recorder
+            continue
+        if not isinstance(data, dict):
+            continue
+        merged = merged or data
+        entries.extend(data.get("entries") or [])
+    merged["entries"] = entries
+    return json.dumps(merged).encode()
 
 
 def _chain() -> None:
