@@ -17,13 +17,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 import meshkit as package
+from meshkit.hostfile import Host
 from meshkit.job import Job
 from meshkit.node import doctor, gpu_readings, gpus
+from meshkit.outcome import Outcome
 from meshkit.protocol import (
     DiagnoseReply,
     DiagnoseRequest,
@@ -180,6 +183,7 @@ def main() -> int:
           out.returncode == 0 and "backend=nccl" in out.stdout and "ok=True" in out.stdout,
           (out.stdout[-400:] + out.stderr[-1500:]).strip())  # fmt: skip
     check_diagnose(cuda, work, hostfile)
+    show_top(cuda, work, hostfile, address[0] if address else "127.0.0.1")
     print(f"\n{'all checks passed' if not failed else 'FAILED: ' + ', '.join(failed)}")
     return 1 if failed else 0
 
@@ -198,6 +202,31 @@ time.sleep(120)
 """
 
 
+def start_agent(work: Path) -> tuple[subprocess.Popen[str], Callable[[Request], Reply]]:
+    """A node agent, as the controller's SSH login starts one, and a function that asks it."""
+    env = dict(os.environ)
+    if FROM_CHECKOUT:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "meshkit.node", "serve"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=work,
+    )  # fmt: skip
+
+    def ask(request: Request) -> Reply:
+        assert agent.stdin is not None and agent.stdout is not None
+        agent.stdin.write(encode_request(request))
+        agent.stdin.flush()
+        return decode_reply(op_of(request), agent.stdout.readline())
+
+    return agent, ask
+
+
+def stop_agent(agent: subprocess.Popen[str]) -> None:
+    assert agent.stdin is not None
+    agent.stdin.close()
+    agent.wait(10)
+
+
 def check_diagnose(cuda: int, work: Path, hostfile: Path) -> None:
     """The node agent starts a spawned NCCL job (a rank per GPU) and diagnoses it: every rank's
     stack read by py-spy, waiting in the script's sleep, and the flight recorder's last
@@ -214,20 +243,7 @@ def check_diagnose(cuda: int, work: Path, hostfile: Path) -> None:
         spawn=True,
         env={"MESHKIT_NODE_RANK": "0"},
     )
-    env = dict(os.environ)
-    if FROM_CHECKOUT:
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "meshkit.node", "serve"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=work,
-    )  # fmt: skip
-
-    def ask(request: Request) -> Reply:
-        assert agent.stdin is not None and agent.stdout is not None
-        agent.stdin.write(encode_request(request))
-        agent.stdin.flush()
-        return decode_reply(op_of(request), agent.stdout.readline())
-
+    agent, ask = start_agent(work)
     found: DiagnoseReply | None = None
     try:
         started = ask(StartRequest(job.node_job()))
@@ -259,9 +275,92 @@ def check_diagnose(cuda: int, work: Path, hostfile: Path) -> None:
     finally:
         with_stop = ask(StopRequest(job.id))
         print(f"stopped: {with_stop}")
-        assert agent.stdin is not None
-        agent.stdin.close()
-        agent.wait(10)
+        stop_agent(agent)
+
+
+# Every GPU busy with matrix products for BUSY_SECONDS, a rank per GPU: what top's screen shows.
+BUSY_SECONDS = 40
+BUSY = f"""import sys, time
+import torch
+from meshkit.torch import init_distributed
+init_distributed(hostfile=sys.argv[1], timeout=60)
+a = torch.randn(8192, 8192, device="cuda")
+end = time.monotonic() + {BUSY_SECONDS}
+while time.monotonic() < end:
+    a = (a @ a).clamp_(-1, 1)
+    torch.cuda.synchronize()
+print("busy done", flush=True)
+"""
+
+
+class AgentPool:
+    """One node's agent as ``ops.top.Watch``'s pool: the node side answers for real, over the
+    real protocol, without an SSH login (the GPU machine has no sshd)."""
+
+    def __init__(self, ask: Callable[[Request], Reply]) -> None:
+        self.ask = ask
+        self.failures: dict[Host, str] = {}
+
+    def call_all(
+        self,
+        phase: str,
+        request_for: Callable[[Host], Request | None],
+        expect: type[Reply],
+        hosts: Sequence[Host] | None = None,
+        timeout: float | None = None,
+    ) -> dict[Host, Outcome[Reply]]:
+        outcomes: dict[Host, Outcome[Reply]] = {}
+        for host in hosts or []:
+            request = request_for(host)
+            if request is not None:
+                outcomes[host] = Outcome(self.ask(request))
+        return outcomes
+
+
+def show_top(cuda: int, work: Path, hostfile: Path, address: str) -> None:
+    """``meshkit top --gpus``'s screen of this node while a job keeps every GPU busy: the README's
+    real screen. The samples come from the node agent (NVML through ctypes); the table is the
+    CLI's own plain text."""
+    from meshkit.cli.tasks.top import plain
+    from meshkit.ops.top import Watch
+
+    (work / "gpu_busy.py").write_text(BUSY)
+    job = Job(
+        f"{sys.executable} gpu_busy.py {hostfile}",
+        str(work),
+        "meshkit-gpu-top",
+        str(hostfile),
+        sys.executable,
+        29541,
+        nproc_per_node=cuda,
+        spawn=True,
+    )
+    agent, ask = start_agent(work)
+    try:
+        started = ask(StartRequest(job.node_job()))
+        check("the agent starts a GPU-busy job for top", isinstance(started, StartReply)
+              and started.started, started)  # fmt: skip
+        time.sleep(15)  # CUDA start-up and the first products
+        watch = Watch(AgentPool(ask), [Host(address, slots=cuda)], job, interval=2.0,  # type: ignore[arg-type]
+                      reconnect_down=False)  # fmt: skip
+        snapshot = watch.snapshot()
+        for _ in range(5):
+            time.sleep(2)
+            snapshot = watch.snapshot()
+        print("\n--- meshkit top --gpus (this node; a job keeps every GPU busy)")
+        print(plain(snapshot, per_gpu=True))
+        print("---")
+        view = snapshot.nodes[0]
+        sample = view.sample
+        gpus = sample.gpus if sample is not None else []
+        busy = [gpu.utilization for gpu in gpus]
+        check("top: every GPU busy under the job", len(gpus) >= cuda and all(
+            (value or 0) > 50 for value in busy[:cuda]), busy)  # fmt: skip
+        ranks = sample.ranks if sample is not None else []
+        check("top: the job's ranks with their CPU and memory", len(ranks) == cuda, ranks)
+    finally:
+        print(f"stopped: {ask(StopRequest(job.id))}")
+        stop_agent(agent)
 
 
 if __name__ == "__main__":
