@@ -64,8 +64,8 @@ class Cluster:
         from .meshplan import mesh_id
 
         # the mesh's identity is the whole hostfile's: --include does not change it
-        identity_of_mesh = mesh_id(read_hosts(self.hostfile, None, None))
-        hosts = read_hosts(self.hostfile, self.conf.include, self.conf.exclude)
+        identity_of_mesh = mesh_id(read_hosts(self.hostfile, None, None, spares=True))
+        hosts = read_hosts(self.hostfile, self.conf.include, self.conf.exclude, spares=True)
         ssh = ssh_settings(self.conf, self.hostfile, identity, accept_new=accept_new_host_keys)
         return mesh_op.mesh(
             hosts,
@@ -87,6 +87,8 @@ class Cluster:
         restart_on_stall: bool | None = None,
         restarts: int | None = None,
         restart_on: str | None = None,
+        replace_after: str | float | None = None,
+        min_nodes: int | None = None,
         sync: bool = False,
         replace: bool = False,
         doctor: bool = False,
@@ -103,6 +105,8 @@ class Cluster:
             master_port=master_port,
             restarts=restarts,
             restart_on=restart_on,
+            replace_after=replace_after,
+            min_nodes=min_nodes,
             spawn=spawn,
             stall_after=stall_after,
             restart_on_stall=restart_on_stall,
@@ -123,7 +127,7 @@ class Cluster:
 
     def status(self) -> list[jobs.StatusRow]:
         """``meshkit status``: one row per node (a node that cannot be asked has ``error``)."""
-        return self._on_saved(jobs.status_with_supervision)
+        return self._on_saved(jobs.status_with_supervision, spares=True)
 
     def diagnose(self) -> diagnose_op.Diagnosis:
         """``meshkit diagnose``: every rank's live stack, grouped; the outliers; the first
@@ -161,8 +165,10 @@ class Cluster:
             timeout=timeout,
         )
 
-    def _on_saved(self, op: Callable[[NodePool, Job, list[Host]], T]) -> T:
-        _, result = lookup.on_saved(self.conf, self.hostfile, self.session, self.workdir, op)
+    def _on_saved(self, op: Callable[[NodePool, Job, list[Host]], T], spares: bool = False) -> T:
+        _, result = lookup.on_saved(
+            self.conf, self.hostfile, self.session, self.workdir, op, spares=spares
+        )
         return result
 
     def doctor(

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from . import hostfile, localnet, sources, topology
 from .distenv import NodeEnv, combine, master_problem
-from .errors import HostfileError, SourceError
+from .errors import HostfileError, SourceError, TopologyError
 from .hostfile import Host
 from .record import record, replace
 
@@ -17,10 +17,17 @@ MAX_HOSTFILE_BYTES = 4 * 1024 * 1024
 
 
 def read_hosts(
-    path: str | os.PathLike[str], include: str | None = None, exclude: str | None = None
+    path: str | os.PathLike[str],
+    include: str | None = None,
+    exclude: str | None = None,
+    spares: bool = False,
 ) -> list[Host]:
-    """Read, parse, filter and duplicate-check a hostfile (names resolved here)."""
-    return _read_hosts(path, include, exclude).hosts
+    """Read, parse, filter and duplicate-check a hostfile (names resolved here): the nodes that
+    take ranks, in rank order, and with ``spares`` the spare lines too (in file order)."""
+    hosts = _read_hosts(path, include, exclude).hosts
+    if spares:
+        return hosts
+    return hostfile.active(hosts)
 
 
 @record
@@ -96,11 +103,27 @@ def discover(
     hostfile_decides = False
     if placement is not None and placement.hostfile_decides and hosts is not None:
         hostfile_decides = True
+    spares: list[Host] = []
+    if hosts is not None:
+        spares = [host for host in hosts if host.spare]
+        hosts = hostfile.active(hosts)
     if hosts is not None and (placement is None or hostfile_decides):
         local = localnet.local_addresses()
         addresses = [resolved[host.host] for host in hosts]
         this_host = env["MESHKIT_HOSTNAME"]
-        match = topology.match_rank(hosts, addresses, local, this_host, str(hostfile_path))
+        try:
+            match = topology.match_rank(hosts, addresses, local, this_host, str(hostfile_path))
+        except TopologyError:
+            spare_addresses = [resolved[host.host] for host in spares]
+            spare = topology.spare_match(spares, spare_addresses, local, this_host)
+            if spare is not None:
+                raise TopologyError(
+                    f"{hostfile_path}:{spare.lineno}: this machine ({this_host}) is a spare of "
+                    "this hostfile: it takes no rank until a supervised job's membership gives "
+                    "it one (`meshkit status` shows the membership); remove 'spare' from its "
+                    "line to give it a rank"
+                ) from None
+            raise
     if placement is not None and placement.verify_master and not hostfile_decides:
         master_addresses: tuple[str, ...] = ()
         if placement.master_addr:

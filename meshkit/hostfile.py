@@ -6,7 +6,10 @@ gives every node the same ``slots=``.
 
 Format (one node per line, line order is rank order, ``#`` starts a comment)::
 
-    [user@]host[:port] [slots=N]
+    [user@]host[:port] [slots=N] [spare]
+
+A ``spare`` line is a node held in reserve: meshed and checked like every node, but it takes no
+rank until a supervised job's membership gives it a lost node's (``train --restarts``).
 
 ``host`` is an IPv4 address, an IPv6 address (in brackets when a port follows), a hostname, or a
 pdsh/SLURM range such as ``node[01-16]`` that expands to several nodes.
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
 MAX_NODES = 4096
 MAX_LINE_CHARS = 1024
 MAX_SLOTS = 1024
-FORMAT = "[user@]host[:port] [slots=N]"
+FORMAT = "[user@]host[:port] [slots=N] [spare]"
 
 # Checked only for names, users and ranges, and compiled on first use: `meshkit run` reads the
 # hostfile on every node at every launch, and a hostfile of addresses then needs neither re nor
@@ -70,6 +73,7 @@ class Host:
     port: int | None = None
     slots: int | None = None
     lineno: int = 0
+    spare: bool = False  # held in reserve: no rank until a job's membership gives it one
 
     @property
     def is_ip(self) -> bool:
@@ -83,6 +87,15 @@ class Host:
         if ":" in self.host:
             return f"[{self.host}]:{self.port}"
         return f"{self.host}:{self.port}"
+
+    def line(self) -> str:
+        """The node as a hostfile line (without ``spare``: the line of a member)."""
+        text = self.label
+        if self.user is not None:
+            text = f"{self.user}@{text}"
+        if self.slots is not None:
+            text += f" slots={self.slots}"
+        return text
 
     def known_hosts_name(self) -> str:
         """How OpenSSH names this node in known_hosts: ``host``, or ``[host]:port`` off port 22."""
@@ -162,14 +175,20 @@ def _parse_line(text: str, lineno: int) -> list[Host]:
     if port_text is not None:
         port = _number(port_text, "port", 1, 65535)
     slots = None
+    spare = False
     for option in options:
+        if option == "spare":
+            if spare:
+                raise ValueError("spare given twice")
+            spare = True
+            continue
         key, sep, value = option.partition("=")
         if key != "slots" or not sep:
-            raise ValueError(f"unknown option {option!r}: the only option is slots=N")
+            raise ValueError(f"unknown option {option!r}: the options are slots=N and spare")
         if slots is not None:
             raise ValueError("slots= given twice")
         slots = _number(value, "slots", 1, MAX_SLOTS)
-    return [Host(name, user, port, slots, lineno) for name in names]
+    return [Host(name, user, port, slots, lineno, spare) for name in names]
 
 
 def parse(text: str, path: str = "hostfile") -> list[Host]:
@@ -202,10 +221,25 @@ def parse(text: str, path: str = "hostfile") -> list[Host]:
             raise HostfileError(f"{path}:{lineno}: more than {MAX_NODES} nodes; split the cluster")
     if not hosts and not problems:
         problems.append(f"{path}: no hosts; add one line per node: {FORMAT}")
+    if hosts and all(entry.spare for entry in hosts):
+        problems.append(f"{path}: every line is a spare; a spare stands in for a node: list one")
     problems += _uneven_slots_problems(hosts, path)
     if problems:
         raise HostfileError(problems)
     return hosts
+
+
+def active(hosts: Sequence[Host]) -> list[Host]:
+    """The nodes that take ranks, in rank order (the hostfile's lines that are not spares)."""
+    return [host for host in hosts if not host.spare]
+
+
+def members_text(hosts: Sequence[Host]) -> str:
+    """A hostfile of exactly these nodes, in this (rank) order: a job's membership, as its nodes'
+    ``meshkit run`` reads it."""
+    lines = ["# meshkit: this job's membership, in rank order (written by its supervisor)"]
+    lines += [host.line() for host in hosts]
+    return "\n".join(lines) + "\n"
 
 
 def _slots_said(host: Host) -> str:

@@ -31,6 +31,7 @@ _SESSION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 MAX_ENV_VALUE = 65536
 SUPERVISOR_LOG = "supervisor-node{rank}.log"  # a node's supervisor's output, in the job home
+REPLACE_AFTER = 300.0  # seconds a supervised relaunch waits for a node before it is lost
 
 
 def check_session(name: str) -> str:
@@ -80,6 +81,12 @@ class Job:
     spawn: bool = False  # train --spawn: `meshkit run --spawn` starts each node's ranks itself
     stall_after: float | None = 1800.0  # seconds with no output from any node: stalled (None: off)
     restart_on_stall: bool = False  # train --restart-on-stall: a supervisor restarts a stall
+    replace_after: float | None = REPLACE_AFTER  # seconds before a node that does not answer
+    # is lost and a spare takes its rank (None: never; wait for it, then give up)
+    min_nodes: int | None = None  # with no healthy spare, relaunch on the nodes left if >= this
+    generation: int = 1  # the membership's: one on with each replacement or shrink
+    members: tuple[str, ...] = ()  # each rank's node since a change of membership (as the
+    # hostfile spells it); empty: the hostfile's nodes (after --include/--exclude)
 
     @property
     def id(self) -> str:
@@ -114,11 +121,10 @@ class Job:
         """``python -m meshkit TASK`` with the job's discovery flags: the same on every node."""
         argv = [self.python, "-m", "meshkit", task, "--hostfile", self.node_hostfile]
         argv += ["--session", self.session, "--master-port", str(self.master_port)]
-        flags = {
-            "--nproc-per-node": self.nproc_per_node,
-            "--include": self.include,
-            "--exclude": self.exclude,
-        }
+        flags: dict[str, int | str | None] = {"--nproc-per-node": self.nproc_per_node}
+        if not self.members:  # a membership's hostfile lists exactly its nodes
+            flags["--include"] = self.include
+            flags["--exclude"] = self.exclude
         for flag, value in flags.items():
             if value:
                 argv += [flag, str(value)]
@@ -127,7 +133,10 @@ class Job:
     @property
     def node_hostfile(self) -> str:
         """The hostfile the nodes read: a synced job carries its own copy beside the job file
-        (the hostfile's own path may exist only on the launching machine)."""
+        (the hostfile's own path may exist only on the launching machine); after a change of
+        membership, that membership's own hostfile (its nodes in rank order, no spares)."""
+        if self.members:
+            return str(self.home / f"members-{self.generation}")
         if self.sync:
             return str(self.home / "hostfile")
         return self.hostfile
@@ -151,9 +160,11 @@ class Job:
         storage)."""
         return list(hosts) if self.sync else list(hosts[:1])
 
-    def node_job(self, attempt: int = 1) -> NodeJob:
+    def node_job(self, attempt: int = 1, reason: str = "start", replaced: str = "") -> NodeJob:
         """What every node is sent to start its part. Attempts after the first begin with a
-        marker line in each log (logs append, so every attempt's output is kept)."""
+        marker line in each log (logs append, so every attempt's output is kept). Every rank
+        learns what happened: the restart count and ``reason``, the generation, and after a
+        replacement which node replaced which (``replaced``)."""
         from .protocol import NodeJob
 
         cmd = self.cmd
@@ -172,7 +183,7 @@ class Job:
             workdir=self.workdir,
             tmux_session=self.tmux_session,
             argv=self.meshkit_argv("run", *run),
-            env=dict(self.env),
+            env=self.env | restart_env(attempt, reason, self.generation, replaced),
             setup=list(self.setup),
         )
 
@@ -196,6 +207,20 @@ class Job:
     def index_json(self) -> str:
         index = {"workdir": self.workdir, "session": self.session, "id": self.id}
         return json.dumps(index) + "\n"
+
+
+def restart_env(attempt: int, reason: str, generation: int, replaced: str) -> dict[str, str]:
+    """What every rank learns of its attempt. TORCHELASTIC_RESTART_COUNT too, for scripts that
+    read it: torchrun sets its own over this one (its restarts, not the supervisor's)."""
+    env = {
+        "MESHKIT_RESTART_COUNT": str(attempt - 1),
+        "MESHKIT_RESTART_REASON": reason,
+        "MESHKIT_GENERATION": str(generation),
+        "TORCHELASTIC_RESTART_COUNT": str(attempt - 1),
+    }
+    if replaced:
+        env["MESHKIT_REPLACED"] = replaced
+    return env
 
 
 def job_home(workdir: str, session: str) -> PurePosixPath:

@@ -17,7 +17,7 @@ TYPE_CHECKING = False  # no runtime `typing`: every agent imports this module (s
 if TYPE_CHECKING:
     from typing import Any, Literal
 
-VERSION = 3  # 3: paged manifests, put_files, exec, top, the STOPPED supervision record
+VERSION = 4  # 4: the supervision record's membership and generation (spare nodes)
 MAX_LINE = 1 << 20  # bytes in one request or reply line
 MAX_LOG_BYTES = 256 * 1024  # log bytes one `logs` reply carries
 PUT_CHUNK = 512 * 1024  # raw bytes one `put` carries (base64: well under MAX_LINE)
@@ -48,6 +48,17 @@ class SupervisorState(StrEnum):
     GAVE_UP = "gave up"
     DONE = "done"
     STOPPED = "stopped"
+
+
+class RestartReason(StrEnum):
+    """Why an attempt was launched, as every rank reads it (``MESHKIT_RESTART_REASON``)."""
+
+    START = "start"  # the first attempt, `meshkit train`
+    FAILURE = "failure"  # a node exited non-zero or stopped answering
+    STALL = "stall"  # --restart-on-stall
+    REBOOT = "reboot"  # the job was gone from a node (rebooted, or ended outside meshkit)
+    REPLACED = "replaced"  # a lost node's rank given to a spare
+    SHRUNK = "shrunk"  # the lost nodes dropped (--min-nodes), ranks renumbered
 
 
 class SupervisorShown(StrEnum):
@@ -415,6 +426,13 @@ class Supervision:
     by: int = 0  # the rank whose supervisor wrote it (of a RELAUNCHING record: the claimer)
     held: str | None = None  # what holds the relaunch: "NODE: CHECK: DETAIL"
     diagnosis: str | None = None  # `diagnose --json` saved before the last stall restart
+    reason: RestartReason = RestartReason.START  # why the current attempt was launched
+    generation: int = 1  # one on with each change of membership: a lost node is fenced by it
+    members: list[str] = field(default_factory=list)  # each rank's node (as the hostfile
+    # spells it) since the last change of membership; empty: the job's nodes as launched
+    lost: list[str] = field(default_factory=list)  # nodes dropped from the membership for good
+    replaced: list[str] = field(default_factory=list)  # "LOST -> SPARE", one per replacement
+    waiting: str | None = None  # the lost node a relaunch waits for, and until when (UTC)
 
     def to_json(self) -> str:
         """The copy as a node stores it."""

@@ -108,6 +108,19 @@ def match_rank(
     )
 
 
+def spare_match(
+    spares: Sequence[Host],
+    resolved: Sequence[Sequence[str]],
+    local: Sequence[LocalAddress],
+    hostname: str,
+) -> Host | None:
+    """The spare line that is this machine (by address, then by hostname), if one is."""
+    matches = _matches_by_address(resolved, local) or _matches_by_hostname(spares, hostname)
+    if not matches:
+        return None
+    return spares[matches[0].rank]
+
+
 def _matches_by_address(
     resolved: Sequence[Sequence[str]], local: Sequence[LocalAddress]
 ) -> list[Match]:

@@ -191,7 +191,7 @@ def loop(job: Job, pool: ScriptedPool, me: int = 0, gate=lambda *a: []):
         )
 
     final = Supervisor(
-        lambda wait: nullcontext(pool),
+        lambda hosts, wait: nullcontext(pool),
         job,
         HOSTS,
         me,
@@ -461,7 +461,7 @@ def slow_gate(*_args):
 
 with Heartbeat(job.id, every=0.1).beating() as heart:
     final = Supervisor(
-        lambda wait: nullcontext(pool), job, HOSTS, 0, lambda _m: None, interval=0,
+        lambda hosts, wait: nullcontext(pool), job, HOSTS, 0, lambda _m: None, interval=0,
         base_backoff=0, relaunch=launched_rows, gate=slow_gate, heart=heart,
     ).run()
 print(final.supervisor, final.attempt, flush=True)

@@ -14,11 +14,13 @@ from dataclasses import asdict, dataclass, field
 
 from .. import protocol as p
 from ..errors import LaunchError
-from ..hostfile import Host
+from ..hostfile import Host, members_text
 from ..job import Job
 from ..outcome import Outcome
 from ..protocol import JobState, Supervision, SupervisorShown, SupervisorState
 from ..record import replace
+from .lookup import cluster_hosts
+from .membership import spares_of
 from .pool import NodePool, unanswered
 from .supervision import ask, end_supervisor, live_ranks, newest, stop_record
 
@@ -180,16 +182,23 @@ def launch(
     attempt: int = 1,
     envs: Envs | None = None,
     synced: dict[str, int] | None = None,
+    reason: str = "start",
+    replacement: str = "",
 ) -> Launch:
     """Preflight everywhere (read-only; any problem starts nothing anywhere), save the job and
     its index through the master (every node when the workdir is synced), then start it on every
     node. A synced job's workdir is copied first (only what changed), unless the caller just did
     (``synced``: what it copied). ``envs``: the env round when the caller has it already (it
-    runs once per command, after any copy)."""
+    runs once per command, after any copy). ``reason``, ``replacement``: what every rank learns
+    of this attempt (``Job.node_job``)."""
     if job.sync and not dry_run and synced is None:
         from .sync import sync_workdir
 
         synced = sync_workdir(pool, job, hosts)
+    if job.members and not dry_run:
+        # before the env round: every node's discovery reads the membership's hostfile
+        for where in job.home_copies(hosts):
+            pool.write_file(where, job.node_hostfile, members_text(hosts))
     if envs is None:
         envs = env_round(pool, job)
     checked = preflight(pool, job, hosts, envs, replace)
@@ -201,7 +210,7 @@ def launch(
     for where in job.home_copies(hosts):
         pool.write_file(where, str(job.file), job.to_json())
         pool.write_file(where, str(job.index), job.index_json())
-    spec = job.node_job(attempt)
+    spec = job.node_job(attempt, reason, replacement)
     started = pool.call_all("start", lambda host: p.StartRequest(spec, replace), p.StartReply)
     rows = []
     for rank, host in enumerate(hosts):
@@ -225,6 +234,16 @@ def replace_port(job: Job, port: int) -> Job:
 
 
 @dataclass(frozen=True)
+class SpareRow:
+    """A node of the hostfile outside the job's membership: a spare line, or a lost node that
+    came back. ``healthy``: it answers (its agent runs); else ``why`` not."""
+
+    node: str
+    healthy: bool
+    why: str | None = None
+
+
+@dataclass(frozen=True)
 class StatusRow:
     node_rank: int
     host: str
@@ -243,14 +262,21 @@ class StatusRow:
     diagnosis: str | None = None  # the diagnosis the supervisor saved before a stall restart
     leader: int | None = None  # the rank whose supervisor leads (None: no live one)
     held: str | None = None  # what holds a relaunch: "NODE: CHECK: DETAIL"
+    generation: int | None = None  # the membership's (one on with each replacement or shrink)
+    lost: list[str] = field(default_factory=list)  # nodes dropped from the membership
+    replaced: list[str] = field(default_factory=list)  # "LOST -> SPARE"
+    waiting: str | None = None  # the nodes a relaunch waits for, and until when
+    spares: list[SpareRow] = field(default_factory=list)  # the hostfile's nodes outside it
 
     def as_json(self) -> dict[str, object]:
         """The ``--json`` shape: the supervision fields only for a supervised job."""
         keys = ["node_rank", "host", "state", "exit_code", "started", "last_line", "stalled"]
         if self.supervised:
             keys += ["attempt", "restarts_left", "last_restart_reason", "diagnosis"]
-            keys += ["leader", "held"]
+            keys += ["leader", "held", "generation", "lost", "replaced", "waiting"]
         data = {key: getattr(self, key) for key in keys}
+        if self.supervised:
+            data["spares"] = [asdict(spare) for spare in self.spares]
         data["idle_s"] = None if self.idle_s is None else round(self.idle_s, 1)
         if self.supervised:  # the fixed names: a claimed relaunch is still a running supervisor
             relaunching = self.supervisor == SupervisorState.RELAUNCHING
@@ -276,7 +302,10 @@ def status(
     """One row per node; a node that cannot be asked is ``absent`` with the reason. Every row
     says whether the job is stalled."""
     replies = pool.call_all(
-        phase, lambda host: p.StatusRequest(job.id, job.log(hosts.index(host))), p.StatusReply
+        phase,
+        lambda host: p.StatusRequest(job.id, job.log(hosts.index(host))),
+        p.StatusReply,
+        hosts,
     )
     rows = []
     for rank, host in enumerate(hosts):
@@ -378,6 +407,10 @@ def with_supervision(
             leader=leader,
             held=record.held,
             diagnosis=record.diagnosis,
+            generation=record.generation,
+            lost=list(record.lost),
+            replaced=list(record.replaced),
+            waiting=record.waiting,
         )
         for row in rows
     ]
@@ -391,7 +424,20 @@ def status_with_supervision(pool: NodePool, job: Job, hosts: Sequence[Host]) -> 
     answers = ask(pool, job, hosts)
     leader = min(live_ranks(hosts, answers), default=None)
     record = newest(reply.record for reply in answers.values())
-    return with_supervision(job, rows, record, leader)
+    supervised = with_supervision(job, rows, record, leader)
+    spares = [spare_row(pool, spare) for spare in spares_of(cluster_hosts(job), hosts)]
+    return [replace(row, spares=spares) for row in supervised]
+
+
+def spare_row(pool: NodePool, spare: Host) -> SpareRow:
+    """Whether a spare answers (``status`` connects to the spares of a supervised job too)."""
+    if spare in pool.failures:
+        return SpareRow(spare.label, False, f"not answering: {pool.failures[spare]}")
+    replies = pool.call_all("", lambda host: p.JobsRequest(), p.JobsReply, [spare])
+    outcome = replies.get(spare)
+    if outcome is None or outcome.value is None:
+        return SpareRow(spare.label, False, unanswered(outcome, spare, pool.failures))
+    return SpareRow(spare.label, True)
 
 
 UNREACHED = "the job may still run there; `meshkit stop` again once it answers ends it"

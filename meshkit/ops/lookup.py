@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 from ..envrun import pick, pick_int
 from ..errors import JobError, UsageError
-from ..hostfile import Host
+from ..hostfile import Host, active
 from ..job import (
     Job,
     check_env,
@@ -54,6 +54,8 @@ class Options:
     spawn: bool = False
     stall_after: str | None = None
     restart_on_stall: bool | None = None  # None: the saved job's setting
+    replace_after: str | float | None = None  # None: the saved job's (default 300 s); "off"
+    min_nodes: str | int | None = None  # None: the saved job's (default: never shrink)
     sync: bool = False  # copy the workdir even where it is shared
     replace: bool = False  # end other meshkit jobs on the nodes
     doctor: bool = False  # the doctor's quick checks first (any failure starts nothing)
@@ -71,12 +73,27 @@ def restarts_flag(flag: str | int | None) -> int | None:
     return int(text)
 
 
+def min_nodes_flag(flag: str | int | None) -> int | None:
+    """``--min-nodes`` as a number (None: not given)."""
+    if flag is None:
+        return None
+    text = str(flag).strip()
+    if not whole(text) or not 1 <= int(text) <= 4096:
+        raise UsageError(
+            f"--min-nodes {str(flag)[:40]!r}: expected a whole number of nodes, 1..4096"
+        )
+    return int(text)
+
+
 def check_options(options: Options) -> None:
     """The ranges of a job's flags, for ``meshkit train`` and ``Cluster.train`` alike (the
     messages name the CLI's flags): checked before anything is read from a node."""
     if not 0 <= options.wait <= WAIT_LIMIT_S:
         raise UsageError(f"--wait {options.wait}: expected seconds between 0 and 86400")
     restarts_flag(options.restarts)
+    min_nodes_flag(options.min_nodes)
+    if options.replace_after is not None:
+        parse_duration(options.replace_after, "--replace-after")
 
 
 def check_log_flags(node: int | str | None, lines: int | str, rank_count: int) -> None:
@@ -142,18 +159,41 @@ def saved(
 ) -> tuple[Job, list[Host]]:
     """The saved job of these flags (over the configuration) and its nodes, from its hostfile (a
     synced job's copy when this machine lacks the path)."""
-    from ..discovery import read_hosts
-
     job = find_job(
         check_session(str(pick(conf, "session", session))),
         workdir=pick(conf, "workdir", workdir),
         hostfile=os.path.abspath(str(pick(conf, "hostfile", hostfile))),
         cwd=os.getcwd(),
     )
+    return job, job_hosts(job, cluster_hosts(job))
+
+
+def cluster_hosts(job: Job) -> list[Host]:
+    """Every node of the job's hostfile, spares included (a synced job's copy when this machine
+    lacks the path), after its --include/--exclude."""
+    from ..discovery import read_hosts
+
     path = job.hostfile
-    if job.sync and not os.path.exists(path) and os.path.exists(job.node_hostfile):
-        path = job.node_hostfile
-    return job, read_hosts(path, job.include, job.exclude)
+    if job.sync and not os.path.exists(path):
+        copy = str(job.home / "hostfile")
+        if os.path.exists(copy):
+            path = copy
+    return read_hosts(path, job.include, job.exclude, spares=True)
+
+
+def job_hosts(job: Job, cluster: Sequence[Host]) -> list[Host]:
+    """The job's nodes in rank order: its membership (after a replacement or a shrink), else
+    the hostfile's nodes that are not spares."""
+    if not job.members:
+        return active(cluster)
+    by_label = {host.label: host for host in cluster}
+    missing = [label for label in job.members if label not in by_label]
+    if missing:
+        raise JobError(
+            f"{job.hostfile}: the job's nodes {', '.join(missing)} are not in the hostfile any "
+            "more; put them back, or start the job anew with --cmd"
+        )
+    return [by_label[label] for label in job.members]
 
 
 def on_saved(
@@ -163,11 +203,16 @@ def on_saved(
     workdir: str | None,
     op: Callable[[NodePool, Job, list[Host]], T],
     progress: ProgressFn | None = None,
+    spares: bool = False,
 ) -> tuple[Job, T]:
     """The saved job of these flags, and ``op`` run on its nodes over one connection per node
-    (status, diagnose, stop: the CLI's and the Python API's)."""
+    (status, diagnose, stop: the CLI's and the Python API's). ``spares``: a supervised job's
+    pool connects to the hostfile's nodes outside its membership too (status shows them)."""
     job, hosts = saved(conf, hostfile, session, workdir)
-    with connect(conf, job.hostfile, hosts, job.python, progress) as pool:
+    nodes = list(hosts)
+    if spares and job.restarts:
+        nodes += [host for host in cluster_hosts(job) if host not in hosts]
+    with connect(conf, job.hostfile, nodes, job.python, progress) as pool:
         return job, op(pool, job, hosts)
 
 

@@ -3,14 +3,18 @@ ranked live one leading, so the reboot of any one node (the launching one and th
 included) leaves the job supervised. The leader watches every node; on a failure it waits for
 every node to answer, claims the next attempt in the record (compare-and-set on every node: two
 supervisors never relaunch at once), stops the job, waits while the doctor's quick checks fail,
-and relaunches it with the same ranks, at most N times. This module is the loop (``Supervisor``,
-``run``); its policy is ``ops.supervision_policy``, its rounds over the nodes
+and relaunches it with the same ranks, at most N times. A node that does not answer within
+``--replace-after`` is lost: its rank goes to a healthy spare (or, with ``--min-nodes``, the job
+shrinks), in a new generation of the membership (``ops.membership``) that every supervisor then
+follows, and that fences the lost node should it come back. This module is the loop
+(``Supervisor``, ``run``); its policy is ``ops.supervision_policy``, its rounds over the nodes
 ``ops.supervision``. It prints nothing: it reports through ``say``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import threading
 import time
@@ -18,13 +22,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-from ..errors import LaunchError, MeshkitError, RemoteError, UsageError
-from ..hostfile import Host
+from ..errors import JobError, LaunchError, MeshkitError, RemoteError, UsageError
+from ..hostfile import Host, members_text
 from ..job import Job
 from ..node.supervise import beat, register
 from ..protocol import JobState, StopReply, StopRequest, Supervision, SupervisorState
 from ..record import replace
 from . import jobs as ops
+from .membership import Change, members_of, plan, reason_of_change, spares_of
 from .pool import NodePool
 from .supervision import ask, live_ranks, newest, start_all, write
 from .supervision_policy import (
@@ -36,7 +41,9 @@ from .supervision_policy import (
     backoff,
     decide,
     next_step,
+    restart_reason,
     views,
+    waited_only,
 )
 
 POLL_INTERVAL = 2.0  # seconds between polls of every node
@@ -48,7 +55,7 @@ BEAT_EVERY = 5.0  # seconds between heartbeats (well inside supervision.STALE)
 HUNG = 900.0  # seconds a loop may go without a step before its heartbeat stops: longer than
 # any one step it takes (a relaunch's two 300 s waits, its stop and launch)
 
-Connect = Callable[[float], AbstractContextManager[NodePool]]
+Connect = Callable[[Sequence[Host], float], AbstractContextManager[NodePool]]
 Gate = Callable[[NodePool, Job, Sequence[Host]], list[str]]  # one line per failed check
 Launcher = Callable[[NodePool, Job, int], ops.Launch]
 
@@ -67,11 +74,20 @@ class Restart:
 @dataclass(frozen=True)
 class Look:
     """One look at every node's supervisor: the ranks with a live one (this one included), the
-    newest record, and how many nodes answered."""
+    newest record, and how many nodes answered. ``moved``: the record's membership is not the
+    one asked (the supervisor now follows it, over a new connection)."""
 
     live: set[int]
     record: Supervision | None
     answered: int
+    moved: bool = False
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Spares a change of membership could not use, each with why (down, sync, checks)."""
+
+    spares: dict[Host, str]
 
 
 @dataclass
@@ -121,7 +137,9 @@ def health(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
 @dataclass
 class Supervisor:
     """The supervisor of rank ``me``. ``run`` returns the final record (or, when the record is
-    gone because the job was stopped, a ``gave up`` one that says so)."""
+    gone because the job was stopped, a ``gave up`` one that says so). ``hosts``, ``me`` and
+    ``job`` follow the record's membership (a replacement may move ranks); ``cluster``: every
+    node of the hostfile, spares included (empty: ``hosts``)."""
 
     connect: Connect
     job: Job
@@ -133,10 +151,17 @@ class Supervisor:
     relaunch: Launcher | None = None
     gate: Gate = health
     heart: Heartbeat | None = None  # None: nothing beats (the loop run on its own, in tests)
+    cluster: Sequence[Host] = ()
+
+    def __post_init__(self) -> None:
+        self.node = self.hosts[self.me]  # this supervisor's node, whatever rank it holds
+        self.launched = list(self.hosts)  # the membership before any record names one
+        if not self.cluster:
+            self.cluster = list(self.hosts)
 
     def run(self) -> Supervision:
         while True:
-            with self.connect(0.0) as pool:
+            with self.connect(self.hosts, 0.0) as pool:
                 outcome = self._serve(pool)
             if isinstance(outcome, Supervision):
                 return outcome
@@ -153,12 +178,50 @@ class Supervisor:
             self.heart.moved()
 
     def _look(self, pool: NodePool) -> Look:
-        """Look at every node's supervisor."""
+        """Look at every node's supervisor, and follow the newest record's membership."""
         self._moved()
         answers = ask(pool, self.job, self.hosts)
-        live = live_ranks(self.hosts, answers)
         record = newest(reply.record for reply in answers.values())
+        moved = self._follow(record)
+        if moved:
+            return Look({self.me}, record, len(answers), moved=True)
+        live = live_ranks(self.hosts, answers)
         return Look(live | {self.me}, record, len(answers))
+
+    def _follow(self, record: Supervision | None) -> bool:
+        """Take ``record``'s membership as this supervisor's (its nodes, this node's rank, the
+        job's generation). Returns whether it changed."""
+        if record is None or record.generation == self.job.generation:
+            return False
+        if record.generation < self.job.generation:
+            return False  # an older copy (a node that was away): the newer membership stands
+        try:
+            members = members_of(record, self.launched, self.cluster)
+        except JobError as exc:
+            self.say(f"cannot follow generation {record.generation}: {exc}")
+            return False
+        self.hosts = members
+        self.job = replace(
+            self.job, members=tuple(host.label for host in members), generation=record.generation
+        )
+        if self.node in members:
+            self.me = members.index(self.node)
+            self.say(f"generation {record.generation}: this node is rank {self.me}")
+        return True
+
+    def _fence(self, pool: NodePool, record: Supervision) -> Supervision:
+        """This node was lost and the job moved on without it (a newer generation): end what it
+        still runs of the job here, keep the newer record here, and end; it is a spare now."""
+        node = [self.node]
+        self.say(
+            f"generation {record.generation} does not include this node (it was lost and "
+            "replaced): ending what it runs of the job here; it is a spare now"
+        )
+        with contextlib.suppress(MeshkitError), self.connect(node, RECONNECT) as own:
+            ask(own, self.job, node, record=record, version=record.version)
+            ending = StopRequest(self.job.id)
+            own.call_all("stop", lambda host: ending, StopReply, node)
+        return record
 
     def _write(
         self, pool: NodePool, record: Supervision, every: bool = False
@@ -180,6 +243,10 @@ class Supervisor:
             if record is None:  # every copy is gone (a train dropped them to start anew)
                 why = "the supervision record is gone from every node"
                 return Supervision(SupervisorState.GAVE_UP, 0, 0, why)
+            if self.node not in self.hosts:
+                return self._fence(pool, record)
+            if look.moved:  # the new membership's nodes, over a new connection
+                return None
             step = next_step(self.me, look.live, record)
             if step == Step.STOP:
                 return self._carry_stop(pool, record)
@@ -233,6 +300,7 @@ class Supervisor:
                     last_restart_reason=decision.reason,
                     attempt=record.attempt + 1,
                     restarts_left=record.restarts_left - 1,
+                    reason=restart_reason(seen, stalled),
                 )
                 return Restart(record, claim, takeover=False)
 
@@ -287,17 +355,37 @@ class Supervisor:
         return self._write(pool, given) or given
 
     @contextlib.contextmanager
-    def _every_node(self) -> Iterator[NodePool]:
+    def _every_node(self, bound: float) -> Iterator[NodePool]:
         """A pool once every node answers (trying again every ``RECONNECT`` s), or, after
-        ``COME_BACK`` s, the pool as it is."""
-        deadline = time.monotonic() + COME_BACK
+        ``bound`` s, the pool as it is. While it waits, the record says for which nodes and until
+        when (status shows it)."""
+        deadline = time.monotonic() + bound
+        announced = False
         while True:
             self._moved()
             wait = min(RECONNECT, max(0.0, deadline - time.monotonic()))
-            with self.connect(wait) as pool:
+            with self.connect(self.hosts, wait) as pool:
                 if not pool.failures or time.monotonic() >= deadline:
                     yield pool
                     return
+                if not announced:
+                    announced = self._announce(pool, deadline)
+
+    def _announce(self, pool: NodePool, deadline: float) -> bool:
+        """Say in the record which nodes the relaunch waits for, and until when."""
+        missing = [f"node {rank} ({host.label})" for rank, host in enumerate(self.hosts)]
+        missing = [text for text, host in zip(missing, self.hosts) if host in pool.failures]
+        until = time.time() + max(0.0, deadline - time.monotonic())
+        stamp = datetime.datetime.fromtimestamp(until, datetime.timezone.utc)
+        what = "lost then (--replace-after)"
+        if self.job.replace_after is None:
+            what = "given up then"
+        waiting = f"{', '.join(missing)} until {stamp:%H:%M:%S} UTC, {what}"
+        self.say(f"waiting for {waiting}")
+        record = self._look(pool).record
+        if record is None or record.supervisor == SupervisorState.STOPPED:
+            return True
+        return self._write(pool, replace(record, waiting=waiting)) is not None
 
     def _relaunch(self, restart: Restart) -> Supervision | None:
         """Claim the next attempt (or take the claimed one over), and make it: every node
@@ -311,64 +399,186 @@ class Supervisor:
         if not restart.takeover:
             say(f"attempt {seen.attempt} failed: {restart.claim.last_restart_reason}")
             time.sleep(backoff(seen.attempt, self.base_backoff))
-        with self._every_node() as pool:
+        bound = COME_BACK if job.replace_after is None else job.replace_after
+        with self._every_node(bound) as pool:
             look = self._look(pool)
-            if look.record != seen:
+            current = look.record
+            if current is None or look.moved or not waited_only(seen, current):
+                return None  # another supervisor moved on (only a "waiting" note is ours)
+            if next_step(self.me, look.live, current) not in (Step.WATCH, Step.RESUME):
                 return None
-            if next_step(self.me, look.live, look.record) not in (Step.WATCH, Step.RESUME):
-                return None
-            missing = [host.label for host in hosts if host in pool.failures]
+            claim = replace(restart.claim, version=current.version, waiting=None)
+            if restart.takeover:
+                claim = replace(current, waiting=None)
+            missing = [host for host in hosts if host in pool.failures]
+            if missing and job.replace_after is not None:
+                lost = replace(current, last_restart_reason=restart.claim.last_restart_reason)
+                return self._replace(lost, missing)
             if missing:
-                why = f"{restart.claim.last_restart_reason}; then {', '.join(missing)} did not "
+                names = ", ".join(host.label for host in missing)
+                why = f"{restart.claim.last_restart_reason}; then {names} did not "
                 why += f"answer within {COME_BACK:.0f}s"
-                return self._gave_up(pool, seen, why)
-            claimed = self._write(pool, restart.claim, every=True)
+                return self._gave_up(pool, current, why)
+            claimed = self._write(pool, claim, every=True)
             if claimed is None:
                 say("another supervisor moved on first; following it")
                 return None
-            attempt = claimed.attempt
-            say(f"attempt {attempt}: relaunching (of {job.restarts + 1}); stopping the job")
-            ops.stop(pool, job, hosts)
-            deadline = time.monotonic() + COME_BACK
-            while True:
-                held = self.gate(pool, job, hosts)
-                if not held:
-                    break
-                if time.monotonic() > deadline:
-                    why = f"the relaunch was held for {COME_BACK:.0f}s by {held[0]}"
-                    return self._gave_up(pool, claimed, why)
-                if claimed.held != held[0]:
-                    say(f"attempt {attempt}: held by {held[0]}")
-                    renewed = self._write(pool, replace(claimed, held=held[0]))
-                    if renewed is None:
-                        return None
-                    claimed = renewed
-                self._moved()
-                time.sleep(self.interval)
-            # The claim renewed right before the launch: a supervisor that hung while another
-            # took this attempt over finds a newer copy here and launches nothing.
-            renewed = self._write(pool, replace(claimed, held=None))
-            if renewed is None:
-                say(f"attempt {attempt}: another supervisor took it over; following it")
-                return None
-            claimed = renewed
-            failure = self._launch(pool, attempt)
-            if failure is not None:  # a failed attempt: the next poll sees the nodes absent
-                say(f"attempt {attempt} did not start: {failure}")
-            running = replace(claimed, supervisor=SupervisorState.RUNNING, held=None)
-            if self._write(pool, running) is None:
-                return None
-            say(f"attempt {attempt} started")
-            start_all(pool, job, hosts)  # where none is live: a rebooted node's comes back
+            return self._finish(pool, claimed)
         return None
 
-    def _launch(self, pool: NodePool, attempt: int) -> str | None:
-        """Launch ``attempt`` on every node; why it did not start (None: it did)."""
+    def _replace(self, seen: Supervision, lost: list[Host]) -> Supervision | None:
+        """``lost`` did not answer within --replace-after: a new membership without them (their
+        ranks to healthy spares, or the job shrunk with --min-nodes), claimed on every node of
+        it and launched. With neither possible, wait up to --replace-after more for the nodes or
+        a spare, then give up saying so."""
+        job = self.job
+        bound = job.replace_after if job.replace_after is not None else COME_BACK
+        deadline = time.monotonic() + bound
+        refused: dict[Host, str] = {}
+        while True:
+            self._moved()
+            candidates = [
+                host for host in spares_of(self.cluster, self.hosts) if host not in refused
+            ]
+            change = plan(self.hosts, lost, candidates, self.cluster, job.min_nodes)
+            if change is not None:
+                outcome = self._try_change(seen, change)
+                if isinstance(outcome, Refused):
+                    for spare, why in outcome.spares.items():
+                        self.say(f"spare {spare.label} not used: {why}")
+                    refused.update(outcome.spares)
+                    continue
+                return outcome
+            if time.monotonic() > deadline:
+                names = ", ".join(host.label for host in lost)
+                why = f"{seen.last_restart_reason}; then {names} did not answer within "
+                why += f"{bound:.0f}s (--replace-after) and no healthy spare took its place"
+                if refused:
+                    spares = "; ".join(f"{host.label}: {text}" for host, text in refused.items())
+                    why += f" (spares: {spares})"
+                elif not spares_of(self.cluster, self.hosts):
+                    why += " (the hostfile has no spare line)"
+                if job.min_nodes is not None:
+                    why += f", and fewer than --min-nodes {job.min_nodes} nodes are left"
+                with self.connect(self.hosts, 0.0) as pool:
+                    return self._gave_up(pool, seen, why)
+            with self.connect(self.hosts, RECONNECT) as pool:
+                if not pool.failures:
+                    self.say("every node answers again; back to watching")
+                    return None
+            refused.clear()  # a spare refused a while ago may be healthy now
+            time.sleep(self.interval)
+
+    def _try_change(self, seen: Supervision, change: Change) -> Supervision | Refused | None:
+        """Make ``change`` over the nodes of the new membership: each spare taking a rank must
+        answer, get the workdir (a synced job) and pass the doctor's quick checks; then the new
+        generation is claimed on every node of it and launched. ``Refused``: spares it could not
+        use; None: back to watching (another supervisor moved on, or a member is down too)."""
+        labels = tuple(host.label for host in change.members)
+        job = replace(self.job, members=labels, generation=seen.generation + 1)
+        with self.connect(change.members, RECONNECT) as pool:
+            down = {host: pool.failures[host] for host in change.added if host in pool.failures}
+            if down:
+                return Refused(down)
+            if any(host in pool.failures for host in change.members):
+                return None
+            if job.sync:
+                from .sync import sync_workdir
+
+                try:
+                    sync_workdir(pool, job, change.added)
+                except (LaunchError, RemoteError) as exc:
+                    why = str(exc).replace("\n", "; ")
+                    return Refused({host: f"sync failed: {why}" for host in change.added})
+            for where in job.home_copies(change.members):
+                pool.write_file(where, job.node_hostfile, members_text(change.members))
+            held = self.gate(pool, job, change.members)
+            unfit = {}
+            for spare in change.added:
+                said = [line for line in held if line.startswith(f"{spare.label}:")]
+                if said:
+                    unfit[spare] = said[0]
+            if unfit:
+                return Refused(unfit)
+            claim = replace(
+                seen,
+                supervisor=SupervisorState.RELAUNCHING,
+                attempt=seen.attempt + 1,
+                reason=change.reason,
+                generation=job.generation,
+                members=list(labels),
+                lost=[*seen.lost, *(host.label for host in change.lost)],
+                replaced=[*seen.replaced, *change.replaced],
+                last_restart_reason=reason_of_change(change),
+                waiting=None,
+                held=None,
+            )
+            rank = change.members.index(self.node)
+            claimed = write(pool, job, change.members, claim, rank, every=True)
+            if claimed is None:
+                self.say("another supervisor moved on first; following it")
+                return None
+            self.say(f"generation {claimed.generation}: {claimed.last_restart_reason}")
+            self._follow(claimed)
+            return self._finish(pool, claimed)
+
+    def _finish(self, pool: NodePool, claimed: Supervision) -> Supervision | None:
+        """Make the claimed attempt: stop the job everywhere, hold while the health gate fails,
+        launch, then a supervisor on every node again."""
+        job = self.job
+        hosts = self.hosts
+        say = self.say
+        attempt = claimed.attempt
+        say(f"attempt {attempt}: relaunching (of {job.restarts + 1}); stopping the job")
+        ops.stop(pool, job, hosts)
+        deadline = time.monotonic() + COME_BACK
+        while True:
+            held = self.gate(pool, job, hosts)
+            if not held:
+                break
+            if time.monotonic() > deadline:
+                why = f"the relaunch was held for {COME_BACK:.0f}s by {held[0]}"
+                return self._gave_up(pool, claimed, why)
+            if claimed.held != held[0]:
+                say(f"attempt {attempt}: held by {held[0]}")
+                renewed = self._write(pool, replace(claimed, held=held[0]))
+                if renewed is None:
+                    return None
+                claimed = renewed
+            self._moved()
+            time.sleep(self.interval)
+        # The claim renewed right before the launch: a supervisor that hung while another
+        # took this attempt over finds a newer copy here and launches nothing.
+        renewed = self._write(pool, replace(claimed, held=None))
+        if renewed is None:
+            say(f"attempt {attempt}: another supervisor took it over; following it")
+            return None
+        claimed = renewed
+        failure = self._launch(pool, claimed)
+        if failure is not None:  # a failed attempt: the next poll sees the nodes absent
+            say(f"attempt {attempt} did not start: {failure}")
+        running = replace(claimed, supervisor=SupervisorState.RUNNING, held=None)
+        if self._write(pool, running) is None:
+            return None
+        say(f"attempt {attempt} started")
+        start_all(pool, job, hosts)  # where none is live: a rebooted node's comes back
+        return None
+
+    def _launch(self, pool: NodePool, claimed: Supervision) -> str | None:
+        """Launch the claimed attempt on every node; why it did not start (None: it did)."""
+        attempt = claimed.attempt
         try:
             if self.relaunch is not None:
                 launched = self.relaunch(pool, self.job, attempt)
             else:
-                launched = ops.launch(pool, self.job, self.hosts, attempt=attempt)
+                launched = ops.launch(
+                    pool,
+                    self.job,
+                    self.hosts,
+                    attempt=attempt,
+                    reason=str(claimed.reason),
+                    replacement="; ".join(claimed.replaced),
+                )
         except (LaunchError, RemoteError) as exc:
             return str(exc).replace("\n", "; ")
         if launched.ok:
@@ -397,14 +607,21 @@ def _save_diagnosis(
 
 
 def run(
-    connect: Connect, job: Job, hosts: Sequence[Host], rank: int, say: Callable[[str], None]
+    connect: Connect,
+    job: Job,
+    hosts: Sequence[Host],
+    rank: int,
+    say: Callable[[str], None],
+    cluster: Sequence[Host] = (),
 ) -> Supervision:
     """``meshkit supervise`` (what ``train --restarts`` starts in tmux on every node): register
-    here, with a heartbeat in its pid file, then follow or lead until the job ends."""
+    here, with a heartbeat in its pid file, then follow or lead until the job ends. ``cluster``:
+    every node of the hostfile, spares included."""
     if not 0 <= rank < len(hosts):
         raise UsageError(f"--rank {rank}: the job has ranks 0..{len(hosts) - 1}")
     with Heartbeat(job.id).beating() as heart:
         say(f"supervising {job.label} from node {rank}, restarts {job.restarts}")
-        record = Supervisor(connect, job, hosts, rank, say, heart=heart).run()
+        supervisor = Supervisor(connect, job, hosts, rank, say, heart=heart, cluster=cluster)
+        record = supervisor.run()
     say(f"ending: the job's supervision is {record.supervisor}")
     return record

@@ -22,6 +22,11 @@ node, written by compare-and-set (``ops.supervision``)::
    side still finds it once it reconnects. It relaunches nothing: a stop ends the whole job, so
    it ends the job on the nodes whose copy does not say stopped yet (the ones the stop did not
    reach), leaves the record there, and ends (``STOP``).
+5. A node that does not answer within ``--replace-after`` is lost: the leader claims RELAUNCHING
+   with a new ``generation`` and ``members`` (``ops.membership``: a spare takes its rank, or the
+   job shrinks with ``--min-nodes``); a replacement does not use up ``restarts_left``. Every
+   supervisor follows the newest generation; one whose node is in none is fenced: it ends what
+   its node runs of the job, and its node is a spare from then on.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..protocol import JobState, Supervision, SupervisorState
-from ..record import StrEnum
+from ..protocol import JobState, RestartReason, Supervision, SupervisorState
+from ..record import StrEnum, replace
 from .jobs import StatusRow
 
 MISSES = 2  # consecutive unanswered polls before a node counts as gone (one blip is no failure)
@@ -131,6 +136,26 @@ def decide(
     if restarts_left <= 0:
         return Decision(SupervisorState.GAVE_UP, f"no restarts left; last failure: {reason}")
     return Decision(Action.RESTART, reason)
+
+
+def restart_reason(nodes: Sequence[NodeView], stalled: str | None) -> RestartReason:
+    """What every rank of the relaunch is told happened (``MESHKIT_RESTART_REASON``)."""
+    if any(node.state == JobState.ABSENT for node in nodes):
+        return RestartReason.REBOOT
+    failed = any(node.state != JobState.RUNNING for node in nodes)
+    if stalled and not failed:
+        return RestartReason.STALL
+    return RestartReason.FAILURE
+
+
+def waited_only(seen: Supervision, current: Supervision) -> bool:
+    """Whether ``current`` is ``seen`` but for a note of which nodes a relaunch waits for (the
+    leader's own, while it waits): the relaunch ``seen`` led to may go on."""
+    if current == seen:
+        return True
+    if current.waiting is None:
+        return False
+    return replace(current, version=seen.version, by=seen.by, waiting=seen.waiting) == seen
 
 
 def backoff(restart_number: int, base: float = BACKOFF, cap: float = MAX_BACKOFF) -> float:

@@ -182,7 +182,9 @@ def target(
         job, hosts = lookup.saved(conf, hostfile, session, workdir)
     except JobError:
         path = os.path.abspath(str(pick(conf, "hostfile", hostfile)))
-        chosen = read_hosts(path, pick(conf, "include", include), pick(conf, "exclude", exclude))
+        chosen = read_hosts(
+            path, pick(conf, "include", include), pick(conf, "exclude", exclude), spares=True
+        )
         return Target(path, chosen, None, str(conf.python or sys.executable))
     return Target(job.hostfile, hosts, job, job.python)
 

@@ -18,7 +18,7 @@ from ..record import replace
 from ..settings import Config
 from . import doctor
 from .jobs import Launch, env_round, launch
-from .lookup import Options, new_job, restarts_flag, saved
+from .lookup import Options, min_nodes_flag, new_job, restarts_flag, saved
 from .pool import NodePool, connect
 from .supervision import end_supervisor, start_all, write
 from .sync import Facts, sync_workdir, unshared
@@ -56,6 +56,7 @@ def plan(conf: Config, options: Options) -> tuple[Job, list[Host]]:
     codes = parse_restart_on(options.restart_on)
     stall = None if options.stall_after is None else parse_duration(options.stall_after)
     stall_flag = options.restart_on_stall
+    min_nodes = min_nodes_flag(options.min_nodes)
     if options.cmd is None:
         job, hosts = saved(conf, options.hostfile, options.session, options.workdir)
     else:
@@ -68,11 +69,18 @@ def plan(conf: Config, options: Options) -> tuple[Job, list[Host]]:
         spawn=job.spawn or options.spawn,
         stall_after=job.stall_after if options.stall_after is None else stall,
         restart_on_stall=job.restart_on_stall if stall_flag is None else stall_flag,
+        min_nodes=job.min_nodes if min_nodes is None else min_nodes,
     )
+    if options.replace_after is not None:
+        job = replace(job, replace_after=parse_duration(options.replace_after, "--replace-after"))
     if options.spawn:
         check_spawn_cmd(job.cmd)
     if job.restart_on_stall and (not job.restarts or job.stall_after is None):
         raise UsageError("--restart-on-stall needs --restarts N and a --stall-after (not off)")
+    if job.min_nodes is not None and job.min_nodes > len(hosts):
+        raise UsageError(
+            f"--min-nodes {job.min_nodes}: the job has {len(hosts)} nodes; give at most that"
+        )
     return job, hosts
 
 
@@ -126,7 +134,13 @@ def train(
 
 def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> SupervisorPlaces:
     """A supervisor in tmux on every node, after the first record is on every node."""
-    record = Supervision(SupervisorState.RUNNING, 1, job.restarts)
+    record = Supervision(
+        SupervisorState.RUNNING,
+        1,
+        job.restarts,
+        generation=job.generation,
+        members=list(job.members),
+    )
     stop = "`meshkit stop` ends the job"
     if write(pool, job, hosts, record, 0, every=True) is None:
         what = "its supervision record could not be written on every node"

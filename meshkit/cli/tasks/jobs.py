@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json as jsonlib
 import os
 import sys
@@ -15,11 +14,14 @@ from invoke.exceptions import Exit
 from ...errors import LaunchError
 from ...job import Job
 from ...ops import lookup
-from ...ops.pool import connect
+from ...ops.pool import NodePool, connect
 from ...protocol import JobState, SupervisorShown
 from ..common import HELP, conf, helps, progress, reported, table, task
 
 if TYPE_CHECKING:  # every command builds the task list; only these tasks load their ops
+    from contextlib import AbstractContextManager
+
+    from ...hostfile import Host
     from ...ops import jobs as ops
     from ...ops.diagnose import Diagnosis
 
@@ -45,6 +47,25 @@ def supervisor_lines(row: ops.StatusRow, job: Job) -> list[str]:
     lines = [f"supervisor: {row.supervisor}{leader}, {attempt}{last}"]
     if row.held:
         lines.append(f"relaunch held by {row.held}")
+    if row.waiting:
+        lines.append(f"waiting for {row.waiting}")
+    lines += membership_lines(row)
+    return lines
+
+
+def membership_lines(row: ops.StatusRow) -> list[str]:
+    """The membership beyond the rank table: its generation, the lost nodes and who replaced
+    them, and the spares (healthy or not, and why)."""
+    lines = []
+    if row.generation is not None and (row.generation > 1 or row.spares):
+        lines.append(f"membership: generation {row.generation}")
+    for line in row.replaced:
+        lines.append(f"  replaced {line}")
+    if row.lost:
+        lines.append(f"  lost: {', '.join(row.lost)}")
+    for spare in row.spares:
+        health = "healthy" if spare.healthy else f"not healthy: {spare.why}"
+        lines.append(f"  spare {spare.node}: {health}")
     return lines
 
 
@@ -79,6 +100,11 @@ TRAIN_HELP = helps(
     stall_after="no output from any rank for this long is a stall (90s, 30m, 1h; default config "
     "stall_after, 30m; off)",
     restart_on_stall="with --restarts: a stall restarts the job (its diagnosis is saved first)",
+    replace_after="with --restarts: a node that does not answer this long is lost and a spare "
+    "(a hostfile line marked spare) takes its rank (90s, 5m; default 300s; off: wait, then give "
+    "up)",
+    min_nodes="with --restarts: with no healthy spare, go on without the lost nodes while at "
+    "least this many are left (ranks renumbered)",
     sync="copy the workdir to every node (default: when some node does not see it)",
     spawn=HELP["spawn"] + " (a bare relaunch keeps it)",
     replace="end any other meshkit job running on the nodes (never done without this flag)",
@@ -109,6 +135,8 @@ def train(
     spawn: bool = False,
     stall_after: str | None = None,
     restart_on_stall: bool = False,
+    replace_after: str | None = None,
+    min_nodes: str | None = None,
 ) -> None:
     """Start CMD detached in tmux on every node, each with its rank variables; or relaunch the
     saved job.
@@ -136,6 +164,8 @@ def train(
             stall_after=stall_after,
             # not given keeps the saved job's setting (there is no --no-restart-on-stall)
             restart_on_stall=restart_on_stall or None,
+            replace_after=replace_after,
+            min_nodes=min_nodes,
             sync=sync,
             replace=replace,
             doctor=doctor,
@@ -211,9 +241,13 @@ def supervise(
 
     with reported():
         job, hosts = lookup.saved(conf(), hostfile, session, workdir)
+        cluster = lookup.cluster_hosts(job)
 
-        quiet = functools.partial(connect, conf(), job.hostfile, hosts, job.python, None)
-        record = sup.run(quiet, job, hosts, int(rank), say)  # quiet: no progress lines per poll
+        def quiet(nodes: Sequence[Host], wait: float) -> AbstractContextManager[NodePool]:
+            """A connection to ``nodes``, with no progress lines (one per poll would flood)."""
+            return connect(conf(), job.hostfile, nodes, job.python, None, wait)
+
+        record = sup.run(quiet, job, hosts, int(rank), say, cluster)
     if record.supervisor not in (SupervisorState.DONE, SupervisorState.STOPPED):
         raise Exit(code=1)
 
@@ -232,7 +266,7 @@ def status(
 
     with reported():
         job, rows = lookup.on_saved(
-            conf(), hostfile, session, workdir, ops.status_with_supervision, progress
+            conf(), hostfile, session, workdir, ops.status_with_supervision, progress, True
         )
     if json:
         print(jsonlib.dumps([row.as_json() for row in rows]))

@@ -42,7 +42,7 @@ def _hosts(
     path = str(pick(config, "hostfile", hostfile))
     included = pick(config, "include", include)
     excluded = pick(config, "exclude", exclude)
-    return read_hosts(path, included, excluded), path
+    return read_hosts(path, included, excluded, spares=True), path
 
 
 def _mesh_id(hostfile: str | None) -> str:

