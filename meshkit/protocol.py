@@ -438,11 +438,13 @@ class Supervision:
         """The copy as a node stores it."""
         return json.dumps(asdict(self), sort_keys=True) + "\n"
 
-    def precedence(self) -> tuple[bool, int]:
+    def precedence(self) -> tuple[bool, int, int]:
         """Which of two copies wins: a STOPPED one over any other, whatever the versions (a
-        supervisor cut off from ``stop`` may have counted further on its side), else the
+        supervisor cut off from ``stop`` may have counted further on its side), else the newer
+        generation (a lost node's supervisor may have counted further on its own), else the
         newer."""
-        return (self.supervisor == SupervisorState.STOPPED, self.version)
+        stopped = self.supervisor == SupervisorState.STOPPED
+        return (stopped, self.generation, self.version)
 
 
 @record

@@ -29,13 +29,15 @@ WHO = re.compile(
 ATTEMPT = re.compile(r"attempt=(\d+) reason=(\S+) generation=(\d+) master=(\S+)")
 
 
-def job_cmd(session: str) -> str:
-    """The example job under torchrun. Each attempt first says what it was told; the first sleeps
-    (so it still runs when the test powers a node off) until the test writes SESSION.sleep."""
+def job_cmd(session: str, spawn: bool = False) -> str:
+    """The example job under torchrun (or spawned by meshkit run). Each attempt first says what
+    it was told; the first sleeps (so it still runs when the test powers a node off) until the
+    test writes SESSION.sleep."""
     said = "echo attempt=$((MESHKIT_RESTART_COUNT + 1)) reason=$MESHKIT_RESTART_REASON"
     said += " generation=$MESHKIT_GENERATION master=$MASTER_ADDR"
     sleep = f"$(cat {session}.sleep 2>/dev/null || echo 600)"
-    return f"{said}; torchrun example_train.py --sleep {sleep}"
+    launcher = "python" if spawn else "torchrun"
+    return f"{said}; {launcher} example_train.py --sleep {sleep}"
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +70,12 @@ def power_on(lay, index: int) -> None:
     sandbox.reboot(lay, index)
 
 
-def train(lay, workdir: Path, hostfile: Path, session: str, *args: str, node: int = 0):
+def train(lay, workdir: Path, hostfile: Path, session: str, *args: str, node: int = 0, spawn=False):
     flags = ["--hostfile", str(hostfile), "--session", session, "--nproc-per-node", str(NPROC)]
     flags += ["--restarts", "2", "--replace-after", REPLACE_AFTER, *args]
-    out = on_node(lay, node, workdir, "train", *flags, "--cmd", job_cmd(session))
+    if spawn:
+        flags.append("--spawn")
+    out = on_node(lay, node, workdir, "train", *flags, "--cmd", job_cmd(session, spawn))
     assert out.returncode == 0, out.stdout + out.stderr
     return out
 
@@ -90,14 +94,16 @@ def last_attempt(workdir: Path, session: str, rank: int) -> str:
 
 
 def ran_to_the_end(workdir: Path, session: str, ranks: int) -> bool:
-    return all(
-        len(WHO.findall(last_attempt(workdir, session, rank))) == NPROC for rank in range(ranks)
-    )
+    """Whether every rank of the last attempt of ``ranks`` nodes reported its all_reduce."""
+    for rank in range(ranks):
+        if len(WHO.findall(last_attempt(workdir, session, rank))) != NPROC:
+            return False
+    return True
 
 
-def started(lay, workdir: Path, session: str) -> None:
+def started(lay, workdir: Path, session: str, nodes: int = ACTIVE) -> None:
     """Once every node's first attempt runs (each rank's all_reduce reported)."""
-    wait_for(lambda: ran_to_the_end(workdir, session, ACTIVE), timeout=240, interval=2)
+    wait_for(lambda: ran_to_the_end(workdir, session, nodes), timeout=240, interval=2)
 
 
 def node_of(lay, address: str) -> int:
@@ -120,6 +126,16 @@ def test_a_node_lost_for_good_is_replaced_by_the_spare_which_takes_its_rank(mesh
     assert rows[0]["spares"][0]["healthy"] is True
     power_off(lay, 2)
     (workdir / f"{session}.sleep").write_text("0\n")
+    # while the leader waits for it, status says so, and that the supervisors are alive
+    rows = wait_for(
+        lambda: [row for row in [status(lay, workdir, session, node=1)[0]] if row["waiting"]],
+        timeout=90,
+        interval=2,
+    )
+    assert lay.nodes[2].address in str(rows[0]["waiting"])
+    assert "UTC" in str(rows[0]["waiting"])
+    assert rows[0]["supervisor"] == "running"
+    assert rows[0]["leader"] == 0
     # lost after --replace-after, replaced, relaunched, done: well within the bound + 30 s + the
     # relaunch itself (torchrun's start on 5 nodes sharing 2 cores)
     wait_for(lambda: supervisor_said(workdir, session, " done: "), timeout=240, interval=2)
@@ -171,7 +187,7 @@ def test_the_master_lost_moves_rank_0_and_master_addr_to_the_spare(meshed):
     lay, workdir, hostfile = meshed
     # node 2 is back from the test above, now the hostfile's spare line is node 4 again
     session = "lost0"
-    train(lay, workdir, hostfile, session, node=1)
+    train(lay, workdir, hostfile, session, node=1, spawn=True)
     started(lay, workdir, session)
     power_off(lay, 0)
     (workdir / f"{session}.sleep").write_text("0\n")
@@ -186,3 +202,71 @@ def test_the_master_lost_moves_rank_0_and_master_addr_to_the_spare(meshed):
         assert ran_to_the_end(workdir, session, ACTIVE)
     finally:
         power_on(lay, 0)
+
+
+def test_the_leader_lost_mid_replacement_makes_one_replacement_then_min_nodes_shrinks(meshed):
+    """Node 2 lost: the leader (node 0) replaces it with the spare; node 0 powered off as soon as
+    it has claimed that replacement: the next leader finishes the same replacement (exactly
+    one), then, with no spare left and --min-nodes 3, goes on without node 0 on 3 nodes."""
+    lay, workdir, hostfile = meshed
+    session = "leader"
+    train(lay, workdir, hostfile, session, "--min-nodes", "3", node=3)
+    started(lay, workdir, session)
+    power_off(lay, 2)
+    (workdir / f"{session}.sleep").write_text("0\n")
+    try:
+        wait_for(
+            lambda: supervisor_said(workdir, session, "generation 2: replaced"),
+            timeout=120,
+            interval=0.5,
+        )
+        power_off(lay, 0)
+        wait_for(lambda: supervisor_said(workdir, session, " done: "), timeout=300, interval=2)
+        rows = status(lay, workdir, session, node=3)
+        assert [row["host"] for row in rows] == [
+            lay.nodes[1].address,
+            lay.nodes[3].address,
+            lay.nodes[4].address,
+        ]
+        head = rows[0]
+        assert head["supervisor"] == "done"
+        assert head["generation"] == 3
+        assert head["replaced"] == [f"{lay.nodes[2].address} -> {lay.nodes[4].address}"]
+        assert sorted(head["lost"]) == sorted([lay.nodes[0].address, lay.nodes[2].address])
+        assert "shrunk" in str(head["last_restart_reason"])
+        for rank in range(3):
+            attempt = last_attempt(workdir, session, rank)
+            told = ATTEMPT.search(attempt)
+            assert told is not None, attempt
+            assert told.group(2) == "shrunk"
+            assert told.group(4) == lay.nodes[1].address
+            found = WHO.findall(attempt)
+            assert len(found) == NPROC
+            assert all(int(world) == 3 * NPROC for _r, world, *_rest in found)
+    finally:
+        power_on(lay, 0)
+        power_on(lay, 2)
+
+
+def test_no_spare_and_no_min_nodes_gives_up_after_the_bound_saying_so(meshed):
+    lay, workdir, _ = meshed
+    two = lay.root / "hostfile-two"
+    two.write_text(f"{lay.nodes[1].address}\n{lay.nodes[3].address}\n")
+    session = "nospare"
+    train(lay, workdir, two, session, node=1)
+    started(lay, workdir, session, nodes=2)
+    power_off(lay, 3)
+    (workdir / f"{session}.sleep").write_text("0\n")
+    try:
+        wait_for(lambda: supervisor_said(workdir, session, " gave up: "), timeout=150, interval=2)
+        out = on_node(
+            lay, 1, workdir, "status", "--session", session, "--hostfile", str(two), "--json"
+        )
+        head = json.loads(out.stdout)[0]
+        assert head["supervisor"] == "gave up"
+        why = str(head["last_restart_reason"])
+        assert lay.nodes[3].address in why
+        assert "--replace-after" in why
+        assert "no spare" in why
+    finally:
+        power_on(lay, 3)

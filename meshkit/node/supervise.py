@@ -30,7 +30,8 @@ from .files import (
     write_atomic,
 )
 
-MAX_COPY = 65536  # characters of a supervision record this node stores
+MAX_COPY = 262144  # characters of a supervision record this node stores: its membership names
+# every node (4096 at most, the hostfile's bound), so tens of characters each
 
 
 def register(job_id: str) -> None:
