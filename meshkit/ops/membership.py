@@ -61,15 +61,11 @@ def plan(
 ) -> Change | None:
     """The membership after losing ``lost``: each lost rank to the next of ``spares`` (healthy
     ones, in order) when there are enough, else the nodes left renumbered in hostfile order when
-    at least ``min_nodes`` remain; None when neither can be (wait, then give up), or when the
-    nodes left are not a majority of ``members``."""
+    at least ``min_nodes`` remain and are a majority of ``members``; None when neither can be
+    (wait, then give up)."""
     if not lost:
         return None
     left = [host for host in members if host not in lost]
-    if 2 * len(left) <= len(members):
-        # only a majority of the members may move on: a partition's minority, seeing the rest
-        # as lost, must not make a membership of its own beside the majority's
-        return None
     if len(spares) >= len(lost):
         taking = list(spares[: len(lost)])
         new_members = []
@@ -83,6 +79,11 @@ def plan(
                 new_members.append(host)
         return Change(new_members, RestartReason.REPLACED, list(lost), taking, replaced)
     if min_nodes is None or len(left) < min_nodes or not left:
+        return None
+    if 2 * len(left) <= len(members):
+        # only a majority of the members may shrink the job: a partition's minority, seeing the
+        # rest as lost, must not go on beside it (a replacement needs no such rule: its claim is
+        # written on the spare too, whose compare-and-set lets one of two claims win)
         return None
     order = {host: index for index, host in enumerate(cluster)}
     left.sort(key=lambda host: order.get(host, len(order)))
