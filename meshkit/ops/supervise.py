@@ -351,7 +351,9 @@ class Supervisor:
 
     def _gave_up(self, pool: NodePool, record: Supervision, why: str) -> Supervision:
         self.say(f"gave up: {why}")
-        given = replace(record, supervisor=SupervisorState.GAVE_UP, last_restart_reason=why)
+        given = replace(
+            record, supervisor=SupervisorState.GAVE_UP, last_restart_reason=why, waiting=None
+        )
         return self._write(pool, given) or given
 
     @contextlib.contextmanager
