@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import meshkit
-from helpers.sandbox_jobs import NPROC, on_node, supervisor_said, wait_for
+from helpers.sandbox_jobs import NPROC, on_node, private, supervisor_said, wait_for
 
 from meshkit import sandbox
 
@@ -270,3 +270,50 @@ def test_no_spare_and_no_min_nodes_gives_up_after_the_bound_saying_so(meshed):
         assert "no spare" in why
     finally:
         power_on(lay, 3)
+
+
+def test_a_synced_job_syncs_the_workdir_to_the_spare_that_replaces_a_lost_node(meshed):
+    """No shared storage: the workdir and hostfile live in node 0's own /tmp; the spare gets the
+    workdir (and the job's hostfile) before it takes the lost node's rank."""
+    lay, _, shared_hostfile = meshed
+    work = Path("/tmp/mkspare")
+    hosts = Path("/tmp/mkspare-hosts/hostfile")
+    mine = private(lay, 0, work)
+    mine.mkdir(parents=True)
+    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", mine / "example_train.py")
+    private(lay, 0, hosts).parent.mkdir(parents=True)
+    private(lay, 0, hosts).write_text(shared_hostfile.read_text())
+    session = "synced"
+    train(lay, work, hosts, session)
+    home = [private(lay, index, work / ".meshkit" / session) for index in range(SANDBOX_NODES)]
+
+    def told(index: int, rank: int) -> str:
+        log = home[index] / f"node{rank}.log"
+        return log.read_text().split("===== meshkit: attempt ")[-1] if log.exists() else ""
+
+    wait_for(
+        lambda: all(len(WHO.findall(told(rank, rank))) == NPROC for rank in range(ACTIVE)),
+        timeout=240,
+        interval=2,
+    )
+    power_off(lay, 2)
+    (mine / f"{session}.sleep").write_text("0\n")
+    wait_for(
+        lambda: (
+            (home[0] / "supervisor-node0.log").exists()
+            and " done: " in (home[0] / "supervisor-node0.log").read_text()
+        ),
+        timeout=240,
+        interval=2,
+    )
+    assert (private(lay, 4, work) / "example_train.py").exists()
+    attempt = told(4, 2)  # the spare's log of rank 2, in its own copy of the workdir
+    assert ATTEMPT.search(attempt) is not None, attempt
+    assert "reason=replaced" in attempt
+    found = WHO.findall(attempt)
+    assert len(found) == NPROC
+    assert all(host == "node4" and int(rank) == 2 for _r, _w, rank, host, *_x in found)
+    rows = status(lay, work, session, node=1)
+    assert [row["host"] for row in rows][2] == lay.nodes[4].address
+    assert rows[0]["supervisor"] == "done"
+    power_on(lay, 2)
