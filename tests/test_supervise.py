@@ -13,6 +13,7 @@ import pytest
 from helpers.fake_pool import HOSTS, FakePool, healthy
 
 from meshkit import protocol as p
+from meshkit.hostfile import Host
 from meshkit.job import Job
 from meshkit.node.supervise import accepts, copy_of
 from meshkit.ops import jobs as ops
@@ -445,6 +446,7 @@ sys.path.insert(0, sys.argv[1])
 from meshkit.node import files
 files.supervisors_root = lambda: sys.argv[2]
 from test_supervise import HOSTS, ScriptedPool, first_record, launched_rows, st
+from meshkit.hostfile import Host
 from meshkit.job import Job
 from meshkit.ops import supervision as sup
 from meshkit.ops.supervise import Heartbeat, Supervisor
@@ -531,3 +533,42 @@ def test_a_loop_that_stops_moving_lets_its_heartbeat_go_stale(tmp_path, monkeypa
         age = nsup.beat_age(job_id)
         assert age is not None
         assert age > 0.3
+
+
+def test_a_lost_node_back_in_a_newer_generation_ends_its_part_and_relaunches_nothing():
+    """Fencing: node 2 was lost and a spare took its rank (generation 2); node 2's supervisor,
+    which survived (a partition), sees the newer generation without its node: it ends what its
+    node still runs of the job, keeps the newer record there, and ends, launching nothing."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    spare = Host("10.0.0.9", lineno=9, spare=True)
+    members = [HOSTS[0].label, HOSTS[1].label, spare.label]
+    newer = Supervision(SupervisorState.RUNNING, 2, 2, version=4, generation=2, members=members)
+    pool = ScriptedPool([[st("running")] * 3], {0, 1, 2})
+    pool.copies[HOSTS[0]] = newer.to_json()
+    pool.copies[HOSTS[1]] = newer.to_json()
+    pool.copies[HOSTS[2]] = first_record(2).to_json()  # its own, from before
+    launched: list[int] = []
+    final = Supervisor(
+        lambda hosts, wait: nullcontext(pool),
+        job,
+        HOSTS,
+        2,
+        lambda _m: None,
+        interval=0,
+        base_backoff=0,
+        relaunch=lambda pool_, job_, attempt: launched.append(attempt),  # type: ignore[func-returns-value]
+        gate=lambda *a: [],
+        cluster=[*HOSTS, spare],
+    ).run()
+    assert final == newer
+    assert launched == []
+    assert [host for op, host, _ in pool.calls if op == "stop"] == [HOSTS[2]]
+    assert copy_of(pool.copies[HOSTS[2]]) == newer  # the newer generation, on its node too
+
+
+def test_the_newer_generation_wins_over_a_copy_counted_further_and_a_stop_over_both():
+    old = Supervision(SupervisorState.GAVE_UP, 1, 0, version=9, generation=1)
+    moved_on = Supervision(SupervisorState.RUNNING, 2, 2, version=5, generation=2)
+    stopped = Supervision(SupervisorState.STOPPED, 1, 0, version=1, generation=1)
+    assert newest([old, moved_on]) == moved_on
+    assert newest([old, moved_on, stopped]) == stopped
