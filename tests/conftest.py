@@ -46,6 +46,7 @@ SECONDS = {
     "test_stop_partition": 140,
     "test_top": 70,
     "test_exec": 16,
+    "test_spares": 450,
 }
 UNLISTED = 60
 
