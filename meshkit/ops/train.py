@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..envrun import check_spawn_cmd
-from ..errors import LaunchError, UsageError
+from ..errors import LaunchError, MeshkitError, UsageError
 from ..hostfile import Host
 from ..job import Job, parse_duration, parse_restart_on
 from ..outcome import ProgressFn
@@ -61,6 +61,7 @@ def plan(conf: Config, options: Options) -> tuple[Job, list[Host]]:
         job, hosts = saved(conf, options.hostfile, options.session, options.workdir)
     else:
         job, hosts = new_job(conf, options)
+        job = replace(job, generation=next_generation(conf, options, job))
     # a flag given overrides the saved job's setting (a new job starts from the defaults)
     job = replace(
         job,
@@ -82,6 +83,19 @@ def plan(conf: Config, options: Options) -> tuple[Job, list[Host]]:
             f"--min-nodes {job.min_nodes}: the job has {len(hosts)} nodes; give at most that"
         )
     return job, hosts
+
+
+def next_generation(conf: Config, options: Options, job: Job) -> int:
+    """A new job's generation: one past the saved job's of the same workdir and session, so
+    that a supervisor the old job left on a node outside the new one's (a spare that had taken a
+    rank, say) finds a newer generation without its node, and ends itself and its part."""
+    try:
+        previous, _ = saved(conf, options.hostfile, options.session, options.workdir)
+    except MeshkitError:  # none, or one that no longer reads: nothing of it to fence
+        return 1
+    if previous.id != job.id:
+        return 1
+    return previous.generation + 1
 
 
 def train(
