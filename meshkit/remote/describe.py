@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 
 import paramiko
@@ -43,6 +44,8 @@ def describe(exc: BaseException, host: Host, settings: Settings) -> str:
         )
     if isinstance(exc, CommandTimedOut):
         return f"a remote command took longer than {exc.timeout}s; the node may be overloaded"
+    if _unreachable(exc):
+        return f"no route to host on port {port}: is the node up and reachable?"
     if isinstance(exc, (paramiko.ssh_exception.NoValidConnectionsError, ConnectionRefusedError)):
         return f"connection refused on port {port}: is sshd running?"
     if isinstance(exc, socket.gaierror):
@@ -53,3 +56,16 @@ def describe(exc: BaseException, host: Host, settings: Settings) -> str:
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     # Still one host's result: a surprise on one node must not hide what happened on the others.
     return f"unexpected {type(exc).__name__}: {exc}"
+
+
+UNREACHABLE = (errno.EHOSTUNREACH, errno.ENETUNREACH)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether no route led to the node: a machine that is off, once its neighbours have
+    forgotten its link address, or a network down. paramiko reports that as it reports a
+    refusal (NoValidConnectionsError), but no sshd was reached to refuse anything."""
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
+        errors = list(exc.errors.values())
+        return bool(errors) and all(_unreachable(error) for error in errors)
+    return isinstance(exc, OSError) and exc.errno in UNREACHABLE

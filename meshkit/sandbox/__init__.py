@@ -14,12 +14,12 @@ as ``/root/.ssh`` is) that accepts its own key, and its controller files (key, k
 hostfile, ssh_config) in the sandbox's ``user/``, which nodes do not see. ``down`` removes the
 account when a sandbox created it and no other sandbox is running.
 
-This module is the sandbox's life (``up``, ``down``, ``load``, ``reboot``) and its state file;
-the parts live beside it: ``layout`` (names and addresses), ``host_setup`` (what this machine
-needs), ``node_files`` (the files nodes boot from), ``bashrc`` (the nodes' ~/.bashrc),
-``nodes`` (booting, killing and entering a node), ``networks`` (real-world network features),
-``slurm`` (a private SLURM cluster), ``user`` (the ordinary user) and ``system`` (commands and
-files).
+This module is the sandbox's life (``up``, ``down``, ``load``, ``reboot``, ``poweroff``,
+``poweron``) and its state file; the parts live beside it: ``layout`` (names and addresses),
+``host_setup`` (what this machine needs), ``node_files`` (the files nodes boot from), ``bashrc``
+(the nodes' ~/.bashrc), ``nodes`` (booting, killing and entering a node), ``networks``
+(real-world network features, and the silence of a node that is off), ``slurm`` (a private SLURM
+cluster), ``user`` (the ordinary user) and ``system`` (commands and files).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from .layout import (
     default_subnet,
     layout,
 )
-from .networks import cut, mend, shape, unshape
+from .networks import cut, mend, shape, silence, silent, unshape, unsilence
 from .node_files import prepare_files
 from .nodes import (
     READY_PER_NODE,
@@ -234,17 +234,53 @@ def load(root: str | os.PathLike[str]) -> Layout:
 
 def reboot(sandbox: Layout, index: int) -> Node:
     """What a reboot looks like to meshkit: every process of the node dies, its /tmp is emptied,
-    and sshd comes back (with fresh namespaces)."""
+    and sshd comes back (with fresh namespaces). A powered-off node is powered on."""
     node = sandbox.node(index)
     kill_node(node.netns)
+    _boot(sandbox, node)
+    return node
+
+
+def poweroff(sandbox: Layout, index: int) -> Node:
+    """What a machine switched off looks like to meshkit: every process of the node dies (its
+    sshd, agents, tmux, the job's ranks and supervisors), none comes back until ``poweron``, and
+    connections to its addresses time out rather than being refused. Safe to repeat."""
+    node = sandbox.node(index)
+    # Silent first: no peer sees a refusal while the processes are being killed.
+    silence(node)
+    kill_node(node.netns)
+    return node
+
+
+def poweron(sandbox: Layout, index: int) -> Node:
+    """Switch a powered-off node on: it boots as after ``reboot`` (an empty /tmp, sshd and, with
+    SLURM, its daemons) and answers again. A node that is on is left as it is."""
+    node = sandbox.node(index)
+    if not powered_off(sandbox, index):
+        return node
+    kill_node(node.netns)  # nothing runs on a node that is off; this only makes sure
+    _boot(sandbox, node)
+    return node
+
+
+def powered_off(sandbox: Layout, index: int) -> bool:
+    """Whether the node is off: silent (``poweroff``), or without a process (its sshd, the
+    node's PID 1, is gone)."""
+    node = sandbox.node(index)
+    return silent(node) or not netns_pids(node.netns)
+
+
+def _boot(sandbox: Layout, node: Node) -> None:
+    """Start a node whose processes are all gone, as a machine boots: /tmp empty, answering
+    again, sshd (and SLURM's daemons) up."""
     tmp = sandbox.node_dir(node) / "tmp"
     shutil.rmtree(tmp)
     tmp.mkdir()
     tmp.chmod(0o1777)
+    unsilence(node)
     start_node(sandbox, node)
     wait_ready(sandbox, [node])
     state = _read_state(sandbox.root) or {}
     if state.get("slurm"):
         slurm_cluster.start_daemons(sandbox, node)
         slurm_cluster.wait_idle(sandbox, [node])
-    return node

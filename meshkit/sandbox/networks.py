@@ -10,7 +10,8 @@ in every node's /etc/hosts. They are stored in state.json, so ``load`` gives the
 ``cut``/``mend`` take the link between two nodes down and up again (an ``unreachable`` route in each
 node's namespace: iproute2 alone, no firewall tools). ``shape``/``unshape`` slow a link or a node
 with traffic control: an htb class and a u32 filter for the peer on both ends of a link, or tbf on
-both ends of a node's veth.
+both ends of a node's veth. ``silence``/``unsilence`` make a node answer nothing, as a machine
+that is off: a ``blackhole`` routing rule in its namespace drops whatever it would send.
 """
 
 from __future__ import annotations
@@ -173,6 +174,39 @@ def cuts(sandbox: Layout) -> list[tuple[int, int]]:
             if other is not None:
                 found.add((min(node.index, other), max(node.index, other)))
     return sorted(found)
+
+
+# A rule before the main table (after the local one, so that packets still arrive) that discards
+# every packet the node sends: its kernel's resets and ICMP errors included, so connections to it
+# time out, as to a machine that is off, instead of being refused. Its ARP still answers, which
+# is what a switch's cache does for a while, and spares its peers an early "No route to host".
+SILENT_RULE = ["pref", "1", "blackhole"]
+FAMILIES = ("-4", "-6")
+
+
+def silence(node: Node) -> None:
+    """Make the node answer nothing on any of its addresses (safe to repeat)."""
+    for family in FAMILIES:
+        if not _silent(node, family):
+            run(["ip", family, "-n", node.netns, "rule", "add", *SILENT_RULE])
+
+
+def unsilence(node: Node) -> None:
+    """Undo ``silence`` (safe when the node is not silent)."""
+    for family in FAMILIES:
+        while _silent(node, family):
+            run(["ip", family, "-n", node.netns, "rule", "del", *SILENT_RULE])
+
+
+def silent(node: Node) -> bool:
+    """Whether ``silence`` holds the node."""
+    return _silent(node, "-4")
+
+
+def _silent(node: Node, family: str) -> bool:
+    shown = run(["ip", family, "-n", node.netns, "-j", "rule", "show", "pref", "1"], check=False)
+    rules = json.loads(shown.stdout or "[]")
+    return any(rule.get("action") == "blackhole" for rule in rules)
 
 
 def _tc(netns: str | None, *args: str, check: bool = True) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..errors import SandboxError
 from . import user
 from .layout import Layout, Node
+from .networks import silent
 from .system import COMMAND_TIMEOUT, netns_pids, nsenter
 
 READY_TIMEOUT = 10.0  # plus READY_PER_NODE for each node booting at once
@@ -134,6 +135,7 @@ class NodeStatus:
     address: str
     sshd: bool
     processes: int
+    power: str  # "off" after sandbox.poweroff (or with no process left), else "on"
 
 
 def status(sandbox: Layout) -> list[NodeStatus]:
@@ -141,7 +143,10 @@ def status(sandbox: Layout) -> list[NodeStatus]:
     for node in sandbox.nodes:
         sshd = answers(node)
         processes = len(netns_pids(node.netns))
-        statuses.append(NodeStatus(node.name, node.address, sshd, processes))
+        power = "on"
+        if silent(node) or processes == 0:
+            power = "off"
+        statuses.append(NodeStatus(node.name, node.address, sshd, processes, power))
     return statuses
 
 

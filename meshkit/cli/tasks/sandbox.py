@@ -109,19 +109,65 @@ def down(c: Context, dir: str | None = None, name: str | None = None) -> None:
         print("no sandbox to remove")
 
 
+def _index(node: object, flag: str = "--node") -> int:
+    """A node's index as given: a task's required flag has a default of None, or invoke would
+    take it as positional and read ``-h`` as its value instead of asking for help."""
+    given = str(node)
+    if node is None or not (given.isascii() and given.isdigit()):
+        raise UsageError(f"give the node by index: {flag} I (e.g. {flag} 1)")
+    return int(given)
+
+
 @task(help={"node": "index of the node to reboot (0 = node0)", **WHERE})
-def reboot(c: Context, node: int, dir: str | None = None, name: str | None = None) -> None:
+def reboot(
+    c: Context, node: int | None = None, dir: str | None = None, name: str | None = None
+) -> None:
     """Reboot one node: kill all its processes, empty its /tmp, start its sshd again."""
     from ... import sandbox
 
     with reported():
-        rebooted = sandbox.reboot(_load(dir, name), int(node))
+        index = _index(node)
+        rebooted = sandbox.reboot(_load(dir, name), index)
     print(f"{rebooted.name} ({rebooted.address}) rebooted: processes killed, /tmp emptied, sshd up")
+
+
+@task(help={"node": "index of the node to switch off (0 = node0)", **WHERE})
+def poweroff(
+    c: Context, node: int | None = None, dir: str | None = None, name: str | None = None
+) -> None:
+    """Switch one node off: kill all its processes, keep its sshd down and let connections to it
+    time out, until sandbox.poweron (safe to repeat)."""
+    from ... import sandbox
+
+    with reported():
+        index = _index(node)
+        off = sandbox.poweroff(_load(dir, name), index)
+    undo = f"meshkit sandbox.poweron --node {node}"
+    print(f"{off.name} ({off.address}) powered off: processes killed, no answer (undo: {undo})")
+
+
+@task(help={"node": "index of the node to switch on (0 = node0)", **WHERE})
+def poweron(
+    c: Context, node: int | None = None, dir: str | None = None, name: str | None = None
+) -> None:
+    """Switch a powered-off node on: it boots as after sandbox.reboot (/tmp emptied, sshd up); a
+    node that is on is left as it is."""
+    from ... import sandbox
+
+    with reported():
+        index = _index(node)
+        lay = _load(dir, name)
+        was_off = sandbox.powered_off(lay, index)
+        on = sandbox.poweron(lay, index)
+    if was_off:
+        print(f"{on.name} ({on.address}) powered on: /tmp emptied, sshd up")
+    else:
+        print(f"{on.name} ({on.address}) is on already: left as it is")
 
 
 @task(help={**WHERE, "json": "print JSON"})
 def status(c: Context, dir: str | None = None, name: str | None = None, json: bool = False) -> None:
-    """Show the sandbox nodes: address, sshd up, process count."""
+    """Show the sandbox nodes: address, power, sshd up, process count."""
     from ... import sandbox
 
     with reported():
@@ -132,8 +178,8 @@ def status(c: Context, dir: str | None = None, name: str | None = None, json: bo
     rows = []
     for state in states:
         sshd = "up" if state.sshd else "down"
-        rows.append((state.node, state.address, sshd, state.processes))
-    print(table(["node", "address", "sshd", "processes"], rows))
+        rows.append((state.node, state.address, state.power, sshd, state.processes))
+    print(table(["node", "address", "power", "sshd", "processes"], rows))
 
 
 PAIR_HELP = {"node": "index of one node (0 = node0)", "peer": "index of the other node", **WHERE}
@@ -220,4 +266,4 @@ def unshape(c: Context, dir: str | None = None, name: str | None = None) -> None
     print("unshaped: every link at full speed")
 
 
-ns = Collection("sandbox", up, down, reboot, status, cut, mend, shape, unshape)
+ns = Collection("sandbox", up, down, reboot, poweroff, poweron, status, cut, mend, shape, unshape)
