@@ -160,16 +160,19 @@ class Job:
         storage)."""
         return list(hosts) if self.sync else list(hosts[:1])
 
-    def node_job(self, attempt: int = 1, reason: str = "start", replaced: str = "") -> NodeJob:
+    def node_job(
+        self, attempt: int = 1, reason: str = "start", replaced: str = "", last: int = 0
+    ) -> NodeJob:
         """What every node is sent to start its part. Attempts after the first begin with a
         marker line in each log (logs append, so every attempt's output is kept). Every rank
         learns what happened: the restart count and ``reason``, the generation, and after a
-        replacement which node replaced which (``replaced``)."""
+        replacement which node replaced which (``replaced``). ``last``: the last attempt there
+        may be (0: the first plus ``restarts``; a replacement uses up no restart)."""
         from .protocol import NodeJob
 
         cmd = self.cmd
         if attempt > 1:
-            marker = f"===== meshkit: attempt {attempt} of {self.restarts + 1} ====="
+            marker = f"===== meshkit: attempt {attempt} of {last or self.restarts + 1} ====="
             cmd = f"echo {shlex.quote(marker)}\n{cmd}"
         logs = str(self.home / "node{rank}.log")  # `meshkit run --log` fills in {rank}
         run = []
@@ -197,8 +200,8 @@ class Job:
             session=self.session,
             master_port=self.master_port,
             nproc_per_node=self.nproc_per_node,
-            include=self.include,
-            exclude=self.exclude,
+            include=None if self.members else self.include,  # a membership lists its nodes
+            exclude=None if self.members else self.exclude,
         )
 
     def to_json(self) -> str:

@@ -21,7 +21,7 @@ from meshkit import sandbox
 SANDBOX_NODES = 5
 ACTIVE = 4
 REPO = Path(__file__).resolve().parent.parent
-REPLACE_AFTER = "15s"
+REPLACE_AFTER = "8s"
 WHO = re.compile(
     r"meshkit-example rank=(\d+) world_size=(\d+) node_rank=\S+ meshkit_node_rank=(\d+) "
     r"local_rank=\S+ host=(\S+) sum=(\d+) expected=(\d+)"
@@ -55,24 +55,25 @@ def meshed(cluster):
 
 
 def power_off(lay, index: int) -> None:
-    if hasattr(sandbox, "poweroff"):
-        sandbox.poweroff(lay, index)
-        return
-    from meshkit.sandbox.nodes import kill_node  # TEMPORARY until sandbox.poweroff lands
-
-    kill_node(lay.node(index).netns)
+    sandbox.poweroff(lay, index)
 
 
 def power_on(lay, index: int) -> None:
-    if hasattr(sandbox, "poweron"):
-        sandbox.poweron(lay, index)
-        return
-    sandbox.reboot(lay, index)
+    sandbox.poweron(lay, index)
 
 
-def train(lay, workdir: Path, hostfile: Path, session: str, *args: str, node: int = 0, spawn=False):
+def train(
+    lay,
+    workdir: Path,
+    hostfile: Path,
+    session: str,
+    *args: str,
+    node: int = 0,
+    spawn: bool = False,
+    replace_after: str = REPLACE_AFTER,
+):
     flags = ["--hostfile", str(hostfile), "--session", session, "--nproc-per-node", str(NPROC)]
-    flags += ["--restarts", "2", "--replace-after", REPLACE_AFTER, *args]
+    flags += ["--restarts", "2", "--replace-after", replace_after, *args]
     if spawn:
         flags.append("--spawn")
     out = on_node(lay, node, workdir, "train", *flags, "--cmd", job_cmd(session, spawn))
@@ -111,14 +112,18 @@ def node_of(lay, address: str) -> int:
 
 
 def job_left(lay, index: int) -> list[str]:
-    out = sandbox.node_exec(lay.nodes[index], ["pgrep", "-af", "example_train|torchrun|-m meshkit"])
+    out = sandbox.node_exec(
+        lay.nodes[index], ["pgrep", "-af", "example_train|torchrun|-m meshkit (run|supervise)"]
+    )
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
 
 
 def test_a_node_lost_for_good_is_replaced_by_the_spare_which_takes_its_rank(meshed):
     lay, workdir, hostfile = meshed
     session = "lost2"
-    train(lay, workdir, hostfile, session)
+    # a longer bound here: status is asked while the leader waits (a status round waits its
+    # connect timeout, 10 s, for the node that is off)
+    train(lay, workdir, hostfile, session, replace_after="30s")
     started(lay, workdir, session)
     rows = status(lay, workdir, session, node=1)
     assert rows[0]["generation"] == 1
@@ -127,11 +132,8 @@ def test_a_node_lost_for_good_is_replaced_by_the_spare_which_takes_its_rank(mesh
     power_off(lay, 2)
     (workdir / f"{session}.sleep").write_text("0\n")
     # while the leader waits for it, status says so, and that the supervisors are alive
-    rows = wait_for(
-        lambda: [row for row in [status(lay, workdir, session, node=1)[0]] if row["waiting"]],
-        timeout=90,
-        interval=2,
-    )
+    wait_for(lambda: supervisor_said(workdir, session, "waiting for"), timeout=90, interval=0.5)
+    rows = status(lay, workdir, session, node=1)
     assert lay.nodes[2].address in str(rows[0]["waiting"])
     assert "UTC" in str(rows[0]["waiting"])
     assert rows[0]["supervisor"] == "running"
@@ -210,7 +212,7 @@ def test_the_leader_lost_mid_replacement_makes_one_replacement_then_min_nodes_sh
     one), then, with no spare left and --min-nodes 3, goes on without node 0 on 3 nodes."""
     lay, workdir, hostfile = meshed
     session = "leader"
-    train(lay, workdir, hostfile, session, "--min-nodes", "3", node=3)
+    train(lay, workdir, hostfile, session, "--min-nodes", "3", node=3, spawn=True)
     started(lay, workdir, session)
     power_off(lay, 2)
     (workdir / f"{session}.sleep").write_text("0\n")
@@ -268,6 +270,7 @@ def test_no_spare_and_no_min_nodes_gives_up_after_the_bound_saying_so(meshed):
         assert lay.nodes[3].address in why
         assert "--replace-after" in why
         assert "no spare" in why
+        assert job_left(lay, 1) == []  # what was left of the job is ended, not left waiting
     finally:
         power_on(lay, 3)
 
@@ -284,7 +287,7 @@ def test_a_synced_job_syncs_the_workdir_to_the_spare_that_replaces_a_lost_node(m
     private(lay, 0, hosts).parent.mkdir(parents=True)
     private(lay, 0, hosts).write_text(shared_hostfile.read_text())
     session = "synced"
-    train(lay, work, hosts, session)
+    train(lay, work, hosts, session, spawn=True)
     home = [private(lay, index, work / ".meshkit" / session) for index in range(SANDBOX_NODES)]
 
     def told(index: int, rank: int) -> str:

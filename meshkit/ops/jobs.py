@@ -184,6 +184,7 @@ def launch(
     synced: dict[str, int] | None = None,
     reason: str = "start",
     replacement: str = "",
+    last: int = 0,
 ) -> Launch:
     """Preflight everywhere (read-only; any problem starts nothing anywhere), save the job and
     its index through the master (every node when the workdir is synced), then start it on every
@@ -210,7 +211,7 @@ def launch(
     for where in job.home_copies(hosts):
         pool.write_file(where, str(job.file), job.to_json())
         pool.write_file(where, str(job.index), job.index_json())
-    spec = job.node_job(attempt, reason, replacement)
+    spec = job.node_job(attempt, reason, replacement, last)
     started = pool.call_all("start", lambda host: p.StartRequest(spec, replace), p.StartReply)
     rows = []
     for rank, host in enumerate(hosts):
@@ -297,15 +298,20 @@ def is_stalled(stall_after: float | None, nodes: Sequence[tuple[str, float | Non
 
 
 def status(
-    pool: NodePool, job: Job, hosts: Sequence[Host], phase: str = "status"
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    phase: str = "status",
+    timeout: float | None = None,
 ) -> list[StatusRow]:
-    """One row per node; a node that cannot be asked is ``absent`` with the reason. Every row
-    says whether the job is stalled."""
+    """One row per node; a node that cannot be asked (within ``timeout`` s; None: the command
+    timeout) is ``absent`` with the reason. Every row says whether the job is stalled."""
     replies = pool.call_all(
         phase,
         lambda host: p.StatusRequest(job.id, job.log(hosts.index(host))),
         p.StatusReply,
         hosts,
+        timeout=timeout,
     )
     rows = []
     for rank, host in enumerate(hosts):

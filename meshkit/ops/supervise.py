@@ -47,6 +47,8 @@ from .supervision_policy import (
 )
 
 POLL_INTERVAL = 2.0  # seconds between polls of every node
+POLL_TIMEOUT = 15.0  # seconds a node gets to answer a poll: a powered-off node's connection
+# does not fail, it goes silent, and the command timeout would hide the loss for minutes
 FOLLOWER_POLLS = 3  # a follower polls every 3rd interval: all at every one is N² requests
 COME_BACK = 300.0  # seconds a relaunch waits for every node to answer, then for its checks
 GIVE_UP_GRACE = 30.0  # seconds the nodes still running get to end by themselves after a give-up
@@ -180,7 +182,7 @@ class Supervisor:
     def _look(self, pool: NodePool) -> Look:
         """Look at every node's supervisor, and follow the newest record's membership."""
         self._moved()
-        answers = ask(pool, self.job, self.hosts)
+        answers = ask(pool, self.job, self.hosts, timeout=POLL_TIMEOUT)
         record = newest(reply.record for reply in answers.values())
         moved = self._follow(record)
         if moved:
@@ -267,7 +269,7 @@ class Supervisor:
             if record.attempt != attempt:
                 started.clear()
                 attempt = record.attempt
-            rows = ops.status(pool, self.job, self.hosts, phase="")
+            rows = ops.status(pool, self.job, self.hosts, phase="", timeout=POLL_TIMEOUT)
             seen = views(rows, misses)
             for node in seen:
                 if node.started is not None:
@@ -367,11 +369,11 @@ class Supervisor:
             self._moved()
             wait = min(RECONNECT, max(0.0, deadline - time.monotonic()))
             with self.connect(self.hosts, wait) as pool:
+                if pool.failures and not announced:
+                    announced = self._announce(pool, deadline)
                 if not pool.failures or time.monotonic() >= deadline:
                     yield pool
                     return
-                if not announced:
-                    announced = self._announce(pool, deadline)
 
     def _announce(self, pool: NodePool, deadline: float) -> bool:
         """Say in the record which nodes the relaunch waits for, and until when."""
@@ -420,7 +422,8 @@ class Supervisor:
                 names = ", ".join(host.label for host in missing)
                 why = f"{restart.claim.last_restart_reason}; then {names} did not "
                 why += f"answer within {COME_BACK:.0f}s"
-                return self._gave_up(pool, current, why)
+                codes = self._end_what_is_left(pool)
+                return self._gave_up(pool, replace(current, exit_codes=codes), why)
             claimed = self._write(pool, claim, every=True)
             if claimed is None:
                 say("another supervisor moved on first; following it")
@@ -463,13 +466,23 @@ class Supervisor:
                 if job.min_nodes is not None:
                     why += f", and fewer than --min-nodes {job.min_nodes} nodes are left"
                 with self.connect(self.hosts, 0.0) as pool:
-                    return self._gave_up(pool, seen, why)
+                    codes = self._end_what_is_left(pool)
+                    return self._gave_up(pool, replace(seen, exit_codes=codes), why)
             with self.connect(self.hosts, RECONNECT) as pool:
                 if not pool.failures:
                     self.say("every node answers again; back to watching")
                     return None
             refused.clear()  # a spare refused a while ago may be healthy now
             time.sleep(self.interval)
+
+    def _end_what_is_left(self, pool: NodePool) -> list[int | None]:
+        """The job cannot go on without its lost nodes: end it on the nodes that answer (its
+        ranks wait on their lost peers), keeping the codes they end with; each node's code."""
+        job = self.job
+        left = [host for host in self.hosts if host not in pool.failures]
+        ending = StopRequest(job.id, keep_exit=True)
+        pool.call_all("stop", lambda host: ending, StopReply, left)
+        return [row.exit_code for row in ops.status(pool, job, self.hosts, phase="")]
 
     def _try_change(self, seen: Supervision, change: Change) -> Supervision | Refused | None:
         """Make ``change`` over the nodes of the new membership: each spare taking a rank must
@@ -531,7 +544,8 @@ class Supervisor:
         hosts = self.hosts
         say = self.say
         attempt = claimed.attempt
-        say(f"attempt {attempt}: relaunching (of {job.restarts + 1}); stopping the job")
+        last = attempt + claimed.restarts_left
+        say(f"attempt {attempt}: relaunching (of {last}); stopping the job")
         ops.stop(pool, job, hosts)
         deadline = time.monotonic() + COME_BACK
         while True:
@@ -580,6 +594,7 @@ class Supervisor:
                     attempt=attempt,
                     reason=str(claimed.reason),
                     replacement="; ".join(claimed.replaced),
+                    last=attempt + claimed.restarts_left,
                 )
         except (LaunchError, RemoteError) as exc:
             return str(exc).replace("\n", "; ")

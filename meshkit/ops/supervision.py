@@ -27,8 +27,10 @@ def ask(
     action: Literal["look", "start", "end"] = "look",
     record: Supervision | None = None,
     version: int = 0,
+    timeout: float | None = None,
 ) -> Answers:
-    """The ``supervisor`` op on ``hosts``: the replies of the nodes that answered."""
+    """The ``supervisor`` op on ``hosts``: the replies of the nodes that answered (within
+    ``timeout`` s; None: the command timeout)."""
     request = SupervisorRequest(
         job.id,
         job.supervisor_tmux,
@@ -38,7 +40,9 @@ def ask(
         session=job.session,
         workdir=job.workdir,
     )
-    outcomes = pool.call_all("supervisor", lambda host: request, SupervisorReply, hosts)
+    outcomes = pool.call_all(
+        "supervisor", lambda host: request, SupervisorReply, hosts, timeout=timeout
+    )
     return {host: outcome.value for host, outcome in outcomes.items() if outcome.value is not None}
 
 

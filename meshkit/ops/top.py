@@ -204,7 +204,9 @@ def supervisor_state(
     running = record.supervisor in (SupervisorState.RUNNING, SupervisorState.RELAUNCHING)
     if running and leader is None:
         return str(SupervisorShown.NOT_RESPONDING)
-    text = f"{record.supervisor}, attempt {record.attempt} of {job.restarts + 1}"
+    text = (
+        f"{record.supervisor}, attempt {record.attempt} of {record.attempt + record.restarts_left}"
+    )
     if running:
         text += f" (leader: node {leader})"
     return text

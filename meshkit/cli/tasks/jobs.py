@@ -43,7 +43,9 @@ def supervisor_lines(row: ops.StatusRow, job: Job) -> list[str]:
         return [f"supervisor: not responding: {row.last_restart_reason}"]
     leader = f" (leader: node {row.leader})" if row.leader is not None else ""
     last = f", last restart: {row.last_restart_reason}" if row.last_restart_reason else ""
-    attempt = f"attempt {row.attempt} of {job.restarts + 1}, restarts left {row.restarts_left}"
+    # attempts a replacement made use up no restart: the last is this one plus the restarts left
+    final = (row.attempt or 0) + (row.restarts_left or 0)
+    attempt = f"attempt {row.attempt} of {final}, restarts left {row.restarts_left}"
     lines = [f"supervisor: {row.supervisor}{leader}, {attempt}{last}"]
     if row.held:
         lines.append(f"relaunch held by {row.held}")
