@@ -1,0 +1,257 @@
+"""Spare nodes without a cluster: a job's membership and how it changes (pure), what every rank
+is told of its attempt, and the flags that bound a replacement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshkit.errors import JobError, UsageError
+from meshkit.hostfile import Host, parse
+from meshkit.job import REPLACE_AFTER, Job, from_json, parse_duration, restart_env
+from meshkit.ops import train
+from meshkit.ops.lookup import Options, check_options, job_hosts, min_nodes_flag
+from meshkit.ops.membership import members_of, plan, reason_of_change, spares_of
+from meshkit.ops.supervision_policy import NodeView, Unanswered, restart_reason, waited_only
+from meshkit.protocol import JobState, RestartReason, Supervision, SupervisorState
+from meshkit.record import replace
+from meshkit.settings import Config
+
+CLUSTER = parse("a slots=2\nb slots=2\nc slots=2\nd slots=2\ns1 slots=2 spare\ns2 slots=2 spare\n")
+A, B, C, D, S1, S2 = CLUSTER
+MEMBERS = [A, B, C, D]
+
+
+def labels(hosts: list[Host]) -> list[str]:
+    return [host.label for host in hosts]
+
+
+# ---- which node holds each rank ---------------------------------------------------------------
+
+
+def test_the_members_are_the_launched_nodes_until_a_record_names_them():
+    assert members_of(None, MEMBERS, CLUSTER) == MEMBERS
+    first = Supervision(SupervisorState.RUNNING, 1, 2)
+    assert members_of(first, MEMBERS, CLUSTER) == MEMBERS
+    moved = replace(first, generation=2, members=["a", "s1", "c", "d"])
+    assert members_of(moved, MEMBERS, CLUSTER) == [A, S1, C, D]
+
+
+def test_a_member_the_hostfile_no_longer_lists_is_a_job_error_naming_it():
+    moved = Supervision(SupervisorState.RUNNING, 2, 2, generation=2, members=["a", "gone", "c"])
+    with pytest.raises(JobError, match="the job's nodes gone are not in the hostfile any more"):
+        members_of(moved, MEMBERS, CLUSTER)
+
+
+def test_the_spares_are_the_hostfiles_other_nodes_in_hostfile_order():
+    assert spares_of(CLUSTER, MEMBERS) == [S1, S2]
+    # b was lost and s1 took its rank: b (back again) is a spare now, before s2
+    assert spares_of(CLUSTER, [A, S1, C, D]) == [B, S2]
+
+
+def test_the_job_hosts_follow_the_saved_membership():
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    assert job_hosts(job, CLUSTER) == MEMBERS  # no membership yet: the lines that are not spares
+    moved = replace(job, generation=2, members=("s1", "b", "c", "d"))
+    assert job_hosts(moved, CLUSTER) == [S1, B, C, D]
+    with pytest.raises(JobError, match="/h: the job's nodes x9 are not in the hostfile"):
+        job_hosts(replace(moved, members=("x9", "b")), CLUSTER)
+
+
+# ---- how the membership changes ---------------------------------------------------------------
+
+
+def test_a_lost_node_is_replaced_by_the_first_spare_and_every_other_rank_stays():
+    change = plan(MEMBERS, [C], [S1, S2], CLUSTER, None)
+    assert change is not None
+    assert change.reason == RestartReason.REPLACED
+    assert change.members == [A, B, S1, D]
+    assert (change.lost, change.added, change.replaced) == ([C], [S1], ["c -> s1"])
+    assert reason_of_change(change) == "replaced: c -> s1 (c lost)"
+
+
+def test_the_masters_loss_makes_its_spare_rank_0():
+    change = plan(MEMBERS, [A], [S2], CLUSTER, None)
+    assert change is not None
+    assert change.members == [S2, B, C, D]
+
+
+def test_several_lost_nodes_take_the_spares_in_order_by_rank():
+    change = plan(MEMBERS, [D, B], [S1, S2], CLUSTER, None)
+    assert change is not None
+    assert change.members == [A, S1, C, S2]
+    assert change.replaced == ["b -> s1", "d -> s2"]
+    assert reason_of_change(change) == "replaced: b -> s1; d -> s2 (d, b lost)"
+
+
+def test_nothing_lost_no_change():
+    assert plan(MEMBERS, [], [S1], CLUSTER, 1) is None
+
+
+def test_no_spare_and_no_min_nodes_is_no_change_and_so_is_too_few_spares():
+    assert plan(MEMBERS, [B], [], CLUSTER, None) is None
+    assert plan(MEMBERS, [B, C], [S1], CLUSTER, None) is None  # a part of the ranks is no job
+
+
+def test_a_shrink_renumbers_the_nodes_left_in_hostfile_order():
+    change = plan(MEMBERS, [B], [], CLUSTER, 3)
+    assert change is not None
+    assert change.reason == RestartReason.SHRUNK
+    assert (change.members, change.lost, change.added, change.replaced) == ([A, C, D], [B], [], [])
+    assert reason_of_change(change) == (
+        "shrunk: b lost and no healthy spare; running on the 3 nodes left"
+    )
+    # s1 took b's rank once (generation 2); d is lost now: s1 moves after c, as the file has it
+    change = plan([A, S1, C, D], [D], [], CLUSTER, 3)
+    assert change is not None
+    assert change.members == [A, C, S1]
+
+
+def test_min_nodes_bounds_a_shrink_and_only_a_majority_may_shrink():
+    five = [A, B, C, D, S1]
+    shrunk = plan(five, [B, D], [], CLUSTER, 3)
+    assert shrunk is not None
+    assert shrunk.members == [A, C, S1]
+    assert plan(five, [B, D], [], CLUSTER, 4) is None  # fewer than --min-nodes left
+    assert plan(five, [B, C, D], [], CLUSTER, 1) is None  # 2 of 5: a minority
+    assert plan(MEMBERS, [C, D], [], CLUSTER, 2) is None  # half is no majority either
+    assert plan([A, B], [B], [], CLUSTER, 1) is None
+    # too few spares for every lost node: the nodes left go on without them
+    partial = plan(five, [B, D], [S2], CLUSTER, 3)
+    assert partial is not None
+    assert (partial.reason, partial.members) == (RestartReason.SHRUNK, [A, C, S1])
+
+
+# ---- what a supervisor writes and follows -----------------------------------------------------
+
+
+def views(*states: JobState | Unanswered) -> list[NodeView]:
+    return [NodeView(rank, f"10.0.0.{rank + 1}", state) for rank, state in enumerate(states)]
+
+
+def test_every_rank_is_told_why_its_attempt_was_launched():
+    running = JobState.RUNNING
+    assert restart_reason(views(running, JobState.EXITED), None) == RestartReason.FAILURE
+    assert restart_reason(views(running, Unanswered.UNREACHABLE), None) == RestartReason.FAILURE
+    assert restart_reason(views(running, running), "no output for 30m") == RestartReason.STALL
+    failed_while_stalled = views(running, JobState.EXITED)
+    assert restart_reason(failed_while_stalled, "no output") == RestartReason.FAILURE
+    rebooted = views(JobState.EXITED, JobState.ABSENT, running)
+    assert restart_reason(rebooted, "no output") == RestartReason.REBOOT
+
+
+def test_only_a_note_of_what_a_relaunch_waits_for_lets_it_go_on():
+    seen = Supervision(SupervisorState.RUNNING, 2, 1, "node 1 exited", version=5, by=0)
+    assert waited_only(seen, seen)
+    noted = replace(seen, version=6, by=1, waiting="node 2 (c) until 21:00:00 UTC")
+    assert waited_only(seen, noted)
+    assert not waited_only(seen, replace(seen, version=6))  # written with no note: moved on
+    claimed = replace(noted, supervisor=SupervisorState.RELAUNCHING)
+    assert not waited_only(seen, claimed)
+    assert not waited_only(seen, replace(noted, generation=2, members=["a", "s1"]))
+    assert not waited_only(seen, replace(noted, held="b: workdir: read-only"))
+
+
+# ---- the job: its membership's hostfile, and what every rank is told -------------------------
+
+
+def test_a_changed_membership_has_its_own_hostfile_and_no_include_or_exclude():
+    job = Job("x", "/w", "s", "/h", "/p", 29500, 2, include="a,b,c,d,s1", exclude="c", restarts=2)
+    argv = job.meshkit_argv("run")
+    assert argv[argv.index("--hostfile") + 1] == "/h"
+    assert argv[argv.index("--include") + 1] == "a,b,c,d,s1"
+    assert argv[argv.index("--exclude") + 1] == "c"
+    moved = replace(job, generation=3, members=("a", "b", "s1", "d"))
+    assert moved.node_hostfile == "/w/.meshkit/s/members-3"
+    assert replace(moved, sync=True).node_hostfile == "/w/.meshkit/s/members-3"
+    assert moved.env_request().hostfile == "/w/.meshkit/s/members-3"
+    argv = moved.node_job(2).argv
+    assert argv[argv.index("--hostfile") + 1] == "/w/.meshkit/s/members-3"
+    assert "--include" not in argv
+    assert "--exclude" not in argv
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+    again = from_json(moved.to_json(), "job.json")
+    assert again == moved
+    assert again.members == ("a", "b", "s1", "d")
+
+
+def test_every_rank_learns_its_restart_count_reason_and_generation():
+    job = Job(
+        "x", "/w", "s", "/h", "/p", 1, restarts=2, env={"MESHKIT_GENERATION": "mine", "K": "v"}
+    )
+    first = job.node_job().env
+    assert first == {
+        "K": "v",
+        "MESHKIT_RESTART_COUNT": "0",
+        "MESHKIT_RESTART_REASON": "start",
+        "MESHKIT_GENERATION": "1",  # the supervisor's, over a same-named variable of the job
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+    moved = replace(job, generation=2, members=("a", "s1"))
+    env = moved.node_job(3, RestartReason.REPLACED, "b -> s1").env
+    assert env["MESHKIT_RESTART_COUNT"] == env["TORCHELASTIC_RESTART_COUNT"] == "2"
+    assert (env["MESHKIT_RESTART_REASON"], env["MESHKIT_GENERATION"]) == ("replaced", "2")
+    assert env["MESHKIT_REPLACED"] == "b -> s1"
+    assert "MESHKIT_REPLACED" not in restart_env(2, "failure", 1, "")
+
+
+# ---- the flags: --replace-after and --min-nodes ----------------------------------------------
+
+
+def test_replace_after_is_a_duration_or_off():
+    assert Job("x", "/w", "s", "/h", "/p", 1).replace_after == REPLACE_AFTER == 300.0
+    assert parse_duration("90s", "--replace-after") == 90.0
+    assert parse_duration("5m", "--replace-after") == 300.0
+    assert parse_duration("off", "--replace-after") is None
+    assert parse_duration(" OFF ", "--replace-after") is None
+    for bad in ("0", "soon", "-5m", "31d"):
+        with pytest.raises(UsageError, match="--replace-after"):
+            check_options(Options(replace_after=bad))
+
+
+def test_min_nodes_is_a_whole_number_of_nodes():
+    assert min_nodes_flag(None) is None
+    assert min_nodes_flag(" 3 ") == 3
+    assert min_nodes_flag(4096) == 4096
+    for bad in ("0", "x", "2.5", "-1", "4097"):
+        with pytest.raises(UsageError, match="--min-nodes"):
+            check_options(Options(min_nodes=bad))
+
+
+@pytest.fixture
+def spare_hostfile(tmp_path: Path) -> Path:
+    path = tmp_path / "hostfile"
+    path.write_text("10.255.0.1\n10.255.0.2\n10.255.0.3\n10.255.0.9 spare\n")
+    return path
+
+
+def train_options(hostfile: Path, **flags: object) -> Options:
+    workdir = str(hostfile.parent)
+    return Options(cmd="python t.py", workdir=workdir, hostfile=str(hostfile), **flags)
+
+
+def test_train_takes_replace_after_and_min_nodes_up_to_the_jobs_node_count(spare_hostfile):
+    job, hosts = train.plan(Config(), train_options(spare_hostfile, restarts=2))
+    assert len(hosts) == 3  # the spare takes no rank
+    assert (job.replace_after, job.min_nodes, job.generation) == (REPLACE_AFTER, None, 1)
+    given = train_options(spare_hostfile, restarts=2, replace_after="off", min_nodes="3")
+    job, hosts = train.plan(Config(), given)
+    assert (job.replace_after, job.min_nodes) == (None, 3)
+    job, _ = train.plan(Config(), train_options(spare_hostfile, replace_after="90s"))
+    assert job.replace_after == 90.0
+    with pytest.raises(UsageError, match="--min-nodes 4: the job has 3 nodes; give at most that"):
+        train.plan(Config(), train_options(spare_hostfile, restarts=2, min_nodes=4))
+
+
+def test_a_new_job_is_one_generation_past_the_saved_one_of_its_workdir_and_session(
+    spare_hostfile,
+):
+    job, _ = train.plan(Config(), train_options(spare_hostfile, restarts=2))
+    old = replace(job, generation=3, members=("10.255.0.1", "10.255.0.9", "10.255.0.3"))
+    Path(old.file).parent.mkdir(parents=True)
+    Path(old.file).write_text(old.to_json())
+    again, hosts = train.plan(Config(), train_options(spare_hostfile, restarts=2))
+    assert again.generation == 4
+    assert again.members == ()  # a new job runs on the hostfile's nodes again
+    assert len(hosts) == 3
