@@ -1,14 +1,21 @@
 """Spare nodes without a cluster: a job's membership and how it changes (pure), what every rank
-is told of its attempt, and the flags that bound a replacement."""
+is told of its attempt, the flags that bound a replacement, and `meshkit env` on a spare (this
+machine's own addresses in a hostfile on disk)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from meshkit.errors import JobError, UsageError
-from meshkit.hostfile import Host, parse
+from meshkit import localnet
+from meshkit.discovery import discover
+from meshkit.distenv import NodeEnv
+from meshkit.errors import JobError, TopologyError, UsageError
+from meshkit.hostfile import Host, members_text, parse
 from meshkit.job import REPLACE_AFTER, Job, from_json, parse_duration, restart_env
 from meshkit.ops import train
 from meshkit.ops.lookup import Options, check_options, job_hosts, min_nodes_flag
@@ -255,3 +262,118 @@ def test_a_new_job_is_one_generation_past_the_saved_one_of_its_workdir_and_sessi
     assert again.generation == 4
     assert again.members == ()  # a new job runs on the hostfile's nodes again
     assert len(hosts) == 3
+
+
+# ---- `meshkit env` on a spare ------------------------------------------------------------------
+
+
+def this_machines_address() -> str:
+    """An IPv4 address of this machine that tells it apart (as a hostfile line would give it)."""
+    for entry in localnet.local_addresses():
+        address = entry.address
+        if "." in address and not address.startswith(("127.", "169.254.")):
+            return address
+    pytest.skip("this machine has no IPv4 address but loopback")
+
+
+@pytest.fixture
+def on_a_spare(tmp_path: Path) -> tuple[Path, str]:
+    """A hostfile whose third line, a spare, is this machine."""
+    mine = this_machines_address()
+    path = tmp_path / "hostfile"
+    path.write_text(f"10.255.0.1 slots=2\n10.255.0.2 slots=2\n{mine} slots=2 spare\n")
+    return path, mine
+
+
+def saved_job(hostfile: Path, members: tuple[str, ...], generation: int = 2) -> Job:
+    """A supervised job of ``hostfile`` as its launch saves it: the job file, the index beside the
+    hostfile, and (after a change of membership) the membership's hostfile."""
+    workdir = hostfile.parent / "work"
+    job = Job("x", str(workdir), "s", str(hostfile), sys.executable, 25123, restarts=2)
+    job = replace(job, generation=generation, members=members)
+    Path(job.file).parent.mkdir(parents=True, exist_ok=True)
+    Path(job.file).write_text(job.to_json())
+    Path(job.index).parent.mkdir(parents=True, exist_ok=True)
+    Path(job.index).write_text(job.index_json())
+    if members:
+        by_label = {host.label: host for host in parse(hostfile.read_text())}
+        text = members_text([by_label[label] for label in members])
+        Path(job.node_hostfile).write_text(text)
+    return job
+
+
+def env_on(hostfile: Path, session: str = "s") -> NodeEnv:
+    return discover(hostfile, session=session, environ={"MESHKIT_HOSTNAME": "not-a-line"})
+
+
+def test_env_on_a_spare_says_it_is_a_spare_of_the_hostfile(on_a_spare):
+    hostfile, _ = on_a_spare
+    with pytest.raises(TopologyError) as err:
+        env_on(hostfile)
+    text = str(err.value)
+    assert text.startswith(f"{hostfile}:3: this machine (not-a-line) is a spare of this hostfile")
+    assert "`meshkit status` shows the membership" in text
+
+
+def test_env_on_a_spare_whose_job_gave_it_no_rank_still_says_it_is_a_spare(on_a_spare):
+    hostfile, mine = on_a_spare
+    saved_job(hostfile, (), generation=1)  # the job as launched: the spare takes no rank
+    with pytest.raises(TopologyError, match="is a spare of this hostfile"):
+        env_on(hostfile)
+    # another session's membership gives it a rank: not this session's job
+    saved_job(hostfile, ("10.255.0.1", mine), generation=2)
+    with pytest.raises(TopologyError, match="is a spare of this hostfile"):
+        env_on(hostfile, session="other")
+
+
+def test_env_on_a_spare_that_took_a_lost_nodes_rank_prints_that_rank(on_a_spare):
+    hostfile, mine = on_a_spare
+    job = saved_job(hostfile, ("10.255.0.1", mine), generation=2)  # 10.255.0.2 was lost
+    node = env_on(hostfile)
+    assert node.node_rank == 1
+    assert node.nnodes == 2
+    assert node.master_addr == "10.255.0.1"
+    assert node.master_port == job.master_port
+    assert node.nproc_per_node == 2
+    # the master was lost: the spare is rank 0 and the master
+    saved_job(hostfile, (mine, "10.255.0.2"), generation=3)
+    node = env_on(hostfile)
+    assert (node.node_rank, node.master_addr) == (0, mine)
+
+
+def test_a_job_file_that_does_not_read_leaves_the_spare_a_spare(on_a_spare):
+    hostfile, mine = on_a_spare
+    job = saved_job(hostfile, ("10.255.0.1", mine))
+    Path(job.file).write_text("{not json")
+    with pytest.raises(TopologyError, match="is a spare of this hostfile"):
+        env_on(hostfile)
+    Path(job.index).write_text('{"workdir": "relative/path"}')
+    with pytest.raises(TopologyError, match="is a spare of this hostfile"):
+        env_on(hostfile)
+
+
+def meshkit_env(cwd: Path) -> subprocess.CompletedProcess[str]:
+    environ = {name: value for name, value in os.environ.items() if not name.startswith("MESHKIT")}
+    return subprocess.run(
+        [sys.executable, "-m", "meshkit", "env", "--session", "s"],
+        cwd=cwd,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_meshkit_env_on_a_spare_exits_non_zero_with_the_reason_unless_it_took_a_rank(on_a_spare):
+    hostfile, mine = on_a_spare
+    out = meshkit_env(hostfile.parent)
+    assert out.returncode != 0
+    assert "is a spare of this hostfile" in out.stderr
+    assert "Traceback" not in out.stderr
+    saved_job(hostfile, (mine, "10.255.0.2"))
+    out = meshkit_env(hostfile.parent)
+    assert out.returncode == 0, out.stderr
+    assert "export NODE_RANK=0\n" in out.stdout
+    assert f"export MASTER_ADDR={mine}\n" in out.stdout
+    assert "export MASTER_PORT=25123\n" in out.stdout
