@@ -32,7 +32,13 @@ def read_hosts(
     hosts = _read_hosts(path, include, exclude).hosts
     if spares:
         return hosts
-    return hostfile.active(hosts)
+    active = hostfile.active(hosts)
+    if not active:  # the filters kept only spares (a file of spares only does not parse)
+        raise HostfileError(
+            f"--include {include!r} / --exclude {exclude!r} leave only spare lines, which take "
+            "no rank; check the names against the hostfile"
+        )
+    return active
 
 
 @record

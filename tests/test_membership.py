@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from meshkit import localnet
-from meshkit.discovery import discover
+from meshkit.discovery import discover, read_hosts
 from meshkit.distenv import NodeEnv
-from meshkit.errors import JobError, TopologyError, UsageError
+from meshkit.errors import HostfileError, JobError, TopologyError, UsageError
 from meshkit.hostfile import Host, members_text, parse
 from meshkit.job import REPLACE_AFTER, Job, from_json, parse_duration, restart_env
 from meshkit.ops import train
@@ -249,6 +249,15 @@ def test_train_takes_replace_after_and_min_nodes_up_to_the_jobs_node_count(spare
     assert job.replace_after == 90.0
     with pytest.raises(UsageError, match="--min-nodes 4: the job has 3 nodes; give at most that"):
         train.plan(Config(), train_options(spare_hostfile, restarts=2, min_nodes=4))
+
+
+def test_filters_that_keep_only_spares_leave_no_job_to_start(spare_hostfile):
+    """`train --include SPARE` would start a job of no node; `mesh --include SPARE` meshes it."""
+    with pytest.raises(HostfileError, match="leave only spare lines, which take no rank"):
+        train.plan(Config(), train_options(spare_hostfile, include="10.255.0.9"))
+    with pytest.raises(HostfileError, match="leave only spare lines"):
+        read_hosts(spare_hostfile, exclude="10.255.0.[1-3]")
+    assert labels(read_hosts(spare_hostfile, "10.255.0.9", spares=True)) == ["10.255.0.9"]
 
 
 def test_a_new_job_is_one_generation_past_the_saved_one_of_its_workdir_and_session(
