@@ -25,9 +25,11 @@ from meshkit.protocol import JobState, RestartReason, Supervision, SupervisorSta
 from meshkit.record import replace
 from meshkit.settings import Config
 
-CLUSTER = parse("a slots=2\nb slots=2\nc slots=2\nd slots=2\ns1 slots=2 spare\ns2 slots=2 spare\n")
-A, B, C, D, S1, S2 = CLUSTER
-MEMBERS = [A, B, C, D]
+CLUSTER = parse(
+    "n1 slots=2\nn2 slots=2\nn3 slots=2\nn4 slots=2\ns1 slots=2 spare\ns2 slots=2 spare\n"
+)
+N1, N2, N3, N4, S1, S2 = CLUSTER
+MEMBERS = [N1, N2, N3, N4]
 
 
 def labels(hosts: list[Host]) -> list[str]:
@@ -41,55 +43,55 @@ def test_the_members_are_the_launched_nodes_until_a_record_names_them():
     assert members_of(None, MEMBERS, CLUSTER) == MEMBERS
     first = Supervision(SupervisorState.RUNNING, 1, 2)
     assert members_of(first, MEMBERS, CLUSTER) == MEMBERS
-    moved = replace(first, generation=2, members=["a", "s1", "c", "d"])
-    assert members_of(moved, MEMBERS, CLUSTER) == [A, S1, C, D]
+    moved = replace(first, generation=2, members=["n1", "s1", "n3", "n4"])
+    assert members_of(moved, MEMBERS, CLUSTER) == [N1, S1, N3, N4]
 
 
 def test_a_member_the_hostfile_no_longer_lists_is_a_job_error_naming_it():
-    moved = Supervision(SupervisorState.RUNNING, 2, 2, generation=2, members=["a", "gone", "c"])
+    moved = Supervision(SupervisorState.RUNNING, 2, 2, generation=2, members=["n1", "gone", "n3"])
     with pytest.raises(JobError, match="the job's nodes gone are not in the hostfile any more"):
         members_of(moved, MEMBERS, CLUSTER)
 
 
 def test_the_spares_are_the_hostfiles_other_nodes_in_hostfile_order():
     assert spares_of(CLUSTER, MEMBERS) == [S1, S2]
-    # b was lost and s1 took its rank: b (back again) is a spare now, before s2
-    assert spares_of(CLUSTER, [A, S1, C, D]) == [B, S2]
+    # n2 was lost and s1 took its rank: n2 (back again) is a spare now, before s2
+    assert spares_of(CLUSTER, [N1, S1, N3, N4]) == [N2, S2]
 
 
 def test_the_job_hosts_follow_the_saved_membership():
     job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
     assert job_hosts(job, CLUSTER) == MEMBERS  # no membership yet: the lines that are not spares
-    moved = replace(job, generation=2, members=("s1", "b", "c", "d"))
-    assert job_hosts(moved, CLUSTER) == [S1, B, C, D]
+    moved = replace(job, generation=2, members=("s1", "n2", "n3", "n4"))
+    assert job_hosts(moved, CLUSTER) == [S1, N2, N3, N4]
     with pytest.raises(JobError, match="/h: the job's nodes x9 are not in the hostfile"):
-        job_hosts(replace(moved, members=("x9", "b")), CLUSTER)
+        job_hosts(replace(moved, members=("x9", "n2")), CLUSTER)
 
 
 # ---- how the membership changes ---------------------------------------------------------------
 
 
 def test_a_lost_node_is_replaced_by_the_first_spare_and_every_other_rank_stays():
-    change = plan(MEMBERS, [C], [S1, S2], CLUSTER, None)
+    change = plan(MEMBERS, [N3], [S1, S2], CLUSTER, None)
     assert change is not None
     assert change.reason == RestartReason.REPLACED
-    assert change.members == [A, B, S1, D]
-    assert (change.lost, change.added, change.replaced) == ([C], [S1], ["c -> s1"])
-    assert reason_of_change(change) == "replaced: c -> s1 (c lost)"
+    assert change.members == [N1, N2, S1, N4]
+    assert (change.lost, change.added, change.replaced) == ([N3], [S1], ["n3 -> s1"])
+    assert reason_of_change(change) == "replaced: n3 -> s1 (n3 lost)"
 
 
 def test_the_masters_loss_makes_its_spare_rank_0():
-    change = plan(MEMBERS, [A], [S2], CLUSTER, None)
+    change = plan(MEMBERS, [N1], [S2], CLUSTER, None)
     assert change is not None
-    assert change.members == [S2, B, C, D]
+    assert change.members == [S2, N2, N3, N4]
 
 
 def test_several_lost_nodes_take_the_spares_in_order_by_rank():
-    change = plan(MEMBERS, [D, B], [S1, S2], CLUSTER, None)
+    change = plan(MEMBERS, [N4, N2], [S1, S2], CLUSTER, None)
     assert change is not None
-    assert change.members == [A, S1, C, S2]
-    assert change.replaced == ["b -> s1", "d -> s2"]
-    assert reason_of_change(change) == "replaced: b -> s1; d -> s2 (d, b lost)"
+    assert change.members == [N1, S1, N3, S2]
+    assert change.replaced == ["n2 -> s1", "n4 -> s2"]
+    assert reason_of_change(change) == "replaced: n2 -> s1; n4 -> s2 (n4, n2 lost)"
 
 
 def test_nothing_lost_no_change():
@@ -97,37 +99,42 @@ def test_nothing_lost_no_change():
 
 
 def test_no_spare_and_no_min_nodes_is_no_change_and_so_is_too_few_spares():
-    assert plan(MEMBERS, [B], [], CLUSTER, None) is None
-    assert plan(MEMBERS, [B, C], [S1], CLUSTER, None) is None  # a part of the ranks is no job
+    assert plan(MEMBERS, [N2], [], CLUSTER, None) is None
+    assert plan(MEMBERS, [N2, N3], [S1], CLUSTER, None) is None  # a part of the ranks is no job
 
 
 def test_a_shrink_renumbers_the_nodes_left_in_hostfile_order():
-    change = plan(MEMBERS, [B], [], CLUSTER, 3)
+    change = plan(MEMBERS, [N2], [], CLUSTER, 3)
     assert change is not None
     assert change.reason == RestartReason.SHRUNK
-    assert (change.members, change.lost, change.added, change.replaced) == ([A, C, D], [B], [], [])
-    assert reason_of_change(change) == (
-        "shrunk: b lost and no healthy spare; running on the 3 nodes left"
+    assert (change.members, change.lost, change.added, change.replaced) == (
+        [N1, N3, N4],
+        [N2],
+        [],
+        [],
     )
-    # s1 took b's rank once (generation 2); d is lost now: s1 moves after c, as the file has it
-    change = plan([A, S1, C, D], [D], [], CLUSTER, 3)
+    assert reason_of_change(change) == (
+        "shrunk: n2 lost and no healthy spare; running on the 3 nodes left"
+    )
+    # s1 took n2's rank once (generation 2); n4 is lost now: s1 moves after n3, as the file has it
+    change = plan([N1, S1, N3, N4], [N4], [], CLUSTER, 3)
     assert change is not None
-    assert change.members == [A, C, S1]
+    assert change.members == [N1, N3, S1]
 
 
 def test_min_nodes_bounds_a_shrink_and_only_a_majority_may_shrink():
-    five = [A, B, C, D, S1]
-    shrunk = plan(five, [B, D], [], CLUSTER, 3)
+    five = [N1, N2, N3, N4, S1]
+    shrunk = plan(five, [N2, N4], [], CLUSTER, 3)
     assert shrunk is not None
-    assert shrunk.members == [A, C, S1]
-    assert plan(five, [B, D], [], CLUSTER, 4) is None  # fewer than --min-nodes left
-    assert plan(five, [B, C, D], [], CLUSTER, 1) is None  # 2 of 5: a minority
-    assert plan(MEMBERS, [C, D], [], CLUSTER, 2) is None  # half is no majority either
-    assert plan([A, B], [B], [], CLUSTER, 1) is None
+    assert shrunk.members == [N1, N3, S1]
+    assert plan(five, [N2, N4], [], CLUSTER, 4) is None  # fewer than --min-nodes left
+    assert plan(five, [N2, N3, N4], [], CLUSTER, 1) is None  # 2 of 5: a minority
+    assert plan(MEMBERS, [N3, N4], [], CLUSTER, 2) is None  # half is no majority either
+    assert plan([N1, N2], [N2], [], CLUSTER, 1) is None
     # too few spares for every lost node: the nodes left go on without them
-    partial = plan(five, [B, D], [S2], CLUSTER, 3)
+    partial = plan(five, [N2, N4], [S2], CLUSTER, 3)
     assert partial is not None
-    assert (partial.reason, partial.members) == (RestartReason.SHRUNK, [A, C, S1])
+    assert (partial.reason, partial.members) == (RestartReason.SHRUNK, [N1, N3, S1])
 
 
 # ---- what a supervisor writes and follows -----------------------------------------------------
@@ -151,25 +158,27 @@ def test_every_rank_is_told_why_its_attempt_was_launched():
 def test_only_a_note_of_what_a_relaunch_waits_for_lets_it_go_on():
     seen = Supervision(SupervisorState.RUNNING, 2, 1, "node 1 exited", version=5, by=0)
     assert waited_only(seen, seen)
-    noted = replace(seen, version=6, by=1, waiting="node 2 (c) until 21:00:00 UTC")
+    noted = replace(seen, version=6, by=1, waiting="node 2 (n3) until 21:00:00 UTC")
     assert waited_only(seen, noted)
     assert not waited_only(seen, replace(seen, version=6))  # written with no note: moved on
     claimed = replace(noted, supervisor=SupervisorState.RELAUNCHING)
     assert not waited_only(seen, claimed)
-    assert not waited_only(seen, replace(noted, generation=2, members=["a", "s1"]))
-    assert not waited_only(seen, replace(noted, held="b: workdir: read-only"))
+    assert not waited_only(seen, replace(noted, generation=2, members=["n1", "s1"]))
+    assert not waited_only(seen, replace(noted, held="n2: workdir: read-only"))
 
 
 # ---- the job: its membership's hostfile, and what every rank is told -------------------------
 
 
 def test_a_changed_membership_has_its_own_hostfile_and_no_include_or_exclude():
-    job = Job("x", "/w", "s", "/h", "/p", 29500, 2, include="a,b,c,d,s1", exclude="c", restarts=2)
+    job = Job(
+        "x", "/w", "s", "/h", "/p", 29500, 2, include="n1,n2,n3,n4,s1", exclude="n3", restarts=2
+    )
     argv = job.meshkit_argv("run")
     assert argv[argv.index("--hostfile") + 1] == "/h"
-    assert argv[argv.index("--include") + 1] == "a,b,c,d,s1"
-    assert argv[argv.index("--exclude") + 1] == "c"
-    moved = replace(job, generation=3, members=("a", "b", "s1", "d"))
+    assert argv[argv.index("--include") + 1] == "n1,n2,n3,n4,s1"
+    assert argv[argv.index("--exclude") + 1] == "n3"
+    moved = replace(job, generation=3, members=("n1", "n2", "s1", "n4"))
     assert moved.node_hostfile == "/w/.meshkit/s/members-3"
     assert replace(moved, sync=True).node_hostfile == "/w/.meshkit/s/members-3"
     assert moved.env_request().hostfile == "/w/.meshkit/s/members-3"
@@ -180,7 +189,7 @@ def test_a_changed_membership_has_its_own_hostfile_and_no_include_or_exclude():
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
     again = from_json(moved.to_json(), "job.json")
     assert again == moved
-    assert again.members == ("a", "b", "s1", "d")
+    assert again.members == ("n1", "n2", "s1", "n4")
 
 
 def test_every_rank_learns_its_restart_count_reason_and_generation():
@@ -195,11 +204,11 @@ def test_every_rank_learns_its_restart_count_reason_and_generation():
         "MESHKIT_GENERATION": "1",  # the supervisor's, over a same-named variable of the job
         "TORCHELASTIC_RESTART_COUNT": "0",
     }
-    moved = replace(job, generation=2, members=("a", "s1"))
-    env = moved.node_job(3, RestartReason.REPLACED, "b -> s1").env
+    moved = replace(job, generation=2, members=("n1", "s1"))
+    env = moved.node_job(3, RestartReason.REPLACED, "n2 -> s1").env
     assert env["MESHKIT_RESTART_COUNT"] == env["TORCHELASTIC_RESTART_COUNT"] == "2"
     assert (env["MESHKIT_RESTART_REASON"], env["MESHKIT_GENERATION"]) == ("replaced", "2")
-    assert env["MESHKIT_REPLACED"] == "b -> s1"
+    assert env["MESHKIT_REPLACED"] == "n2 -> s1"
     assert "MESHKIT_REPLACED" not in restart_env(2, "failure", 1, "")
 
 
