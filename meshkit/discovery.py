@@ -9,11 +9,16 @@ from collections.abc import Mapping
 
 from . import hostfile, localnet, sources, topology
 from .distenv import NodeEnv, combine, master_problem
-from .errors import HostfileError, SourceError, TopologyError
+from .errors import HostfileError, JobError, SourceError, TopologyError, UsageError
 from .hostfile import Host
 from .record import record, replace
 
+TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
+if TYPE_CHECKING:
+    from .job import Job
+
 MAX_HOSTFILE_BYTES = 4 * 1024 * 1024
+MAX_JOB_FILE_BYTES = 4 * 1024 * 1024  # a job file: its command, setup and environment
 
 
 def read_hosts(
@@ -27,7 +32,13 @@ def read_hosts(
     hosts = _read_hosts(path, include, exclude).hosts
     if spares:
         return hosts
-    return hostfile.active(hosts)
+    active = hostfile.active(hosts)
+    if not active:  # the filters kept only spares (a file of spares only does not parse)
+        raise HostfileError(
+            f"--include {include!r} / --exclude {exclude!r} leave only spare lines, which take "
+            "no rank; check the names against the hostfile"
+        )
+    return active
 
 
 @record
@@ -116,14 +127,28 @@ def discover(
         except TopologyError:
             spare_addresses = [resolved[host.host] for host in spares]
             spare = topology.spare_match(spares, spare_addresses, local, this_host)
-            if spare is not None:
+            if spare is None:
+                raise
+            job = membership_job(str(hostfile_path), session, spare)
+            if job is None:
                 raise TopologyError(
                     f"{hostfile_path}:{spare.lineno}: this machine ({this_host}) is a spare of "
                     "this hostfile: it takes no rank until a supervised job's membership gives "
                     "it one (`meshkit status` shows the membership); remove 'spare' from its "
                     "line to give it a rank"
                 ) from None
-            raise
+            # a spare that took a lost node's rank: its place is in the job's membership
+            if master_port is None:
+                master_port = job.master_port
+            if nproc_per_node is None:
+                nproc_per_node = job.nproc_per_node
+            return discover(
+                job.node_hostfile,
+                session=session,
+                master_port=master_port,
+                nproc_per_node=nproc_per_node,
+                environ=env,
+            )
     if placement is not None and placement.verify_master and not hostfile_decides:
         master_addresses: tuple[str, ...] = ()
         if placement.master_addr:
@@ -142,6 +167,41 @@ def discover(
         gpu_count=localnet.gpu_count,
     )
     return with_interface(node, match, env, local)
+
+
+def membership_job(hostfile_path: str, session: str, spare: Host) -> Job | None:
+    """The saved job of ``session`` beside this hostfile (through its index, as ``status`` finds
+    it) when its membership gives ``spare`` a rank; None when there is no such job, it does not
+    read, or its membership leaves this node out."""
+    # imported here: only a spare reads a job, every other node's discovery stays lean
+    from .job import check_session, from_json, index_file, job_file, workdir_from_index
+
+    try:
+        check_session(session)
+        index_path = str(index_file(os.path.abspath(hostfile_path), session))
+        index_text = _read_small(index_path)
+        if index_text is None:
+            return None
+        workdir = workdir_from_index(index_text, index_path)
+        job_path = str(job_file(workdir, session))
+        job_text = _read_small(job_path)
+        if job_text is None:
+            return None
+        job = from_json(job_text, job_path)
+    except (JobError, UsageError):
+        return None
+    if spare.label not in job.members:
+        return None
+    return job
+
+
+def _read_small(path: str) -> str | None:
+    """A job's file or index (at most ``MAX_JOB_FILE_BYTES``); None when it cannot be read."""
+    try:
+        with open(path, "rb") as stream:
+            return stream.read(MAX_JOB_FILE_BYTES).decode(errors="replace")
+    except OSError:
+        return None
 
 
 def with_interface(

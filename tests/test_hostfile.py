@@ -109,3 +109,75 @@ def test_select_by_names_patterns_and_ranges():
     assert names(select(hosts, include="node*", exclude="node[01-04]")) == ["node05", "node06"]
     with pytest.raises(HostfileError, match="leave no hosts"):
         select(hosts, include="nothing")
+
+
+# ---- spare lines: meshed and checked like every node, no rank ----------------------------------
+
+
+def test_a_spare_line_is_a_node_held_in_reserve():
+    hosts = parse("gpu01 slots=8\ngpu17 slots=8 spare\ngpu02 slots=8\ngpu[20-21] spare slots=8\n")
+    assert [host.spare for host in hosts] == [False, True, False, True, True]
+    assert hosts[1] == Host("gpu17", None, None, 8, 2, spare=True)
+    assert {host.lineno for host in hosts[3:]} == {4}  # a range of spares: each one a spare
+    active = hostfile.active(hosts)
+    assert [host.host for host in active] == ["gpu01", "gpu02"]  # rank order, spares left out
+    assert [host.host for host in select(hosts, exclude="gpu0*")] == ["gpu17", "gpu20", "gpu21"]
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("a\nb spare spare\n", "hf:2: spare given twice"),
+        ("a\nb spares\n", "unknown option 'spares': the options are slots=N and spare"),
+        ("a\nb spare=1\n", "unknown option 'spare=1'"),
+        ("a spare\nb spare\n", "hf: every line is a spare; a spare stands in for a node"),
+        ("a slots=8\nb spare\n", "hf:2: no slots= but line 1 has slots=8"),
+        ("a slots=8\nb slots=4 spare\n", "hf:2: slots=4 but line 1 has slots=8"),
+        ("a\nb\nB spare\n", "hf:3: B duplicates line 2"),
+    ],
+)
+def test_spare_lines_are_checked_like_every_line(text, needle):
+    """A spare takes a lost node's rank, so its slots must agree and it must be another node;
+    a hostfile of spares only stands in for nothing."""
+    with pytest.raises(HostfileError) as err:
+        parse(text, "hf")
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "gpu01",
+        "gpu01 slots=8",
+        "alice@gpu01:2222 slots=8",
+        "10.0.0.2:2222",
+        "bob@10.0.0.2",
+        "fd00::4 slots=4",
+        "carol@fd00::6",
+        "[fd00::3]:2222 slots=4",
+        "bob@[fd00::5]:22",
+    ],
+)
+def test_a_hosts_line_reads_back_as_the_same_node(line):
+    """A membership's hostfile is written with ``Host.line``: users, ports, IPv6 addresses with
+    and without a port, and slots come back as they were; a spare's line drops ``spare``."""
+    host = parse(line)[0]
+    assert host.line() == line
+    assert parse(host.line()) == [host]
+    slots = f" slots={host.slots}" if host.slots else ""
+    spare = parse(f"other{slots}\n{line} spare\n")[1]
+    assert spare.spare
+    assert spare.line() == line
+    assert parse(spare.line()) == [host]
+
+
+def test_members_text_is_a_hostfile_of_exactly_the_members_in_rank_order():
+    hosts = parse("a slots=2\nbob@b:2222 slots=2\nc slots=2\n[fd00::9]:22 slots=2 spare\n")
+    members = [hosts[0], hosts[3], hosts[2]]  # b lost, the spare took its rank
+    text = hostfile.members_text(members)
+    assert text.endswith("\n")
+    assert text.startswith("# ")  # says what it is
+    again = parse(text)
+    assert [host.label for host in again] == ["a", "[fd00::9]:22", "c"]
+    assert [host.line() for host in again] == [host.line() for host in members]
+    assert not any(host.spare for host in again)  # every member takes a rank

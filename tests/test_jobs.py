@@ -96,7 +96,8 @@ def test_node_job_carries_the_command_verbatim():
     spec = make_job().node_job()
     assert spec.argv[spec.argv.index("--cmd") + 1] == HOSTILE
     assert spec.argv[spec.argv.index("--log") + 1] == "/shared/w d/.meshkit/s1/node{rank}.log"
-    assert spec.env == {"A": "x y"}
+    # the job's environment, and what every rank learns of its attempt (the first: a start)
+    assert spec.env == {"A": "x y"} | jobs.restart_env(1, "start", 1, "")
     assert spec.setup == ["source /venv/bin/activate"]
 
 

@@ -11,10 +11,12 @@ from helpers.fake_pool import HOSTS, FakePool, env_ok, healthy
 
 from meshkit import protocol as p
 from meshkit.errors import LaunchError, RemoteError
+from meshkit.hostfile import Host
 from meshkit.job import Job
 from meshkit.ops import jobs as ops
 from meshkit.outcome import Outcome
 from meshkit.protocol import Supervision, SupervisorState
+from meshkit.record import replace
 
 
 def job() -> Job:
@@ -200,3 +202,97 @@ def test_status_json_spells_the_states_as_before():
     assert '"state": "exited"' in text
     assert '"supervisor": "gave up"' in text
     assert f"{SupervisorState.GAVE_UP}" == "gave up"
+
+
+# ---- a supervised job's membership in status: generation, lost, replaced, waiting, spares ------
+
+
+def test_status_json_carries_the_membership_for_a_supervised_job_only():
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    rows = [ops.StatusRow(0, "a", p.JobState.RUNNING, None, None, None)]
+    record = Supervision(
+        SupervisorState.RELAUNCHING,
+        3,
+        2,
+        "replaced: 10.0.0.2 -> 10.0.0.9 (10.0.0.2 lost)",
+        generation=2,
+        members=["10.0.0.1", "10.0.0.9", "10.0.0.3"],
+        lost=["10.0.0.2"],
+        replaced=["10.0.0.2 -> 10.0.0.9"],
+        waiting="node 2 (10.0.0.3) until 21:00:00 UTC, lost then (--replace-after)",
+    )
+    row = ops.with_supervision(job, rows, record, 0)[0]
+    spares = [ops.SpareRow("10.0.0.2", False, "not answering: timed out"), ops.SpareRow("s2", True)]
+    out = replace(row, spares=spares).as_json()
+    assert out["generation"] == 2
+    assert out["lost"] == ["10.0.0.2"]
+    assert out["replaced"] == ["10.0.0.2 -> 10.0.0.9"]
+    assert out["waiting"] == record.waiting
+    assert out["spares"] == [
+        {"node": "10.0.0.2", "healthy": False, "why": "not answering: timed out"},
+        {"node": "s2", "healthy": True, "why": None},
+    ]
+    json.dumps(out)  # every value is plain JSON
+    # no record yet (or after a stop): the keys are there, empty
+    bare = ops.with_supervision(job, rows, None, None)[0].as_json()
+    assert (bare["generation"], bare["lost"], bare["waiting"], bare["spares"]) == (
+        None,
+        [],
+        None,
+        [],
+    )
+    plain = Job("x", "/w", "s", "/h", "/p", 1)
+    unsupervised = ops.with_supervision(plain, rows, record, 0)[0].as_json()
+    for key in ("generation", "lost", "replaced", "waiting", "spares"):
+        assert key not in unsupervised
+
+
+def test_a_spare_is_healthy_when_its_agent_answers_and_else_says_why():
+    spare = Host("10.0.0.9", lineno=4, spare=True)
+    down = Host("10.0.0.8", lineno=5, spare=True)
+    silent = Host("10.0.0.7", lineno=6, spare=True)
+    replies = {"jobs": {spare: p.JobsReply([]), silent: RemoteError("10.0.0.7: agent exited")}}
+    pool = FakePool(replies, failures={down: "connection timed out"})
+    assert ops.spare_row(pool, spare) == ops.SpareRow("10.0.0.9", True)
+    assert ops.spare_row(pool, down) == ops.SpareRow(
+        "10.0.0.8", False, "not answering: connection timed out"
+    )
+    assert ops.spare_row(pool, silent) == ops.SpareRow("10.0.0.7", False, "10.0.0.7: agent exited")
+
+
+def test_status_shows_the_generation_who_replaced_whom_the_lost_nodes_and_each_spare():
+    from meshkit.cli.tasks.jobs import membership_lines, render_status
+
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    row = ops.StatusRow(
+        0,
+        "10.0.0.1",
+        p.JobState.RUNNING,
+        None,
+        None,
+        None,
+        supervised=True,
+        attempt=2,
+        restarts_left=2,
+        supervisor=SupervisorState.RUNNING,
+        leader=0,
+        generation=2,
+        lost=["10.0.0.2"],
+        replaced=["10.0.0.2 -> 10.0.0.9"],
+        spares=[ops.SpareRow("10.0.0.2", False, "not answering: timed out")],
+    )
+    assert membership_lines(row) == [
+        "membership: generation 2",
+        "  replaced 10.0.0.2 -> 10.0.0.9",
+        "  lost: 10.0.0.2",
+        "  spare 10.0.0.2: not healthy: not answering: timed out",
+    ]
+    waiting = replace(row, waiting="node 1 (10.0.0.2) until 21:00:00 UTC, lost then")
+    assert "waiting for node 1 (10.0.0.2) until 21:00:00 UTC, lost then" in render_status(
+        [waiting], job
+    )
+    # the first generation with a healthy spare: the generation and the spare
+    first = replace(row, generation=1, lost=[], replaced=[], spares=[ops.SpareRow("s", True)])
+    assert membership_lines(first) == ["membership: generation 1", "  spare s: healthy"]
+    # the first generation, no spare line: nothing about membership
+    assert membership_lines(replace(first, spares=[])) == []

@@ -10,6 +10,7 @@ from meshkit.topology import (
     interface_of_match,
     match_rank,
     socket_ifnames,
+    spare_match,
     usable,
 )
 
@@ -49,6 +50,15 @@ def test_loopback_and_link_local_are_ignored():
         LocalAddress("eth0", "10.1.1.1"),
     ]
     assert [a.address for a in usable(local)] == ["10.1.1.1"]
+
+
+def test_a_spare_line_is_matched_by_address_then_by_hostname():
+    spares = parse("10.0.0.1\n10.0.0.8 spare\ngpu9 spare\n")[1:]
+    resolved = [["10.0.0.8"], ["10.0.0.9"]]
+    assert spare_match(spares, resolved, node(LocalAddress("eth0", "10.0.0.9")), "x") == spares[1]
+    assert spare_match(spares, [[], []], node(), "gpu9.cluster.local") == spares[1]
+    assert spare_match(spares, resolved, node(LocalAddress("eth0", "10.0.0.2")), "x") is None
+    assert spare_match([], [], node(LocalAddress("eth0", "10.0.0.8")), "gpu9") is None
 
 
 def test_hostname_fallback_when_no_address_matches():
