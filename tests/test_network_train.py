@@ -101,14 +101,22 @@ def status(lay, workdir: Path, session: str) -> list[dict[str, object]]:
 
 
 def finished(lay, workdir: Path, session: str, timeout: float = 480) -> list[dict[str, object]]:
-    """Every node's row once all have exited (polled, bounded)."""
+    """Every node's row once all have exited (polled, bounded). Status is asked once every rank
+    printed its probe line (right before it ends), else every 10 s: the logs are cheap to read,
+    a status round costs about a second of CPU, and a failing probe waits out gloo's connect
+    timeout."""
     deadline = time.monotonic() + timeout
+    asked = time.monotonic()
     while time.monotonic() < deadline:
-        rows = status(lay, workdir, session)
-        if all(row["state"] == "exited" for row in rows):
-            return rows
+        every_rank_said = len(probe_lines(workdir, session, lay.count)) == lay.count
+        if every_rank_said or time.monotonic() - asked >= 10:
+            asked = time.monotonic()
+            rows = status(lay, workdir, session)
+            if all(row["state"] == "exited" for row in rows):
+                return rows
         time.sleep(1)
-    raise AssertionError(f"{session}: not all nodes exited within {timeout}s")
+    rows = status(lay, workdir, session)
+    raise AssertionError(f"{session}: not all nodes exited within {timeout}s: {rows}")
 
 
 def probe_lines(workdir: Path, session: str, nodes: int) -> dict[int, str]:

@@ -235,3 +235,61 @@ def test_the_conda_bashrc_costs_a_hook_and_counts_every_shell():
         assert sandbox.shells(lay) == [[], []]
     finally:
         sandbox.down(sandbox_dir(name), name)
+
+
+def test_an_automatic_subnet_is_the_first_choice_that_nothing_here_overlaps():
+    from meshkit.errors import SandboxError
+    from meshkit.sandbox.host_setup import free_subnet
+    from meshkit.sandbox.layout import AUTO_CHOICES, auto_choices
+
+    def net(text: str) -> ipaddress.IPv4Network:
+        return ipaddress.IPv4Network(text)
+
+    choices = auto_choices("b")
+    assert len(choices) == len(set(choices)) == AUTO_CHOICES
+    assert all(choice.subnet_of(net("10.77.0.0/16")) for choice in choices)
+    assert net("10.77.0.0/24") not in choices  # the default sandbox's
+    assert auto_choices("b") == choices  # the same order every time
+    assert free_subnet(choices, [], second=False) == choices[0]
+    # a route over the first choice, an address inside the second: the third
+    used = [choices[0], net(f"{choices[1].network_address + 7}/32"), net("192.168.0.0/16")]
+    assert free_subnet(choices, used, second=False) == choices[2]
+    # with a second network (subnet + 0.1.0.0), that one must be free too
+    second_of_third = net(f"10.78.{choices[2].network_address.packed[2]}.0/24")
+    assert free_subnet(choices, [*used, second_of_third], second=True) == choices[3]
+    assert free_subnet(choices, [*used, second_of_third], second=False) == choices[2]
+    # the choices wrap around past 10.77.250.0/24
+    last = [net(f"10.77.{third}.0/24") for third in range(1, AUTO_CHOICES + 1)]
+    assert free_subnet(last[-2:] + last[:-2], last[-2:], second=False) == last[0]
+    with pytest.raises(SandboxError, match="no free sandbox subnet"):
+        free_subnet(choices, [net("10.77.0.0/16")], second=False)
+
+
+def test_two_sandboxes_whose_names_pick_the_same_subnet_both_come_up():
+    """Two sandboxes (two checkouts' tests, say) whose names hash to the same first subnet: the
+    second takes the next free one rather than being refused."""
+    need_root()
+    from meshkit.sandbox.layout import auto_choices
+
+    first_of: dict[ipaddress.IPv4Network, str] = {}
+    pair: list[str] = []
+    for i in range(1000):
+        name = named(f"s{i}")
+        choice = auto_choices(name)[0]
+        if choice in first_of:
+            pair = [first_of[choice], name]
+            break
+        first_of[choice] = name
+    ups = []
+    try:
+        for name in pair:
+            ups.append(sandbox.up(sandbox_dir(name), sandbox.default_subnet("", name), 1, name))
+        assert ups[0].subnet != ups[1].subnet
+        assert all(lay.subnet in auto_choices(lay.name) for lay in ups)
+        for lay in ups:
+            out = ssh(lay, "node0", "hostname")
+            assert out.returncode == 0, out.stderr
+            assert sandbox.load(lay.root).subnet == lay.subnet
+    finally:
+        for name in pair:
+            sandbox.down(sandbox_dir(name), name)

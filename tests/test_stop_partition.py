@@ -5,12 +5,13 @@ file that now names another job's supervisor ends nothing of that job."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
 from conftest import meshkit
-from helpers.sandbox_jobs import on_node, wait_for
+from helpers.sandbox_jobs import on_node, supervisor_said, wait_for
 
 from meshkit import sandbox
 from meshkit.job import job_id
@@ -118,7 +119,12 @@ def test_stop_leaves_another_jobs_supervisor_that_a_stale_pid_file_names(meshed)
     one running."""
     lay, workdir = meshed
     train(lay, workdir, "mine", "--restart-on", "1", cmd="exit 5")
-    wait_for(lambda: status(lay, workdir, "mine")[0]["supervisor"] == "gave up", timeout=60)
+    # status (a second of CPU a round) only once a supervisor's log says so
+    gave_up = functools.partial(supervisor_said, workdir, "mine", " gave up: ")
+    wait_for(
+        lambda: gave_up() and status(lay, workdir, "mine")[0]["supervisor"] == "gave up",
+        timeout=60,
+    )
     assert wait_for(lambda: supervisors(lay, "mine") == [[], [], []], timeout=60)
     train(lay, workdir, "theirs")
     assert wait_for(lambda: all(supervisors(lay, "theirs")), timeout=60)

@@ -196,7 +196,7 @@ def put_files(request: PutFilesRequest) -> PutReply:
 def _write(file: int, data: bytes, offset: int) -> None:
     """``data`` at ``offset``; a chunk of only zeros is left a hole (the temporary is new, so a
     hole reads as zeros): a sparse file stays sparse on the node."""
-    if data.count(0) == len(data):
+    if data == bytes(len(data)):  # a compare stops at the first non-zero byte; a count does not
         return
     view = memoryview(data)
     written = 0

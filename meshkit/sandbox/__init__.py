@@ -42,8 +42,11 @@ from .host_setup import (
     neighbour_room,
     netns_names,
     preflight,
+    subnet_lock,
+    with_free_subnet,
 )
 from .layout import (
+    AUTO,
     BASHRCS,
     DEFAULT,
     MAX_NODES,
@@ -73,6 +76,7 @@ from .user import NAME as USER
 
 # Defined in a submodule; the CLI, the tests and the benchmarks use them as sandbox.X.
 __all__ = [
+    "AUTO",
     "BASHRCS",
     "COMMAND_TIMEOUT",
     "CONDA_BASHRC",
@@ -187,27 +191,16 @@ def up(
     if user:
         sandbox_user.check_place(sandbox)
     down(sandbox.root, name)
-    check_subnet(sandbox)
-    if user:
-        sandbox_user.ensure_account()
-    state = {
-        "name": name,
-        "nodes": count,
-        "subnet": str(sandbox.subnet),
-        "slurm": slurm,
-        "networks": sandbox.networks.as_state(),
-        "bashrc": bashrc,
-        "created_root_ssh": not Path("/root/.ssh").exists(),
-        "user": user,
-    }
-    # The bind-mount point for each node's own ~/.ssh; another sandbox may create it meanwhile.
-    Path("/root/.ssh").mkdir(mode=0o700, exist_ok=True)
-    write(sandbox.root / "state.json", json.dumps(state))
-    try:
-        prepare_files(sandbox)
+    # Under the lock until the bridges have their addresses: two sandboxes coming up at once
+    # never take the same subnet.
+    with subnet_lock():
+        if subnet == AUTO:
+            sandbox = with_free_subnet(sandbox)
+        check_subnet(sandbox)
         if user:
-            sandbox_user.write_files(sandbox)
-        create_network(sandbox)
+            sandbox_user.ensure_account()
+        _create(sandbox, slurm)
+    try:
         for node in sandbox.nodes:
             start_node(sandbox, node)
         wait_ready(sandbox, sandbox.nodes)
@@ -217,6 +210,32 @@ def up(
         down(sandbox.root, name)
         raise
     return sandbox
+
+
+def _create(sandbox: Layout, slurm: bool) -> None:
+    """The sandbox's state file, the files its nodes boot from and its networks (not yet its
+    nodes' sshd)."""
+    state = {
+        "name": sandbox.name,
+        "nodes": sandbox.count,
+        "subnet": str(sandbox.subnet),
+        "slurm": slurm,
+        "networks": sandbox.networks.as_state(),
+        "bashrc": sandbox.bashrc,
+        "created_root_ssh": not Path("/root/.ssh").exists(),
+        "user": sandbox.user,
+    }
+    # The bind-mount point for each node's own ~/.ssh; another sandbox may create it meanwhile.
+    Path("/root/.ssh").mkdir(mode=0o700, exist_ok=True)
+    write(sandbox.root / "state.json", json.dumps(state))
+    try:
+        prepare_files(sandbox)
+        if sandbox.user:
+            sandbox_user.write_files(sandbox)
+        create_network(sandbox)
+    except BaseException:
+        down(sandbox.root, sandbox.name)
+        raise
 
 
 def load(root: str | os.PathLike[str]) -> Layout:

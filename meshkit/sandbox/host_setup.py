@@ -4,15 +4,18 @@ that make up the sandbox's networks."""
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import SandboxError
 from . import networks as netopts
-from .layout import Layout
+from .layout import Layout, auto_choices
 from .system import ip_batch, need
 from .system import run as _run
 
@@ -66,26 +69,90 @@ def check_subnet(sandbox: Layout) -> None:
                 "choose another --subnet (it is subnet + 0.1.0.0)",
             )
         )
+    for route in routes(addresses=False):
+        for network in networks:
+            if route.device == network.bridge:
+                continue
+            if route.network.overlaps(network.subnet):
+                raise SandboxError(
+                    f"{network.what} {network.subnet} overlaps route {route.destination} on "
+                    f"{route.device}; {network.fix}"
+                )
+
+
+@dataclass(frozen=True)
+class Route:
+    """An IPv4 route of this machine (an address, too, with ``addresses``)."""
+
+    network: ipaddress.IPv4Network
+    destination: str
+    device: str
+
+
+def routes(addresses: bool) -> list[Route]:
+    """This machine's IPv4 routes in every table, the default routes left out; with
+    ``addresses``, the local routes of its own addresses too."""
     shown = _run(["ip", "-j", "route", "show", "table", "all"]).stdout or "[]"
+    found = []
     for route in json.loads(shown):
         destination = str(route.get("dst", ""))
-        device = str(route.get("dev", ""))
         if destination in ("", "default"):
             continue
-        if route.get("type") in ("local", "broadcast", "multicast"):
+        kind = route.get("type")
+        if kind in ("broadcast", "multicast") or (kind == "local" and not addresses):
             continue
         try:
-            other = ipaddress.ip_network(destination, strict=False)
+            network = ipaddress.ip_network(destination, strict=False)
         except ValueError:
             continue
-        for network in networks:
-            if device == network.bridge or other.version != 4:
-                continue
-            if other.overlaps(network.subnet):
-                raise SandboxError(
-                    f"{network.what} {network.subnet} overlaps route {destination} on {device}; "
-                    f"{network.fix}"
-                )
+        if isinstance(network, ipaddress.IPv4Network):
+            found.append(Route(network, destination, str(route.get("dev", ""))))
+    return found
+
+
+def with_free_subnet(sandbox: Layout) -> Layout:
+    """``sandbox`` on the first of its name's automatic subnets (layout.auto_choices) that no
+    route or address of this machine overlaps, other than on its own bridges; with a second
+    network, that one's subnet free too. Call it under ``subnet_lock``."""
+    own = (sandbox.bridge, sandbox.second_bridge)
+    used = [route.network for route in routes(addresses=True) if route.device not in own]
+    chosen = free_subnet(auto_choices(sandbox.name), used, sandbox.networks.second)
+    return replace(sandbox, subnet=chosen)
+
+
+def free_subnet(
+    choices: list[ipaddress.IPv4Network], used: list[ipaddress.IPv4Network], second: bool
+) -> ipaddress.IPv4Network:
+    """The first of ``choices`` that overlaps none of ``used`` (nor does its second network's
+    subnet, with ``second``)."""
+    for choice in choices:
+        wanted = [choice]
+        if second:
+            wanted.append(netopts.second_network(choice))
+        if not any(network.overlaps(taken) for network in wanted for taken in used):
+            return choice
+    first = choices[0] if choices else "none"
+    raise SandboxError(
+        f"no free sandbox subnet: every /24 from {first} on overlaps a route or address here; "
+        "remove sandboxes no longer used (meshkit sandbox.down --name NAME) or choose --subnet"
+    )
+
+
+# Root's own directory (not a world-writable one): nobody else can hold the lock or plant a link.
+SUBNET_LOCK = Path("/run/meshkit-sandbox-subnet.lock")
+
+
+@contextmanager
+def subnet_lock(path: Path = SUBNET_LOCK) -> Iterator[None]:
+    """Held from checking or picking a subnet until the sandbox's bridges have their addresses:
+    two sandboxes coming up at once then never pick the same free subnet."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    descriptor = os.open(path, flags, 0o600)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
 
 
 NEIGH_SYSCTLS = Path("/proc/sys/net")

@@ -55,13 +55,30 @@ def default_dir(base: str, name: str) -> str:
     return base if name == DEFAULT else f"{base.rstrip('/')}-{name}"
 
 
+# The subnet ``up`` picks itself: the first /24 of AUTO_CHOICES, from the name's own, that no
+# route or address of this machine uses (host_setup.free_subnet), so that two sandboxes never
+# share one, whatever their names.
+AUTO = "auto"
+AUTO_CHOICES = 250  # 10.77.1.0/24 .. 10.77.250.0/24
+
+
+def auto_choices(name: str) -> list[ipaddress.IPv4Network]:
+    """The /24s an automatic subnet is picked from, in order: the one the name hashes to
+    first (the same each time while it is free), then the next ones, wrapping around."""
+    first = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") % AUTO_CHOICES
+    choices = []
+    for step in range(AUTO_CHOICES):
+        third = 1 + (first + step) % AUTO_CHOICES
+        choices.append(ipaddress.IPv4Network(f"10.77.{third}.0/24"))
+    return choices
+
+
 def default_subnet(base: str, name: str) -> str:
-    """The configured subnet for the default sandbox; a /24 of 10.77.0.0/16 picked from the name
-    for the others (an overlap with a route is refused at ``up``, naming ``--subnet``)."""
+    """The configured subnet for the default sandbox; AUTO for the others (``up`` picks a /24
+    of 10.77.0.0/16 that nothing here uses)."""
     if name == DEFAULT:
         return base
-    third = 1 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") % 250
-    return f"10.77.{third}.0/24"
+    return AUTO
 
 
 @dataclass(frozen=True)
@@ -269,6 +286,8 @@ def layout(
     check_name(name)
     if bashrc not in BASHRCS:
         raise SandboxError(f"--bashrc {bashrc[:40]!r}: expected one of {', '.join(BASHRCS)}")
+    if subnet == AUTO:  # up() picks a free one; the name's first choice until then
+        subnet = str(auto_choices(name)[0])
     try:
         network = ipaddress.IPv4Network(subnet, strict=True)
     except ValueError as exc:

@@ -44,8 +44,12 @@ def second_ifname(opts: Options, index: int) -> str:
 
 def second_subnet(sandbox: Layout) -> ipaddress.IPv4Network:
     """The first subnet moved up by one in its second octet (10.77.5.0/24 -> 10.78.5.0/24)."""
-    base = int(sandbox.subnet.network_address) + (1 << 16)
-    return ipaddress.IPv4Network((base & 0xFFFFFFFF, sandbox.subnet.prefixlen))
+    return second_network(sandbox.subnet)
+
+
+def second_network(subnet: ipaddress.IPv4Network) -> ipaddress.IPv4Network:
+    base = int(subnet.network_address) + (1 << 16)
+    return ipaddress.IPv4Network((base & 0xFFFFFFFF, subnet.prefixlen))
 
 
 def second_address(sandbox: Layout, node: Node) -> str:

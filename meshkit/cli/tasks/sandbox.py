@@ -41,7 +41,8 @@ def _load(dir: str | None, name: str | None) -> Layout:
         "nodes": "how many nodes (default: config meshkit.sandbox.nodes, 3)",
         **WHERE,
         "subnet": "private IPv4 subnet for the nodes (default: meshkit.sandbox.subnet,"
-        " 10.77.0.0/24, for the default sandbox; one picked from the name for the others)",
+        " 10.77.0.0/24, for the default sandbox; for the others a /24 of 10.77.0.0/16 that no"
+        " route or address here uses, picked at up)",
         "slurm": "also run a private SLURM cluster on the nodes (slurmctld, one slurmd per node,"
         " munge; Debian slurm-wlm and munge)",
         "networks": "real-world networks, comma list of: second (a second network per node),"
