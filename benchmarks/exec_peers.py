@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shlex
 import statistics
 import subprocess
@@ -100,8 +101,11 @@ def floor_argvs(lay: sandbox.Layout) -> list[list[str]]:
 
 def timed(
     argvs: Sequence[Sequence[str]], env: dict[str, str] | None, limit: float
-) -> tuple[float, str]:
-    """Run the commands at once; the wall time and their output together. A failure raises."""
+) -> tuple[float, str, float]:
+    """Run the commands at once; the wall time, their output together, and the CPU seconds they
+    and their children took here (the controller's side: one meshkit process, or pdsh and its
+    N ssh clients). A failure raises."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     procs = [
         subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -115,7 +119,10 @@ def timed(
                 f"{shlex.join(process.args)} exited {process.returncode}: {out[-300:]}"
             )
         outputs.append(out)
-    return time.perf_counter() - start, "".join(outputs)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return wall, "".join(outputs), cpu
 
 
 def settle(seconds: float = 15.0) -> None:
@@ -230,17 +237,21 @@ def measure(
     """One sandbox of ``count`` nodes: each repeat, the floor and each tool once, in turn."""
     lay = sandbox.up(ROOT, default_subnet("", NAME), count, NAME, bashrc=BASHRC)
     samples: dict[str, list[float]] = {"floor": []}
+    cpu: dict[str, list[float]] = {"floor": []}
     failures: dict[str, list[str]] = {}
     limit = 120.0 + 2.0 * count
     try:
         for repeat in range(repeats):
             order = list(tools[repeat % len(tools) :]) + list(tools[: repeat % len(tools)])
             settle()
-            samples["floor"].append(timed(floor_argvs(lay), None, limit)[0])
+            floor_wall, _, floor_cpu = timed(floor_argvs(lay), None, limit)
+            samples["floor"].append(floor_wall)
+            cpu["floor"].append(floor_cpu)
             for tool in order:
                 settle()
                 try:
-                    seconds, out = timed([tool_argv(tool, lay, bins)], tool_env(tool, lay), limit)
+                    argv = tool_argv(tool, lay, bins)
+                    seconds, out, used = timed([argv], tool_env(tool, lay), limit)
                     names = [node.name for node in lay.nodes]
                     missing = sorted(set(names) - set(answered(out, names)))
                     if missing:
@@ -249,6 +260,7 @@ def measure(
                     failures.setdefault(tool, []).append(str(exc)[:500])
                     continue
                 samples.setdefault(tool, []).append(seconds)
+                cpu.setdefault(tool, []).append(used)
                 sample = f"N={count} r{repeat + 1} {tool}: {seconds:.3f}s"
                 print(sample, file=sys.stderr, flush=True)
     finally:
@@ -262,10 +274,24 @@ def measure(
     for tool in tools:
         if tool in medians and fastest:
             ratios[tool] = round(medians[tool] / fastest, 3)
+    paired = {}
+    for tool in tools:
+        mine = samples.get("meshkit", [])
+        theirs = samples.get(tool, [])
+        if tool != "meshkit" and mine and len(mine) == len(theirs):
+            each = [ours / other for ours, other in zip(mine, theirs)]
+            paired[tool] = round(statistics.median(each), 3)
     return {
         "nodes": count,
         "samples": samples,
         "medians_s": medians,
+        # meshkit's time over each tool's in the same repeat, the median of those: the rounds
+        # of one repeat share the machine's state, which moves between repeats here
+        "meshkit_paired_ratio": paired,
+        "controller_cpu_s": {
+            tool: round(statistics.median(values), 4) for tool, values in cpu.items() if values
+        },
+        "controller_cpu_samples": cpu,
         "ratio_to_fastest": ratios,
         "ratio_to_floor": {
             tool: round(value / medians["floor"], 3)
