@@ -173,47 +173,58 @@ def install(
     return bins, versions, unavailable
 
 
-def startup(meshkit_bin: Path) -> dict[str, object]:
-    """Where ``meshkit exec``'s own start goes (median wall seconds of ``IMPORT_SAMPLES``): a bare
-    interpreter; ``meshkit exec`` until just before the first node is contacted (flags, the
-    configuration and every import but SSH's: a ``--timeout 0`` it refuses, exit 2); the SSH
-    side's imports on top of that (``meshkit.remote``: paramiko, fabric; timed in the process
-    that imported the rest first); ``meshkit exec -h`` (invoke's
-    path, which the command itself no longer takes). With ``-X importtime``'s self times of the
-    command's path summed per top-level package (the median sample's, milliseconds)."""
-    python = str(meshkit_bin / "python")
+def startup(installs: dict[str, Path]) -> dict[str, dict[str, object]]:
+    """Where ``meshkit exec``'s own start goes, per install (this checkout's, the baseline's),
+    sampled in turn so that both see the same machine: median wall seconds of
+    ``IMPORT_SAMPLES`` of a bare interpreter; ``meshkit exec`` until just before the first node
+    is contacted (flags, the configuration and every import but SSH's: a ``--timeout 0`` it
+    refuses, exit 2), also as CPU seconds; the SSH side's imports on top of that
+    (``meshkit.remote``: paramiko, fabric; timed in the process that imported the rest first);
+    ``meshkit exec -h`` (invoke's path). With ``-X importtime``'s self times of the command's
+    path summed per top-level package (the median sample's, milliseconds)."""
     refused = ["exec", "--cmd", "true", "--timeout", "0"]
-    argvs = {
-        "bare_interpreter_s": [python, "-c", "pass"],
-        "meshkit_exec_until_connect_s": [str(meshkit_bin / "meshkit"), *refused],
-        "meshkit_exec_help_s": [str(meshkit_bin / "meshkit"), "exec", "-h"],
-    }
-    ssh_imports = [python, "-c", SSH_IMPORTS]
-    walls: dict[str, list[float]] = {name: [] for name in [*argvs, "ssh_imports_s"]}
-    packages: list[dict[str, float]] = []
+    walls: dict[str, dict[str, list[float]]] = {}
+    packages: dict[str, list[dict[str, float]]] = {name: [] for name in installs}
     for _ in range(IMPORT_SAMPLES):
-        for name, argv in argvs.items():
-            start = time.perf_counter()
-            subprocess.run(argv, capture_output=True, timeout=60, check=False)
-            walls[name].append(time.perf_counter() - start)
-        printed = subprocess.run(ssh_imports, capture_output=True, text=True, timeout=60)
-        walls["ssh_imports_s"].append(float(printed.stdout))
-        traced = subprocess.run(
-            [python, "-X", "importtime", "-m", "meshkit", *refused],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        packages.append(import_self_times(traced.stderr))
-    totals = [sum(sample.values()) for sample in packages]
-    middle = packages[totals.index(sorted(totals)[len(totals) // 2])]
-    top = dict(sorted(middle.items(), key=lambda item: -item[1])[:15])
-    found: dict[str, object] = {
-        name: round(statistics.median(values), 4) for name, values in walls.items()
-    }
-    found["import_ms_by_package"] = {name: round(ms, 1) for name, ms in top.items()}
-    found["import_ms_total"] = round(sum(middle.values()), 1)
+        for install, bin_dir in installs.items():
+            python = str(bin_dir / "python")
+            argvs = {
+                "bare_interpreter_s": [python, "-c", "pass"],
+                "meshkit_exec_until_connect_s": [str(bin_dir / "meshkit"), *refused],
+                "meshkit_exec_help_s": [str(bin_dir / "meshkit"), "exec", "-h"],
+            }
+            own = walls.setdefault(install, {})
+            for name, argv in argvs.items():
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                start = time.perf_counter()
+                subprocess.run(argv, capture_output=True, timeout=60, check=False)
+                own.setdefault(name, []).append(time.perf_counter() - start)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+                own.setdefault(name.replace("_s", "_cpu_s"), []).append(used)
+            printed = subprocess.run(
+                [python, "-c", SSH_IMPORTS], capture_output=True, text=True, timeout=60
+            )
+            own.setdefault("ssh_imports_s", []).append(float(printed.stdout))
+            traced = subprocess.run(
+                [python, "-X", "importtime", "-m", "meshkit", *refused],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            packages[install].append(import_self_times(traced.stderr))
+    found: dict[str, dict[str, object]] = {}
+    for install, own in walls.items():
+        totals = [sum(sample.values()) for sample in packages[install]]
+        middle = packages[install][totals.index(sorted(totals)[len(totals) // 2])]
+        top = dict(sorted(middle.items(), key=lambda item: -item[1])[:15])
+        figures: dict[str, object] = {
+            name: round(statistics.median(values), 4) for name, values in own.items()
+        }
+        figures["import_ms_by_package"] = {name: round(ms, 1) for name, ms in top.items()}
+        figures["import_ms_total"] = round(sum(middle.values()), 1)
+        found[install] = figures
     return found
 
 
@@ -361,11 +372,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "commit": commit(),
         "machine": machine(),
     }
-    if "meshkit" in bins and not args.no_startup:
-        results["startup"] = startup(bins["meshkit"])
-    if BASELINE in bins and not args.no_startup:
-        results["startup_baseline"] = startup(bins[BASELINE])
+    if args.baseline is not None:
         results["baseline"] = args.baseline
+    installs = {name: bins[name] for name in ("meshkit", BASELINE) if name in bins}
+    if installs and not args.no_startup:
+        measured = startup(installs)
+        results["startup"] = measured.get("meshkit")
+        results["startup_baseline"] = measured.get(BASELINE)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
