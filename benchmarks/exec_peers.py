@@ -1,6 +1,7 @@
 """``meshkit exec`` against the tools users run one command everywhere with: pdsh, clush, pssh.
 
-``python -m benchmarks.exec_peers [--nodes 8,64] [--repeats 5] [--out DIR]`` (root) builds one
+``python -m benchmarks.exec_peers [--nodes 8,64] [--repeats 5] [--out DIR] [--baseline REF]``
+(root; ``--baseline``: also that commit's meshkit, in the same rounds) builds one
 sandbox per N (the conda-like bashrc, as the main benchmark's) and, in each repeat, in a rotating
 order: the floor (N parallel ``ssh node true``), then one round of ``hostname`` on every node with
 each tool at full fan-out:
@@ -11,8 +12,9 @@ each tool at full fan-out:
 - ``parallel-ssh -i -p N -h HOSTS hostname`` (Debian pssh: ``apt-get install pssh``).
 Every round is checked: each node's name must be in the tool's output. Each tool's median is
 compared with the fastest tool's (the target: ``meshkit exec`` within 1.1x of it) and with the
-floor. Where the CLI's own start goes is measured too: ``meshkit exec -h`` against a bare
-interpreter, and ``-X importtime``'s self times summed per top-level package. Writes
+floor. Where the CLI's own start goes is measured too (``startup``): up to the first connection,
+the SSH side's imports, against a bare interpreter, and ``-X importtime``'s self times summed
+per top-level package. Writes
 ``OUT/results.json`` (default ``benchmarks/results/exec-peers``) and prints a table.
 
 Run it on a quiet machine: every tool here is bound by this machine's CPU, which the nodes share.
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shlex
 import statistics
 import subprocess
@@ -44,7 +47,14 @@ ROOT = "/var/tmp/meshkit-bench-sandbox-bexec"
 BASHRC = "conda"
 COMMAND = "hostname"
 TOOLS = ("meshkit", "pdsh", "clush", "pssh")
+BASELINE = "meshkit-base"  # --baseline REF: that commit's meshkit, measured beside this one
 IMPORT_SAMPLES = 5
+SSH_IMPORTS = (  # what connecting adds to exec's imports, in seconds
+    "import time, meshkit.ops.execute\n"
+    "start = time.perf_counter()\n"
+    "import meshkit.remote\n"
+    "print(time.perf_counter() - start)"
+)
 
 
 class Unavailable(Exception):
@@ -55,9 +65,9 @@ def tool_argv(tool: str, lay: sandbox.Layout, bins: dict[str, Path]) -> list[str
     """One round of ``COMMAND`` on every node with ``tool``, at full fan-out."""
     names = [node.name for node in lay.nodes]
     fan_out = str(lay.count)
-    if tool == "meshkit":
+    if tool in ("meshkit", BASELINE):
         return [
-            str(bins["meshkit"] / "meshkit"),
+            str(bins[tool] / "meshkit"),
             "exec",
             "--hostfile",
             str(lay.hostfile),
@@ -79,7 +89,7 @@ def tool_argv(tool: str, lay: sandbox.Layout, bins: dict[str, Path]) -> list[str
 def tool_env(tool: str, lay: sandbox.Layout) -> dict[str, str] | None:
     if tool == "pdsh":
         return peers.pdsh_env(lay.ssh_config)
-    if tool == "meshkit":  # full fan-out, as the others are given (-f N, -p N)
+    if tool in ("meshkit", BASELINE):  # full fan-out, as the others are given (-f N, -p N)
         return {**os.environ, "MESHKIT_PARALLEL": str(lay.count)}
     return None
 
@@ -91,8 +101,11 @@ def floor_argvs(lay: sandbox.Layout) -> list[list[str]]:
 
 def timed(
     argvs: Sequence[Sequence[str]], env: dict[str, str] | None, limit: float
-) -> tuple[float, str]:
-    """Run the commands at once; the wall time and their output together. A failure raises."""
+) -> tuple[float, str, float]:
+    """Run the commands at once; the wall time, their output together, and the CPU seconds they
+    and their children took here (the controller's side: one meshkit process, or pdsh and its
+    N ssh clients). A failure raises."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     procs = [
         subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -106,7 +119,10 @@ def timed(
                 f"{shlex.join(process.args)} exited {process.returncode}: {out[-300:]}"
             )
         outputs.append(out)
-    return time.perf_counter() - start, "".join(outputs)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return wall, "".join(outputs), cpu
 
 
 def settle(seconds: float = 15.0) -> None:
@@ -119,12 +135,25 @@ def settle(seconds: float = 15.0) -> None:
             return
 
 
-def install(tools: Sequence[str]) -> tuple[dict[str, Path], dict[str, str], dict[str, str]]:
-    """What each tool runs from, its version, and why any is missing."""
+def install(
+    tools: Sequence[str], baseline: str | None = None
+) -> tuple[dict[str, Path], dict[str, str], dict[str, str]]:
+    """What each tool runs from, its version, and why any is missing. ``baseline``: a commit of
+    this repository whose meshkit is installed beside this checkout's (``BASELINE``)."""
     bins: dict[str, Path] = {}
     versions: dict[str, str] = {}
     unavailable: dict[str, str] = {}
     repo = Path(__file__).resolve().parent.parent
+    if baseline is not None:
+        source = peers.CACHE / "meshkit-base-source"
+        subprocess.run(["rm", "-rf", str(source)], check=True, timeout=60)
+        source.mkdir(parents=True)
+        archive = subprocess.run(
+            ["git", "-C", str(repo), "archive", baseline], capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
+        bins[BASELINE] = peers.install_meshkit(source, BASELINE)
+        versions[BASELINE] = f"meshkit at {baseline}"
     probes = {
         "meshkit": lambda: [str(bins["meshkit"] / "meshkit"), "--version"],
         "pdsh": lambda: ["pdsh", "-V"],
@@ -144,35 +173,59 @@ def install(tools: Sequence[str]) -> tuple[dict[str, Path], dict[str, str], dict
     return bins, versions, unavailable
 
 
-def startup(meshkit_bin: Path) -> dict[str, object]:
-    """Where ``meshkit exec``'s own start goes: its ``-h`` against a bare interpreter (median
-    wall seconds), and ``-X importtime``'s self times summed per top-level package (the median
-    sample's, milliseconds)."""
-    python = str(meshkit_bin / "python")
-    help_argv = [str(meshkit_bin / "meshkit"), "exec", "-h"]
-    bare = []
-    cli = []
-    packages: list[dict[str, float]] = []
+def startup(installs: dict[str, Path]) -> dict[str, dict[str, object]]:
+    """Where ``meshkit exec``'s own start goes, per install (this checkout's, the baseline's),
+    sampled in turn so that both see the same machine: median wall seconds of
+    ``IMPORT_SAMPLES`` of a bare interpreter; ``meshkit exec`` until just before the first node
+    is contacted (flags, the configuration and every import but SSH's: a ``--timeout 0`` it
+    refuses, exit 2), also as CPU seconds; the SSH side's imports on top of that
+    (``meshkit.remote``: paramiko, fabric; timed in the process that imported the rest first);
+    ``meshkit exec -h`` (invoke's path). With ``-X importtime``'s self times of the command's
+    path summed per top-level package (the median sample's, milliseconds)."""
+    refused = ["exec", "--cmd", "true", "--timeout", "0"]
+    walls: dict[str, dict[str, list[float]]] = {}
+    packages: dict[str, list[dict[str, float]]] = {name: [] for name in installs}
     for _ in range(IMPORT_SAMPLES):
-        bare.append(timed([[python, "-c", "pass"]], None, 60)[0])
-        cli.append(timed([help_argv], None, 60)[0])
-        traced = subprocess.run(
-            [python, "-X", "importtime", "-m", "meshkit", "exec", "-h"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        packages.append(import_self_times(traced.stderr))
-    totals = [sum(sample.values()) for sample in packages]
-    middle = packages[totals.index(sorted(totals)[len(totals) // 2])]
-    top = dict(sorted(middle.items(), key=lambda item: -item[1])[:15])
-    return {
-        "bare_interpreter_s": round(statistics.median(bare), 4),
-        "meshkit_exec_help_s": round(statistics.median(cli), 4),
-        "import_ms_by_package": {name: round(ms, 1) for name, ms in top.items()},
-        "import_ms_total": round(sum(middle.values()), 1),
-    }
+        for install, bin_dir in installs.items():
+            python = str(bin_dir / "python")
+            argvs = {
+                "bare_interpreter_s": [python, "-c", "pass"],
+                "meshkit_exec_until_connect_s": [str(bin_dir / "meshkit"), *refused],
+                "meshkit_exec_help_s": [str(bin_dir / "meshkit"), "exec", "-h"],
+            }
+            own = walls.setdefault(install, {})
+            for name, argv in argvs.items():
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                start = time.perf_counter()
+                subprocess.run(argv, capture_output=True, timeout=60, check=False)
+                own.setdefault(name, []).append(time.perf_counter() - start)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+                own.setdefault(name.replace("_s", "_cpu_s"), []).append(used)
+            printed = subprocess.run(
+                [python, "-c", SSH_IMPORTS], capture_output=True, text=True, timeout=60
+            )
+            own.setdefault("ssh_imports_s", []).append(float(printed.stdout))
+            traced = subprocess.run(
+                [python, "-X", "importtime", "-m", "meshkit", *refused],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            packages[install].append(import_self_times(traced.stderr))
+    found: dict[str, dict[str, object]] = {}
+    for install, own in walls.items():
+        totals = [sum(sample.values()) for sample in packages[install]]
+        middle = packages[install][totals.index(sorted(totals)[len(totals) // 2])]
+        top = dict(sorted(middle.items(), key=lambda item: -item[1])[:15])
+        figures: dict[str, object] = {
+            name: round(statistics.median(values), 4) for name, values in own.items()
+        }
+        figures["import_ms_by_package"] = {name: round(ms, 1) for name, ms in top.items()}
+        figures["import_ms_total"] = round(sum(middle.values()), 1)
+        found[install] = figures
+    return found
 
 
 def import_self_times(trace: str) -> dict[str, float]:
@@ -195,17 +248,21 @@ def measure(
     """One sandbox of ``count`` nodes: each repeat, the floor and each tool once, in turn."""
     lay = sandbox.up(ROOT, default_subnet("", NAME), count, NAME, bashrc=BASHRC)
     samples: dict[str, list[float]] = {"floor": []}
+    cpu: dict[str, list[float]] = {"floor": []}
     failures: dict[str, list[str]] = {}
     limit = 120.0 + 2.0 * count
     try:
         for repeat in range(repeats):
             order = list(tools[repeat % len(tools) :]) + list(tools[: repeat % len(tools)])
             settle()
-            samples["floor"].append(timed(floor_argvs(lay), None, limit)[0])
+            floor_wall, _, floor_cpu = timed(floor_argvs(lay), None, limit)
+            samples["floor"].append(floor_wall)
+            cpu["floor"].append(floor_cpu)
             for tool in order:
                 settle()
                 try:
-                    seconds, out = timed([tool_argv(tool, lay, bins)], tool_env(tool, lay), limit)
+                    argv = tool_argv(tool, lay, bins)
+                    seconds, out, used = timed([argv], tool_env(tool, lay), limit)
                     names = [node.name for node in lay.nodes]
                     missing = sorted(set(names) - set(answered(out, names)))
                     if missing:
@@ -214,6 +271,7 @@ def measure(
                     failures.setdefault(tool, []).append(str(exc)[:500])
                     continue
                 samples.setdefault(tool, []).append(seconds)
+                cpu.setdefault(tool, []).append(used)
                 sample = f"N={count} r{repeat + 1} {tool}: {seconds:.3f}s"
                 print(sample, file=sys.stderr, flush=True)
     finally:
@@ -227,10 +285,24 @@ def measure(
     for tool in tools:
         if tool in medians and fastest:
             ratios[tool] = round(medians[tool] / fastest, 3)
+    paired = {}
+    for tool in tools:
+        mine = samples.get("meshkit", [])
+        theirs = samples.get(tool, [])
+        if tool != "meshkit" and mine and len(mine) == len(theirs):
+            each = [ours / other for ours, other in zip(mine, theirs)]
+            paired[tool] = round(statistics.median(each), 3)
     return {
         "nodes": count,
         "samples": samples,
         "medians_s": medians,
+        # meshkit's time over each tool's in the same repeat, the median of those: the rounds
+        # of one repeat share the machine's state, which moves between repeats here
+        "meshkit_paired_ratio": paired,
+        "controller_cpu_s": {
+            tool: round(statistics.median(values), 4) for tool, values in cpu.items() if values
+        },
+        "controller_cpu_samples": cpu,
         "ratio_to_fastest": ratios,
         "ratio_to_floor": {
             tool: round(value / medians["floor"], 3)
@@ -271,14 +343,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma list of " + ",".join(TOOLS))
     parser.add_argument("--out", default=str(RESULTS / "exec-peers"))
     parser.add_argument("--no-startup", action="store_true", help="leave out the start-up measure")
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help=f"also time that commit's meshkit ({BASELINE}), beside this checkout's",
+    )
     args = parser.parse_args(argv)
     sizes = [int(word) for word in args.nodes.split(",")]
     chosen = [tool for tool in args.tools.split(",") if tool]
     unknown = sorted(set(chosen) - set(TOOLS))
     if unknown or args.repeats < 1:
         raise SystemExit(f"--tools: unknown {unknown}; --repeats: at least 1")
-    bins, versions, unavailable = install(chosen)
+    bins, versions, unavailable = install(chosen, args.baseline)
     tools = [tool for tool in chosen if tool not in unavailable]
+    if args.baseline is not None:
+        tools.append(BASELINE)
     for tool, why in unavailable.items():
         print(f"left out {tool}: {why}", file=sys.stderr)
     rows = [measure(count, args.repeats, tools, bins) for count in sizes]
@@ -293,8 +372,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "commit": commit(),
         "machine": machine(),
     }
-    if "meshkit" in bins and not args.no_startup:
-        results["startup"] = startup(bins["meshkit"])
+    if args.baseline is not None:
+        results["baseline"] = args.baseline
+    installs = {name: bins[name] for name in ("meshkit", BASELINE) if name in bins}
+    if installs and not args.no_startup:
+        measured = startup(installs)
+        results["startup"] = measured.get("meshkit")
+        results["startup_baseline"] = measured.get(BASELINE)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -74,11 +74,12 @@ def install(peer: str) -> Path:
     return env_dir / "bin"
 
 
-def install_meshkit(repo: Path) -> Path:
+def install_meshkit(repo: Path, name: str = "meshkit") -> Path:
     """meshkit as users run it: this checkout's wheel (not editable: an editable install adds a
     finder import to every interpreter start, on every node) in a fresh venv, lent this
-    interpreter's dependencies and torch, with a torchrun beside it. Its bin directory."""
-    root = CACHE / "meshkit"
+    interpreter's dependencies and torch, with a torchrun beside it. Its bin directory.
+    ``name``: the venv's directory under the cache (another source tree beside this one)."""
+    root = CACHE / name
     subprocess.run(["rm", "-rf", str(root)], check=True, timeout=60)
     dist = root / "dist"
     env_dir = root / "venv"

@@ -30,8 +30,11 @@ DISCOVERY_FLAGS = (*HOSTFILE_FLAGS, "node_rank", "session", "master_port", "npro
 FLAGS: dict[str, tuple[str, ...]] = {
     "env": ("json", *DISCOVERY_FLAGS),
     "run": ("cmd", *DISCOVERY_FLAGS, "log", "spawn"),
+    # `meshkit exec`: parsed here too, for the console script's own path (cli/execute.py)
+    "exec": ("cmd", *HOSTFILE_FLAGS, "node", "session", "timeout", "lines", "json"),
 }
-BOOLEAN = {"json", "spawn"}
+BOOLEAN = {"json", "spawn", "lines"}
+HANDLED = ("env", "run")  # what ``main`` runs
 
 
 # ---- flags over configuration -------------------------------------------------------------------
@@ -226,7 +229,7 @@ def parse(task: str, args: Sequence[str]) -> Flags:
                 raise Fallback
             value = rest.pop(0)
         values[name] = value
-    if task == "run" and values["cmd"] is None:
+    if task in ("run", "exec") and values["cmd"] is None:
         raise Fallback
     return Flags(values, given)
 
@@ -234,7 +237,7 @@ def parse(task: str, args: Sequence[str]) -> Flags:
 def main(argv: Sequence[str]) -> bool:
     """``env``/``run`` with ``argv`` (task first): handle it and return True (``run`` never
     returns); False when it is not ours to handle. A meshkit error is printed and exits."""
-    if not argv or argv[0] not in FLAGS:
+    if not argv or argv[0] not in HANDLED:
         return False
     try:
         flags = parse(argv[0], argv[1:])

@@ -179,3 +179,32 @@ def test_env_imports_no_typing_argparse_or_ssh(tmp_path):
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_exec_runs_without_invoke_and_fails_as_its_task_does(tmp_path):
+    """``meshkit exec`` with ordinary flags skips the invoke Program (its start is a good part of
+    a round of seconds); what it prints and its exit code are the task's. These fail before any
+    node is contacted, so no nodes are needed."""
+    (tmp_path / "hostfile").write_text("10.255.255.1\n10.255.255.2\n")
+    for args in (
+        ["exec", "--cmd", "true", "--hostfile", "absent"],
+        ["exec", "--cmd", "true", "--node", "0-5"],
+        ["exec", "--cmd", "true", "--timeout=0", "--json"],
+        ["exec", "--cmd", "true", "--lines", "--include", "nothing*"],
+        ["exec", "--node", "1"],  # no --cmd: the task's usage error
+        ["exec", "--cmd", "true", "--nodes", "1"],  # not a flag of exec
+    ):
+        fast, slow = both_paths(args, tmp_path, {})
+        assert fast.returncode == slow.returncode == 2, (args, fast.stderr, slow.stderr)
+        assert (fast.stdout, fast.stderr) == (slow.stdout, slow.stderr), args
+    code = (
+        "import sys\n"
+        "sys.argv = ['meshkit', 'exec', '--cmd', 'true', '--node', '7']\n"
+        "from meshkit.cli.main import main\n"
+        "try:\n    main()\nexcept SystemExit as exc:\n    print(exc.code)\n"
+        "print([m for m in ('invoke', 'meshkit.cli.tasks') if m in sys.modules])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split("\n")[:2] == ["2", "[]"], out.stdout + out.stderr

@@ -1,8 +1,9 @@
 """The ``meshkit`` console script: an invoke Program over the package's task collection.
 
 ``env`` and ``run`` go straight to ``meshkit.envrun``, which never imports invoke (they run on
-every node at every launch); everything else, and anything unusual about those two (help, a flag
-it does not know), goes to the Program.
+every node at every launch), and ``exec`` to ``cli/execute.py`` (its whole run is a round of
+seconds: the Program's start would be a good part of it); everything else, and anything unusual
+about those three (help, a flag they do not know), goes to the Program.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def main() -> None:
         if envrun(argv):
             return
         _watch_interrupts()
+        if argv[:1] == ["exec"]:
+            from .execute import main as execute
+
+            if execute(argv):
+                return
         program().run()
     except KeyboardInterrupt:
         print("meshkit: interrupted", file=sys.stderr)

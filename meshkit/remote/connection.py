@@ -50,6 +50,7 @@ def fingerprint(key: paramiko.PKey) -> str:
 
 HOSTKEYS = "hostkeys-00@openssh.com"
 MAX_ANNOUNCED = 64  # host keys one sshd may announce: more is not a host
+SSH_PORT = 22
 
 
 class HostKeysTransport(paramiko.Transport):
@@ -134,16 +135,59 @@ class GatewayError(paramiko.SSHException):
         super().__init__(f"gateway {hop}: {cause}")
 
 
-def load_known_hosts(keys: paramiko.HostKeys, path: str) -> set[tuple[str, str]]:
-    """Load what paramiko can use of an OpenSSH known_hosts, line by line: a line it cannot parse
-    (``@cert-authority``, a key type it lacks) is skipped instead of failing the whole file, as
-    OpenSSH would still connect by the other lines. Returns the ``@revoked`` keys (type, base64)."""
+@dataclass(frozen=True)
+class KnownHosts:
+    """One known_hosts file as paramiko can use it, parsed once: each usable line's names and key
+    in file order, which lines name each host, and the ``@revoked`` keys (type, base64). A line
+    paramiko cannot parse (``@cert-authority``, a key type it lacks) is skipped instead of failing
+    the whole file, as OpenSSH would still connect by the other lines."""
+
+    lines: tuple[tuple[tuple[str, ...], paramiko.PKey], ...]
+    naming: dict[str, tuple[int, ...]]  # a plain host name -> the lines that name it
+    hashed: tuple[int, ...]  # lines with a hashed name (|1|...), which may name any host
+    revoked: frozenset[tuple[str, str]]
+
+    def add_to(self, keys: paramiko.HostKeys, name: str) -> None:
+        """Add to ``keys`` what paramiko's lookup of ``name`` can find: the lines naming it and
+        the hashed ones, in file order (a later line wins, as when the whole file is added), but
+        not every other node's lines: each node's own lookup then costs the same at any N."""
+        chosen = sorted({*self.naming.get(name, ()), *self.hashed})
+        for index in chosen:
+            names, key = self.lines[index]
+            for each in names:
+                if each == name or each.startswith("|1|"):
+                    keys.add(each, key.get_name(), key)
+
+
+def read_known_hosts(path: str) -> KnownHosts:
+    """``path`` parsed, or the copy parsed before while the file is unchanged (its size and
+    mtime): one parse per command instead of one per node, whose lines grow with N."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return KnownHosts((), {}, (), frozenset())
+    stamp = (info.st_mtime_ns, info.st_size, info.st_ino)
+    with _KNOWN_HOSTS_LOCK:
+        cached = _KNOWN_HOSTS.get(path)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        parsed = _parse_known_hosts(path)
+        _KNOWN_HOSTS[path] = (stamp, parsed)
+        return parsed
+
+
+_KNOWN_HOSTS: dict[str, tuple[tuple[int, int, int], KnownHosts]] = {}
+_KNOWN_HOSTS_LOCK = threading.Lock()
+
+
+def _parse_known_hosts(path: str) -> KnownHosts:
     revoked: set[tuple[str, str]] = set()
+    lines: list[tuple[tuple[str, ...], paramiko.PKey]] = []
     try:
         with open(path, errors="replace") as handle:
             text = handle.read(MAX_KNOWN_HOSTS)
     except OSError:
-        return revoked
+        return KnownHosts((), {}, (), frozenset())
     for raw in text.splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -158,9 +202,17 @@ def load_known_hosts(keys: paramiko.HostKeys, path: str) -> set[tuple[str, str]]
         except Exception:  # InvalidHostKey, bad base64, a key type paramiko lacks: skip the line
             continue
         if entry is not None and entry.key is not None:
-            for name in entry.hostnames:
-                keys.add(name, entry.key.get_name(), entry.key)
-    return revoked
+            lines.append((tuple(entry.hostnames), entry.key))
+    naming: dict[str, list[int]] = {}
+    hashed = []
+    for index, (names, _) in enumerate(lines):
+        for name in names:
+            if name.startswith("|1|"):
+                hashed.append(index)
+            else:
+                naming.setdefault(name, []).append(index)
+    indexed = {name: tuple(indices) for name, indices in naming.items()}
+    return KnownHosts(tuple(lines), indexed, tuple(hashed), frozenset(revoked))
 
 
 def _connect_kwargs(settings: Settings) -> dict[str, Any]:
@@ -221,9 +273,13 @@ class Remote:
         conn.client.set_missing_host_key_policy(StrictPolicy(settings))
         named = str(conn.ssh_config.get("userknownhostsfile", "~/.ssh/known_hosts")).split()
         files = ["/etc/ssh/ssh_known_hosts", "~/.ssh/known_hosts", *named]
+        # The name paramiko looks the server's key up by (SSHClient.connect)
+        port = int(conn.port)
+        looked_up = str(conn.host) if port == SSH_PORT else f"[{conn.host}]:{port}"
         for path in dict.fromkeys(str(Path(name).expanduser()) for name in files):
-            if Path(path).is_file():
-                self.revoked |= load_known_hosts(conn.client.get_host_keys(), path)
+            known = read_known_hosts(path)
+            known.add_to(conn.client.get_host_keys(), looked_up)
+            self.revoked |= known.revoked
 
     def open(self) -> Remote:
         gateway = self.conn.gateway

@@ -1,16 +1,13 @@
-"""``exec``: parse, call ``ops.execute``, render as ``clush -b`` (or ``--lines``, ``--json``)."""
+"""``exec`` as an invoke task: its help and flags; the run and its output are ``cli/execute.py``'s,
+which the console script also calls without invoke."""
 
 from __future__ import annotations
-
-import json as jsonlib
-import sys
-from collections.abc import Sequence
 
 from invoke.context import Context
 from invoke.exceptions import Exit
 
-from ...ops.execute import NodeResult, execute, gather
 from ..common import conf, helps, reported, task
+from ..execute import run
 
 EXEC_HELP = helps(
     "hostfile",
@@ -52,61 +49,17 @@ def exec_(
             from ...errors import UsageError
 
             raise UsageError("exec: give the command: meshkit exec --cmd CMD")
-        results = execute(
+        failure = run(
             conf(),
             cmd,
             hostfile=hostfile,
-            session=session,
             include=include,
             exclude=exclude,
-            nodes=node,
+            node=node,
+            session=session,
             timeout=timeout,
+            lines=lines,
+            json=json,
         )
-    if json:
-        print(jsonlib.dumps([as_json(result) for result in results], indent=1))
-    elif lines:
-        print_lines(results)
-    else:
-        print_groups(results)
-    sys.stdout.flush()
-    failed = [result for result in results if not result.ok]
-    for result in failed:
-        print(f"meshkit exec: {result.node} (rank {result.rank}): {result.why}", file=sys.stderr)
-    if failed:
-        raise Exit(f"meshkit exec: {len(failed)} of {len(results)} nodes failed", 1)
-
-
-def as_json(result: NodeResult) -> dict[str, object]:
-    return {
-        "node": result.node,
-        "rank": result.rank,
-        "exit_code": result.exit_code,
-        "stdout": result.stdout,
-        "stderr": result.stderr,
-        "error": result.error,
-    }
-
-
-def print_groups(results: Sequence[NodeResult]) -> None:
-    """Standard output as ``clush -b`` shows it; standard error per node, on stderr."""
-    for group in gather(results):
-        header = f"{group.nodes} ({len(group.results)})"
-        rule = "-" * len(header)
-        print(f"{rule}\n{header}\n{rule}")
-        print(group.stdout, end="" if group.stdout.endswith("\n") else "\n")
-    sys.stdout.flush()
-    for result in results:
-        for line in result.stderr.splitlines():
-            print(f"{result.node}: {line}", file=sys.stderr)
-
-
-def print_lines(results: Sequence[NodeResult]) -> None:
-    """Every line prefixed with its node, as pdsh prints (stdout's on stdout, stderr's on
-    stderr), node by node in rank order."""
-    for result in results:
-        for line in result.stdout.splitlines():
-            print(f"{result.node}: {line}")
-    sys.stdout.flush()
-    for result in results:
-        for line in result.stderr.splitlines():
-            print(f"{result.node}: {line}", file=sys.stderr)
+    if failure is not None:
+        raise Exit(failure, 1)
