@@ -154,6 +154,8 @@ def test_a_node_lost_for_good_is_replaced_by_the_spare_which_takes_its_rank(mesh
     assert rows[0]["replaced"] == [f"{lay.nodes[2].address} -> {lay.nodes[4].address}"]
     assert "replaced" in str(rows[0]["last_restart_reason"])
     assert rows[0]["restarts_left"] == 2  # a replacement uses up no restart
+    # the relaunch resumed from the first attempt's last checkpoint, not from step 0
+    assert "resumed from step 20" in last_attempt(workdir, session, 0)
     for rank in range(ACTIVE):
         attempt = last_attempt(workdir, session, rank)
         told = ATTEMPT.search(attempt)
