@@ -27,6 +27,7 @@ from ..job import (
 from ..outcome import ProgressFn
 from ..record import replace
 from ..settings import Config, whole
+from .membership import resolve
 from .pool import NodePool, connect
 
 T = TypeVar("T")
@@ -186,14 +187,7 @@ def job_hosts(job: Job, cluster: Sequence[Host]) -> list[Host]:
     the hostfile's nodes that are not spares."""
     if not job.members:
         return active(cluster)
-    by_label = {host.label: host for host in cluster}
-    missing = [label for label in job.members if label not in by_label]
-    if missing:
-        raise JobError(
-            f"{job.hostfile}: the job's nodes {', '.join(missing)} are not in the hostfile any "
-            "more; put them back, or start the job anew with --cmd"
-        )
-    return [by_label[label] for label in job.members]
+    return resolve(job.members, cluster)
 
 
 def on_saved(

@@ -36,14 +36,20 @@ def members_of(
     was launched on. A member the hostfile no longer lists is a ``JobError``."""
     if record is None or not record.members:
         return list(launched)
-    by_label = {host.label: host for host in [*cluster, *launched]}
-    missing = [label for label in record.members if label not in by_label]
+    return resolve(record.members, [*cluster, *launched])
+
+
+def resolve(labels: Sequence[str], known: Sequence[Host]) -> list[Host]:
+    """The nodes ``labels`` name (as the hostfile spells them), in that order; a label none of
+    ``known`` has is a ``JobError``."""
+    by_label = {host.label: host for host in known}
+    missing = [label for label in labels if label not in by_label]
     if missing:
         raise JobError(
             f"the job's nodes {', '.join(missing)} are not in the hostfile any more; put them "
             "back, or start the job anew with --cmd"
         )
-    return [by_label[label] for label in record.members]
+    return [by_label[label] for label in labels]
 
 
 def spares_of(cluster: Sequence[Host], members: Sequence[Host]) -> list[Host]:
