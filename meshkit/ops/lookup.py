@@ -187,7 +187,7 @@ def job_hosts(job: Job, cluster: Sequence[Host]) -> list[Host]:
     the hostfile's nodes that are not spares."""
     if not job.members:
         return active(cluster)
-    return resolve(job.members, cluster)
+    return resolve(job.members, cluster, job.hostfile)
 
 
 def on_saved(

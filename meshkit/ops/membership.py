@@ -39,15 +39,16 @@ def members_of(
     return resolve(record.members, [*cluster, *launched])
 
 
-def resolve(labels: Sequence[str], known: Sequence[Host]) -> list[Host]:
+def resolve(labels: Sequence[str], known: Sequence[Host], where: str = "") -> list[Host]:
     """The nodes ``labels`` name (as the hostfile spells them), in that order; a label none of
-    ``known`` has is a ``JobError``."""
+    ``known`` has is a ``JobError`` (``where``: the hostfile, to name first)."""
     by_label = {host.label: host for host in known}
     missing = [label for label in labels if label not in by_label]
     if missing:
+        head = f"{where}: " if where else ""
         raise JobError(
-            f"the job's nodes {', '.join(missing)} are not in the hostfile any more; put them "
-            "back, or start the job anew with --cmd"
+            f"{head}the job's nodes {', '.join(missing)} are not in the hostfile any more; put "
+            "them back, or start the job anew with --cmd"
         )
     return [by_label[label] for label in labels]
 
