@@ -120,7 +120,9 @@ def test_private_workdirs_are_synced_and_the_job_works_from_any_node(meshed):
     (private(lay, 0, WORK) / "new.txt").write_text("new\n")
     out = run_in(lay, 0, "train", *base)
     assert "relaunching saved job" in out.stdout
-    assert f"synced 2 changed files to {lay.nodes[2].address}" in out.stdout, out.stdout
+    # example_train.py and new.txt, and the example's checkpoint, which rank 0 wrote in node0's
+    # copy of the workdir (checkpoints/sy.pt): the relaunch carries it to the others
+    assert f"synced 3 changed files to {lay.nodes[2].address}" in out.stdout, out.stdout
     for i in (1, 2):
         assert (private(lay, i, WORK) / "example_train.py").read_text().endswith("# v2\n")
         assert (private(lay, i, WORK) / "new.txt").read_text() == "new\n"
