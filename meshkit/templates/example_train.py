@@ -44,13 +44,23 @@ def checkpoint_path(given: str | None) -> str:
     return os.path.join("checkpoints", f"{session}.pt")
 
 
-def load(path: str, rank: int) -> Checkpoint | None:
-    """Rank 0 reads the last checkpoint (None when there is none) and sends it to every rank."""
-    found: list[Checkpoint | None] = [None]
+def load(path: str, rank: int, model: torch.nn.Module, device: str) -> int | None:
+    """Rank 0 reads the last checkpoint into ``model`` and sends its weights and step to every
+    rank; the step it resumes from (None when there is no checkpoint). Tensors only: torch's
+    object broadcast needs numpy, which a torch-only venv lacks."""
+    step = torch.tensor([-1], dtype=torch.long, device=device)
     if rank == 0 and os.path.exists(path):
-        found[0] = torch.load(path, weights_only=True)
-    dist.broadcast_object_list(found, src=0)
-    return found[0]
+        checkpoint: Checkpoint = torch.load(path, weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        step[0] = checkpoint["step"]
+    dist.broadcast(step, src=0)
+    found = int(step.item())
+    if found < 0:
+        return None
+    with torch.no_grad():
+        for parameter in model.parameters():
+            dist.broadcast(parameter.data, src=0)
+    return found
 
 
 def save(path: str, step: int, model: torch.nn.Module) -> None:
@@ -66,11 +76,10 @@ def train(args: argparse.Namespace, rank: int, device: str) -> None:
     model = torch.nn.Linear(8, 1).to(device)
     path = checkpoint_path(args.checkpoint)
     first_step = 0
-    checkpoint = load(path, rank)
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        first_step = checkpoint["step"]
-    if rank == 0 and checkpoint is not None:
+    resumed = load(path, rank, model, device)
+    if resumed is not None:
+        first_step = resumed
+    if rank == 0 and resumed is not None:
         say(f"resumed from step {first_step} ({path})")
     elif rank == 0:
         say(f"no checkpoint at {path}: starting at step 0")
