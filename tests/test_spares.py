@@ -1,121 +1,40 @@
 """Spare nodes on the sandbox (real sshd, tmux, torchrun with gloo): 4 active nodes and 1 spare.
 A node powered off for good mid-run is lost after --replace-after: the spare takes its rank, every
-other node keeps its own, the job runs again and completes; the master's loss moves rank 0 and
-MASTER_ADDR to the spare; a lost node powered on later runs nothing of the job and is listed as a
-spare; with no spare, --min-nodes shrinks the job, and without it the supervisor gives up saying
-why."""
+other node keeps its own, the job runs again and completes from its checkpoint; the master's loss
+moves rank 0 and MASTER_ADDR to the spare; a lost node powered on later runs nothing of the job
+and is listed as a spare; a synced job's workdir reaches the spare first. Shrinking and giving up:
+tests/test_spares_shrink.py (a module of its own: each takes minutes, and modules are what CI's
+workers share out)."""
 
 from __future__ import annotations
 
-import json
-import re
 import shutil
 from pathlib import Path
 
 import pytest
-from conftest import meshkit
-from helpers.sandbox_jobs import NPROC, on_node, private, supervisor_said, wait_for
-
-from meshkit import sandbox
+from helpers.sandbox_jobs import NPROC, private, supervisor_said, wait_for
+from helpers.spares import (
+    ACTIVE,
+    ATTEMPT,
+    REPO,
+    WHO,
+    job_left,
+    last_attempt,
+    mesh_with_spare,
+    power_off,
+    power_on,
+    ran_to_the_end,
+    started,
+    status,
+    train,
+)
 
 SANDBOX_NODES = 5
-ACTIVE = 4
-REPO = Path(__file__).resolve().parent.parent
-REPLACE_AFTER = "8s"
-WHO = re.compile(
-    r"meshkit-example rank=(\d+) world_size=(\d+) node_rank=\S+ meshkit_node_rank=(\d+) "
-    r"local_rank=\S+ host=(\S+) sum=(\d+) expected=(\d+)"
-)
-ATTEMPT = re.compile(r"attempt=(\d+) reason=(\S+) generation=(\d+) master=(\S+)")
-
-
-def job_cmd(session: str, spawn: bool = False) -> str:
-    """The example job under torchrun (or spawned by meshkit run). Each attempt first says what
-    it was told; the first sleeps (so it still runs when the test powers a node off) until the
-    test writes SESSION.sleep."""
-    said = "echo attempt=$((MESHKIT_RESTART_COUNT + 1)) reason=$MESHKIT_RESTART_REASON"
-    said += " generation=$MESHKIT_GENERATION master=$MASTER_ADDR"
-    sleep = f"$(cat {session}.sleep 2>/dev/null || echo 600)"
-    launcher = "python" if spawn else "torchrun"
-    return f"{said}; {launcher} example_train.py --sleep {sleep}"
 
 
 @pytest.fixture(scope="module")
 def meshed(cluster):
-    hostfile = cluster.root / "hostfile-spares"  # beside the sandbox's: its ssh settings
-    lines = [node.address for node in cluster.nodes[:ACTIVE]]
-    lines += [f"{node.address} spare" for node in cluster.nodes[ACTIVE:]]
-    hostfile.write_text("\n".join(lines) + "\n")
-    out = meshkit("mesh", "--hostfile", str(hostfile), "--no-verify")
-    assert out.returncode == 0, out.stdout + out.stderr
-    workdir = cluster.shared / "work"
-    workdir.mkdir()
-    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir / "example_train.py")
-    return cluster, workdir, hostfile
-
-
-def power_off(lay, index: int) -> None:
-    sandbox.poweroff(lay, index)
-
-
-def power_on(lay, index: int) -> None:
-    sandbox.poweron(lay, index)
-
-
-def train(
-    lay,
-    workdir: Path,
-    hostfile: Path,
-    session: str,
-    *args: str,
-    node: int = 0,
-    spawn: bool = False,
-    replace_after: str = REPLACE_AFTER,
-):
-    flags = ["--hostfile", str(hostfile), "--session", session, "--nproc-per-node", str(NPROC)]
-    flags += ["--restarts", "2", "--replace-after", replace_after, *args]
-    if spawn:
-        flags.append("--spawn")
-    out = on_node(lay, node, workdir, "train", *flags, "--cmd", job_cmd(session, spawn))
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out
-
-
-def status(lay, workdir: Path, session: str, node: int) -> list[dict[str, object]]:
-    out = on_node(lay, node, workdir, "status", "--session", session, "--json")
-    assert out.stdout.strip(), out.stderr
-    return json.loads(out.stdout)
-
-
-def last_attempt(workdir: Path, session: str, rank: int) -> str:
-    log = workdir / ".meshkit" / session / f"node{rank}.log"
-    if not log.exists():
-        return ""
-    return log.read_text().split("===== meshkit: attempt ")[-1]
-
-
-def ran_to_the_end(workdir: Path, session: str, ranks: int) -> bool:
-    """Whether every rank of the last attempt of ``ranks`` nodes reported its all_reduce."""
-    for rank in range(ranks):
-        if len(WHO.findall(last_attempt(workdir, session, rank))) != NPROC:
-            return False
-    return True
-
-
-def started(lay, workdir: Path, session: str, nodes: int = ACTIVE) -> None:
-    """Once every node's first attempt runs (each rank's all_reduce reported)."""
-    wait_for(lambda: ran_to_the_end(workdir, session, nodes), timeout=240, interval=2)
-
-
-def node_of(lay, address: str) -> int:
-    return next(node.index for node in lay.nodes if node.address == address)
-
-
-def job_left(lay, index: int) -> list[str]:
-    out = sandbox.node_exec(
-        lay.nodes[index], ["pgrep", "-af", "example_train|torchrun|-m meshkit (run|supervise)"]
-    )
-    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+    return mesh_with_spare(cluster)
 
 
 def test_a_node_lost_for_good_is_replaced_by_the_spare_which_takes_its_rank(meshed):
@@ -206,75 +125,6 @@ def test_the_master_lost_moves_rank_0_and_master_addr_to_the_spare(meshed):
         assert ran_to_the_end(workdir, session, ACTIVE)
     finally:
         power_on(lay, 0)
-
-
-def test_the_leader_lost_mid_replacement_makes_one_replacement_then_min_nodes_shrinks(meshed):
-    """Node 2 lost: the leader (node 0) replaces it with the spare; node 0 powered off as soon as
-    it has claimed that replacement: the next leader finishes the same replacement (exactly
-    one), then, with no spare left and --min-nodes 3, goes on without node 0 on 3 nodes."""
-    lay, workdir, hostfile = meshed
-    session = "leader"
-    train(lay, workdir, hostfile, session, "--min-nodes", "3", node=3, spawn=True)
-    started(lay, workdir, session)
-    power_off(lay, 2)
-    (workdir / f"{session}.sleep").write_text("0\n")
-    try:
-        wait_for(
-            lambda: supervisor_said(workdir, session, "generation 2: replaced"),
-            timeout=120,
-            interval=0.5,
-        )
-        power_off(lay, 0)
-        wait_for(lambda: supervisor_said(workdir, session, " done: "), timeout=300, interval=2)
-        rows = status(lay, workdir, session, node=3)
-        assert [row["host"] for row in rows] == [
-            lay.nodes[1].address,
-            lay.nodes[3].address,
-            lay.nodes[4].address,
-        ]
-        head = rows[0]
-        assert head["supervisor"] == "done"
-        assert head["generation"] == 3
-        assert head["replaced"] == [f"{lay.nodes[2].address} -> {lay.nodes[4].address}"]
-        assert sorted(head["lost"]) == sorted([lay.nodes[0].address, lay.nodes[2].address])
-        assert "shrunk" in str(head["last_restart_reason"])
-        for rank in range(3):
-            attempt = last_attempt(workdir, session, rank)
-            told = ATTEMPT.search(attempt)
-            assert told is not None, attempt
-            assert told.group(2) == "shrunk"
-            assert told.group(4) == lay.nodes[1].address
-            found = WHO.findall(attempt)
-            assert len(found) == NPROC
-            assert all(int(world) == 3 * NPROC for _r, world, *_rest in found)
-    finally:
-        power_on(lay, 0)
-        power_on(lay, 2)
-
-
-def test_no_spare_and_no_min_nodes_gives_up_after_the_bound_saying_so(meshed):
-    lay, workdir, _ = meshed
-    two = lay.root / "hostfile-two"
-    two.write_text(f"{lay.nodes[1].address}\n{lay.nodes[3].address}\n")
-    session = "nospare"
-    train(lay, workdir, two, session, node=1)
-    started(lay, workdir, session, nodes=2)
-    power_off(lay, 3)
-    (workdir / f"{session}.sleep").write_text("0\n")
-    try:
-        wait_for(lambda: supervisor_said(workdir, session, " gave up: "), timeout=150, interval=2)
-        out = on_node(
-            lay, 1, workdir, "status", "--session", session, "--hostfile", str(two), "--json"
-        )
-        head = json.loads(out.stdout)[0]
-        assert head["supervisor"] == "gave up"
-        why = str(head["last_restart_reason"])
-        assert lay.nodes[3].address in why
-        assert "--replace-after" in why
-        assert "no spare" in why
-        assert job_left(lay, 1) == []  # what was left of the job is ended, not left waiting
-    finally:
-        power_on(lay, 3)
 
 
 def test_a_synced_job_syncs_the_workdir_to_the_spare_that_replaces_a_lost_node(meshed):

@@ -1,0 +1,107 @@
+"""The spare-node scenarios' shared parts (tests/test_spares.py, tests/test_spares_shrink.py):
+a meshed hostfile with a spare line, the example job under torchrun or --spawn, power, status
+and what each attempt said."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from conftest import meshkit
+
+from helpers.sandbox_jobs import NPROC, RESULT, on_node, wait_for
+from meshkit import sandbox
+
+ACTIVE = 4
+REPO = Path(__file__).resolve().parent.parent.parent
+REPLACE_AFTER = "8s"
+WHO = RESULT  # each rank's line of the example: rank, world, node rank, host, sums
+ATTEMPT = re.compile(r"attempt=(\d+) reason=(\S+) generation=(\d+) master=(\S+)")
+
+
+def job_cmd(session: str, spawn: bool = False) -> str:
+    """The example job under torchrun (or spawned by meshkit run). Each attempt first says what
+    it was told; the first sleeps (so it still runs when the test powers a node off) until the
+    test writes SESSION.sleep."""
+    said = "echo attempt=$((MESHKIT_RESTART_COUNT + 1)) reason=$MESHKIT_RESTART_REASON"
+    said += " generation=$MESHKIT_GENERATION master=$MASTER_ADDR"
+    sleep = f"$(cat {session}.sleep 2>/dev/null || echo 600)"
+    launcher = "python" if spawn else "torchrun"
+    return f"{said}; {launcher} example_train.py --sleep {sleep}"
+
+
+def mesh_with_spare(cluster):
+    """A hostfile of the sandbox's first ACTIVE nodes and the rest as spares (beside the sandbox's
+    own: its ssh settings), meshed, and a shared workdir holding the example."""
+    hostfile = cluster.root / "hostfile-spares"
+    lines = [node.address for node in cluster.nodes[:ACTIVE]]
+    lines += [f"{node.address} spare" for node in cluster.nodes[ACTIVE:]]
+    hostfile.write_text("\n".join(lines) + "\n")
+    out = meshkit("mesh", "--hostfile", str(hostfile), "--no-verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+    workdir = cluster.shared / "work"
+    workdir.mkdir()
+    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir / "example_train.py")
+    return cluster, workdir, hostfile
+
+
+def power_off(lay, index: int) -> None:
+    sandbox.poweroff(lay, index)
+
+
+def power_on(lay, index: int) -> None:
+    sandbox.poweron(lay, index)
+
+
+def train(
+    lay,
+    workdir: Path,
+    hostfile: Path,
+    session: str,
+    *args: str,
+    node: int = 0,
+    spawn: bool = False,
+    replace_after: str = REPLACE_AFTER,
+):
+    flags = ["--hostfile", str(hostfile), "--session", session, "--nproc-per-node", str(NPROC)]
+    flags += ["--restarts", "2", "--replace-after", replace_after, *args]
+    if spawn:
+        flags.append("--spawn")
+    out = on_node(lay, node, workdir, "train", *flags, "--cmd", job_cmd(session, spawn))
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def status(lay, workdir: Path, session: str, node: int) -> list[dict[str, object]]:
+    out = on_node(lay, node, workdir, "status", "--session", session, "--json")
+    assert out.stdout.strip(), out.stderr
+    return json.loads(out.stdout)
+
+
+def last_attempt(workdir: Path, session: str, rank: int) -> str:
+    log = workdir / ".meshkit" / session / f"node{rank}.log"
+    if not log.exists():
+        return ""
+    return log.read_text().split("===== meshkit: attempt ")[-1]
+
+
+def ran_to_the_end(workdir: Path, session: str, ranks: int) -> bool:
+    """Whether every rank of the last attempt of ``ranks`` nodes reported its all_reduce."""
+    for rank in range(ranks):
+        if len(WHO.findall(last_attempt(workdir, session, rank))) != NPROC:
+            return False
+    return True
+
+
+def started(lay, workdir: Path, session: str, nodes: int = ACTIVE) -> None:
+    """Once every node's first attempt runs (each rank's all_reduce reported)."""
+    wait_for(lambda: ran_to_the_end(workdir, session, nodes), timeout=240, interval=2)
+
+
+def job_left(lay, index: int) -> list[str]:
+    out = sandbox.node_exec(
+        lay.nodes[index], ["pgrep", "-af", "example_train|torchrun|-m meshkit (run|supervise)"]
+    )
+    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
