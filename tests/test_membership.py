@@ -131,10 +131,32 @@ def test_min_nodes_bounds_a_shrink_and_only_a_majority_may_shrink():
     assert plan(five, [N2, N3, N4], [], CLUSTER, 1) is None  # 2 of 5: a minority
     assert plan(MEMBERS, [N3, N4], [], CLUSTER, 2) is None  # half is no majority either
     assert plan([N1, N2], [N2], [], CLUSTER, 1) is None
-    # too few spares for every lost node: the nodes left go on without them
-    partial = plan(five, [N2, N4], [S2], CLUSTER, 3)
+
+
+def test_too_few_spares_take_what_ranks_they_can_and_the_job_shrinks_by_the_rest():
+    five = [N1, N2, N3, N4, S1]
+    partial = plan(five, [N4, N2], [S2], CLUSTER, 3)
     assert partial is not None
-    assert (partial.reason, partial.members) == (RestartReason.SHRUNK, [N1, N3, S1])
+    assert partial.reason == RestartReason.SHRUNK
+    # n2 (the lower rank) gets the spare; n4 none: a shrink, renumbered in hostfile order
+    assert partial.members == [N1, N3, S1, S2]
+    assert (partial.added, partial.replaced, partial.dropped) == ([S2], ["n2 -> s2"], [N4])
+    assert partial.lost == [N4, N2]
+    assert reason_of_change(partial) == (
+        "shrunk: n2 -> s2; no healthy spare for n4 (n4, n2 lost); running on 4 nodes"
+    )
+    # the spare is what keeps --min-nodes 4: without it, too few are left
+    assert plan(five, [N2, N4], [], CLUSTER, 4) is None
+    with_spare = plan(five, [N2, N4], [S2], CLUSTER, 4)
+    assert with_spare is not None
+    assert with_spare.members == [N1, N3, S1, S2]
+    # no --min-nodes, or fewer left than it: no shrink, spares or not (wait, then give up)
+    assert plan(five, [N2, N4], [S2], CLUSTER, None) is None
+    assert plan(five, [N2, N4], [S2], CLUSTER, 5) is None
+    # only the nodes that survived count toward the majority, not the spares joining them: a
+    # partition's minority with a spare on its side must not go on beside the rest
+    assert plan(MEMBERS, [N3, N4], [S1], CLUSTER, 1) is None
+    assert plan(five, [N2, N3, N4], [S2], CLUSTER, 1) is None
 
 
 # ---- what a supervisor writes and follows -----------------------------------------------------
