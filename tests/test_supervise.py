@@ -708,3 +708,54 @@ def test_a_node_that_goes_silent_is_replaced_the_bound_after_its_first_unanswere
     assert claim is not None
     assert (claim.generation, claim.members) == (2, ["10.0.0.1", "10.0.0.2", "10.0.0.9"])
     assert claim.waiting is None
+
+
+# ---- a copy with an absurd generation: ignored, not followed ---------------------------------
+
+
+def test_a_generation_more_than_the_node_count_ahead_is_not_believable():
+    record = Supervision(SupervisorState.RUNNING, 1, 2, generation=7)
+    assert not sup.far_ahead(record, 4, 3)  # 3 changes while this one looked on: may be
+    assert sup.far_ahead(record, 3, 3)
+    assert sup.far_ahead(replace(record, generation=10**18), 1, 4096)
+
+
+def test_a_node_whose_copy_claims_an_absurd_generation_is_ignored_and_its_copy_replaced():
+    """Node 1's copy says generation 10^9, with a membership that leaves node 1 out: the
+    newest generation wins, so followed it would pin the record there and fence a healthy
+    node. The leader names it in the log once, follows nothing, and its next write replaces
+    the copy (its version lifted past that one's)."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    pool = ScriptedPool([[st("running")] * 3, [st("exited", 0, 2.0)] * 3], {0, 1, 2})
+    sup.write(pool, job, HOSTS, first_record(2), 0, every=True)
+    bad = Supervision(
+        SupervisorState.RUNNING,
+        1,
+        2,
+        version=40,
+        generation=10**9,
+        members=[HOSTS[0].label, HOSTS[2].label],
+    )
+    pool.copies[HOSTS[1]] = bad.to_json()
+    said: list[str] = []
+    final = Supervisor(
+        lambda hosts, wait: nullcontext(pool),
+        job,
+        HOSTS,
+        0,
+        said.append,
+        interval=0,
+        base_backoff=0,
+        relaunch=launched_rows,
+        gate=lambda *a: [],
+    ).run()
+    assert final.supervisor == SupervisorState.DONE
+    assert (final.generation, final.members) == (1, [])
+    assert final.version == 41
+    assert pool.records() == [final] * 3  # node 1's copy replaced too
+    ignored = [line for line in said if "ignored, not followed" in line]
+    assert ignored == [
+        "10.0.0.2: its supervision record says generation 1000000000, more than 3 past "
+        "generation 1: ignored, not followed"
+    ]
+    assert not any("this node is rank" in line for line in said)

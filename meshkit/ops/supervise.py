@@ -31,7 +31,7 @@ from ..record import replace
 from . import jobs as ops
 from .membership import Change, members_of, plan, reason_of_change, spares_of
 from .pool import NodePool
-from .supervision import ask, live_ranks, newest, start_all, write
+from .supervision import Answers, ask, far_ahead, live_ranks, newest, start_all, write
 from .supervision_policy import (
     BACKOFF,
     Action,
@@ -166,6 +166,7 @@ class Supervisor:
         if not self.cluster:
             self.cluster = list(self.hosts)
         self.silence = Silence()  # since when each node has not answered
+        self.ignored: set[tuple[Host, int]] = set()  # copies far ahead, as the log named them
 
     def run(self) -> Supervision:
         while True:
@@ -209,13 +210,39 @@ class Supervisor:
         asked = time.monotonic()
         answers = ask(pool, self.job, self.hosts, timeout=POLL_TIMEOUT)
         self._hear(pool, answers, asked)
-        record = newest(reply.record for reply in answers.values())
+        record = self._believed(answers)
         moved = self._follow(record)
         if moved:
             return Look({self.me}, record, len(answers), moved=True)
         live = live_ranks(self.hosts, answers)
         silent = [host for host in self.hosts if host not in answers]
         return Look(live | {self.me}, record, len(answers), silent)
+
+    def _believed(self, answers: Answers) -> Supervision | None:
+        """The newest record of the nodes' copies, a copy ``far_ahead`` of the generation this
+        supervisor knows left out (named in the log once). Its version is lifted past any
+        copy left out, so the next write replaces that one too."""
+        copies = []
+        versions = []
+        for host, reply in answers.items():
+            copy = reply.record
+            if copy is None:
+                continue
+            if far_ahead(copy, self.job.generation, len(self.cluster)):
+                versions.append(copy.version)
+                if (host, copy.generation) not in self.ignored:
+                    self.ignored.add((host, copy.generation))
+                    self.say(
+                        f"{host.label}: its supervision record says generation "
+                        f"{copy.generation}, more than {len(self.cluster)} past generation "
+                        f"{self.job.generation}: ignored, not followed"
+                    )
+                continue
+            copies.append(copy)
+        record = newest(copies)
+        if record is None or not versions:
+            return record
+        return replace(record, version=max(record.version, *versions))
 
     def _follow(self, record: Supervision | None) -> bool:
         """Take ``record``'s membership as this supervisor's (its nodes, this node's rank, the
