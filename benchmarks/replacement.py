@@ -7,7 +7,9 @@ supervised job (``train --restarts 1 --replace-after S --cmd 'sleep 600'``: the 
 costs nothing to start, so what is measured is meshkit's), powers off node N-1 (``sandbox.
 poweroff``), and times, from the power-off:
 
-- ``lost``: the leader's supervisor logs that it waits for the node (it saw the failure);
+- ``noticed``: the leader's supervisor logs that it waits for the node (a poll went unanswered);
+- ``lost``: it logs the node lost (no answer for the bound since that poll, and a new connection
+  failed too);
 - ``claimed``: the new generation is claimed (the spare chosen and checked);
 - ``running``: the leader logs that the attempt started, and every node of the new membership
   runs the job (read from the nodes' own process tables).
@@ -29,9 +31,9 @@ import time
 from pathlib import Path
 
 from meshkit import sandbox
+from meshkit.sandbox.layout import default_subnet
 
 NAME = "brepl"
-SUBNET = "10.77.241.0/24"
 
 
 def node_meshkit(lay: sandbox.Layout, index: int, cwd: Path, *args: str) -> str:
@@ -75,8 +77,9 @@ def one(lay: sandbox.Layout, hostfile: Path, work: Path, active: int, bound: flo
     off = time.monotonic()
     sandbox.poweroff(lay, lost)
     try:
-        seen = wait(lambda: said(home, "waiting for"), 120)
-        claimed = wait(lambda: said(home, "generation 2:"), bound + 120)
+        noticed = wait(lambda: said(home, "waiting for"), 120)
+        lost_at = wait(lambda: said(home, " lost: "), bound + 120)
+        claimed = wait(lambda: said(home, "generation 2:"), 120)
         wait(lambda: said(home, "attempt 2 started"), 120)
         members = [*range(lost), spare]
         running = wait(lambda: all(runs_job(lay, i, marker) for i in members), 120)
@@ -84,7 +87,8 @@ def one(lay: sandbox.Layout, hostfile: Path, work: Path, active: int, bound: flo
         node_meshkit(lay, 0, work, "stop", "--hostfile", str(hostfile), "--session", session)
         sandbox.poweron(lay, lost)
     return {
-        "lost": round(seen - off, 2),
+        "noticed": round(noticed - off, 2),
+        "lost": round(lost_at - off, 2),
         "claimed": round(claimed - off, 2),
         "running": round(running - off, 2),
         "over_bound": round(running - off - bound, 2),
@@ -99,7 +103,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/replacement.json")
     args = parser.parse_args()
     root = Path(f"/var/tmp/meshkit-bench-{NAME}")
-    lay = sandbox.up(root, SUBNET, args.nodes + 1, NAME)
+    lay = sandbox.up(root, default_subnet("", NAME), args.nodes + 1, NAME)
     samples = []
     try:
         hostfile = lay.root / "hostfile-spare"
