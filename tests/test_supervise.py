@@ -677,10 +677,15 @@ def test_a_node_that_goes_silent_is_replaced_the_bound_after_its_first_unanswere
     sup.write(pool, job, HOSTS[:2], first_record(2), 0)
     said: list[str] = []
     claimed: list[float] = []
+    gated: list[list[Host]] = []
 
     def relaunch(pool_, job_, attempt):
         claimed.append(time.monotonic())
         raise Claimed
+
+    def gate(pool_, job_, hosts):
+        gated.append(list(hosts))
+        return []
 
     with pytest.raises(Claimed):
         Supervisor(
@@ -692,7 +697,7 @@ def test_a_node_that_goes_silent_is_replaced_the_bound_after_its_first_unanswere
             interval=0,
             base_backoff=0,
             relaunch=relaunch,
-            gate=lambda *a: [],
+            gate=gate,
             cluster=[*HOSTS, spare],
         ).run()
     assert pool.first_missed is not None
@@ -708,6 +713,8 @@ def test_a_node_that_goes_silent_is_replaced_the_bound_after_its_first_unanswere
     assert claim is not None
     assert (claim.generation, claim.members) == (2, ["10.0.0.1", "10.0.0.2", "10.0.0.9"])
     assert claim.waiting is None
+    # the new membership's quick checks ran once, before the claim, not again before the launch
+    assert gated == [[HOSTS[0], HOSTS[1], spare]]
 
 
 # ---- a copy with an absurd generation: ignored, not followed ---------------------------------

@@ -640,11 +640,15 @@ class Supervisor:
                 return None
             self.say(f"generation {claimed.generation}: {claimed.last_restart_reason}")
             self._follow(claimed)
-            return self._finish(pool, claimed)
+            # the checks just passed on every node of it: not run again before the launch
+            return self._finish(pool, claimed, checked=not held)
 
-    def _finish(self, pool: NodePool, claimed: Supervision) -> Supervision | None:
-        """Make the claimed attempt: stop the job everywhere, hold while the health gate fails,
-        launch, then a supervisor on every node again."""
+    def _finish(
+        self, pool: NodePool, claimed: Supervision, checked: bool = False
+    ) -> Supervision | None:
+        """Make the claimed attempt: stop the job everywhere, hold while the health gate fails
+        (``checked``: it passed on every node just before the claim), launch, then a supervisor
+        on every node again."""
         job = self.job
         hosts = self.hosts
         say = self.say
@@ -653,7 +657,7 @@ class Supervisor:
         say(f"attempt {attempt}: relaunching (of {last}); stopping the job")
         ops.stop(pool, job, hosts)
         deadline = time.monotonic() + COME_BACK
-        while True:
+        while not checked:
             held = self.gate(pool, job, hosts)
             if not held:
                 break
