@@ -4,8 +4,8 @@
 ``python -m benchmarks.replacement [N] [--replace-after S] [--repeats R] [--out FILE]`` (root)
 builds a sandbox of N active nodes and one spare (default 8 + 1), meshes it, and R times starts a
 supervised job (``train --restarts 1 --replace-after S --cmd 'sleep 600'``: the job itself
-costs nothing to start, so what is measured is meshkit's), powers off node N-1 (``sandbox.
-poweroff``), and times, from the power-off:
+costs nothing to start, so what is measured is meshkit's), waits until every supervisor watches
+it, powers off node N-1 (``sandbox.poweroff``), and times, from the power-off:
 
 - ``noticed``: the leader's supervisor logs that it waits for the node (a poll went unanswered);
 - ``lost``: it logs the node lost (no answer for the bound since that poll, and a new connection
@@ -34,6 +34,7 @@ from meshkit import sandbox
 from meshkit.sandbox.layout import default_subnet
 
 NAME = "brepl"
+SETTLE = 5.0  # seconds the supervisors get to settle into watching before the power-off
 
 
 def node_meshkit(lay: sandbox.Layout, index: int, cwd: Path, *args: str) -> str:
@@ -72,6 +73,10 @@ def one(lay: sandbox.Layout, hostfile: Path, work: Path, active: int, bound: flo
     node_meshkit(lay, 0, work, "train", *flags)
     home = work / ".meshkit" / session
     wait(lambda: all(runs_job(lay, i, marker) for i in range(active)), 120)
+    # a node lost mid-run: every supervisor up, and the leader past its first look
+    logs = [home / f"supervisor-node{rank}.log" for rank in range(active)]
+    wait(lambda: all(log.exists() and "supervising" in log.read_text() for log in logs), 120)
+    time.sleep(SETTLE)
     lost = active - 1
     spare = active
     off = time.monotonic()

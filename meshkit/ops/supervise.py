@@ -166,10 +166,12 @@ class Supervisor:
         if not self.cluster:
             self.cluster = list(self.hosts)
         self.silence = Silence()  # since when each node has not answered
+        self.opened = time.monotonic()  # when the pool being looked through was opened
         self.ignored: set[tuple[Host, int]] = set()  # copies far ahead, as the log named them
 
     def run(self) -> Supervision:
         while True:
+            self.opened = time.monotonic()
             with self.connect(self.hosts, 0.0) as pool:
                 outcome = self._serve(pool)
             if isinstance(outcome, Supervision):
@@ -190,12 +192,12 @@ class Supervisor:
 
     def _hear(self, pool: NodePool, answered: Collection[Host], asked: float) -> None:
         """Note in ``silence`` which nodes answered a poll sent at ``asked``: the others left it
-        unanswered, or could not be connected to at all."""
+        unanswered, or could not be connected to at all (since the pool's opening)."""
         for host in self.hosts:
             if host in answered:
                 self.silence.heard(host)
             elif host in pool.failures:
-                self.silence.unreachable(host, asked)
+                self.silence.unreachable(host, self.opened)
             else:
                 self.silence.missed(host, asked)
 
@@ -427,7 +429,10 @@ class Supervisor:
             self._moved()
             now = time.monotonic()
             deadline = self.silence.until(self.silence.silent(self.hosts), bound, now)
-            wait = min(RECONNECT, max(0.0, deadline - now))
+            # a try at a node that is off takes about RECONNECT (the connect timeout), so the
+            # tries stop a try's length before the deadline instead of running past it
+            wait = min(RECONNECT, max(0.0, deadline - now - RECONNECT))
+            self.opened = now
             with self.connect(self.hosts, wait) as pool:
                 for host in self.hosts:
                     if host in pool.failures:
