@@ -129,8 +129,8 @@ def discover(
             spare = topology.spare_match(spares, spare_addresses, local, this_host)
             if spare is None:
                 raise
-            job = membership_job(str(hostfile_path), session, spare)
-            if job is None:
+            job = membership_job(str(hostfile_path), session)
+            if job is None or spare.label not in job.members:
                 raise TopologyError(
                     f"{hostfile_path}:{spare.lineno}: this machine ({this_host}) is a spare of "
                     "this hostfile: it takes no rank until a supervised job's membership gives "
@@ -138,17 +138,20 @@ def discover(
                     "line to give it a rank"
                 ) from None
             # a spare that took a lost node's rank: its place is in the job's membership
-            if master_port is None:
-                master_port = job.master_port
-            if nproc_per_node is None:
-                nproc_per_node = job.nproc_per_node
-            return discover(
-                job.node_hostfile,
-                session=session,
-                master_port=master_port,
-                nproc_per_node=nproc_per_node,
-                environ=env,
-            )
+            return in_membership(job, session, master_port, nproc_per_node, env)
+        # the job's membership changed (a node lost, the master moved, a shrink): its place
+        # there, not its line's, is this node's rank
+        job = membership_job(str(hostfile_path), session)
+        if job is not None:
+            this = hosts[match.rank]
+            if this.label not in job.members:
+                raise TopologyError(
+                    f"{hostfile_path}:{this.lineno}: this machine ({this_host}) is not in the "
+                    f"membership of session {session}'s job (generation {job.generation}): it "
+                    "was lost and its rank went to a spare, or the job shrank without it; it is "
+                    "a spare of that job now (`meshkit status` shows the membership)"
+                )
+            return in_membership(job, session, master_port, nproc_per_node, env)
     if placement is not None and placement.verify_master and not hostfile_decides:
         master_addresses: tuple[str, ...] = ()
         if placement.master_addr:
@@ -169,20 +172,49 @@ def discover(
     return with_interface(node, match, env, local)
 
 
-def membership_job(hostfile_path: str, session: str, spare: Host) -> Job | None:
+def in_membership(
+    job: Job,
+    session: str,
+    master_port: int | None,
+    nproc_per_node: int | None,
+    environ: dict[str, str],
+) -> NodeEnv:
+    """This node's place in ``job``'s membership (its own hostfile, the nodes in rank order),
+    with the job's port and processes per node unless given."""
+    if master_port is None:
+        master_port = job.master_port
+    if nproc_per_node is None:
+        nproc_per_node = job.nproc_per_node
+    return discover(
+        job.node_hostfile,
+        session=session,
+        master_port=master_port,
+        nproc_per_node=nproc_per_node,
+        environ=environ,
+    )
+
+
+def index_beside(hostfile_path: str, session: str) -> str:
+    """Where a job of ``session`` on this hostfile is indexed: ``job.index_file``, spelled with
+    os.path (pathlib is not imported on every node's start)."""
+    absolute = os.path.abspath(hostfile_path)
+    name = f"{os.path.basename(absolute)}--{session}.json"
+    return os.path.join(os.path.dirname(absolute), ".meshkit", "jobs", name)
+
+
+def membership_job(hostfile_path: str, session: str) -> Job | None:
     """The saved job of ``session`` beside this hostfile (through its index, as ``status`` finds
-    it) when its membership gives ``spare`` a rank; None when there is no such job, it does not
-    read, or its membership leaves this node out."""
-    # imported here: only a spare reads a job, every other node's discovery stays lean
-    from .job import check_session, from_json, index_file, job_file, workdir_from_index
+    it) when its membership changed since its launch; None when there is no such job, it does
+    not read, or its membership is the hostfile's."""
+    index_text = _read_small(index_beside(hostfile_path, session))
+    if index_text is None:
+        return None  # no job here (most starts): nothing more is read or imported
+    # imported here: only a node beside a saved job reads it
+    from .job import check_session, from_json, job_file, workdir_from_index
 
     try:
         check_session(session)
-        index_path = str(index_file(os.path.abspath(hostfile_path), session))
-        index_text = _read_small(index_path)
-        if index_text is None:
-            return None
-        workdir = workdir_from_index(index_text, index_path)
+        workdir = workdir_from_index(index_text, index_beside(hostfile_path, session))
         job_path = str(job_file(workdir, session))
         job_text = _read_small(job_path)
         if job_text is None:
@@ -190,7 +222,7 @@ def membership_job(hostfile_path: str, session: str, spare: Host) -> Job | None:
         job = from_json(job_text, job_path)
     except (JobError, UsageError):
         return None
-    if spare.label not in job.members:
+    if not job.members:
         return None
     return job
 

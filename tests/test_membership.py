@@ -10,12 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.saved_jobs import saved_job
 
 from meshkit import localnet
-from meshkit.discovery import discover, read_hosts
+from meshkit.discovery import discover, index_beside, read_hosts
 from meshkit.distenv import NodeEnv
 from meshkit.errors import HostfileError, JobError, TopologyError, UsageError
-from meshkit.hostfile import Host, members_text, parse
+from meshkit.hostfile import Host, parse
 from meshkit.job import REPLACE_AFTER, Job, from_json, parse_duration, restart_env
 from meshkit.ops import train
 from meshkit.ops.lookup import Options, check_options, job_hosts, min_nodes_flag
@@ -131,10 +132,32 @@ def test_min_nodes_bounds_a_shrink_and_only_a_majority_may_shrink():
     assert plan(five, [N2, N3, N4], [], CLUSTER, 1) is None  # 2 of 5: a minority
     assert plan(MEMBERS, [N3, N4], [], CLUSTER, 2) is None  # half is no majority either
     assert plan([N1, N2], [N2], [], CLUSTER, 1) is None
-    # too few spares for every lost node: the nodes left go on without them
-    partial = plan(five, [N2, N4], [S2], CLUSTER, 3)
+
+
+def test_too_few_spares_take_what_ranks_they_can_and_the_job_shrinks_by_the_rest():
+    five = [N1, N2, N3, N4, S1]
+    partial = plan(five, [N4, N2], [S2], CLUSTER, 3)
     assert partial is not None
-    assert (partial.reason, partial.members) == (RestartReason.SHRUNK, [N1, N3, S1])
+    assert partial.reason == RestartReason.SHRUNK
+    # n2 (the lower rank) gets the spare; n4 none: a shrink, renumbered in hostfile order
+    assert partial.members == [N1, N3, S1, S2]
+    assert (partial.added, partial.replaced, partial.dropped) == ([S2], ["n2 -> s2"], [N4])
+    assert partial.lost == [N4, N2]
+    assert reason_of_change(partial) == (
+        "shrunk: n2 -> s2; no healthy spare for n4 (n4, n2 lost); running on 4 nodes"
+    )
+    # the spare is what keeps --min-nodes 4: without it, too few are left
+    assert plan(five, [N2, N4], [], CLUSTER, 4) is None
+    with_spare = plan(five, [N2, N4], [S2], CLUSTER, 4)
+    assert with_spare is not None
+    assert with_spare.members == [N1, N3, S1, S2]
+    # no --min-nodes, or fewer left than it: no shrink, spares or not (wait, then give up)
+    assert plan(five, [N2, N4], [S2], CLUSTER, None) is None
+    assert plan(five, [N2, N4], [S2], CLUSTER, 5) is None
+    # only the nodes that survived count toward the majority, not the spares joining them: a
+    # partition's minority with a spare on its side must not go on beside the rest
+    assert plan(MEMBERS, [N3, N4], [S1], CLUSTER, 1) is None
+    assert plan(five, [N2, N3, N4], [S2], CLUSTER, 1) is None
 
 
 # ---- what a supervisor writes and follows -----------------------------------------------------
@@ -303,23 +326,6 @@ def on_a_spare(tmp_path: Path) -> tuple[Path, str]:
     return path, mine
 
 
-def saved_job(hostfile: Path, members: tuple[str, ...], generation: int = 2) -> Job:
-    """A supervised job of ``hostfile`` as its launch saves it: the job file, the index beside the
-    hostfile, and (after a change of membership) the membership's hostfile."""
-    workdir = hostfile.parent / "work"
-    job = Job("x", str(workdir), "s", str(hostfile), sys.executable, 25123, restarts=2)
-    job = replace(job, generation=generation, members=members)
-    Path(job.file).parent.mkdir(parents=True, exist_ok=True)
-    Path(job.file).write_text(job.to_json())
-    Path(job.index).parent.mkdir(parents=True, exist_ok=True)
-    Path(job.index).write_text(job.index_json())
-    if members:
-        by_label = {host.label: host for host in parse(hostfile.read_text())}
-        text = members_text([by_label[label] for label in members])
-        Path(job.node_hostfile).write_text(text)
-    return job
-
-
 def env_on(hostfile: Path, session: str = "s") -> NodeEnv:
     return discover(hostfile, session=session, environ={"MESHKIT_HOSTNAME": "not-a-line"})
 
@@ -368,6 +374,46 @@ def test_a_job_file_that_does_not_read_leaves_the_spare_a_spare(on_a_spare):
     Path(job.index).write_text('{"workdir": "relative/path"}')
     with pytest.raises(TopologyError, match="is a spare of this hostfile"):
         env_on(hostfile)
+
+
+@pytest.fixture
+def on_a_member(tmp_path: Path) -> tuple[Path, str]:
+    """A hostfile whose third line, not a spare, is this machine."""
+    mine = this_machines_address()
+    path = tmp_path / "hostfile"
+    path.write_text(
+        f"10.255.0.1 slots=2\n10.255.0.2 slots=2\n{mine} slots=2\n10.255.0.9 slots=2 spare\n"
+    )
+    return path, mine
+
+
+def test_env_on_a_member_prints_its_rank_in_the_jobs_changed_membership(on_a_member):
+    hostfile, mine = on_a_member
+    assert env_on(hostfile).node_rank == 2  # no saved job: its line's rank
+    saved_job(hostfile, (), generation=1)  # the job as launched: the hostfile's ranks
+    assert env_on(hostfile).node_rank == 2
+    # 10.255.0.2 lost, no spare healthy, --min-nodes: the job shrank, this node is rank 1 now
+    job = saved_job(hostfile, ("10.255.0.1", mine), generation=2)
+    node = env_on(hostfile)
+    assert (node.node_rank, node.nnodes, node.master_addr) == (1, 2, "10.255.0.1")
+    assert (node.master_port, node.nproc_per_node) == (job.master_port, 2)
+    assert env_on(hostfile, session="other").node_rank == 2  # another session's job: not this
+    # the master lost: this node is rank 0 and the master
+    saved_job(hostfile, (mine, "10.255.0.9", "10.255.0.2"), generation=3)
+    node = env_on(hostfile)
+    assert (node.node_rank, node.master_addr) == (0, mine)
+    # this node lost and replaced (it came back): no rank in the job, and it says why
+    saved_job(hostfile, ("10.255.0.1", "10.255.0.2", "10.255.0.9"), generation=4)
+    with pytest.raises(TopologyError) as err:
+        env_on(hostfile)
+    text = str(err.value)
+    assert text.startswith(f"{hostfile}:3: this machine (not-a-line) is not in the membership")
+    assert "session s's job (generation 4)" in text
+
+
+def test_the_index_env_reads_is_the_one_the_job_writes():
+    job = Job("x", "/w", "s-1", "/cluster/hosts", "/p", 1)
+    assert index_beside("/cluster/hosts", "s-1") == str(job.index)
 
 
 def meshkit_env(cwd: Path) -> subprocess.CompletedProcess[str]:

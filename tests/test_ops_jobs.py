@@ -296,3 +296,18 @@ def test_status_shows_the_generation_who_replaced_whom_the_lost_nodes_and_each_s
     assert membership_lines(first) == ["membership: generation 1", "  spare s: healthy"]
     # the first generation, no spare line: nothing about membership
     assert membership_lines(replace(first, spares=[])) == []
+
+
+def test_status_says_a_node_that_does_not_answer_does_not_and_why_whole():
+    from meshkit.cli.tasks.jobs import render_status
+
+    job = Job("x", "/w", "s", "/h", "/p", 1)
+    down = "no answer within 10s on port 22: is the node up and reachable?"
+    rows = ops.status(FakePool(healthy(), failures={HOSTS[2]: down}), job, HOSTS)
+    assert rows[2].state == "absent"  # the fixed name, as --json shows it
+    text = render_status(rows, job)
+    line = next(line for line in text.splitlines() if line.startswith("2 "))
+    assert "no answer" in line
+    assert "absent" not in line
+    assert "(the node does not answer: see below)" in line
+    assert text.endswith(f"\nnode 2 (10.0.0.3) does not answer: unreachable: {down}")

@@ -21,7 +21,9 @@ from meshkit.ops import supervision as sup
 from meshkit.ops.supervise import Supervisor
 from meshkit.ops.supervision import newest
 from meshkit.ops.supervision_policy import (
+    Heard,
     NodeView,
+    Silence,
     Step,
     backoff,
     decide,
@@ -165,13 +167,15 @@ class ScriptedPool(FakePool):
                 request = request_for(host)
                 self.calls.append(("supervisor", host, request))
                 written = False
+                self.copies.setdefault(host, None)
                 if request.record is not None:
                     written = accepts(self.copies[host], request.record, request.version)
                 if written:
                     self.copies[host] = request.record.to_json()
-                pid = 1 if HOSTS.index(host) in self.live else None
-                if request.action == "end":
-                    self.live.discard(HOSTS.index(host))
+                rank = HOSTS.index(host) if host in HOSTS else None  # None: a spare
+                pid = 1 if rank in self.live else None
+                if request.action == "end" and rank is not None:
+                    self.live.discard(rank)
                 beat = 0.0 if pid else None
                 copy = copy_of(self.copies[host])
                 answers[host] = Outcome(p.SupervisorReply(pid, beat, [], copy, written))
@@ -572,3 +576,193 @@ def test_the_newer_generation_wins_over_a_copy_counted_further_and_a_stop_over_b
     stopped = Supervision(SupervisorState.STOPPED, 1, 0, version=1, generation=1)
     assert newest([old, moved_on]) == moved_on
     assert newest([old, moved_on, stopped]) == stopped
+
+
+# ---- a node that stops answering: the bound counts from its first unanswered poll -------------
+
+
+def test_a_silent_node_is_lost_once_a_new_connection_failed_and_the_bound_ran_from_its_first_miss():
+    """The state machine of ``Silence``: a missed poll makes a node SILENT from that poll's
+    start; a failed new connection makes it UNREACHABLE (still counted from the first miss);
+    the bound run out, LOST; any answer ends it all."""
+    node = HOSTS[2]
+    silence = Silence()
+    assert silence.state(node, 100.0, 10.0) == Heard.ANSWERS
+    silence.missed(node, 100.0)
+    silence.missed(node, 117.0)  # a later miss does not move the start
+    assert silence.state(node, 200.0, 10.0) == Heard.SILENT  # no new connection failed yet
+    silence.unreachable(node, 127.0)
+    assert silence.state(node, 109.0, 10.0) == Heard.UNREACHABLE
+    assert silence.state(node, 110.0, 10.0) == Heard.LOST  # 10 s after the first miss
+    assert silence.silent(HOSTS) == [node]
+    assert silence.until(HOSTS, 10.0, 300.0) == 110.0  # only node 2 is waited for
+    assert silence.until(HOSTS[:2], 10.0, 300.0) == 300.0 + 10.0  # none silent: from now
+    assert silence.first(HOSTS, 300.0) == 100.0
+    silence.heard(node)
+    assert silence.state(node, 300.0, 10.0) == Heard.ANSWERS
+    assert silence.first(HOSTS, 300.0) == 300.0
+    # a node whose connection failed outright starts its silence there; the latest start of
+    # several bounds the wait for them all
+    silence.unreachable(HOSTS[0], 50.0)
+    silence.missed(node, 60.0)
+    assert silence.until(HOSTS, 10.0, 300.0) == 70.0
+    silence.forget([HOSTS[1], node])  # a new membership without node 0
+    assert silence.silent(HOSTS) == [node]
+
+
+def test_a_node_refused_by_a_new_connection_is_unreachable_at_once():
+    row = ops.StatusRow(1, "b", "absent", None, None, None, "timed out")
+    assert views([row], {})[0].state == "running"  # one missed poll: maybe a blip
+    assert views([row], {}, refused=[1])[0].state == "unreachable"
+
+
+class Claimed(Exception):
+    """The replacement was claimed and is being launched: where the test stops the loop."""
+
+
+class PoweredOff(ScriptedPool):
+    """Node 2 is powered off right after the first connection: a call to it then goes
+    unanswered for its whole timeout (a silent channel), and a new connection to it fails after
+    the connect timeout (``CONNECT``), as with a real machine that is off."""
+
+    CONNECT = 0.5
+
+    def __init__(self, polls: list[list[p.StatusReply]], live: set[int]) -> None:
+        super().__init__(polls, live)
+        self.off = HOSTS[2]
+        self.connected = False
+        self.first_missed: float | None = None
+        self.written_to_the_silent_node = False
+
+    def connect(self, hosts, wait):
+        if self.off in hosts and self.connected:
+            time.sleep(self.CONNECT + wait)
+            self.failures[self.off] = "timed out connecting"
+        self.connected = True
+        return nullcontext(self)
+
+    def call_all(self, phase, request_for, expect, hosts=None, timeout=None):
+        wanted = list(hosts if hosts is not None else HOSTS)
+        if self.off in wanted and self.off not in self.failures:
+            if self.first_missed is None:
+                self.first_missed = time.monotonic()
+            if expect is p.SupervisorReply and request_for(self.off).record is not None:
+                self.written_to_the_silent_node = True
+            time.sleep(timeout if timeout is not None else 5.0)
+            wanted.remove(self.off)
+        if expect is p.StatusReply:
+            poll = self.polls[0]
+            self.replies["status"] = dict(zip(HOSTS, poll))
+            return FakePool.call_all(self, phase, request_for, expect, wanted, timeout)
+        return super().call_all(phase, request_for, expect, wanted, timeout)
+
+
+def test_a_node_that_goes_silent_is_replaced_the_bound_after_its_first_unanswered_poll(
+    monkeypatch,
+):
+    """The leader's poll of node 2 waits its whole bound, then a new connection waits its
+    connect timeout: both run inside --replace-after, counted from the poll node 2 first left
+    unanswered, so the spare's claim comes about the bound after it, not the bound after the
+    leader noticed. Meanwhile the record says what the leader waits for, written only where
+    nodes answer."""
+    from meshkit.ops import supervise
+
+    monkeypatch.setattr(supervise, "POLL_TIMEOUT", 1.0)
+    monkeypatch.setattr(supervise, "RECONNECT", 0.5)
+    bound = 1.0
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2, replace_after=bound)
+    spare = Host("10.0.0.9", lineno=9, spare=True)
+    pool = PoweredOff([[st("running")] * 3], {0, 1})
+    pool.replies["stop"][spare] = p.StopReply(True, 4, [])
+    sup.write(pool, job, HOSTS[:2], first_record(2), 0)
+    said: list[str] = []
+    claimed: list[float] = []
+    gated: list[list[Host]] = []
+
+    def relaunch(pool_, job_, attempt):
+        claimed.append(time.monotonic())
+        raise Claimed
+
+    def gate(pool_, job_, hosts):
+        gated.append(list(hosts))
+        return []
+
+    with pytest.raises(Claimed):
+        Supervisor(
+            pool.connect,
+            job,
+            HOSTS,
+            0,
+            said.append,
+            interval=0,
+            base_backoff=0,
+            relaunch=relaunch,
+            gate=gate,
+            cluster=[*HOSTS, spare],
+        ).run()
+    assert pool.first_missed is not None
+    took = claimed[0] - pool.first_missed
+    # the poll (1 s) and the new connection (0.5 s) ran inside the bound, or past it: lost at
+    # once then; before, the bound began after them and a second missed poll
+    assert bound <= took < bound + 1.0, said
+    assert not pool.written_to_the_silent_node
+    waits = [line for line in said if line.startswith("waiting for node 2 (10.0.0.3) until")]
+    assert waits
+    assert any(line.startswith("lost: 10.0.0.3") for line in said)
+    claim = newest(pool.records())
+    assert claim is not None
+    assert (claim.generation, claim.members) == (2, ["10.0.0.1", "10.0.0.2", "10.0.0.9"])
+    assert claim.waiting is None
+    # the new membership's quick checks ran once, before the claim, not again before the launch
+    assert gated == [[HOSTS[0], HOSTS[1], spare]]
+
+
+# ---- a copy with an absurd generation: ignored, not followed ---------------------------------
+
+
+def test_a_generation_more_than_the_node_count_ahead_is_not_believable():
+    record = Supervision(SupervisorState.RUNNING, 1, 2, generation=7)
+    assert not sup.far_ahead(record, 4, 3)  # 3 changes while this one looked on: may be
+    assert sup.far_ahead(record, 3, 3)
+    assert sup.far_ahead(replace(record, generation=10**18), 1, 4096)
+
+
+def test_a_node_whose_copy_claims_an_absurd_generation_is_ignored_and_its_copy_replaced():
+    """Node 1's copy says generation 10^9, with a membership that leaves node 1 out: the
+    newest generation wins, so followed it would pin the record there and fence a healthy
+    node. The leader names it in the log once, follows nothing, and its next write replaces
+    the copy (its version lifted past that one's)."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    pool = ScriptedPool([[st("running")] * 3, [st("exited", 0, 2.0)] * 3], {0, 1, 2})
+    sup.write(pool, job, HOSTS, first_record(2), 0, every=True)
+    bad = Supervision(
+        SupervisorState.RUNNING,
+        1,
+        2,
+        version=40,
+        generation=10**9,
+        members=[HOSTS[0].label, HOSTS[2].label],
+    )
+    pool.copies[HOSTS[1]] = bad.to_json()
+    said: list[str] = []
+    final = Supervisor(
+        lambda hosts, wait: nullcontext(pool),
+        job,
+        HOSTS,
+        0,
+        said.append,
+        interval=0,
+        base_backoff=0,
+        relaunch=launched_rows,
+        gate=lambda *a: [],
+    ).run()
+    assert final.supervisor == SupervisorState.DONE
+    assert (final.generation, final.members) == (1, [])
+    assert final.version == 41
+    assert pool.records() == [final] * 3  # node 1's copy replaced too
+    ignored = [line for line in said if "ignored, not followed" in line]
+    assert ignored == [
+        "10.0.0.2: its supervision record says generation 1000000000, more than 3 past "
+        "generation 1: ignored, not followed"
+    ]
+    assert not any("this node is rank" in line for line in said)

@@ -1,7 +1,8 @@
 """A supervised job's membership, pure: which node holds each rank, and how it changes when
 nodes are lost for good (``train --replace-after``). A lost node's rank goes to the first healthy
 spare, every other node keeps its rank (``replaced``); with too few spares and ``--min-nodes``,
-the nodes left are renumbered contiguously in hostfile order (``shrunk``). Each change is a new
+the spares there are still take ranks and the nodes left are renumbered contiguously in hostfile
+order (``shrunk``). Each change is a new
 generation: a lost node that comes back finds its node in none of the newer ones' memberships,
 ends what it still runs of the job, and is a spare from then on (fencing). The loop that makes
 a change is ``ops.supervise``.
@@ -19,14 +20,16 @@ from ..protocol import RestartReason, Supervision
 
 @dataclass(frozen=True)
 class Change:
-    """A new membership: ``members`` in rank order, why (``reason``: replaced or shrunk), the
-    spares that took ranks (``added``) and one "LOST -> SPARE" line per replacement."""
+    """A new membership: ``members`` in rank order, why (``reason``: replaced, or shrunk when
+    some lost node's rank went to no spare: ``dropped``), the spares that took ranks
+    (``added``) and one "LOST -> SPARE" line per replacement."""
 
     members: list[Host]
     reason: RestartReason
     lost: list[Host]
     added: list[Host] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)
+    dropped: list[Host] = field(default_factory=list)  # lost nodes no spare took the rank of
 
 
 def members_of(
@@ -66,35 +69,40 @@ def plan(
     cluster: Sequence[Host],
     min_nodes: int | None,
 ) -> Change | None:
-    """The membership after losing ``lost``: each lost rank to the next of ``spares`` (healthy
-    ones, in order) when there are enough, else the nodes left renumbered in hostfile order when
-    at least ``min_nodes`` remain and are a majority of ``members``; None when neither can be
-    (wait, then give up)."""
+    """The membership after losing ``lost``: each lost rank, in rank order, to the next of
+    ``spares`` (healthy ones, in order), every other node keeping its rank. With fewer spares
+    than lost nodes, the spares still take ranks and the job shrinks by the rest: the nodes
+    then renumbered in hostfile order, when at least ``min_nodes`` are left and the nodes that
+    survived are a majority of ``members``. None when neither can be (wait, then give up)."""
     if not lost:
         return None
-    left = [host for host in members if host not in lost]
-    if len(spares) >= len(lost):
-        taking = list(spares[: len(lost)])
-        new_members = []
-        replaced: list[str] = []
-        for host in members:
-            if host in lost:
-                spare = taking[len(replaced)]
-                new_members.append(spare)
-                replaced.append(f"{host.label} -> {spare.label}")
-            else:
-                new_members.append(host)
+    taking = list(spares[: len(lost)])
+    new_members = []
+    replaced: list[str] = []
+    dropped: list[Host] = []
+    for host in members:
+        if host not in lost:
+            new_members.append(host)
+        elif len(replaced) < len(taking):
+            spare = taking[len(replaced)]
+            new_members.append(spare)
+            replaced.append(f"{host.label} -> {spare.label}")
+        else:
+            dropped.append(host)
+    if not dropped:
         return Change(new_members, RestartReason.REPLACED, list(lost), taking, replaced)
-    if min_nodes is None or len(left) < min_nodes or not left:
+    survivors = len(members) - len(lost)
+    if min_nodes is None or len(new_members) < min_nodes or not new_members:
         return None
-    if 2 * len(left) <= len(members):
+    if 2 * survivors <= len(members):
         # only a majority of the members may shrink the job: a partition's minority, seeing the
-        # rest as lost, must not go on beside it (a replacement needs no such rule: its claim is
-        # written on the spare too, whose compare-and-set lets one of two claims win)
+        # rest as lost, must not go on beside it, spares or not (a plain replacement needs no
+        # such rule: its claim is written on the spare too, whose compare-and-set lets one of
+        # two claims win)
         return None
     order = {host: index for index, host in enumerate(cluster)}
-    left.sort(key=lambda host: order.get(host, len(order)))
-    return Change(left, RestartReason.SHRUNK, list(lost))
+    new_members.sort(key=lambda host: order.get(host, len(order)))
+    return Change(new_members, RestartReason.SHRUNK, list(lost), taking, replaced, dropped)
 
 
 def reason_of_change(change: Change) -> str:
@@ -103,4 +111,10 @@ def reason_of_change(change: Change) -> str:
     if change.reason == RestartReason.REPLACED:
         return f"replaced: {'; '.join(change.replaced)} ({lost} lost)"
     ranks = len(change.members)
-    return f"shrunk: {lost} lost and no healthy spare; running on the {ranks} nodes left"
+    if not change.replaced:
+        return f"shrunk: {lost} lost and no healthy spare; running on the {ranks} nodes left"
+    dropped = ", ".join(host.label for host in change.dropped)
+    spared = "; ".join(change.replaced)
+    return (
+        f"shrunk: {spared}; no healthy spare for {dropped} ({lost} lost); running on {ranks} nodes"
+    )

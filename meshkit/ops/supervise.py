@@ -18,7 +18,7 @@ import datetime
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -31,12 +31,14 @@ from ..record import replace
 from . import jobs as ops
 from .membership import Change, members_of, plan, reason_of_change, spares_of
 from .pool import NodePool
-from .supervision import ask, live_ranks, newest, start_all, write
+from .supervision import Answers, ask, far_ahead, live_ranks, newest, start_all, write
 from .supervision_policy import (
     BACKOFF,
     Action,
     Decision,
+    Heard,
     NodeView,
+    Silence,
     Step,
     backoff,
     decide,
@@ -48,7 +50,8 @@ from .supervision_policy import (
 
 POLL_INTERVAL = 2.0  # seconds between polls of every node
 POLL_TIMEOUT = 15.0  # seconds a node gets to answer a poll: a powered-off node's connection
-# does not fail, it goes silent, and the command timeout would hide the loss for minutes
+# does not fail, it goes silent, and the command timeout would hide the loss for minutes (the
+# bound a node is lost after counts from the poll's start: ``Silence``)
 FOLLOWER_POLLS = 3  # a follower polls every 3rd interval: all at every one is N² requests
 COME_BACK = 300.0  # seconds a relaunch waits for every node to answer, then for its checks
 GIVE_UP_GRACE = 30.0  # seconds the nodes still running get to end by themselves after a give-up
@@ -76,12 +79,14 @@ class Restart:
 @dataclass(frozen=True)
 class Look:
     """One look at every node's supervisor: the ranks with a live one (this one included), the
-    newest record, and how many nodes answered. ``moved``: the record's membership is not the
-    one asked (the supervisor now follows it, over a new connection)."""
+    newest record, and how many nodes answered (``silent``: the nodes that did not). ``moved``:
+    the record's membership is not the one asked (the supervisor now follows it, over a new
+    connection)."""
 
     live: set[int]
     record: Supervision | None
     answered: int
+    silent: list[Host] = field(default_factory=list)
     moved: bool = False
 
 
@@ -160,19 +165,41 @@ class Supervisor:
         self.launched = list(self.hosts)  # the membership before any record names one
         if not self.cluster:
             self.cluster = list(self.hosts)
+        self.silence = Silence()  # since when each node has not answered
+        self.opened = time.monotonic()  # when the pool being looked through was opened
+        self.ignored: set[tuple[Host, int]] = set()  # copies far ahead, as the log named them
 
     def run(self) -> Supervision:
         while True:
+            self.opened = time.monotonic()
             with self.connect(self.hosts, 0.0) as pool:
                 outcome = self._serve(pool)
             if isinstance(outcome, Supervision):
                 return outcome
-            final = None
-            if outcome is not None:
-                final = self._relaunch(outcome)
+            if outcome is None:
+                continue  # a new connection at once: a node that went silent may be gone
+            final = self._relaunch(outcome)
             if final is not None:
                 return final
             time.sleep(self.interval)
+
+    def _bound(self) -> float:
+        """Seconds a node may go without answering before it is lost (--replace-after), or,
+        with ``off``, before the relaunch gives up on it."""
+        if self.job.replace_after is None:
+            return COME_BACK
+        return self.job.replace_after
+
+    def _hear(self, pool: NodePool, answered: Collection[Host], asked: float) -> None:
+        """Note in ``silence`` which nodes answered a poll sent at ``asked``: the others left it
+        unanswered, or could not be connected to at all (since the pool's opening)."""
+        for host in self.hosts:
+            if host in answered:
+                self.silence.heard(host)
+            elif host in pool.failures:
+                self.silence.unreachable(host, self.opened)
+            else:
+                self.silence.missed(host, asked)
 
     def _moved(self) -> None:
         """The loop took a step: its heartbeat goes on."""
@@ -182,13 +209,42 @@ class Supervisor:
     def _look(self, pool: NodePool) -> Look:
         """Look at every node's supervisor, and follow the newest record's membership."""
         self._moved()
+        asked = time.monotonic()
         answers = ask(pool, self.job, self.hosts, timeout=POLL_TIMEOUT)
-        record = newest(reply.record for reply in answers.values())
+        self._hear(pool, answers, asked)
+        record = self._believed(answers)
         moved = self._follow(record)
         if moved:
             return Look({self.me}, record, len(answers), moved=True)
         live = live_ranks(self.hosts, answers)
-        return Look(live | {self.me}, record, len(answers))
+        silent = [host for host in self.hosts if host not in answers]
+        return Look(live | {self.me}, record, len(answers), silent)
+
+    def _believed(self, answers: Answers) -> Supervision | None:
+        """The newest record of the nodes' copies, a copy ``far_ahead`` of the generation this
+        supervisor knows left out (named in the log once). Its version is lifted past any
+        copy left out, so the next write replaces that one too."""
+        copies = []
+        versions = []
+        for host, reply in answers.items():
+            copy = reply.record
+            if copy is None:
+                continue
+            if far_ahead(copy, self.job.generation, len(self.cluster)):
+                versions.append(copy.version)
+                if (host, copy.generation) not in self.ignored:
+                    self.ignored.add((host, copy.generation))
+                    self.say(
+                        f"{host.label}: its supervision record says generation "
+                        f"{copy.generation}, more than {len(self.cluster)} past generation "
+                        f"{self.job.generation}: ignored, not followed"
+                    )
+                continue
+            copies.append(copy)
+        record = newest(copies)
+        if record is None or not versions:
+            return record
+        return replace(record, version=max(record.version, *versions))
 
     def _follow(self, record: Supervision | None) -> bool:
         """Take ``record``'s membership as this supervisor's (its nodes, this node's rank, the
@@ -203,6 +259,7 @@ class Supervisor:
             self.say(f"cannot follow generation {record.generation}: {exc}")
             return False
         self.hosts = members
+        self.silence.forget(members)
         self.job = replace(
             self.job, members=tuple(host.label for host in members), generation=record.generation
         )
@@ -241,6 +298,7 @@ class Supervisor:
             look = self._look(pool)
             record = look.record
             if not look.answered:
+                time.sleep(self.interval)  # this node is cut off: a new connection in a while
                 return None
             if record is None:  # every copy is gone (a train dropped them to start anew)
                 why = "the supervision record is gone from every node"
@@ -254,6 +312,8 @@ class Supervisor:
                 return self._carry_stop(pool, record)
             if step == Step.END:
                 return record
+            if step == Step.WATCH:
+                record = self._note_wait(pool, record, look.silent)
             # a node that did not answer (never connected, or its channel died with a reboot)
             # may be back by now: look through a new connection
             late = time.monotonic() - since > RECONNECT
@@ -270,7 +330,8 @@ class Supervisor:
                 started.clear()
                 attempt = record.attempt
             rows = ops.status(pool, self.job, self.hosts, phase="", timeout=POLL_TIMEOUT)
-            seen = views(rows, misses)
+            refused = [rank for rank, host in enumerate(self.hosts) if host in self.silence.refused]
+            seen = views(rows, misses, refused)
             for node in seen:
                 if node.started is not None:
                     started.setdefault(node.rank, node.started)
@@ -360,36 +421,82 @@ class Supervisor:
 
     @contextlib.contextmanager
     def _every_node(self, bound: float) -> Iterator[NodePool]:
-        """A pool once every node answers (trying again every ``RECONNECT`` s), or, after
-        ``bound`` s, the pool as it is. While it waits, the record says for which nodes and until
-        when (status shows it)."""
-        deadline = time.monotonic() + bound
-        announced = False
+        """A pool once every node answers (trying again every ``RECONNECT`` s), or, once those
+        that do not have not answered for ``bound`` s (counted from the first poll each left
+        unanswered, ``Silence``: the tries run inside the bound), the pool as it is. While it
+        waits, the record says for which nodes and until when (status shows it)."""
         while True:
             self._moved()
-            wait = min(RECONNECT, max(0.0, deadline - time.monotonic()))
+            now = time.monotonic()
+            deadline = self.silence.until(self.silence.silent(self.hosts), bound, now)
+            # a try at a node that is off takes about RECONNECT (the connect timeout), so the
+            # tries stop a try's length before the deadline instead of running past it
+            wait = min(RECONNECT, max(0.0, deadline - now - RECONNECT))
+            self.opened = now
             with self.connect(self.hosts, wait) as pool:
-                if pool.failures and not announced:
-                    announced = self._announce(pool, deadline)
-                if not pool.failures or time.monotonic() >= deadline:
+                for host in self.hosts:
+                    if host in pool.failures:
+                        self.silence.unreachable(host, now)
+                    else:
+                        self.silence.heard(host)
+                missing = [host for host in self.hosts if host in pool.failures]
+                if missing:
+                    self._announce(pool, missing)
+                deadline = self.silence.until(missing, bound, now)
+                if not missing or time.monotonic() >= deadline:
                     yield pool
                     return
 
-    def _announce(self, pool: NodePool, deadline: float) -> bool:
+    def _announce(self, pool: NodePool, missing: list[Host]) -> None:
         """Say in the record which nodes the relaunch waits for, and until when."""
-        missing = [f"node {rank} ({host.label})" for rank, host in enumerate(self.hosts)]
-        missing = [text for text, host in zip(missing, self.hosts) if host in pool.failures]
-        until = time.time() + max(0.0, deadline - time.monotonic())
-        stamp = datetime.datetime.fromtimestamp(until, datetime.timezone.utc)
-        what = "lost then (--replace-after)"
-        if self.job.replace_after is None:
-            what = "given up then"
-        waiting = f"{', '.join(missing)} until {stamp:%H:%M:%S} UTC, {what}"
-        self.say(f"waiting for {waiting}")
         record = self._look(pool).record
         if record is None or record.supervisor == SupervisorState.STOPPED:
-            return True
-        return self._write(pool, replace(record, waiting=waiting)) is not None
+            return
+        self._note_wait(pool, record, missing)
+
+    def _note_wait(self, pool: NodePool, record: Supervision, silent: list[Host]) -> Supervision:
+        """While some nodes do not answer, the record says which, and until when the leader
+        waits for them (then they are lost, or with ``off`` it gives up); once every node
+        answers, nothing. Written on the nodes that answer (a silent one would hold the write
+        up); returns the record as it is now."""
+        waiting = None
+        if silent:
+            deadline = self.silence.until(silent, self._bound(), time.monotonic())
+            until = time.time() + deadline - time.monotonic()
+            stamp = datetime.datetime.fromtimestamp(until, datetime.timezone.utc)
+            what = "lost then (--replace-after)"
+            if self.job.replace_after is None:
+                what = "given up then"
+            names = [f"node {self.hosts.index(host)} ({host.label})" for host in silent]
+            waiting = f"{', '.join(names)} until {stamp:%H:%M:%S} UTC, {what}"
+        if waiting == record.waiting:
+            return record
+        if waiting is None:
+            self.say("every node answers again")
+        else:
+            self.say(f"waiting for {waiting}")
+        answering = [host for host in self.hosts if host not in silent]
+        noted = write(pool, self.job, answering, replace(record, waiting=waiting), self.me)
+        return noted or record
+
+    def _lost(self) -> list[Host]:
+        """The nodes that do not answer, when every one of them is lost already (silent for
+        the bound, and a new connection failed too); else none."""
+        silent = self.silence.silent(self.hosts)
+        now = time.monotonic()
+        bound = self._bound()
+        if any(self.silence.state(host, now, bound) != Heard.LOST for host in silent):
+            return []
+        return silent
+
+    def _back_off(self, attempt: int) -> None:
+        """Wait before relaunch number ``attempt``, counted from the failure's first sign (a
+        node's first unanswered poll, else now): the time spent noticing it counts."""
+        now = time.monotonic()
+        start = self.silence.first(self.hosts, now)
+        left = start + backoff(attempt, self.base_backoff) - now
+        if left > 0:
+            time.sleep(left)
 
     def _relaunch(self, restart: Restart) -> Supervision | None:
         """Claim the next attempt (or take the claimed one over), and make it: every node
@@ -400,11 +507,16 @@ class Supervisor:
         hosts = self.hosts
         say = self.say
         seen = restart.seen
+        why = restart.claim.last_restart_reason
         if not restart.takeover:
-            say(f"attempt {seen.attempt} failed: {restart.claim.last_restart_reason}")
-            time.sleep(backoff(seen.attempt, self.base_backoff))
-        bound = COME_BACK if job.replace_after is None else job.replace_after
-        with self._every_node(bound) as pool:
+            say(f"attempt {seen.attempt} failed: {why}")
+            self._back_off(seen.attempt)
+        lost = self._lost()
+        if lost and job.replace_after is not None and not restart.takeover:
+            # lost already (the bound ran while the failure was noticed): no wait, and no new
+            # connection to them to wait its timeout out again
+            return self._replace(replace(seen, last_restart_reason=why), lost)
+        with self._every_node(self._bound()) as pool:
             look = self._look(pool)
             current = look.record
             if current is None or look.moved or not waited_only(seen, current):
@@ -416,12 +528,10 @@ class Supervisor:
                 claim = replace(current, waiting=None)
             missing = [host for host in hosts if host in pool.failures]
             if missing and job.replace_after is not None:
-                lost = replace(current, last_restart_reason=restart.claim.last_restart_reason)
-                return self._replace(lost, missing)
+                return self._replace(replace(current, last_restart_reason=why), missing)
             if missing:
                 names = ", ".join(host.label for host in missing)
-                why = f"{restart.claim.last_restart_reason}; then {names} did not "
-                why += f"answer within {COME_BACK:.0f}s"
+                why = f"{why}; then {names} did not answer within {COME_BACK:.0f}s"
                 codes = self._end_what_is_left(pool)
                 return self._gave_up(pool, replace(current, exit_codes=codes), why)
             claimed = self._write(pool, claim, every=True)
@@ -429,7 +539,6 @@ class Supervisor:
                 say("another supervisor moved on first; following it")
                 return None
             return self._finish(pool, claimed)
-        return None
 
     def _replace(self, seen: Supervision, lost: list[Host]) -> Supervision | None:
         """``lost`` did not answer within --replace-after: a new membership without them (their
@@ -437,7 +546,9 @@ class Supervisor:
         it and launched. With neither possible, wait up to --replace-after more for the nodes or
         a spare, then give up saying so."""
         job = self.job
-        bound = job.replace_after if job.replace_after is not None else COME_BACK
+        bound = self._bound()
+        names = ", ".join(host.label for host in lost)
+        self.say(f"lost: {names} (no answer within {bound:.0f}s, --replace-after)")
         deadline = time.monotonic() + bound
         refused: dict[Host, str] = {}
         while True:
@@ -455,7 +566,6 @@ class Supervisor:
                     continue
                 return outcome
             if time.monotonic() > deadline:
-                names = ", ".join(host.label for host in lost)
                 why = f"{seen.last_restart_reason}; then {names} did not answer within "
                 why += f"{bound:.0f}s (--replace-after) and no healthy spare took its place"
                 if refused:
@@ -535,11 +645,15 @@ class Supervisor:
                 return None
             self.say(f"generation {claimed.generation}: {claimed.last_restart_reason}")
             self._follow(claimed)
-            return self._finish(pool, claimed)
+            # the checks just passed on every node of it: not run again before the launch
+            return self._finish(pool, claimed, checked=not held)
 
-    def _finish(self, pool: NodePool, claimed: Supervision) -> Supervision | None:
-        """Make the claimed attempt: stop the job everywhere, hold while the health gate fails,
-        launch, then a supervisor on every node again."""
+    def _finish(
+        self, pool: NodePool, claimed: Supervision, checked: bool = False
+    ) -> Supervision | None:
+        """Make the claimed attempt: stop the job everywhere, hold while the health gate fails
+        (``checked``: it passed on every node just before the claim), launch, then a supervisor
+        on every node again."""
         job = self.job
         hosts = self.hosts
         say = self.say
@@ -548,7 +662,7 @@ class Supervisor:
         say(f"attempt {attempt}: relaunching (of {last}); stopping the job")
         ops.stop(pool, job, hosts)
         deadline = time.monotonic() + COME_BACK
-        while True:
+        while not checked:
             held = self.gate(pool, job, hosts)
             if not held:
                 break

@@ -59,6 +59,15 @@ def live_ranks(hosts: Sequence[Host], answers: Answers) -> set[int]:
     return {rank for rank, host in enumerate(hosts) if host in answers and alive(answers[host])}
 
 
+def far_ahead(record: Supervision, generation: int, nodes: int) -> bool:
+    """Pure: whether a node's copy claims a generation more than ``nodes`` (the hostfile's node
+    count) past ``generation`` (the newest this supervisor knows): so many changes of membership
+    while it looked on are not believable, and the newest generation wins, so one node sending
+    an absurd one (a damaged copy, a bad node) would pin the record and move the job to
+    whatever membership it names. Such a copy is ignored, not followed."""
+    return record.generation > generation + nodes
+
+
 def newest(copies: Iterable[Supervision | None]) -> Supervision | None:
     """Pure: the copy that wins (None: no node has one): a stop, else the newest."""
     records = [copy for copy in copies if copy is not None]

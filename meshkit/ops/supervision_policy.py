@@ -27,15 +27,32 @@ node, written by compare-and-set (``ops.supervision``)::
    job shrinks with ``--min-nodes``); a replacement does not use up ``restarts_left``. Every
    supervisor follows the newest generation; one whose node is in none is fenced: it ends what
    its node runs of the job, and its node is a spare from then on.
+
+How a node that stops answering becomes lost (``Silence``, one state per node)::
+
+                 a poll unanswered              a new connection fails too
+      ANSWERS  ---------------------> SILENT  -----------------------------> UNREACHABLE
+         ^      (since: that poll's start)                                      |
+         +------------- it answers a poll, or a new connection reaches it ------+
+                                                                                |
+                                                   since + --replace-after      v
+                                                 ------------------------->   LOST
+
+The bound counts from the first poll the node left unanswered, the moment it stopped answering,
+not from when the leader noticed: a poll waits its own bound before it counts as unanswered, and
+a new connection its connect timeout, and both run inside ``--replace-after`` instead of before
+it. A node is lost only once a new connection failed as well (a wedged channel to a live node is
+not a lost node).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
+from ..hostfile import Host
 from ..protocol import JobState, RestartReason, Supervision, SupervisorState
 from ..record import StrEnum, replace
 from .jobs import StatusRow
@@ -86,6 +103,67 @@ class Step(StrEnum):
     FOLLOW = "follow"
     WATCH = "watch"
     RESUME = "resume"
+
+
+class Heard(StrEnum):
+    """A node's state in ``Silence``."""
+
+    ANSWERS = "answers"
+    SILENT = "silent"
+    UNREACHABLE = "unreachable"
+    LOST = "lost"
+
+
+@dataclass
+class Silence:
+    """Since when each node has not answered (the start of the first poll it left unanswered),
+    and which of them a new connection could not reach either: the state machine above, over
+    monotonic times the caller gives (pure)."""
+
+    since: dict[Host, float] = field(default_factory=dict)
+    refused: set[Host] = field(default_factory=set)
+
+    def heard(self, host: Host) -> None:
+        """``host`` answered (a poll, or a new connection): its silence, if any, is over."""
+        self.since.pop(host, None)
+        self.refused.discard(host)
+
+    def missed(self, host: Host, asked: float) -> None:
+        """``host`` left a poll sent at ``asked`` unanswered."""
+        self.since.setdefault(host, asked)
+
+    def unreachable(self, host: Host, tried: float) -> None:
+        """A new connection to ``host``, opened at ``tried``, failed."""
+        self.since.setdefault(host, tried)
+        self.refused.add(host)
+
+    def state(self, host: Host, now: float, bound: float) -> Heard:
+        if host not in self.since:
+            return Heard.ANSWERS
+        if host not in self.refused:
+            return Heard.SILENT
+        if now >= self.since[host] + bound:
+            return Heard.LOST
+        return Heard.UNREACHABLE
+
+    def silent(self, hosts: Sequence[Host]) -> list[Host]:
+        """Those of ``hosts`` that do not answer (silent, unreachable or lost), in order."""
+        return [host for host in hosts if host in self.since]
+
+    def until(self, hosts: Sequence[Host], bound: float, now: float) -> float:
+        """When every one of ``hosts`` that does not answer has not answered for ``bound`` s
+        (none of them silent: ``now + bound``, the bound counted from now)."""
+        starts = [self.since[host] for host in self.silent(hosts)]
+        return max(starts, default=now) + bound
+
+    def first(self, hosts: Sequence[Host], now: float) -> float:
+        """When the first of ``hosts`` stopped answering (``now``: none did)."""
+        return min((self.since[host] for host in self.silent(hosts)), default=now)
+
+    def forget(self, keep: Sequence[Host]) -> None:
+        """Only ``keep`` is watched from now on (a new membership): the others' silence goes."""
+        for host in [host for host in self.since if host not in keep]:
+            self.heard(host)
 
 
 def restartable(code: int, restart_on: Sequence[int]) -> bool:
@@ -166,15 +244,19 @@ def backoff(restart_number: int, base: float = BACKOFF, cap: float = MAX_BACKOFF
     return float(min(cap, base * 2**doublings))
 
 
-def views(rows: Sequence[StatusRow], misses: dict[int, int]) -> list[NodeView]:
+def views(
+    rows: Sequence[StatusRow], misses: dict[int, int], refused: Collection[int] = ()
+) -> list[NodeView]:
     """Status rows as the policy sees them: a node that did not answer ``MISSES`` polls in a row
-    is ``unreachable``; before that it is taken to be as it was (``running``)."""
+    is ``unreachable``; before that it is taken to be as it was (``running``). A node in
+    ``refused`` (ranks a new connection could not reach after a missed poll: no blip) is
+    ``unreachable`` at once."""
     seen = []
     for row in rows:
         if row.error:
             misses[row.node_rank] = misses.get(row.node_rank, 0) + 1
             state: JobState | Unanswered = JobState.RUNNING
-            if misses[row.node_rank] >= MISSES:
+            if misses[row.node_rank] >= MISSES or row.node_rank in refused:
                 state = Unanswered.UNREACHABLE
             seen.append(NodeView(row.node_rank, row.host, state))
             continue
