@@ -53,6 +53,8 @@ LATEST_TIME = 253_402_214_400.0
 def record(cls: type[T]) -> type[T]:
     """Make ``cls`` a frozen record of its annotated fields (a frozen dataclass), at its first
     use: its first instance, ``fields`` or ``build``."""
+    if "__new__" in vars(cls):
+        raise TypeError(f"record {cls.__name__}: its __new__ is the one record sets")
     _PENDING.add(cls)
     type.__setattr__(cls, "__new__", staticmethod(_new_record))
     return cls
