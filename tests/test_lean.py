@@ -179,6 +179,5 @@ def test_a_command_makes_only_the_records_it_uses() -> None:
         "        if isinstance(cls, type) and '__dataclass_fields__' in vars(cls)]\n"
         "print(sorted(made))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    made = ast.literal_eval(out.stdout.strip())
+    made = ast.literal_eval(subprocess.check_output([sys.executable, "-c", code], text=True))
     assert made == ["ExecReply", "ExecRequest", "Reply", "Request"]

@@ -86,9 +86,9 @@ def run(request: ExecRequest, watched: int | None) -> ExecReply:
     except MeshkitError as exc:
         return ExecReply(None, "", "", error=f"meshkit env failed here: {exc}")
     try:
-        # --norc: bash would read ~/.bashrc again (sshd's SSH_CLIENT is in the environment), after
-        # the login shell that started this agent read it: a second shell start on every node,
-        # and what it exports would override the variables just set.
+        # --norc: bash would read ~/.bashrc again (sshd's SSH_CLIENT is in the environment),
+        # after the login shell that started this agent read it: a second shell start on
+        # every node, and what it exports would override the variables just set.
         process = subprocess.Popen(
             ["bash", "--norc", "-c", request.cmd],
             stdin=subprocess.DEVNULL,
