@@ -3,23 +3,19 @@ from untrusted data: the protocol builds every request and reply with it, the se
 the configuration with it.
 
 Records are plain dataclasses rather than hand-made classes: the import they cost a node's
-interpreter is small against one parallel step on real machines.
+interpreter is small against one parallel step on real machines. Each becomes a dataclass
+at its first use (an instance, ``fields``, ``build``), not at import: making one compiles
+six methods, and making all of the protocol's records was most of every node agent's start,
+and of the controller's, where a command uses two or three of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
-from dataclasses import (
-    MISSING,
-    Field,
-    asdict,
-    dataclass,
-    field,
-    fields,
-    is_dataclass,
-    replace,
-)
+import threading
+from dataclasses import MISSING, Field, asdict, dataclass, field, is_dataclass, replace
 
 TYPE_CHECKING = False  # no runtime `typing` (see meshkit/__init__.py)
 if TYPE_CHECKING:
@@ -40,6 +36,7 @@ __all__ = [
     "build",
     "field",
     "fields",
+    "is_record",
     "replace",
     "split",
 ]
@@ -54,8 +51,49 @@ LATEST_TIME = 253_402_214_400.0
 
 @dataclass_transform(frozen_default=True, field_specifiers=(field,))
 def record(cls: type[T]) -> type[T]:
-    """Make ``cls`` a frozen record of its annotated fields."""
-    return dataclass(frozen=True)(cls)
+    """Make ``cls`` a frozen record of its annotated fields (a frozen dataclass), at its first
+    use: its first instance, ``fields`` or ``build``."""
+    if "__new__" in vars(cls):
+        raise TypeError(f"record {cls.__name__}: its __new__ is the one record sets")
+    _PENDING.add(cls)
+    type.__setattr__(cls, "__new__", staticmethod(_new_record))
+    return cls
+
+
+_PENDING: set[type] = set()  # records not yet made dataclasses
+# Held while a record is made a dataclass: the controller's threads decode their nodes' first
+# replies at once, and none may see a record half made (its __init__ set, its __eq__ not yet).
+_MAKING = threading.RLock()
+
+
+def complete(cls: type) -> None:
+    """Make every record in ``cls``'s bases and ``cls`` itself a dataclass, bases first, each
+    once; nothing to do for a class whose records are complete (or that has none)."""
+    if _PENDING.isdisjoint(cls.__mro__):  # a record leaves _PENDING only once it is complete
+        return
+    with _MAKING:
+        for each in reversed(cls.__mro__):
+            if each in _PENDING:
+                dataclass(frozen=True)(each)
+                _PENDING.discard(each)
+
+
+def _new_record(cls: type, *args: object, **kwargs: object) -> object:
+    """Every record's ``__new__``: the class is completed before its first instance, whose
+    ``__init__`` (the dataclass's) Python looks up after this returns."""
+    complete(cls)
+    return object.__new__(cls)
+
+
+def fields(cls: type) -> tuple[Field[object], ...]:
+    """``dataclasses.fields`` of a record class (completed first)."""
+    complete(cls)
+    return dataclasses.fields(cls)
+
+
+def is_record(cls: type) -> bool:
+    """Whether ``cls`` is a record (or any dataclass), complete or not yet."""
+    return cls in _PENDING or is_dataclass(cls)
 
 
 class StrEnum(str, enum.Enum):
@@ -144,7 +182,7 @@ def _shape(text: str, names: dict[str, object]) -> _Shape:
         found = names.get(text)
         if isinstance(found, type) and issubclass(found, StrEnum):
             return _Shape("enum", cls=found, values=tuple(member.value for member in found))
-        if isinstance(found, type) and is_dataclass(found):
+        if isinstance(found, type) and is_record(found):
             return _Shape("record", cls=found)
     raise TypeError(f"record: unsupported annotation {text!r}")
 

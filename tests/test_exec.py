@@ -167,6 +167,26 @@ def test_each_node_has_its_own_rank_and_json_has_its_fixed_keys(cluster):
     assert {row["stderr"] for row in rows} == {f"{SANDBOX_NODES}\n"}
 
 
+def test_the_bashrc_runs_once_per_node_and_cannot_override_the_variables(cluster):
+    """~/.bashrc runs in the login shell that starts each node's agent, and what it exports
+    reaches the command; not again in the command's own shell, where it would override
+    meshkit's variables and cost every node a second shell start."""
+    node = cluster.nodes[1]
+    bashrc = cluster.node_dir(node) / "bashrc"
+    runs = cluster.node_dir(node) / "tmp" / "bashrc-runs"
+    before = bashrc.read_text()
+    exports = "export NODE_RANK=from-bashrc FROM_BASHRC=yes\necho run >> /tmp/bashrc-runs\n"
+    bashrc.write_text(before + exports)
+    try:
+        cmd = 'echo "$NODE_RANK $FROM_BASHRC"'
+        out = run_exec(cluster, "--lines", "--node", "1", "--cmd", cmd)
+    finally:
+        bashrc.write_text(before)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [f"{node.address}: 1 yes"]
+    assert runs.read_text().splitlines() == ["run"]
+
+
 def test_the_python_api_returns_a_typed_result_per_node(cluster, capsys):
     results = Cluster(str(cluster.hostfile)).exec("echo $NODE_RANK; exit $NODE_RANK", nodes="0,2")
     assert results == [

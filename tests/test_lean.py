@@ -162,3 +162,22 @@ def test_shell_quote_is_shlex_quote() -> None:
     samples += [chr(c) for c in range(0, 300)] + ["''", "'", "\\"]
     for text in samples:
         assert shell_quote(text) == shlex.quote(text), repr(text)
+
+
+def test_a_command_makes_only_the_records_it_uses() -> None:
+    """Making a record a dataclass compiles its methods: an agent serving
+    ``exec`` (and the controller sending it) pays for its request and reply, not for every one
+    of the protocol's records."""
+    code = (
+        "from meshkit import protocol\n"
+        "import meshkit.node.agent, meshkit.node.execute\n"
+        "request = protocol.ExecRequest('true', 0, 1, '10.0.0.1', 29500, 's', 5.0)\n"
+        "op, back = protocol.decode_request(protocol.encode_request(request))\n"
+        "assert back == request\n"
+        "protocol.decode_reply(op, protocol.encode_reply(protocol.ExecReply(0, 'x', '')))\n"
+        "made = [name for name, cls in vars(protocol).items()\n"
+        "        if isinstance(cls, type) and '__dataclass_fields__' in vars(cls)]\n"
+        "print(sorted(made))"
+    )
+    made = ast.literal_eval(subprocess.check_output([sys.executable, "-c", code], text=True))
+    assert made == ["ExecReply", "ExecRequest", "Reply", "Request"]

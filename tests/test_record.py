@@ -1,8 +1,9 @@
 """meshkit.record: every record annotation parses, and bytes from a node are checked field by
 field."""
 
-import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -93,7 +94,7 @@ def wall_clock_fields() -> set[str]:
     """Every protocol field checked as a wall-clock time."""
     found = set()
     for cls in vars(protocol).values():
-        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        if not (isinstance(cls, type) and record.is_record(cls)):
             continue
         for each, shape in record._fields_of(cls):
             options = shape.args if shape.tag == "union" else (shape,)
@@ -106,3 +107,59 @@ def test_a_node_never_sends_what_json_does_not_allow() -> None:
     reply = protocol.StatusReply(protocol.JobState.RUNNING, None, None, None, float("nan"))
     with pytest.raises(protocol.ProtocolViolation, match="message not sent: Out of range float"):
         protocol.encode_reply(reply)
+
+
+def test_records_first_used_by_many_threads_at_once_are_whole_in_each() -> None:
+    """A record becomes a dataclass at its first use: the controller's threads decode their
+    nodes' first replies at once, and each must get a whole record (equal, shown, frozen),
+    never one half made. In a fresh interpreter, so that no record is made yet."""
+    code = """
+import dataclasses, json, threading
+from meshkit import protocol
+
+THREADS = 32
+job = {"job_id": "j", "session": "s", "label": "l", "workdir": "/w", "tmux_session": "t",
+       "argv": ["meshkit", "run"]}
+lines = {
+    "status": {"state": "running", "exit_code": None, "started": 1.0, "last_line": "x"},
+    "ports": {"ports": [{"port": 1, "free": True}], "ours": False},
+    "start": {"started": True, "state": "running", "replaced": [], "conflicts": [
+        {"job_id": "j", "label": "l"}]},
+}
+barrier = threading.Barrier(THREADS)
+results = {op: [] for op in lines}
+failures = []
+
+def decode():
+    barrier.wait()
+    try:
+        for op, result in lines.items():
+            reply = protocol.decode_reply(op, json.dumps({"ok": True, "result": result}))
+            results[op].append((reply, repr(reply)))
+            try:
+                reply.__setattr__(next(iter(result)), None)
+                failures.append(f"{op}: not frozen")
+            except dataclasses.FrozenInstanceError:
+                pass
+        request = protocol.decode_request(json.dumps(
+            {"v": protocol.VERSION, "op": "start", "args": {"job": job}}))[1]
+        results.setdefault("request", []).append((request, repr(request)))
+    except Exception as exc:
+        failures.append(repr(exc))
+
+threads = [threading.Thread(target=decode) for _ in range(THREADS)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+assert not failures, failures
+for op, got in results.items():
+    assert len(got) == THREADS, op
+    assert all(each == got[0][0] for each, _ in got), op
+    assert len({shown for _, shown in got}) == 1, op
+    assert "(" in got[0][1] and "=" in got[0][1], op
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -86,8 +86,11 @@ def run(request: ExecRequest, watched: int | None) -> ExecReply:
     except MeshkitError as exc:
         return ExecReply(None, "", "", error=f"meshkit env failed here: {exc}")
     try:
+        # --norc: bash would read ~/.bashrc again (sshd's SSH_CLIENT is in the environment),
+        # after the login shell that started this agent read it: a second shell start on
+        # every node, and what it exports would override the variables just set.
         process = subprocess.Popen(
-            ["bash", "-c", request.cmd],
+            ["bash", "--norc", "-c", request.cmd],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
