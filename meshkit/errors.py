@@ -95,6 +95,11 @@ class ProtocolError(RemoteError):
     """A node agent's reply is malformed or too large."""
 
 
+class NodeFailed(RemoteError):
+    """The agent answered that the request failed on the node (a damaged state file, say); the
+    agent itself is fine: the node answers, unlike a timeout or a lost connection."""
+
+
 class LaunchError(MeshkitError):
     """Preflight or launch failed; nothing (or nothing more) was started."""
 

@@ -10,7 +10,7 @@ import pytest
 from helpers.fake_pool import HOSTS, FakePool, env_ok, healthy
 
 from meshkit import protocol as p
-from meshkit.errors import LaunchError, RemoteError
+from meshkit.errors import LaunchError, NodeFailed, RemoteError
 from meshkit.hostfile import Host
 from meshkit.job import Job
 from meshkit.ops import jobs as ops
@@ -311,3 +311,18 @@ def test_status_says_a_node_that_does_not_answer_does_not_and_why_whole():
     assert "absent" not in line
     assert "(the node does not answer: see below)" in line
     assert text.endswith(f"\nnode 2 (10.0.0.3) does not answer: unreachable: {down}")
+
+
+def test_status_tells_a_node_that_answered_with_its_error_from_one_that_did_not_answer():
+    from meshkit.cli.tasks.jobs import render_status
+
+    job = Job("x", "/w", "s", "/h", "/p", 1)
+    damaged = NodeFailed("StatusRequest failed on the node: DamagedState: 'nan', not a time")
+    replies = healthy(status={**healthy()["status"], HOSTS[1]: damaged})
+    rows = ops.status(FakePool(replies), job, HOSTS)
+    assert (rows[1].state, rows[1].silent) == ("absent", False)  # --json's fixed name
+    text = render_status(rows, job)
+    line = next(line for line in text.splitlines() if line.startswith("1 "))
+    assert line.split()[2] == "error"
+    assert "no answer" not in text
+    assert text.endswith(f"\nnode 1 (10.0.0.2) answered with an error: {damaged}")

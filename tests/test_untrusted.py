@@ -113,9 +113,13 @@ def test_a_node_whose_started_file_holds_nan_is_its_own_error_row_not_a_tracebac
         assert status.returncode == 1, shown
         assert "Traceback" not in shown
         rows = status.stdout.splitlines()
+        # node 1's row says it answered with an error, and the error follows the table, whole
+        errors = [row for row in rows if row.split()[2:3] == ["error"]]
+        assert [row.split()[:2] for row in errors] == [["1", lay.nodes[1].address]], shown
         damaged = [row for row in rows if "DamagedState" in row]
         assert len(damaged) == 1, shown
-        assert damaged[0].split()[:2] == ["1", lay.nodes[1].address], shown
+        said = f"node 1 ({lay.nodes[1].address}) answered with an error: "
+        assert damaged[0].startswith(said), shown
         running = [row.split()[1] for row in rows if " running " in row]
         assert running == [lay.nodes[0].address, lay.nodes[2].address], shown  # the others' rows
         as_json = inside(lay, 0, str(work), "status", "--json", *where)

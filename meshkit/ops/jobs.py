@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 from .. import protocol as p
-from ..errors import LaunchError
+from ..errors import LaunchError, NodeFailed, ProtocolError
 from ..hostfile import Host, members_text
 from ..job import Job
 from ..outcome import Outcome
@@ -253,6 +253,7 @@ class StatusRow:
     started: str | None  # ISO 8601, UTC
     last_line: str | None
     error: str | None = None
+    silent: bool = False  # with an error: the node gave no reply at all (not its own failure)
     supervised: bool = False  # train --restarts: the six fields below are shown
     attempt: int | None = None
     restarts_left: int | None = None
@@ -318,7 +319,18 @@ def status(
         outcome = replies.get(host)
         if outcome is None or outcome.value is None:
             error = unanswered(outcome, host, pool.failures)
-            row = StatusRow(rank, host.label, JobState.ABSENT, None, None, f"error: {error}", error)
+            # the node's agent answered, with its failure or a malformed reply; else nothing
+            replied = outcome is not None and isinstance(outcome.exc, (NodeFailed, ProtocolError))
+            row = StatusRow(
+                rank,
+                host.label,
+                JobState.ABSENT,
+                None,
+                None,
+                f"error: {error}",
+                error,
+                silent=not replied,
+            )
             rows.append(row)
             continue
         reply = outcome.value

@@ -14,7 +14,7 @@ from typing import TypeVar
 import paramiko
 
 from .. import protocol
-from ..errors import AgentGone, MeshkitError, ProtocolError, RemoteError
+from ..errors import AgentGone, MeshkitError, NodeFailed, ProtocolError, RemoteError
 from ..hostfile import Host
 from ..outcome import Outcome, ProgressFn
 from ..protocol import MAX_LINE, PUT_CHUNK, PutReply, PutRequest, Reply, Request
@@ -55,7 +55,7 @@ class Agent:
             self.broken = exc
             raise
         except RemoteError as exc:
-            if not isinstance(exc, (_NodeSaid, _NotSent)):
+            if not isinstance(exc, (NodeFailed, _NotSent)):
                 self.broken = exc  # a timeout: a late reply would answer the next request
             raise
 
@@ -112,7 +112,7 @@ def read_reply(request: Request, raw: bytes, expect: type[R]) -> R:
     try:
         reply = protocol.decode_reply(protocol.op_of(request), raw.decode(errors="replace"))
     except protocol.NodeFailure as exc:
-        raise _NodeSaid(f"{op} failed on the node: {exc}") from None
+        raise NodeFailed(f"{op} failed on the node: {exc}") from None
     except protocol.ProtocolViolation as exc:
         raise ProtocolError(f"malformed reply to {op} from the node agent: {exc}") from None
     if not isinstance(reply, expect):
@@ -252,10 +252,6 @@ class AgentPool:
             agent = Agent(remote, self.python)
             self._agents[remote.host] = agent
         return agent
-
-
-class _NodeSaid(RemoteError):
-    """The agent answered that the request failed on the node; the agent itself is fine."""
 
 
 class _NotSent(RemoteError):

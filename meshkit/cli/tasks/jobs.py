@@ -76,21 +76,25 @@ def render_status(rows: Sequence[ops.StatusRow], job: Job) -> str:
     if rows and rows[0].supervised:
         out += supervisor_lines(rows[0], job)
     cells = []
-    silent = []
+    below = []  # why a node's row has no state: whole, below the table
     for row in rows:
         quiet = f"yes ({row.idle_s:.0f}s quiet)" if row.stalled and row.idle_s else "no"
         started = (row.started or "")[:19]
         last_line = (row.last_line or "")[:70]
         state: str = row.state
-        if row.error:
+        if row.error and row.silent:
             # not asked, or no reply: whether the job runs there is unknown (--json keeps the
-            # fixed name, absent); why goes below the table, whole
+            # fixed name, absent)
             state = "no answer"
             last_line = "(the node does not answer: see below)"
-            silent.append(f"node {row.node_rank} ({row.host}) does not answer: {row.error}")
+            below.append(f"node {row.node_rank} ({row.host}) does not answer: {row.error}")
+        elif row.error:
+            state = "error"
+            last_line = "(the node's error: see below)"
+            below.append(f"node {row.node_rank} ({row.host}) answered with an error: {row.error}")
         cells.append((row.node_rank, row.host, state, row.exit_code, started, quiet, last_line))
     out.append(table(["rank", "host", "state", "exit", "started", "stalled", "last line"], cells))
-    out += silent
+    out += below
     if rows and rows[0].diagnosis:
         out.append(f"diagnosis saved before the stall restart: {rows[0].diagnosis}")
     return "\n".join(out)
