@@ -46,8 +46,11 @@ SECONDS = {
     "test_stop_partition": 140,
     "test_top": 70,
     "test_exec": 16,
-    "test_spares": 480,  # with test_spares_shrink: split for the workers, each took minutes
-    "test_spares_shrink": 310,
+    # the spare scenarios: a module each, split for the workers (each takes minutes)
+    "test_spares_shrink": 330,
+    "test_spares_master": 290,
+    "test_spares": 240,
+    "test_spares_giveup": 190,
 }
 UNLISTED = 60
 

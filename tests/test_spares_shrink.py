@@ -1,18 +1,18 @@
-"""Spare nodes on the sandbox, when spares run out (real sshd, tmux, torch with gloo): 4 active
-nodes and 1 spare. The leader lost mid-replacement: the next leader makes that one replacement,
-then, with no spare left and --min-nodes, the job goes on with fewer nodes; with no spare and no
---min-nodes, the supervisor gives up after the bound, saying why, with nothing left running."""
+"""Spare nodes on the sandbox (real sshd, tmux, torch with gloo): the leader lost mid-replacement:
+the next leader makes that one replacement, then, with no spare left and --min-nodes, the job
+goes on with fewer nodes. 4 active nodes and 1 spare, the example job (it checkpoints) under
+torchrun and under --spawn, each scenario a module of its own (each takes minutes, and modules
+are what CI's workers share out; the shared parts: tests/helpers/spares.py)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from helpers.sandbox_jobs import NPROC, on_node, supervisor_said, wait_for
+from helpers.sandbox_jobs import supervisor_said, wait_for
 from helpers.spares import (
     ATTEMPT,
+    LAUNCHERS,
+    NPROC,
     WHO,
-    job_left,
     last_attempt,
     mesh_with_spare,
     power_off,
@@ -30,13 +30,17 @@ def meshed(cluster):
     return mesh_with_spare(cluster)
 
 
-def test_the_leader_lost_mid_replacement_makes_one_replacement_then_min_nodes_shrinks(meshed):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_the_leader_lost_mid_replacement_makes_one_replacement_then_min_nodes_shrinks(
+    meshed, launcher
+):
     """Node 2 lost: the leader (node 0) replaces it with the spare; node 0 powered off as soon as
     it has claimed that replacement: the next leader finishes the same replacement (exactly
     one), then, with no spare left and --min-nodes 3, goes on without node 0 on 3 nodes."""
     lay, workdir, hostfile = meshed
-    session = "leader"
-    train(lay, workdir, hostfile, session, "--min-nodes", "3", node=3, spawn=True)
+    session = f"leader{launcher[0]}"
+    spawn = launcher == "spawn"
+    train(lay, workdir, hostfile, session, "--min-nodes", "3", node=3, spawn=spawn)
     started(lay, workdir, session)
     power_off(lay, 2)
     (workdir / f"{session}.sleep").write_text("0\n")
@@ -72,28 +76,3 @@ def test_the_leader_lost_mid_replacement_makes_one_replacement_then_min_nodes_sh
     finally:
         power_on(lay, 0)
         power_on(lay, 2)
-
-
-def test_no_spare_and_no_min_nodes_gives_up_after_the_bound_saying_so(meshed):
-    lay, workdir, _ = meshed
-    two = lay.root / "hostfile-two"
-    two.write_text(f"{lay.nodes[1].address}\n{lay.nodes[3].address}\n")
-    session = "nospare"
-    train(lay, workdir, two, session, node=1)
-    started(lay, workdir, session, nodes=2)
-    power_off(lay, 3)
-    (workdir / f"{session}.sleep").write_text("0\n")
-    try:
-        wait_for(lambda: supervisor_said(workdir, session, " gave up: "), timeout=150, interval=2)
-        out = on_node(
-            lay, 1, workdir, "status", "--session", session, "--hostfile", str(two), "--json"
-        )
-        head = json.loads(out.stdout)[0]
-        assert head["supervisor"] == "gave up"
-        why = str(head["last_restart_reason"])
-        assert lay.nodes[3].address in why
-        assert "--replace-after" in why
-        assert "no spare" in why
-        assert job_left(lay, 1) == []  # what was left of the job is ended, not left waiting
-    finally:
-        power_on(lay, 3)
