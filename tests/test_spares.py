@@ -8,48 +8,32 @@ modules are what CI's workers share out; the shared parts: tests/helpers/spares.
 from __future__ import annotations
 
 import pytest
+from helpers import spares
 from helpers.sandbox_jobs import supervisor_said, wait_for
-from helpers.spares import (
-    ACTIVE,
-    ATTEMPT,
-    LAUNCHERS,
-    NPROC,
-    WHO,
-    job_left,
-    last_attempt,
-    mesh_with_spare,
-    power_off,
-    power_on,
-    started,
-    status,
-    train,
-)
 
 SANDBOX_NODES = 5
 
 
-@pytest.fixture(scope="module")
-def meshed(cluster):
-    return mesh_with_spare(cluster)
+meshed = spares.meshed  # the fixture: this module's sandbox, meshed with a spare
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", spares.LAUNCHERS)
 def test_a_node_lost_for_good_is_replaced_by_the_spare_which_takes_its_rank(meshed, launcher):
     lay, workdir, hostfile = meshed
     session = f"lost2{launcher[0]}"
     # a longer bound here: status is asked while the leader waits (a status round waits its
     # connect timeout, 10 s, for the node that is off)
-    train(lay, workdir, hostfile, session, replace_after="30s", spawn=launcher == "spawn")
-    started(lay, workdir, session)
-    rows = status(lay, workdir, session, node=1)
+    spares.train(lay, workdir, hostfile, session, replace_after="30s", spawn=launcher == "spawn")
+    spares.started(lay, workdir, session)
+    rows = spares.status(lay, workdir, session, node=1)
     assert rows[0]["generation"] == 1
     assert [spare["node"] for spare in rows[0]["spares"]] == [lay.nodes[4].address]
     assert rows[0]["spares"][0]["healthy"] is True
-    power_off(lay, 2)
+    spares.power_off(lay, 2)
     (workdir / f"{session}.sleep").write_text("0\n")
     # while the leader waits for it, status says so, and that the supervisors are alive
     wait_for(lambda: supervisor_said(workdir, session, "waiting for"), timeout=90, interval=0.5)
-    rows = status(lay, workdir, session, node=1)
+    rows = spares.status(lay, workdir, session, node=1)
     assert lay.nodes[2].address in str(rows[0]["waiting"])
     assert "UTC" in str(rows[0]["waiting"])
     assert rows[0]["supervisor"] == "running"
@@ -57,7 +41,7 @@ def test_a_node_lost_for_good_is_replaced_by_the_spare_which_takes_its_rank(mesh
     # lost after --replace-after, replaced, relaunched, done: well within the bound + 30 s + the
     # relaunch itself (torchrun's start on 5 nodes sharing 2 cores)
     wait_for(lambda: supervisor_said(workdir, session, " done: "), timeout=240, interval=2)
-    rows = status(lay, workdir, session, node=1)
+    rows = spares.status(lay, workdir, session, node=1)
     assert [row["host"] for row in rows] == [
         lay.nodes[0].address,
         lay.nodes[1].address,
@@ -71,28 +55,28 @@ def test_a_node_lost_for_good_is_replaced_by_the_spare_which_takes_its_rank(mesh
     assert "replaced" in str(rows[0]["last_restart_reason"])
     assert rows[0]["restarts_left"] == 2  # a replacement uses up no restart
     # the relaunch resumed from the first attempt's last checkpoint, not from step 0
-    assert "resumed from step 20" in last_attempt(workdir, session, 0)
-    for rank in range(ACTIVE):
-        attempt = last_attempt(workdir, session, rank)
-        told = ATTEMPT.search(attempt)
+    assert "resumed from step 20" in spares.last_attempt(workdir, session, 0)
+    for rank in range(spares.ACTIVE):
+        attempt = spares.last_attempt(workdir, session, rank)
+        told = spares.ATTEMPT.search(attempt)
         assert told is not None, attempt
         assert told.group(2) == "replaced"
         assert told.group(3) == "2"
         assert told.group(4) == lay.nodes[0].address
-        found = WHO.findall(attempt)
-        assert len(found) == NPROC
+        found = spares.WHO.findall(attempt)
+        assert len(found) == spares.NPROC
         for _rank, world, meshkit_rank, host, total, expected in found:
-            assert int(world) == ACTIVE * NPROC
+            assert int(world) == spares.ACTIVE * spares.NPROC
             assert int(meshkit_rank) == rank
             assert total == expected
             want = "node4" if rank == 2 else f"node{rank}"
             assert host == want
     # the lost node comes back: it runs nothing of the job and is a spare now
-    power_on(lay, 2)
+    spares.power_on(lay, 2)
     rows = wait_for(
         lambda: [
             row
-            for row in [status(lay, workdir, session, node=3)[0]]
+            for row in [spares.status(lay, workdir, session, node=3)[0]]
             if [spare["node"] for spare in row["spares"] if spare["healthy"]]
             == [lay.nodes[2].address]
         ],
@@ -100,4 +84,4 @@ def test_a_node_lost_for_good_is_replaced_by_the_spare_which_takes_its_rank(mesh
         interval=2,
     )
     assert rows
-    assert job_left(lay, 2) == []
+    assert spares.job_left(lay, 2) == []

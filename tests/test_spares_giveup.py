@@ -9,34 +9,24 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import spares
 from helpers.sandbox_jobs import on_node, supervisor_said, wait_for
-from helpers.spares import (
-    LAUNCHERS,
-    job_left,
-    mesh_with_spare,
-    power_off,
-    power_on,
-    started,
-    train,
-)
 
 SANDBOX_NODES = 5
 
 
-@pytest.fixture(scope="module")
-def meshed(cluster):
-    return mesh_with_spare(cluster)
+meshed = spares.meshed  # the fixture: this module's sandbox, meshed with a spare
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", spares.LAUNCHERS)
 def test_no_spare_and_no_min_nodes_gives_up_after_the_bound_saying_so(meshed, launcher):
     lay, workdir, _ = meshed
     two = lay.root / "hostfile-two"
     two.write_text(f"{lay.nodes[1].address}\n{lay.nodes[3].address}\n")
     session = f"nospare{launcher[0]}"
-    train(lay, workdir, two, session, node=1, spawn=launcher == "spawn")
-    started(lay, workdir, session, nodes=2)
-    power_off(lay, 3)
+    spares.train(lay, workdir, two, session, node=1, spawn=launcher == "spawn")
+    spares.started(lay, workdir, session, nodes=2)
+    spares.power_off(lay, 3)
     (workdir / f"{session}.sleep").write_text("0\n")
     try:
         wait_for(lambda: supervisor_said(workdir, session, " gave up: "), timeout=150, interval=2)
@@ -49,6 +39,6 @@ def test_no_spare_and_no_min_nodes_gives_up_after_the_bound_saying_so(meshed, la
         assert lay.nodes[3].address in why
         assert "--replace-after" in why
         assert "no spare" in why
-        assert job_left(lay, 1) == []  # what was left of the job is ended, not left waiting
+        assert spares.job_left(lay, 1) == []  # what was left of the job is ended, not left waiting
     finally:
-        power_on(lay, 3)
+        spares.power_on(lay, 3)

@@ -10,51 +10,34 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import spares
 from helpers.sandbox_jobs import private, supervisor_said, wait_for
-from helpers.spares import (
-    ACTIVE,
-    ATTEMPT,
-    LAUNCHERS,
-    NPROC,
-    REPO,
-    WHO,
-    last_attempt,
-    mesh_with_spare,
-    power_off,
-    power_on,
-    ran_to_the_end,
-    started,
-    status,
-    train,
-)
 
 SANDBOX_NODES = 5
 
 
-@pytest.fixture(scope="module")
-def meshed(cluster):
-    return mesh_with_spare(cluster)
+meshed = spares.meshed  # the fixture: this module's sandbox, meshed with a spare
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", spares.LAUNCHERS)
 def test_the_master_lost_moves_rank_0_and_master_addr_to_the_spare(meshed, launcher):
     lay, workdir, hostfile = meshed
     session = f"lost0{launcher[0]}"
-    train(lay, workdir, hostfile, session, node=1, spawn=launcher == "spawn")
-    started(lay, workdir, session)
-    power_off(lay, 0)
+    spares.train(lay, workdir, hostfile, session, node=1, spawn=launcher == "spawn")
+    spares.started(lay, workdir, session)
+    spares.power_off(lay, 0)
     (workdir / f"{session}.sleep").write_text("0\n")
     try:
         wait_for(lambda: supervisor_said(workdir, session, " done: "), timeout=240, interval=2)
-        rows = status(lay, workdir, session, node=3)
+        rows = spares.status(lay, workdir, session, node=3)
         assert rows[0]["host"] == lay.nodes[4].address
         assert rows[0]["supervisor"] == "done"
-        told = ATTEMPT.search(last_attempt(workdir, session, 1))
+        told = spares.ATTEMPT.search(spares.last_attempt(workdir, session, 1))
         assert told is not None
         assert told.group(4) == lay.nodes[4].address  # MASTER_ADDR moved
-        assert ran_to_the_end(workdir, session, ACTIVE)
+        assert spares.ran_to_the_end(workdir, session, spares.ACTIVE)
     finally:
-        power_on(lay, 0)
+        spares.power_on(lay, 0)
 
 
 def test_a_synced_job_syncs_the_workdir_to_the_spare_that_replaces_a_lost_node(meshed):
@@ -65,11 +48,13 @@ def test_a_synced_job_syncs_the_workdir_to_the_spare_that_replaces_a_lost_node(m
     hosts = Path("/tmp/mkspare-hosts/hostfile")
     mine = private(lay, 0, work)
     mine.mkdir(parents=True)
-    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", mine / "example_train.py")
+    shutil.copy(
+        spares.REPO / "meshkit" / "templates" / "example_train.py", mine / "example_train.py"
+    )
     private(lay, 0, hosts).parent.mkdir(parents=True)
     private(lay, 0, hosts).write_text(shared_hostfile.read_text())
     session = "synced"
-    train(lay, work, hosts, session, spawn=True)
+    spares.train(lay, work, hosts, session, spawn=True)
     home = [private(lay, index, work / ".meshkit" / session) for index in range(SANDBOX_NODES)]
 
     def told(index: int, rank: int) -> str:
@@ -77,11 +62,14 @@ def test_a_synced_job_syncs_the_workdir_to_the_spare_that_replaces_a_lost_node(m
         return log.read_text().split("===== meshkit: attempt ")[-1] if log.exists() else ""
 
     wait_for(
-        lambda: all(len(WHO.findall(told(rank, rank))) == NPROC for rank in range(ACTIVE)),
+        lambda: all(
+            len(spares.WHO.findall(told(rank, rank))) == spares.NPROC
+            for rank in range(spares.ACTIVE)
+        ),
         timeout=240,
         interval=2,
     )
-    power_off(lay, 2)
+    spares.power_off(lay, 2)
     (mine / f"{session}.sleep").write_text("0\n")
     wait_for(
         lambda: (
@@ -93,12 +81,12 @@ def test_a_synced_job_syncs_the_workdir_to_the_spare_that_replaces_a_lost_node(m
     )
     assert (private(lay, 4, work) / "example_train.py").exists()
     attempt = told(4, 2)  # the spare's log of rank 2, in its own copy of the workdir
-    assert ATTEMPT.search(attempt) is not None, attempt
+    assert spares.ATTEMPT.search(attempt) is not None, attempt
     assert "reason=replaced" in attempt
-    found = WHO.findall(attempt)
-    assert len(found) == NPROC
+    found = spares.WHO.findall(attempt)
+    assert len(found) == spares.NPROC
     assert all(host == "node4" and int(rank) == 2 for _r, _w, rank, host, *_x in found)
-    rows = status(lay, work, session, node=1)
+    rows = spares.status(lay, work, session, node=1)
     assert [row["host"] for row in rows][2] == lay.nodes[4].address
     assert rows[0]["supervisor"] == "done"
-    power_on(lay, 2)
+    spares.power_on(lay, 2)

@@ -7,30 +7,16 @@ are what CI's workers share out; the shared parts: tests/helpers/spares.py)."""
 from __future__ import annotations
 
 import pytest
+from helpers import spares
 from helpers.sandbox_jobs import supervisor_said, wait_for
-from helpers.spares import (
-    ATTEMPT,
-    LAUNCHERS,
-    NPROC,
-    WHO,
-    last_attempt,
-    mesh_with_spare,
-    power_off,
-    power_on,
-    started,
-    status,
-    train,
-)
 
 SANDBOX_NODES = 5
 
 
-@pytest.fixture(scope="module")
-def meshed(cluster):
-    return mesh_with_spare(cluster)
+meshed = spares.meshed  # the fixture: this module's sandbox, meshed with a spare
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", spares.LAUNCHERS)
 def test_the_leader_lost_mid_replacement_makes_one_replacement_then_min_nodes_shrinks(
     meshed, launcher
 ):
@@ -40,9 +26,9 @@ def test_the_leader_lost_mid_replacement_makes_one_replacement_then_min_nodes_sh
     lay, workdir, hostfile = meshed
     session = f"leader{launcher[0]}"
     spawn = launcher == "spawn"
-    train(lay, workdir, hostfile, session, "--min-nodes", "3", node=3, spawn=spawn)
-    started(lay, workdir, session)
-    power_off(lay, 2)
+    spares.train(lay, workdir, hostfile, session, "--min-nodes", "3", node=3, spawn=spawn)
+    spares.started(lay, workdir, session)
+    spares.power_off(lay, 2)
     (workdir / f"{session}.sleep").write_text("0\n")
     try:
         wait_for(
@@ -50,9 +36,9 @@ def test_the_leader_lost_mid_replacement_makes_one_replacement_then_min_nodes_sh
             timeout=120,
             interval=0.5,
         )
-        power_off(lay, 0)
+        spares.power_off(lay, 0)
         wait_for(lambda: supervisor_said(workdir, session, " done: "), timeout=300, interval=2)
-        rows = status(lay, workdir, session, node=3)
+        rows = spares.status(lay, workdir, session, node=3)
         assert [row["host"] for row in rows] == [
             lay.nodes[1].address,
             lay.nodes[3].address,
@@ -65,14 +51,14 @@ def test_the_leader_lost_mid_replacement_makes_one_replacement_then_min_nodes_sh
         assert sorted(head["lost"]) == sorted([lay.nodes[0].address, lay.nodes[2].address])
         assert "shrunk" in str(head["last_restart_reason"])
         for rank in range(3):
-            attempt = last_attempt(workdir, session, rank)
-            told = ATTEMPT.search(attempt)
+            attempt = spares.last_attempt(workdir, session, rank)
+            told = spares.ATTEMPT.search(attempt)
             assert told is not None, attempt
             assert told.group(2) == "shrunk"
             assert told.group(4) == lay.nodes[1].address
-            found = WHO.findall(attempt)
-            assert len(found) == NPROC
-            assert all(int(world) == 3 * NPROC for _r, world, *_rest in found)
+            found = spares.WHO.findall(attempt)
+            assert len(found) == spares.NPROC
+            assert all(int(world) == 3 * spares.NPROC for _r, world, *_rest in found)
     finally:
-        power_on(lay, 0)
-        power_on(lay, 2)
+        spares.power_on(lay, 0)
+        spares.power_on(lay, 2)

@@ -9,6 +9,7 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
 from conftest import meshkit
 
 from helpers.sandbox_jobs import RESULT, on_node, wait_for
@@ -110,3 +111,9 @@ def job_left(lay, index: int) -> list[str]:
         lay.nodes[index], ["pgrep", "-af", "example_train|torchrun|-m meshkit (run|supervise)"]
     )
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+
+
+@pytest.fixture(scope="module")
+def meshed(cluster):
+    """The module's sandbox (``cluster``), meshed with a spare: ``mesh_with_spare``'s three."""
+    return mesh_with_spare(cluster)
