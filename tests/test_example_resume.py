@@ -5,29 +5,21 @@ step 10 instead of 0 and completes; under torchrun and under ``--spawn``."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-from conftest import meshkit
-from helpers.sandbox_jobs import NPROC, RESULT, on_node, supervisor_said, wait_for
+from helpers import sandbox_jobs
+from helpers.sandbox_jobs import RESULT, on_node, supervisor_said, wait_for
 
 SANDBOX_NODES = 2
-REPO = Path(__file__).resolve().parent.parent
+NPROC = 1  # one rank a node: several local ranks are test_train's part (sandbox_jobs.NPROC)
 # Each attempt trains 10 steps further than the last; the first one then fails, so that the
 # supervisor relaunches the job, and the relaunch succeeds.
 STEPS = "--steps $((MESHKIT_RESTART_COUNT * 10 + 10)) --checkpoint-every 5"
 FAIL_FIRST = '[ "$MESHKIT_RESTART_COUNT" -gt 0 ]'
 
 
-@pytest.fixture(scope="module")
-def meshed(cluster):
-    out = meshkit("mesh", "--hostfile", str(cluster.hostfile), "--no-verify")
-    assert out.returncode == 0, out.stdout + out.stderr
-    workdir = cluster.shared / "work"
-    workdir.mkdir()
-    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir / "example_train.py")
-    return cluster, workdir
+meshed = sandbox_jobs.meshed  # the fixture: this module's sandbox, meshed, with the example
 
 
 def log_text(workdir: Path, session: str, rank: int) -> str:

@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 from conftest import fresh_sandbox, named, need_root, sandbox_name
 from helpers.other_user import as_user, login_env, readable_python
-from helpers.sandbox_jobs import NPROC, RESULT, check_results, wait_for
+from helpers.sandbox_jobs import RESULT, check_results, wait_for
 
 from meshkit import sandbox
 from meshkit.errors import SandboxError
 
 SANDBOX_NODES = 2
+NPROC = 1  # one rank a node: several local ranks are test_train's part (sandbox_jobs.NPROC)
 USER = sandbox.USER
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "meshkit" / "templates" / "example_train.py"
@@ -182,7 +183,7 @@ def test_train_status_logs_diagnose_and_stop_as_the_user(lay, python, meshed):
         match = RESULT.search(line)
         if match:
             found.append((int(line[1 : line.index("]")]), match))
-    check_results(found, len(lay.nodes))
+    check_results(found, len(lay.nodes), NPROC)
     rows = status(lay, python, 1, "~", *where)
     assert [row["state"] for row in rows] == ["running"] * len(lay.nodes), rows
     # the ranks are the user's, and so is each node's state directory

@@ -9,13 +9,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import shutil
 from pathlib import Path
 
-import pytest
-from conftest import meshkit
+from helpers import sandbox_jobs
 from helpers.sandbox_jobs import (
-    NPROC,
     RESULT,
     check_results,
     job_processes,
@@ -27,7 +24,7 @@ from helpers.sandbox_jobs import (
 from meshkit import sandbox
 
 SANDBOX_NODES = 3
-REPO = Path(__file__).resolve().parent.parent
+NPROC = 1  # one rank a node: several local ranks are test_train's part (sandbox_jobs.NPROC)
 FREEZER = Path("/sys/fs/cgroup/freezer")
 
 
@@ -42,14 +39,7 @@ def relaunches_end(workdir: Path, session: str) -> None:
     (workdir / f"{session}.sleep").write_text("0\n")
 
 
-@pytest.fixture(scope="module")
-def meshed(cluster):
-    out = meshkit("mesh", "--hostfile", str(cluster.hostfile), "--no-verify")
-    assert out.returncode == 0, out.stdout + out.stderr
-    workdir = cluster.shared / "work"
-    workdir.mkdir()
-    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir / "example_train.py")
-    return cluster, workdir
+meshed = sandbox_jobs.meshed  # the fixture: this module's sandbox, meshed, with the example
 
 
 def train(lay, workdir: Path, session: str, *args: str, node: int = 0):
@@ -163,7 +153,8 @@ def test_a_killed_worker_restarts_the_whole_job_with_the_same_ranks(meshed):
     assert rows[0]["restarts_left"] == 1
     assert "node 1 " in str(rows[0]["last_restart_reason"])
     assert [r["exit_code"] for r in rows] == [0] * n
-    check_results(results_of(workdir, "killed", n, 2), n)  # attempt 2: every rank, same nodes
+    # attempt 2: every rank, on the same nodes
+    check_results(results_of(workdir, "killed", n, 2), n, NPROC)
     assert job_processes(lay) == []
 
 
@@ -179,7 +170,7 @@ def test_a_rebooted_node_is_relaunched_once_it_is_back(meshed):
     assert rows[0]["supervisor"] == "done", rows
     assert rows[0]["attempt"] == 2
     assert "node 2 " in str(rows[0]["last_restart_reason"])
-    check_results(results_of(workdir, "reboot", n, 2), n)
+    check_results(results_of(workdir, "reboot", n, 2), n, NPROC)
 
 
 def supervisors(lay, session: str) -> list[list[str]]:
@@ -236,7 +227,7 @@ def test_a_rebooted_launching_node_is_relaunched_with_no_command(meshed):
     assert rows[0]["supervisor"] == "done", rows
     assert rows[0]["attempt"] == 2
     assert "node 0 " in str(rows[0]["last_restart_reason"])
-    check_results(results_of(workdir, "reboot0", n, 2), n)
+    check_results(results_of(workdir, "reboot0", n, 2), n, NPROC)
     log = (workdir / ".meshkit" / "reboot0" / "supervisor-node1.log").read_text()
     assert "attempt 2: relaunching" in log
     assert "attempt 2 started" in log  # node 1 led it

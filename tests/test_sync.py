@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from conftest import meshkit
 from helpers.sandbox_jobs import (
-    NPROC,
     RESULT,
     check_results,
     job_processes,
@@ -23,6 +22,7 @@ from helpers.sandbox_jobs import (
 )
 
 SANDBOX_NODES = 3
+NPROC = 1  # one rank a node: several local ranks are test_train's part (sandbox_jobs.NPROC)
 REPO = Path(__file__).resolve().parent.parent
 WORK = Path("/tmp/mkwork")  # under every node's own /tmp: private to each node
 HOSTFILE = Path("/tmp/mkhosts/hostfile")
@@ -101,7 +101,7 @@ def test_private_workdirs_are_synced_and_the_job_works_from_any_node(meshed):
             return found
         return None
 
-    check_results(wait_for(all_results), nodes)
+    check_results(wait_for(all_results), nodes, NPROC)
 
     # status from a node without the hostfile: through --workdir, and through the index
     rows = json.loads(run_in(lay, 2, "status", *base, "--json").stdout)

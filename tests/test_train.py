@@ -5,12 +5,11 @@ from __future__ import annotations
 import functools
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 from conftest import meshkit
+from helpers import sandbox_jobs
 from helpers.sandbox_jobs import (
     NPROC,
     RESULT,
@@ -27,14 +26,7 @@ SANDBOX_NODES = 3
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def meshed(cluster):
-    out = meshkit("mesh", "--hostfile", str(cluster.hostfile), "--no-verify")
-    assert out.returncode == 0, out.stdout + out.stderr
-    workdir = cluster.shared / "work"
-    workdir.mkdir()
-    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir / "example_train.py")
-    return cluster, workdir
+meshed = sandbox_jobs.meshed  # the fixture: this module's sandbox, meshed, with the example
 
 
 def train_on(lay, index: int, workdir: Path, session: str, *args: str):
@@ -157,16 +149,25 @@ def test_spawn_starts_every_rank_without_torchrun_and_a_failure_ends_the_node(me
     assert [row["exit_code"] for row in rows] == [0] * nodes
     assert json.loads((workdir / ".meshkit" / "spawned" / "job.json").read_text())["spawn"]
 
-    # stop ends spawned ranks (each in a process group of its own) and finds nothing left
-    cmd = "python example_train.py --sleep 600"
+    # stop ends spawned ranks (each in a process group of its own) and finds nothing left; the
+    # ranks need not boot torch for that (the jobs above did), and each would cost 3 s of CPU
+    cmd = "echo rank $RANK up; exec sleep 600"
     out = train_on(lay, 1, workdir, "spawnstop", *args, "--cmd", cmd)
     assert out.returncode == 0, out.stdout + out.stderr
-    wait_for(lambda: len(results(workdir, "spawnstop", nodes)) == nodes * NPROC)
+
+    def every_rank_up() -> bool:
+        logs = [workdir / ".meshkit" / "spawnstop" / f"node{rank}.log" for rank in range(nodes)]
+        ups = [re.findall(r"rank \d+ up", log.read_text()) for log in logs if log.exists()]
+        return sum(len(up) for up in ups) == nodes * NPROC
+
+    wait_for(every_rank_up)
     assert [row["state"] for row in status(lay, workdir, "spawnstop")] == ["running"] * nodes
     out = on_node(lay, 0, workdir, "stop", "--session", "spawnstop")
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("nothing left") == nodes, out.stdout + out.stderr
     assert job_processes(lay) == []
+    for node in lay.nodes:
+        assert sandbox.node_exec(node, ["pgrep", "-f", "^sleep 600"]).stdout == ""
 
     # one rank failing ends its node's other rank at once, and the node exits with its code
     cmd = "if [ $LOCAL_RANK = 1 ]; then echo rank $RANK fails; exit 5; fi; exec sleep 600"

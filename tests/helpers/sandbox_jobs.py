@@ -5,17 +5,44 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
 
+import pytest
+from conftest import meshkit
+
 from meshkit import sandbox
 
+EXAMPLE = (
+    Path(__file__).resolve().parent.parent.parent / "meshkit" / "templates" / "example_train.py"
+)
+# Local ranks per node where several are what a test checks (test_train's torchrun and --spawn
+# jobs); the supervised, sync, resume and non-root jobs run one: every rank boots torch, about
+# 3 s of CPU, and that was most of CI's time.
 NPROC = 2
 RESULT = re.compile(
     r"meshkit-example rank=(\d+) world_size=(\d+) node_rank=\S+ meshkit_node_rank=(\d+) "
     r"local_rank=\S+ host=(\S+) sum=(\d+) expected=(\d+)"
 )
+
+
+def example_workdir(lay) -> Path:
+    """The sandbox's shared ``work`` directory, made, holding the bundled example job."""
+    workdir = lay.shared / "work"
+    workdir.mkdir()
+    shutil.copy(EXAMPLE, workdir / "example_train.py")
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def meshed(cluster):
+    """The module's sandbox (``cluster``) meshed, and its workdir holding the example job; a
+    module takes it as ``meshed = sandbox_jobs.meshed``."""
+    out = meshkit("mesh", "--hostfile", str(cluster.hostfile), "--no-verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return cluster, example_workdir(cluster)
 
 
 def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: float = 240):
@@ -57,10 +84,10 @@ def every_log_says(workdir: Path, session: str, nodes: int, text: str) -> bool:
     return all(log.exists() and text in log.read_text() for log in logs)
 
 
-def check_results(found, nodes: int) -> None:
-    """Every rank of the world reported once, each with the right all_reduce sum, from the node
-    its NODE_RANK names."""
-    world = nodes * NPROC
+def check_results(found, nodes: int, nproc: int = NPROC) -> None:
+    """Every rank of the world (``nproc`` a node) reported once, each with the right all_reduce
+    sum, from the node its NODE_RANK names."""
+    world = nodes * nproc
     assert sorted(int(match.group(1)) for _, match in found) == list(range(world))
     expected_sum = str(world * (world + 1) // 2)
     for log_rank, match in found:

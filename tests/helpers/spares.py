@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 from conftest import meshkit
 
-from helpers.sandbox_jobs import RESULT, on_node, wait_for
+from helpers.sandbox_jobs import RESULT, example_workdir, on_node, wait_for
 from meshkit import sandbox
 
 ACTIVE = 4
@@ -21,7 +20,6 @@ ACTIVE = 4
 # are the train, demo and resume tests' part.
 NPROC = 1
 LAUNCHERS = ("torchrun", "spawn")
-REPO = Path(__file__).resolve().parent.parent.parent
 REPLACE_AFTER = "8s"
 WHO = RESULT  # each rank's line of the example: rank, world, node rank, host, sums
 ATTEMPT = re.compile(r"attempt=(\d+) reason=(\S+) generation=(\d+) master=(\S+)")
@@ -47,10 +45,7 @@ def mesh_with_spare(cluster):
     hostfile.write_text("\n".join(lines) + "\n")
     out = meshkit("mesh", "--hostfile", str(hostfile), "--no-verify")
     assert out.returncode == 0, out.stdout + out.stderr
-    workdir = cluster.shared / "work"
-    workdir.mkdir()
-    shutil.copy(REPO / "meshkit" / "templates" / "example_train.py", workdir / "example_train.py")
-    return cluster, workdir, hostfile
+    return cluster, example_workdir(cluster), hostfile
 
 
 def power_off(lay, index: int) -> None:
