@@ -391,17 +391,21 @@ def test_the_state_machine_a_stop_is_final_and_wins_whatever_the_versions():
         HOSTS[0]: p.SupervisorReply(1, 0.0, [], replace(claim, held="x: workdir: y")),
         HOSTS[1]: p.SupervisorReply(None, None, [], running),
     }
-    record = sup.stop_record(answers, 2)
+    record = sup.stop_record(answers, 2, 1, 3)
     assert record == replace(claim, supervisor=SupervisorState.STOPPED, version=11)
-    assert sup.stop_record({}, 3) == Supervision(SupervisorState.STOPPED, 0, 3, version=1)
+    assert sup.stop_record({}, 3, 1, 3) == Supervision(SupervisorState.STOPPED, 0, 3, version=1)
 
 
-def test_a_stop_that_misses_a_node_is_remembered_and_its_supervisor_relaunches_nothing():
+def test_a_stop_that_misses_a_node_is_remembered_and_its_supervisor_relaunches_nothing(
+    tmp_path,
+):
     """``stop`` with node 2 cut off: nodes 0 and 1 keep a stopped record, and stop names node 2
     and what happens there. Node 2's supervisor, on its own side, counted a version on; once it
     reconnects it finds the stop, ends the job on its node, leaves the stop there, and ends
     without a launch."""
-    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    hostfile = tmp_path / "hostfile"  # stop reads it: a copy far ahead is judged by its size
+    hostfile.write_text("".join(f"{host.host}\n" for host in HOSTS))
+    job = Job("x", "/w", "s", str(hostfile), "/p", 1, restarts=2)
     pool = ScriptedPool([[st("running")] * 3], {0, 1, 2})
     base = sup.write(pool, job, HOSTS, first_record(2), 0, every=True)
     assert base is not None
@@ -725,6 +729,24 @@ def test_a_generation_more_than_the_node_count_ahead_is_not_believable():
     assert not sup.far_ahead(record, 4, 3)  # 3 changes while this one looked on: may be
     assert sup.far_ahead(record, 3, 3)
     assert sup.far_ahead(replace(record, generation=10**18), 1, 4096)
+
+
+def test_status_top_and_stop_believe_what_a_supervisor_follows():
+    """``believed``: a copy far ahead is left out of what status and top show and of what stop
+    writes (which would otherwise carry its membership), its version still counted."""
+    known = Supervision(SupervisorState.RUNNING, 1, 2, version=4, generation=2, members=["a"])
+    absurd = replace(known, version=40, generation=10**9, members=["b"])
+    assert sup.believed([known, None, absurd], 2, 3) == replace(known, version=40)
+    assert sup.believed([known, replace(known, version=5)], 2, 3) == replace(known, version=5)
+    assert sup.believed([absurd], 2, 3) is None
+    assert sup.believed([], 1, 3) is None
+    answers = {
+        HOSTS[0]: p.SupervisorReply(1, 0.0, [], known),
+        HOSTS[1]: p.SupervisorReply(1, 0.0, [], absurd),
+    }
+    stopped = sup.stop_record(answers, 2, 2, 3)
+    assert (stopped.generation, stopped.members) == (2, ["a"])
+    assert (stopped.supervisor, stopped.version) == (SupervisorState.STOPPED, 41)
 
 
 def test_a_node_whose_copy_claims_an_absurd_generation_is_ignored_and_its_copy_replaced():

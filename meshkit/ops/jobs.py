@@ -22,7 +22,7 @@ from ..record import replace
 from .lookup import cluster_hosts
 from .membership import spares_of
 from .pool import NodePool, unanswered
-from .supervision import ask, end_supervisor, live_ranks, newest, stop_record
+from .supervision import ask, believed, end_supervisor, live_ranks, stop_record
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
 FOLLOW = 0.5  # seconds between polls of logs --follow
@@ -441,9 +441,11 @@ def status_with_supervision(pool: NodePool, job: Job, hosts: Sequence[Host]) -> 
         return rows
     answers = ask(pool, job, hosts)
     leader = min(live_ranks(hosts, answers), default=None)
-    record = newest(reply.record for reply in answers.values())
+    cluster = cluster_hosts(job)
+    copies = [reply.record for reply in answers.values()]
+    record = believed(copies, job.generation, len(cluster))
     supervised = with_supervision(job, rows, record, leader)
-    spares = [spare_row(pool, spare) for spare in spares_of(cluster_hosts(job), hosts)]
+    spares = [spare_row(pool, spare) for spare in spares_of(cluster, hosts)]
     return [replace(row, spares=spares) for row in supervised]
 
 
@@ -506,7 +508,8 @@ def stop_with_supervisors(pool: NodePool, job: Job, hosts: Sequence[Host]) -> St
     left = []
     then = UNREACHED
     if job.restarts:
-        stopped = stop_record(ask(pool, job, hosts), job.restarts)
+        nodes = len(cluster_hosts(job))
+        stopped = stop_record(ask(pool, job, hosts), job.restarts, job.generation, nodes)
         left = end_supervisor(pool, job, hosts, stopped)
         then = UNREACHED_SUPERVISED
     rows = stop(pool, job, hosts)

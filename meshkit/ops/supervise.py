@@ -31,7 +31,7 @@ from ..record import replace
 from . import jobs as ops
 from .membership import Change, members_of, plan, reason_of_change, spares_of
 from .pool import NodePool
-from .supervision import Answers, ask, far_ahead, live_ranks, newest, start_all, write
+from .supervision import Answers, ask, believed, far_ahead, live_ranks, start_all, write
 from .supervision_policy import (
     BACKOFF,
     Action,
@@ -221,30 +221,21 @@ class Supervisor:
         return Look(live | {self.me}, record, len(answers), silent)
 
     def _believed(self, answers: Answers) -> Supervision | None:
-        """The newest record of the nodes' copies, a copy ``far_ahead`` of the generation this
-        supervisor knows left out (named in the log once). Its version is lifted past any
-        copy left out, so the next write replaces that one too."""
-        copies = []
-        versions = []
+        """The nodes' copies as ``believed`` takes them against the generation this supervisor
+        knows; a copy far ahead of it is named in the log (once)."""
         for host, reply in answers.items():
             copy = reply.record
-            if copy is None:
+            if copy is None or not far_ahead(copy, self.job.generation, len(self.cluster)):
                 continue
-            if far_ahead(copy, self.job.generation, len(self.cluster)):
-                versions.append(copy.version)
-                if (host, copy.generation) not in self.ignored:
-                    self.ignored.add((host, copy.generation))
-                    self.say(
-                        f"{host.label}: its supervision record says generation "
-                        f"{copy.generation}, more than {len(self.cluster)} past generation "
-                        f"{self.job.generation}: ignored, not followed"
-                    )
-                continue
-            copies.append(copy)
-        record = newest(copies)
-        if record is None or not versions:
-            return record
-        return replace(record, version=max(record.version, *versions))
+            if (host, copy.generation) not in self.ignored:
+                self.ignored.add((host, copy.generation))
+                self.say(
+                    f"{host.label}: its supervision record says generation "
+                    f"{copy.generation}, more than {len(self.cluster)} past generation "
+                    f"{self.job.generation}: ignored, not followed"
+                )
+        copies = [reply.record for reply in answers.values()]
+        return believed(copies, self.job.generation, len(self.cluster))
 
     def _follow(self, record: Supervision | None) -> bool:
         """Take ``record``'s membership as this supervisor's (its nodes, this node's rank, the

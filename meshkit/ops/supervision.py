@@ -74,10 +74,25 @@ def newest(copies: Iterable[Supervision | None]) -> Supervision | None:
     return max(records, key=Supervision.precedence, default=None)
 
 
-def stop_record(answers: Answers, restarts: int) -> Supervision:
-    """Pure: the record ``meshkit stop`` leaves on every node: the winning copy, STOPPED and one
-    version on (a job none of whose nodes keeps a copy gets a bare one)."""
-    record = newest(reply.record for reply in answers.values())
+def believed(
+    copies: Iterable[Supervision | None], generation: int, nodes: int
+) -> Supervision | None:
+    """Pure: the copy that wins of those not ``far_ahead`` of ``generation`` (None: no node has
+    one), its version lifted past every copy left out, so that the next write replaces those
+    too. What a supervisor follows and what status, top and stop show and build on."""
+    records = [copy for copy in copies if copy is not None]
+    kept = [copy for copy in records if not far_ahead(copy, generation, nodes)]
+    left_out = [copy.version for copy in records if far_ahead(copy, generation, nodes)]
+    record = newest(kept)
+    if record is None or not left_out:
+        return record
+    return replace(record, version=max(record.version, *left_out))
+
+
+def stop_record(answers: Answers, restarts: int, generation: int, nodes: int) -> Supervision:
+    """Pure: the record ``meshkit stop`` leaves on every node: the believed copy (``believed``),
+    STOPPED and one version on (a job none of whose nodes keeps a copy gets a bare one)."""
+    record = believed((reply.record for reply in answers.values()), generation, nodes)
     if record is None:
         record = Supervision(SupervisorState.STOPPED, 0, restarts)
     return replace(

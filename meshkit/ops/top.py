@@ -32,7 +32,7 @@ from . import lookup
 from .jobs import is_stalled
 from .odd_one_out import Odd, job_port, mark
 from .pool import NodePool, unanswered
-from .supervision import ask, live_ranks, newest
+from .supervision import ask, believed, live_ranks
 
 HISTORY = 60.0  # seconds of each node's busy figure kept for its sparkline
 MIN_TIMEOUT = 5.0  # seconds a node gets to answer one sample, at the shortest intervals
@@ -190,15 +190,15 @@ def target(
 
 
 def supervisor_state(
-    pool: NodePool, job: Job, hosts: Sequence[Host], asked: Sequence[Host]
+    pool: NodePool, job: Job, hosts: Sequence[Host], asked: Sequence[Host], nodes: int
 ) -> str | None:
     """A supervised job's supervision as ``status`` words it, from the nodes ``asked`` (None: not
-    supervised, or no record)."""
+    supervised, or no record); ``nodes``: the hostfile's, spares included (``believed``)."""
     if not job.restarts:
         return None
     answers = ask(pool, job, asked)
     leader = min(live_ranks(hosts, answers), default=None)
-    record = newest(reply.record for reply in answers.values())
+    record = believed((reply.record for reply in answers.values()), job.generation, nodes)
     if record is None:
         return None
     running = record.supervisor in (SupervisorState.RUNNING, SupervisorState.RELAUNCHING)
@@ -238,6 +238,7 @@ class Watch:
         self.down_since: dict[Host, float] = {}
         self.reconnecting: set[Host] = set()
         self.lock = threading.Lock()
+        self.cluster_size: int | None = None  # the hostfile's nodes, read at the first need
 
     def request_for(self, host: Host) -> TopRequest:
         rank = self.hosts.index(host)
@@ -252,8 +253,11 @@ class Watch:
             "", self.request_for, TopReply, hosts=asked, timeout=self.timeout
         )
         supervisor = None
-        if self.job is not None:
-            supervisor = supervisor_state(self.pool, self.job, self.hosts, asked)
+        if self.job is not None and self.job.restarts:
+            if self.cluster_size is None:
+                self.cluster_size = len(lookup.cluster_hosts(self.job))
+            nodes = self.cluster_size
+            supervisor = supervisor_state(self.pool, self.job, self.hosts, asked, nodes)
         now = time.monotonic()
         views = []
         answered: list[tuple[str, TopReply]] = []
