@@ -5,6 +5,7 @@ status and stop analysis, a supervised job's status - with canned node replies."
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from helpers.fake_pool import HOSTS, FakePool, env_ok, healthy
@@ -247,17 +248,52 @@ def test_status_json_carries_the_membership_for_a_supervised_job_only():
         assert key not in unsupervised
 
 
-def test_a_spare_is_healthy_when_its_agent_answers_and_else_says_why():
+def facts(**changes: object) -> p.FactsReply:
+    base: dict[str, object] = dict(hostname="n", python="3.11.7", meshkit="0.1.0", torch="2.5.0")
+    base |= dict(cuda=None, nccl=None, gpus=0, clock=1000.0, writable=None, marker="x")
+    base.update(changes)
+    return p.FactsReply(**base)  # type: ignore[arg-type]
+
+
+def test_a_spare_is_healthy_when_its_facts_match_the_master_and_else_says_why():
+    master = Host("10.0.0.1", lineno=1, slots=2)
     spare = Host("10.0.0.9", lineno=4, spare=True)
     down = Host("10.0.0.8", lineno=5, spare=True)
     silent = Host("10.0.0.7", lineno=6, spare=True)
-    replies = {"jobs": {spare: p.JobsReply([]), silent: RemoteError("10.0.0.7: agent exited")}}
+    old = Host("10.0.0.6", lineno=7, spare=True)
+    now = time.time()  # the facts' clocks: read within the round trip
+    replies = {
+        "doctor_facts": {
+            master: facts(gpus=2, clock=now),
+            spare: facts(gpus=2, clock=now),
+            silent: RemoteError("10.0.0.7: agent exited"),
+            old: facts(torch="2.4.0", gpus=1, clock=now),
+        }
+    }
     pool = FakePool(replies, failures={down: "connection timed out"})
-    assert ops.spare_row(pool, spare) == ops.SpareRow("10.0.0.9", True)
-    assert ops.spare_row(pool, down) == ops.SpareRow(
-        "10.0.0.8", False, "not answering: connection timed out"
-    )
-    assert ops.spare_row(pool, silent) == ops.SpareRow("10.0.0.7", False, "10.0.0.7: agent exited")
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=1)
+    rows = ops.spare_rows(pool, job, [master], [spare, down, silent, old])
+    assert rows[:3] == [
+        ops.SpareRow("10.0.0.9", True),
+        ops.SpareRow("10.0.0.8", False, "not answering: connection timed out"),
+        ops.SpareRow("10.0.0.7", False, "10.0.0.7: agent exited"),
+    ]
+    assert not rows[3].healthy
+    assert "versions: torch 2.4.0 (master: 2.5.0)" in str(rows[3].why)
+    assert "gpus: 1 GPUs, slots=2" in str(rows[3].why)
+    # the facts request writes nothing of the job's (no marker)
+    asked = [request for op, _, request in pool.calls if op == "doctor_facts"]
+    assert {request.write_marker for request in asked} == {False}
+    # a clock far off, a workdir missing: missing is fine for a synced job (the sync makes it)
+    timing = (now, now)
+    late = ops.spare_health(spare, facts(clock=now + 600), None, None, timing, False)
+    assert not late.healthy
+    assert str(late.why).startswith("clock: +600.00s")
+    missing = facts(writable="/w: missing", clock=now)
+    assert ops.spare_health(spare, missing, None, None, timing, True).healthy
+    shared = ops.spare_health(spare, missing, None, None, timing, False)
+    assert shared == ops.SpareRow("10.0.0.9", False, "workdir: /w: missing")
+    assert ops.spare_rows(pool, job, [master], []) == []
 
 
 def test_status_shows_the_generation_who_replaced_whom_the_lost_nodes_and_each_spare():

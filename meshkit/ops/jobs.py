@@ -23,6 +23,7 @@ from .lookup import cluster_hosts
 from .membership import spares_of
 from .pool import NodePool, unanswered
 from .supervision import ask, believed, end_supervisor, live_ranks, stop_record
+from .verdicts import clock_check, env_error, gpus_check, versions_check
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
 FOLLOW = 0.5  # seconds between polls of logs --follow
@@ -40,16 +41,6 @@ def env_round(pool: NodePool, job: Job, phase: str = "env") -> Envs:
     """Rank discovery on every node, as the job's ``meshkit run`` will do it there."""
     request = job.env_request()
     return pool.call_all(phase, lambda host: request, p.EnvReply)
-
-
-def env_error(outcome: Outcome[p.EnvReply] | None, failure: str | None) -> str | None:
-    """Why a node has no usable discovery: unreachable, its agent failed, or discovery there
-    failed (its own message); None when it has one."""
-    if outcome is None:
-        return f"cannot connect: {failure or 'unknown'}"
-    if outcome.value is None:
-        return str(outcome.error)
-    return outcome.value.error
 
 
 def env_verdicts(
@@ -237,7 +228,7 @@ def replace_port(job: Job, port: int) -> Job:
 @dataclass(frozen=True)
 class SpareRow:
     """A node of the hostfile outside the job's membership: a spare line, or a lost node that
-    came back. ``healthy``: it answers (its agent runs); else ``why`` not."""
+    came back. ``healthy``: it passes ``spare_rows``' checks; else ``why`` not."""
 
     node: str
     healthy: bool
@@ -445,18 +436,59 @@ def status_with_supervision(pool: NodePool, job: Job, hosts: Sequence[Host]) -> 
     copies = [reply.record for reply in answers.values()]
     record = believed(copies, job.generation, len(cluster))
     supervised = with_supervision(job, rows, record, leader)
-    spares = [spare_row(pool, spare) for spare in spares_of(cluster, hosts)]
+    spares = spare_rows(pool, job, hosts, spares_of(cluster, hosts))
     return [replace(row, spares=spares) for row in supervised]
 
 
-def spare_row(pool: NodePool, spare: Host) -> SpareRow:
-    """Whether a spare answers (``status`` connects to the spares of a supervised job too)."""
-    if spare in pool.failures:
-        return SpareRow(spare.label, False, f"not answering: {pool.failures[spare]}")
-    replies = pool.call_all("", lambda host: p.JobsRequest(), p.JobsReply, [spare])
-    outcome = replies.get(spare)
-    if outcome is None or outcome.value is None:
-        return SpareRow(spare.label, False, unanswered(outcome, spare, pool.failures))
+def spare_rows(
+    pool: NodePool, job: Job, hosts: Sequence[Host], spares: Sequence[Host]
+) -> list[SpareRow]:
+    """Each spare's health, by the part of the supervisor's gate (the doctor's quick checks) that
+    one node's facts decide without writing anything of the job's: it answers, its versions
+    are the master's, it has a GPU for each of the master's slots, its clock is close, and the
+    workdir is there and writable (a synced job's is made by the sync). The gate's network
+    checks run when a spare is chosen. (``status`` connects to a supervised job's spares.)"""
+    if not spares:
+        return []
+    request = p.FactsRequest(job.workdir, "", "", False)
+    sent = time.time()
+    replies = pool.call_all("facts", lambda host: request, p.FactsReply, [hosts[0], *spares])
+    back = time.time()
+    master = replies.get(hosts[0])
+    reference = None
+    if master is not None:
+        reference = master.value
+    rows = []
+    for spare in spares:
+        outcome = replies.get(spare)
+        if outcome is None or outcome.value is None:
+            why = unanswered(outcome, spare, pool.failures)
+            if spare in pool.failures:
+                why = f"not answering: {pool.failures[spare]}"
+            rows.append(SpareRow(spare.label, False, why))
+            continue
+        slots = hosts[0].slots
+        rows.append(spare_health(spare, outcome.value, reference, slots, (sent, back), job.sync))
+    return rows
+
+
+def spare_health(
+    spare: Host,
+    reply: p.FactsReply,
+    master: p.FactsReply | None,
+    slots: int | None,
+    timing: tuple[float, float],
+    synced: bool,
+) -> SpareRow:
+    """Pure: ``spare_rows``' verdict on one spare's facts."""
+    checks = [versions_check(spare, reply, master), gpus_check(spare, reply, slots)]
+    checks.append(clock_check(spare, reply, timing))
+    problems = [f"{check.check}: {check.detail}" for check in checks if not check.ok]
+    missing = reply.writable is not None and reply.writable.endswith(": missing")
+    if reply.writable is not None and not (synced and missing):
+        problems.append(f"workdir: {reply.writable}")
+    if problems:
+        return SpareRow(spare.label, False, "; ".join(problems))
     return SpareRow(spare.label, True)
 
 

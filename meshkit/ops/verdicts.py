@@ -13,7 +13,6 @@ from .. import protocol as p
 from ..hostfile import Host
 from ..outcome import Outcome
 from ..verifyplan import PairFailure
-from .jobs import env_error
 from .pool import unanswered
 from .sync import Facts
 
@@ -67,6 +66,16 @@ def ssh_fix(error: str) -> str:
     if any(symptom in error for symptom in down):
         return "the network between these two nodes is down (route, firewall, sshd not running)"
     return "run `meshkit mesh` (keys, known_hosts), then `meshkit check`"
+
+
+def env_error(outcome: Outcome[p.EnvReply] | None, failure: str | None) -> str | None:
+    """Why a node has no usable discovery: unreachable, its agent failed, or discovery there
+    failed (its own message); None when it has one."""
+    if outcome is None:
+        return f"cannot connect: {failure or 'unknown'}"
+    if outcome.value is None:
+        return str(outcome.error)
+    return outcome.value.error
 
 
 def read_env(outcome: Outcome[p.EnvReply] | None, failure: str | None) -> p.EnvReply:
