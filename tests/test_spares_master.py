@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers import spares
-from helpers.sandbox_jobs import private, supervisor_said, wait_for
+from helpers.sandbox_jobs import EXAMPLE, private, supervisor_said, wait_for
 
 SANDBOX_NODES = 5
 
@@ -48,9 +48,7 @@ def test_a_synced_job_syncs_the_workdir_to_the_spare_that_replaces_a_lost_node(m
     hosts = Path("/tmp/mkspare-hosts/hostfile")
     mine = private(lay, 0, work)
     mine.mkdir(parents=True)
-    shutil.copy(
-        spares.REPO / "meshkit" / "templates" / "example_train.py", mine / "example_train.py"
-    )
+    shutil.copy(EXAMPLE, mine / "example_train.py")
     private(lay, 0, hosts).parent.mkdir(parents=True)
     private(lay, 0, hosts).write_text(shared_hostfile.read_text())
     session = "synced"
