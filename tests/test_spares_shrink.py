@@ -26,7 +26,11 @@ def test_the_leader_lost_mid_replacement_makes_one_replacement_then_min_nodes_sh
     lay, workdir, hostfile = meshed
     session = f"leader{launcher[0]}"
     spawn = launcher == "spawn"
-    spares.train(lay, workdir, hostfile, session, "--min-nodes", "3", node=3, spawn=spawn)
+    # under --spawn a script runs it: Cluster.train(replace_after=, min_nodes=) and
+    # Cluster.status(), the Python API end to end through a loss
+    api = hostfile if spawn else None
+    args = ("--min-nodes", "3")
+    spares.train(lay, workdir, hostfile, session, *args, node=3, spawn=spawn, api=api is not None)
     spares.started(lay, workdir, session)
     spares.power_off(lay, 2)
     (workdir / f"{session}.sleep").write_text("0\n")
@@ -38,7 +42,7 @@ def test_the_leader_lost_mid_replacement_makes_one_replacement_then_min_nodes_sh
         )
         spares.power_off(lay, 0)
         wait_for(lambda: supervisor_said(workdir, session, " done: "), timeout=300, interval=2)
-        rows = spares.status(lay, workdir, session, node=3)
+        rows = spares.status(lay, workdir, session, node=3, hostfile=api)
         assert [row["host"] for row in rows] == [
             lay.nodes[1].address,
             lay.nodes[3].address,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,19 @@ from conftest import meshkit
 
 from helpers.sandbox_jobs import RESULT, example_workdir, on_node, wait_for
 from meshkit import sandbox
+
+# A script's view of a job, through the Python API (run inside a node, from the workdir):
+# train with keyword arguments given as JSON, or print status as `status --json` does.
+API = """
+import json, sys
+from meshkit.api import Cluster
+cluster = Cluster(sys.argv[1], session=sys.argv[2])
+if sys.argv[3] == "status":
+    print(json.dumps([row.as_json() for row in cluster.status()]))
+else:
+    started = cluster.train(sys.argv[4], **json.loads(sys.argv[3]))
+    sys.exit(0 if started.ok else 1)
+"""
 
 ACTIVE = 4
 # One rank per node: each scenario runs under both launchers and boots torch on every node at
@@ -65,7 +80,10 @@ def train(
     node: int = 0,
     spawn: bool = False,
     replace_after: str = REPLACE_AFTER,
+    api: bool = False,
 ):
+    if api:  # the same job, from a script: Cluster.train(restarts=, replace_after=, ...)
+        return train_by_api(lay, workdir, hostfile, session, node, spawn, replace_after, *args)
     flags = ["--hostfile", str(hostfile), "--session", session, "--nproc-per-node", str(NPROC)]
     flags += ["--restarts", "2", "--replace-after", replace_after, *args]
     if spawn:
@@ -75,8 +93,42 @@ def train(
     return out
 
 
-def status(lay, workdir: Path, session: str, node: int) -> list[dict[str, object]]:
-    out = on_node(lay, node, workdir, "status", "--session", session, "--json")
+def train_by_api(
+    lay,
+    workdir: Path,
+    hostfile: Path,
+    session: str,
+    node: int,
+    spawn: bool,
+    replace_after: str,
+    *args: str,
+):
+    """``train``'s job started by ``Cluster.train`` inside node ``node``; ``args`` are flag
+    pairs (``--min-nodes 3``), given as the keyword arguments of the same names."""
+    kwargs: dict[str, object] = {"nproc_per_node": NPROC, "restarts": 2, "spawn": spawn}
+    kwargs["replace_after"] = replace_after
+    for flag, value in zip(args[::2], args[1::2]):
+        kwargs[flag.removeprefix("--").replace("-", "_")] = int(value) if value.isdigit() else value
+    out = by_api(lay, node, workdir, hostfile, session, json.dumps(kwargs), job_cmd(session, spawn))
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def by_api(lay, node: int, workdir: Path, hostfile: Path, session: str, *args: str):
+    """``API`` run inside node ``node`` from the workdir, as a user's script would be."""
+    argv = [sys.executable, "-c", API, str(hostfile), session, *args]
+    line = f"cd {shlex.quote(str(workdir))} && {shlex.join(argv)}"
+    return sandbox.node_exec(lay.nodes[node], ["bash", "-c", line], timeout=240)
+
+
+def status(
+    lay, workdir: Path, session: str, node: int, hostfile: Path | None = None
+) -> list[dict[str, object]]:
+    """``status --json``, or with ``hostfile`` the same rows from ``Cluster.status()``."""
+    if hostfile is not None:
+        out = by_api(lay, node, workdir, hostfile, session, "status")
+    else:
+        out = on_node(lay, node, workdir, "status", "--session", session, "--json")
     assert out.stdout.strip(), out.stderr
     return json.loads(out.stdout)
 
