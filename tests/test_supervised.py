@@ -1,8 +1,8 @@
-"""Supervised jobs on the sandbox (real sshd, tmux, torchrun with gloo), a supervisor on every
-node: a killed worker and a rebooted node (node 0, where the job was launched, included) each
-restart the whole job with the same ranks, which then completes; a relaunch waits while a
-doctor's check fails, and its leader killed meanwhile leaves exactly one relaunch; exhausted
-restarts leave a record that says why; stop ends every supervisor first."""
+"""Supervised jobs on the sandbox (real sshd, tmux, torch with gloo under torchrun and --spawn), a
+supervisor on every node: a killed worker and a rebooted node (node 0, where the job was
+launched, included) each restart the whole job with the same ranks, which then completes; a
+relaunch waits while a doctor's check fails, and its leader killed meanwhile leaves exactly one
+relaunch; exhausted restarts leave a record that says why; stop ends every supervisor first."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ NPROC = 1  # one rank a node: several local ranks are test_train's part (sandbox
 FREEZER = Path("/sys/fs/cgroup/freezer")
 
 
-def torch_job(session: str) -> str:
-    """The example job. Its first attempt sleeps 25 s after the all_reduce, so it still runs
-    when the test ends a worker or reboots a node; the test then writes ``SESSION.sleep`` (0),
-    so a relaunch ends once every rank has reported."""
-    return f"torchrun example_train.py --sleep $(cat {session}.sleep 2>/dev/null || echo 25)"
+def torch_job(session: str, spawn: bool = False) -> str:
+    """The example job, under torchrun (or started by ``meshkit run --spawn``). Its first attempt
+    sleeps 25 s after the all_reduce, so it still runs when the test ends a worker or reboots a
+    node; the test then writes ``SESSION.sleep`` (0), so a relaunch ends once every rank has
+    reported."""
+    launcher = "python" if spawn else "torchrun"
+    return f"{launcher} example_train.py --sleep $(cat {session}.sleep 2>/dev/null || echo 25)"
 
 
 def relaunches_end(workdir: Path, session: str) -> None:
@@ -161,8 +163,10 @@ def test_a_killed_worker_restarts_the_whole_job_with_the_same_ranks(meshed):
 def test_a_rebooted_node_is_relaunched_once_it_is_back(meshed):
     lay, workdir = meshed
     n = len(lay.nodes)
-    args = ("--restarts", "1", "--nproc-per-node", str(NPROC), "--cmd", torch_job("reboot"))
-    train(lay, workdir, "reboot", *args)
+    # under --spawn (the others run torchrun): a supervised relaunch of spawned ranks, and no
+    # launcher's torch import on every node twice
+    args = ("--restarts", "1", "--nproc-per-node", str(NPROC), "--spawn")
+    train(lay, workdir, "reboot", *args, "--cmd", torch_job("reboot", spawn=True))
     wait_for(lambda: len(results_of(workdir, "reboot", n, 1)) == n * NPROC, timeout=180)
     relaunches_end(workdir, "reboot")
     sandbox.reboot(lay, 2)
