@@ -64,7 +64,9 @@ def run_in(lay, index: int, *args: str, env: str = ""):
 def test_private_workdirs_are_synced_and_the_job_works_from_any_node(meshed):
     lay = meshed
     nodes = len(lay.nodes)
-    cmd = "torchrun example_train.py --sleep 600"
+    # --spawn: what is synced is the point, not the launcher (no torchrun booting torch on
+    # every node before its rank does, twice)
+    cmd = "python example_train.py --sleep 600"
     base = ["--workdir", str(WORK), "--session", "sy"]
     out = run_in(
         lay,
@@ -77,6 +79,7 @@ def test_private_workdirs_are_synced_and_the_job_works_from_any_node(meshed):
         str(NPROC),
         "--restarts",
         "1",
+        "--spawn",
         "--cmd",
         cmd,
         env="MESHKIT_SYNC_EXCLUDE='[\"skipme\"]'",
