@@ -8,13 +8,16 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from .. import protocol as p
 from ..hostfile import Host
 from ..outcome import Outcome
-from ..verifyplan import PairFailure
 from .pool import unanswered
-from .sync import Facts
+
+if TYPE_CHECKING:  # annotations only: status imports the verdicts, and neither is on its path
+    from ..verifyplan import PairFailure
+    from .sync import Facts
 
 # the order of the table: what a training job hits first comes first (a stable sort keeps nodes
 # in rank order within each check)
