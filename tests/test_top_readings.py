@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from helpers.fake_pool import HOSTS, FakePool
@@ -302,11 +303,13 @@ def test_prometheus_text_parses_with_dcgm_and_node_exporter_names() -> None:
     assert up == {"10.0.0.1": 1.0, "10.0.0.2": 1.0, "10.0.0.3": 0.0}
 
 
-def test_a_supervised_stalled_job_shows_its_supervisor_and_stall() -> None:
+def test_a_supervised_stalled_job_shows_its_supervisor_and_stall(tmp_path: Path) -> None:
     """The job's part: each node's state and quiet time, the job stalled when every running node
     has been quiet for stall_after, the supervision as status words it (leader: node 1, whose
     supervisor beat recently)."""
-    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2, stall_after=60.0)
+    hostfile = tmp_path / "hostfile"  # top reads it: a copy far ahead is judged by its size
+    hostfile.write_text("".join(f"{host.host}\n" for host in HOSTS))
+    job = Job("x", "/w", "s", str(hostfile), "/p", 1, restarts=2, stall_after=60.0)
     running = replace(node_sample(), job_state=JobState.RUNNING, idle=300.0)
     record = Supervision(SupervisorState.RUNNING, 2, 1)
     beating = SupervisorReply(pid=7, beat=1.0, left=[], record=record)

@@ -238,7 +238,11 @@ class Watch:
         self.down_since: dict[Host, float] = {}
         self.reconnecting: set[Host] = set()
         self.lock = threading.Lock()
-        self.cluster_size: int | None = None  # the hostfile's nodes, read at the first need
+        # a supervised job's hostfile nodes, spares included (``believed``'s bound): read here,
+        # where a missing hostfile is an error before the view starts, not in the middle of it
+        self.cluster_size = len(self.hosts)
+        if job is not None and job.restarts:
+            self.cluster_size = len(lookup.cluster_hosts(job))
 
     def request_for(self, host: Host) -> TopRequest:
         rank = self.hosts.index(host)
@@ -253,9 +257,7 @@ class Watch:
             "", self.request_for, TopReply, hosts=asked, timeout=self.timeout
         )
         supervisor = None
-        if self.job is not None and self.job.restarts:
-            if self.cluster_size is None:
-                self.cluster_size = len(lookup.cluster_hosts(self.job))
+        if self.job is not None:
             nodes = self.cluster_size
             supervisor = supervisor_state(self.pool, self.job, self.hosts, asked, nodes)
         now = time.monotonic()
