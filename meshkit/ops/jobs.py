@@ -458,17 +458,17 @@ def spare_rows(
     reference = None
     if master is not None:
         reference = master.value
+    slots = hosts[0].slots
     rows = []
     for spare in spares:
         outcome = replies.get(spare)
-        if outcome is None or outcome.value is None:
-            why = unanswered(outcome, spare, pool.failures)
-            if spare in pool.failures:
-                why = f"not answering: {pool.failures[spare]}"
-            rows.append(SpareRow(spare.label, False, why))
-            continue
-        slots = hosts[0].slots
-        rows.append(spare_health(spare, outcome.value, reference, slots, (sent, back), job.sync))
+        if spare in pool.failures:
+            rows.append(SpareRow(spare.label, False, f"not answering: {pool.failures[spare]}"))
+        elif outcome is None or outcome.value is None:
+            rows.append(SpareRow(spare.label, False, unanswered(outcome, spare, pool.failures)))
+        else:
+            timing = (sent, back)
+            rows.append(spare_health(spare, outcome.value, reference, slots, timing, job.sync))
     return rows
 
 
