@@ -26,6 +26,7 @@ from .run import machine_busy
 
 NAME = "bcpu"
 ROOT = "/var/tmp/meshkit-bench-sandbox-bcpu"
+KEX = "openssh"  # as the main benchmark's nodes (run.KEX)
 
 
 def timed(argvs: list[list[str]], cwd: Path) -> dict[str, object]:
@@ -53,7 +54,7 @@ def timed(argvs: list[list[str]], cwd: Path) -> dict[str, object]:
 def main() -> None:
     n = int(sys.argv[1])
     meshkit = str(peers.CACHE / "meshkit" / "venv" / "bin" / "meshkit")
-    lay = sandbox.up(ROOT, sandbox.default_subnet("", NAME), n, NAME, bashrc="conda")
+    lay = sandbox.up(ROOT, sandbox.default_subnet("", NAME), n, NAME, bashrc="conda", kex=KEX)
     out: dict[str, object] = {"nodes": n, "bashrc": "conda"}
     try:
         ssh = [

@@ -168,6 +168,7 @@ def measure(count: int, repeats: int, bins: dict[str, Path]) -> dict[str, object
         count,
         exec_peers.NAME,
         bashrc=exec_peers.BASHRC,
+        kex=exec_peers.KEX,
     )
     samples: dict[str, list[float]] = {name: [] for name in STEPS}
     imports: list[float] = []

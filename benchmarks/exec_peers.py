@@ -45,6 +45,7 @@ from .stats import answered
 NAME = "bexec"
 ROOT = "/var/tmp/meshkit-bench-sandbox-bexec"
 BASHRC = "conda"
+KEX = "openssh"  # the peers' ssh clients negotiate what they would with a stock node's sshd
 COMMAND = "hostname"
 TOOLS = ("meshkit", "pdsh", "clush", "pssh")
 BASELINE = "meshkit-base"  # --baseline REF: that commit's meshkit, measured beside this one
@@ -246,7 +247,7 @@ def measure(
     count: int, repeats: int, tools: Sequence[str], bins: dict[str, Path]
 ) -> dict[str, object]:
     """One sandbox of ``count`` nodes: each repeat, the floor and each tool once, in turn."""
-    lay = sandbox.up(ROOT, default_subnet("", NAME), count, NAME, bashrc=BASHRC)
+    lay = sandbox.up(ROOT, default_subnet("", NAME), count, NAME, bashrc=BASHRC, kex=KEX)
     samples: dict[str, list[float]] = {"floor": []}
     cpu: dict[str, list[float]] = {"floor": []}
     failures: dict[str, list[str]] = {}

@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/replacement.json")
     args = parser.parse_args()
     root = Path(f"/var/tmp/meshkit-bench-{NAME}")
-    lay = sandbox.up(root, default_subnet("", NAME), args.nodes + 1, NAME)
+    lay = sandbox.up(root, default_subnet("", NAME), args.nodes + 1, NAME, kex="openssh")
     samples = []
     try:
         hostfile = lay.root / "hostfile-spare"

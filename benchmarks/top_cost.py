@@ -94,7 +94,7 @@ class Snapshots:
 def measure(count: int, seconds: float, interval: float) -> dict[str, object]:
     root = f"/var/tmp/meshkit-bench-sandbox-{NAME}{count}"
     name = f"{NAME}{count}"[:8]
-    lay = sandbox.up(root, sandbox.default_subnet("", name), count, name)
+    lay = sandbox.up(root, sandbox.default_subnet("", name), count, name, kex="openssh")
     try:
         hostfile = str(lay.hostfile)
         meshkit = [sys.executable, "-m", "meshkit"]

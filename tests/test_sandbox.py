@@ -24,6 +24,26 @@ def test_every_node_is_reachable_from_the_controller_with_the_bootstrap_key(clus
         assert out.stdout.strip() == node.name
 
 
+def negotiated_kex(lay, node: str) -> str:
+    """The key exchange OpenSSH's client agrees with ``node``'s sshd (from ``ssh -v``)."""
+    out = subprocess.run(
+        ["ssh", "-v", "-F", str(lay.ssh_config), "-o", "BatchMode=yes", node, "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stderr.split("kex: algorithm: ", 1)[1].split()[0]
+
+
+def test_the_nodes_sshd_offers_curve25519_only_by_default(cluster):
+    """OpenSSH 9.2's sntrup761x25519 costs each client about 80 ms of CPU per connection; the
+    sandbox's nodes share this machine's cores, so their sshd offers curve25519 (layout.KEXES)."""
+    assert sandbox.load(cluster.root).kex == "fast"
+    assert negotiated_kex(cluster, "node2") == "curve25519-sha256"
+
+
 def test_nodes_do_not_trust_each_other_before_mesh(cluster):
     out = ssh(
         cluster,
@@ -203,17 +223,24 @@ def test_a_24_holds_244_nodes_and_every_interface_name_fits():
         layout_module.layout("/nonexistent", "10.77.3.0/24", 2, "a" * (layout_module.NAME_MAX + 1))
     with pytest.raises(SandboxError, match="--bashrc"):
         layout_module.layout("/nonexistent", "10.77.3.0/24", 2, "b", bashrc="fish")
+    with pytest.raises(SandboxError, match="kex 'none': expected one of fast, openssh"):
+        layout_module.layout("/nonexistent", "10.77.3.0/24", 2, "b", kex="none")
 
 
 def test_the_conda_bashrc_costs_a_hook_and_counts_every_shell():
     """The realistic node shell: every shell sshd starts (an exec channel, the SFTP server) runs
     the hook and is counted with the command it ran; the bashrc is in state.json, so load and
-    the counters see it."""
+    the counters see it. With the benchmarks' ``kex="openssh"`` the nodes' sshd keeps OpenSSH's
+    own key exchanges."""
     need_root()
     name = named("conda")
-    lay = sandbox.up(sandbox_dir(name), sandbox.default_subnet("", name), 2, name, bashrc="conda")
+    subnet = sandbox.default_subnet("", name)
+    lay = sandbox.up(sandbox_dir(name), subnet, 2, name, bashrc="conda", kex="openssh")
     try:
         assert sandbox.load(lay.root).bashrc == "conda"
+        assert sandbox.load(lay.root).kex == "openssh"
+        config = (lay.node_dir(lay.nodes[0]) / "etc_ssh" / "sshd_config").read_text()
+        assert "KexAlgorithms" not in config
         sandbox.reset_shells(lay)
         out = ssh(lay, "node1", "echo shlvl=$CONDA_SHLVL")
         assert out.returncode == 0, out.stderr

@@ -178,16 +178,18 @@ def up(
     slurm: bool = False,
     bashrc: str = "minimal",
     user: bool = False,
+    kex: str = "fast",
 ) -> Layout:
     """Create (or re-create) the sandbox ``name`` of ``count`` nodes and wait until every sshd
     answers. ``networks`` adds real-world network features (see networks.py); ``slurm`` also a
     private SLURM cluster on the nodes (see slurm.py); ``bashrc`` the nodes' ~/.bashrc (a key of
     BASHRCS: ``conda`` costs what conda's does and counts shells); ``user`` an ordinary user
-    with a home of its own on every node (see user.py)."""
+    with a home of its own on every node (see user.py); ``kex`` the key exchanges their sshd
+    offers (a key of KEXES: ``openssh`` keeps OpenSSH's own, as the benchmarks do)."""
     preflight()
     if slurm:
         slurm_cluster.preflight()
-    sandbox = layout(root, subnet, count, name, networks, bashrc, user)
+    sandbox = layout(root, subnet, count, name, networks, bashrc, user, kex)
     if user:
         sandbox_user.check_place(sandbox)
     down(sandbox.root, name)
@@ -222,6 +224,7 @@ def _create(sandbox: Layout, slurm: bool) -> None:
         "slurm": slurm,
         "networks": sandbox.networks.as_state(),
         "bashrc": sandbox.bashrc,
+        "kex": sandbox.kex,
         "created_root_ssh": not Path("/root/.ssh").exists(),
         "user": sandbox.user,
     }
@@ -248,7 +251,8 @@ def load(root: str | os.PathLike[str]) -> Layout:
     subnet = str(state["subnet"])
     count = int(str(state["nodes"]))
     user = bool(state.get("user", False))
-    return layout(root, subnet, count, name, networks, bashrc, user)
+    kex = str(state.get("kex", "openssh"))  # a sandbox made before the choice has OpenSSH's
+    return layout(root, subnet, count, name, networks, bashrc, user, kex)
 
 
 def reboot(sandbox: Layout, index: int) -> Node:

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import SandboxError
 from . import networks as netopts
 from .bashrc import CONDA_BASHRC, NODE_BASHRC
-from .layout import Layout, Node
+from .layout import KEX_LINES, Layout, Node
 from .system import COMMAND_TIMEOUT, write
 
 SSHD_CONFIG = """\
@@ -34,7 +34,7 @@ X11Forwarding no
 PrintMotd no
 AcceptEnv LANG LC_*
 Subsystem sftp {sftp}
-"""
+{kex}"""
 # A stock Debian node's SFTP server: sshd starts it through the user's shell (which reads
 # ~/.bashrc); internal-sftp, the minimal nodes' one, starts no shell.
 SFTP_SERVER = "/usr/lib/openssh/sftp-server"
@@ -78,7 +78,8 @@ def _write_node_files(sandbox: Layout, node: Node, sftp: str) -> list[subprocess
     for name in ("ssh_config", "moduli"):
         if Path("/etc/ssh", name).exists():
             shutil.copy(Path("/etc/ssh", name), node_dir / "etc_ssh" / name)
-    config = SSHD_CONFIG.format(name=node.name, address=node.address, sftp=sftp)
+    kex = KEX_LINES[sandbox.kex]
+    config = SSHD_CONFIG.format(name=node.name, address=node.address, sftp=sftp, kex=kex)
     write(node_dir / "etc_ssh" / "sshd_config", config)
     write(node_dir / "hosts", netopts.hosts_text(sandbox, node))
     if sandbox.bashrc == "conda":
