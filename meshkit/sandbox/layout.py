@@ -47,11 +47,10 @@ BASHRCS = {
 # nodes share this machine's cores, and a mesh's check alone makes 2 N^2 OpenSSH connections;
 # paramiko (meshkit's controller) never offers sntrup761. The benchmarks keep OpenSSH's choice:
 # their peers' ssh clients pay for it on a stock node.
+# Each choice, and the line it writes in the nodes' sshd_config:
+#   fast:    curve25519-sha256 only (the sandbox's default);
+#   openssh: OpenSSH's own defaults (sntrup761x25519 first on OpenSSH 9.0-9.8), as a stock node.
 KEXES = {
-    "fast": "curve25519-sha256 only (the sandbox's default)",
-    "openssh": "OpenSSH's own defaults (sntrup761x25519 first on OpenSSH 9.0-9.8), as a stock node",
-}
-KEX_LINES = {
     "fast": "KexAlgorithms curve25519-sha256,curve25519-sha256@libssh.org\n",
     "openssh": "",
 }

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import SandboxError
 from . import networks as netopts
 from .bashrc import CONDA_BASHRC, NODE_BASHRC
-from .layout import KEX_LINES, Layout, Node
+from .layout import KEXES, Layout, Node
 from .system import COMMAND_TIMEOUT, write
 
 SSHD_CONFIG = """\
@@ -78,7 +78,7 @@ def _write_node_files(sandbox: Layout, node: Node, sftp: str) -> list[subprocess
     for name in ("ssh_config", "moduli"):
         if Path("/etc/ssh", name).exists():
             shutil.copy(Path("/etc/ssh", name), node_dir / "etc_ssh" / name)
-    kex = KEX_LINES[sandbox.kex]
+    kex = KEXES[sandbox.kex]
     config = SSHD_CONFIG.format(name=node.name, address=node.address, sftp=sftp, kex=kex)
     write(node_dir / "etc_ssh" / "sshd_config", config)
     write(node_dir / "hosts", netopts.hosts_text(sandbox, node))
