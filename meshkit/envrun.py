@@ -19,11 +19,11 @@ from .errors import MeshkitError, UsageError
 from .node.files import errors_dir
 from .node.signals import reset_for_exec
 from .record import record
-from .settings import Config, load, whole
+from .settings import Config, load, pick, pick_int, whole
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 if TYPE_CHECKING:
-    from typing import Any, NoReturn
+    from typing import NoReturn
 
 HOSTFILE_FLAGS = ("hostfile", "include", "exclude")
 DISCOVERY_FLAGS = (*HOSTFILE_FLAGS, "node_rank", "session", "master_port", "nproc_per_node")
@@ -35,33 +35,6 @@ FLAGS: dict[str, tuple[str, ...]] = {
 }
 BOOLEAN = {"json", "spawn", "lines"}
 HANDLED = ("env", "run")  # what ``main`` runs
-
-
-# ---- flags over configuration -------------------------------------------------------------------
-
-
-def pick(conf: Config, name: str, flag: Any) -> Any:
-    """A flag when given, else the configured value (flags are the last config level)."""
-    if flag is not None:
-        return flag
-    return getattr(conf, name)
-
-
-def pick_int(conf: Config, name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
-    value = pick(conf, name, flag)
-    if value is None or value == "":
-        return None
-    text = str(value)
-    if allow_auto and text == "auto":
-        return None
-    if not whole(text) or int(text) < 1:
-        hint = ""
-        if allow_auto:
-            hint = " or 'auto'"
-        raise UsageError(
-            f"--{name.replace('_', '-')} {text[:40]!r}: expected a whole number >= 1{hint}"
-        )
-    return int(text)
 
 
 def node_env(

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from ..envrun import pick, pick_int
 from ..errors import JobError, UsageError
 from ..hostfile import Host, active
 from ..job import (
@@ -26,7 +25,7 @@ from ..job import (
 )
 from ..outcome import ProgressFn
 from ..record import replace
-from ..settings import Config, whole
+from ..settings import Config, pick, pick_int, whole
 from .membership import resolve
 from .pool import NodePool, connect
 

@@ -176,7 +176,7 @@ def target(
     import os
 
     from ..discovery import read_hosts
-    from ..envrun import pick
+    from ..settings import pick
 
     try:
         job, hosts = lookup.saved(conf, hostfile, session, workdir)
