@@ -14,7 +14,16 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .distenv import NodeEnv, as_json, export_lines, log_target, logged, rank_variables, variables
+from .distenv import (
+    NodeEnv,
+    RankRecording,
+    as_json,
+    environment,
+    export_lines,
+    log_target,
+    logged,
+    rank_variables,
+)
 from .errors import MeshkitError, UsageError
 from .node.files import errors_dir
 from .node.signals import reset_for_exec
@@ -88,32 +97,14 @@ def _script(node: NodeEnv, cmd: str, log: str | None) -> str:
     return logged(cmd, target)
 
 
-FLIGHT = {
-    "TORCH_FR_BUFFER_SIZE": "2000",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-    "TORCH_FR_DUMP_TEMP_FILE": "HOME/flight/rank_",
-    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "HOME/flight/rank_",
-}
-
-
-def environment(node: NodeEnv, log: str | None) -> dict[str, str]:
-    # Nodes share the venv path: make its tools (torchrun) reachable as if it were activated.
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    env = {**os.environ, **variables(node), "PATH": path}
-    if log:  # a job's: its ranks get the hook that `meshkit diagnose` reads (node/hook)
-        hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node", "hook")
-        python_path = [hook]
-        if env.get("PYTHONPATH"):
-            python_path.append(env["PYTHONPATH"])
-        env["PYTHONPATH"] = os.pathsep.join(python_path)
-        home = os.path.dirname(os.path.abspath(log))
-        env["MESHKIT_ERRORS"] = errors_dir(home)
-        # torch's flight recorder (gloo and NCCL in torch >= 2.7; NCCL's older name too): what
-        # each rank last entered, which diagnose reads; NCCL dumps it here on a timeout.
-        for name, value in FLIGHT.items():
-            env.setdefault(name, value.replace("HOME", home))
-    return env
+def _recording(log: str | None) -> RankRecording | None:
+    """A job's command (one with a log) gets the rank hook that ``meshkit diagnose`` reads, and
+    torch's flight recorder, beside its log; any other command neither."""
+    if not log:
+        return None
+    home = os.path.dirname(os.path.abspath(log))
+    hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node", "hook")
+    return RankRecording(hook, errors_dir(home), home)
 
 
 def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
@@ -122,7 +113,8 @@ def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
     sys.stdout.flush()
     # Not Python's SIG_IGN for SIGPIPE: `yes | head` in the command must end quietly.
     reset_for_exec()
-    os.execvpe("bash", ["bash", "-c", script], environment(node, log))
+    env = environment(node, os.environ, sys.executable, _recording(log))
+    os.execvpe("bash", ["bash", "-c", script], env)
 
 
 SPAWN_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")  # as python -m
@@ -149,7 +141,7 @@ def spawn_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
 
     check_spawn_cmd(cmd)
     script = _script(node, cmd, log)
-    base = environment(node, log)
+    base = environment(node, os.environ, sys.executable, _recording(log))
     if node.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
         # What torchrun sets: N ranks x all cores would oversubscribe.
         base["OMP_NUM_THREADS"] = "1"
