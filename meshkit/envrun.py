@@ -3,9 +3,9 @@ command. The one implementation, called by the console script, the invoke tasks 
 (the agent answers the controller's env request with ``node_env``; the keeper runs ``main``).
 
 Standard library only, and no invoke: this runs on every node at every launch. Flags are parsed
-here without argparse; anything unusual (help, a flag it does not know) goes to the invoke Program,
-which reports it as usual. ``conf`` is the checked configuration (``meshkit.settings.Config``);
-flags win over it.
+without argparse (``flagparse``); anything unusual (help, a flag it does not know) goes to the
+invoke Program, which reports it as usual. ``conf`` is the checked configuration
+(``meshkit.settings.Config``); flags win over it.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from .distenv import (
     rank_variables,
 )
 from .errors import MeshkitError, UsageError
+from .flagparse import Fallback, Flags
+from .flagparse import parse as parse_flags
 from .node.files import errors_dir
 from .node.signals import reset_for_exec
-from .record import record
 from .settings import Config, load, pick, pick_int, whole
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
@@ -39,10 +40,8 @@ DISCOVERY_FLAGS = (*HOSTFILE_FLAGS, "node_rank", "session", "master_port", "npro
 FLAGS: dict[str, tuple[str, ...]] = {
     "env": ("json", *DISCOVERY_FLAGS),
     "run": ("cmd", *DISCOVERY_FLAGS, "log", "spawn"),
-    # `meshkit exec`: parsed here too, for the console script's own path (cli/execute.py)
-    "exec": ("cmd", *HOSTFILE_FLAGS, "node", "session", "timeout", "lines", "json"),
 }
-BOOLEAN = {"json", "spawn", "lines"}
+BOOLEAN = {"json", "spawn"}
 HANDLED = ("env", "run")  # what ``main`` runs
 
 
@@ -155,48 +154,13 @@ def spawn_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
 # ---- the command line -------------------------------------------------------------------------
 
 
-class Fallback(Exception):
-    """Not something this parser handles: let the invoke Program do it (and report it)."""
-
-
-@record
-class Flags:
-    """A command line's flags: each valued flag's value (``None`` when not given), and the
-    booleans given."""
-
-    values: dict[str, str | None]
-    given: set[str]
-
-
 def parse(task: str, args: Sequence[str]) -> Flags:
-    """``--name value``, ``--name=value`` and the booleans (``--json``, ``--spawn``). Anything else
-    (help, a positional, an unknown or abbreviated flag, a missing value, a value that looks like
-    a flag) is ``Fallback``. Not argparse: its imports would be a noticeable part of every
-    ``meshkit env`` on every node."""
-    values: dict[str, str | None] = {name: None for name in FLAGS[task] if name not in BOOLEAN}
-    given: set[str] = set()
-    rest = list(args)
-    while rest:
-        arg = rest.pop(0)
-        if not arg.startswith("--"):
-            raise Fallback
-        written_name, equals_sign, value = arg[2:].partition("=")
-        name = written_name.replace("-", "_")
-        if "_" in written_name or name not in FLAGS[task]:
-            raise Fallback
-        if name in BOOLEAN:
-            if equals_sign:
-                raise Fallback
-            given.add(name)
-            continue
-        if not equals_sign:
-            if not rest or rest[0].startswith("-"):
-                raise Fallback
-            value = rest.pop(0)
-        values[name] = value
-    if task in ("run", "exec") and values["cmd"] is None:
-        raise Fallback
-    return Flags(values, given)
+    """``env``'s or ``run``'s flags (``run`` needs ``--cmd``), by the plain parser: ``Fallback``
+    when it is not sure of them."""
+    required: tuple[str, ...] = ()
+    if task == "run":
+        required = ("cmd",)
+    return parse_flags(FLAGS[task], BOOLEAN, args, required)
 
 
 def main(argv: Sequence[str]) -> bool:
