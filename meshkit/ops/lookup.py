@@ -18,11 +18,11 @@ from ..job import (
     check_env,
     check_session,
     from_json,
-    index_file,
     job_file,
     parse_duration,
     workdir_from_index,
 )
+from ..jobindex import index_file
 from ..outcome import ProgressFn
 from ..record import replace
 from ..settings import Config, pick, pick_int, whole
@@ -140,7 +140,7 @@ def find_job(
     else:
         job = None
         if hostfile:
-            index = str(index_file(str(Path(hostfile).absolute()), session))
+            index = index_file(str(Path(hostfile).absolute()), session)
             looked.append(index)
             text = read(index)
             if text is not None:
