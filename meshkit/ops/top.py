@@ -308,9 +308,7 @@ class Watch:
     def reconnect_later(self, host: Host) -> None:
         """Open a down node's connection again in the background (a cut node's connect takes
         the whole connect timeout; the view does not wait for it)."""
-        # remote.AgentPool can; a test double need not
-        reconnect = getattr(self.pool, "reconnect", None)
-        if reconnect is None or not self.reconnect_down:
+        if not self.reconnect_down:
             return
         with self.lock:
             if host in self.reconnecting:
@@ -319,7 +317,7 @@ class Watch:
 
         def attempt() -> None:
             try:
-                reconnect(host)
+                self.pool.reconnect(host)
             except Exception:  # still down: the pool keeps why, the next round tries again
                 time.sleep(self.interval)
             finally:
