@@ -11,6 +11,7 @@ from . import hostfile, localnet, sources, topology
 from .distenv import NodeEnv, combine, master_problem
 from .errors import HostfileError, JobError, SourceError, TopologyError, UsageError
 from .hostfile import Host
+from .jobindex import index_file
 from .record import record, replace
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
@@ -194,19 +195,12 @@ def in_membership(
     )
 
 
-def index_beside(hostfile_path: str, session: str) -> str:
-    """Where a job of ``session`` on this hostfile is indexed: ``job.index_file``, spelled with
-    os.path (pathlib is not imported on every node's start)."""
-    absolute = os.path.abspath(hostfile_path)
-    name = f"{os.path.basename(absolute)}--{session}.json"
-    return os.path.join(os.path.dirname(absolute), ".meshkit", "jobs", name)
-
-
 def membership_job(hostfile_path: str, session: str) -> Job | None:
     """The saved job of ``session`` beside this hostfile (through its index, as ``status`` finds
     it) when its membership changed since its launch; None when there is no such job, it does
     not read, or its membership is the hostfile's."""
-    index_text = _read_small(index_beside(hostfile_path, session))
+    index = index_file(os.path.abspath(hostfile_path), session)
+    index_text = _read_small(index)
     if index_text is None:
         return None  # no job here (most starts): nothing more is read or imported
     # imported here: only a node beside a saved job reads it
@@ -214,7 +208,7 @@ def membership_job(hostfile_path: str, session: str) -> Job | None:
 
     try:
         check_session(session)
-        workdir = workdir_from_index(index_text, index_beside(hostfile_path, session))
+        workdir = workdir_from_index(index_text, index)
         job_path = str(job_file(workdir, session))
         job_text = _read_small(job_path)
         if job_text is None:

@@ -1,7 +1,9 @@
-"""The node environment and the variables exported from it. Pure; never imports torch."""
+"""The node environment and the variables exported from it, and the environment a command runs
+with. Pure; never imports torch."""
 
 from __future__ import annotations
 
+import os
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
 
@@ -57,6 +59,51 @@ def variables(env: NodeEnv) -> dict[str, str]:
     torchrun = {f"PET_{name}": plain[name] for name in torchrun_names}
     exported = {**plain, **torchrun, **dict(env.socket_ifnames)}
     return {name: str(value) for name, value in exported.items()}
+
+
+# torch's flight recorder (gloo and NCCL in torch >= 2.7; NCCL's older name too): what each rank
+# last entered, which diagnose reads; NCCL dumps it on a timeout. HOME is the job's home.
+FLIGHT = {
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_FR_DUMP_TEMP_FILE": "HOME/flight/rank_",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "HOME/flight/rank_",
+}
+
+
+@record
+class RankRecording:
+    """Where a job's ranks leave what ``meshkit diagnose`` reads: the rank hook's directory
+    (``node/hook``, first on their PYTHONPATH), the directory the hook writes uncaught exceptions
+    to, and the job's home, where torch's flight recorder dumps."""
+
+    hook: str
+    errors: str
+    home: str
+
+
+def environment(
+    node: NodeEnv,
+    environ: Mapping[str, str],
+    interpreter: str,
+    recording: RankRecording | None = None,
+) -> dict[str, str]:
+    """What a command on this node runs with: ``environ``, the node's variables, and the
+    directory of ``interpreter`` first on PATH; a job's command (``recording``) also gets the
+    rank hook and torch's flight recorder."""
+    # Nodes share the venv path: make its tools (torchrun) reachable as if it were activated.
+    path = os.pathsep.join([os.path.dirname(interpreter), environ.get("PATH", "")])
+    env = {**environ, **variables(node), "PATH": path}
+    if recording is not None:
+        python_path = [recording.hook]
+        if env.get("PYTHONPATH"):
+            python_path.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(python_path)
+        env["MESHKIT_ERRORS"] = recording.errors
+        for name, value in FLIGHT.items():
+            env.setdefault(name, value.replace("HOME", recording.home))
+    return env
 
 
 def rank_variables(env: NodeEnv, local_rank: int) -> dict[str, str]:

@@ -3,9 +3,9 @@ command. The one implementation, called by the console script, the invoke tasks 
 (the agent answers the controller's env request with ``node_env``; the keeper runs ``main``).
 
 Standard library only, and no invoke: this runs on every node at every launch. Flags are parsed
-here without argparse; anything unusual (help, a flag it does not know) goes to the invoke Program,
-which reports it as usual. ``conf`` is the checked configuration (``meshkit.settings.Config``);
-flags win over it.
+without argparse (``flagparse``); anything unusual (help, a flag it does not know) goes to the
+invoke Program, which reports it as usual. ``conf`` is the checked configuration
+(``meshkit.settings.Config``); flags win over it.
 """
 
 from __future__ import annotations
@@ -14,54 +14,35 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .distenv import NodeEnv, as_json, export_lines, log_target, logged, rank_variables, variables
+from .distenv import (
+    NodeEnv,
+    RankRecording,
+    as_json,
+    environment,
+    export_lines,
+    log_target,
+    logged,
+    rank_variables,
+)
 from .errors import MeshkitError, UsageError
+from .flagparse import Fallback, Flags
+from .flagparse import parse as parse_flags
 from .node.files import errors_dir
 from .node.signals import reset_for_exec
-from .record import record
-from .settings import Config, load, whole
+from .settings import Config, load, pick, pick_int, whole
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 if TYPE_CHECKING:
-    from typing import Any, NoReturn
+    from typing import NoReturn
 
 HOSTFILE_FLAGS = ("hostfile", "include", "exclude")
 DISCOVERY_FLAGS = (*HOSTFILE_FLAGS, "node_rank", "session", "master_port", "nproc_per_node")
 FLAGS: dict[str, tuple[str, ...]] = {
     "env": ("json", *DISCOVERY_FLAGS),
     "run": ("cmd", *DISCOVERY_FLAGS, "log", "spawn"),
-    # `meshkit exec`: parsed here too, for the console script's own path (cli/execute.py)
-    "exec": ("cmd", *HOSTFILE_FLAGS, "node", "session", "timeout", "lines", "json"),
 }
-BOOLEAN = {"json", "spawn", "lines"}
+BOOLEAN = {"json", "spawn"}
 HANDLED = ("env", "run")  # what ``main`` runs
-
-
-# ---- flags over configuration -------------------------------------------------------------------
-
-
-def pick(conf: Config, name: str, flag: Any) -> Any:
-    """A flag when given, else the configured value (flags are the last config level)."""
-    if flag is not None:
-        return flag
-    return getattr(conf, name)
-
-
-def pick_int(conf: Config, name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
-    value = pick(conf, name, flag)
-    if value is None or value == "":
-        return None
-    text = str(value)
-    if allow_auto and text == "auto":
-        return None
-    if not whole(text) or int(text) < 1:
-        hint = ""
-        if allow_auto:
-            hint = " or 'auto'"
-        raise UsageError(
-            f"--{name.replace('_', '-')} {text[:40]!r}: expected a whole number >= 1{hint}"
-        )
-    return int(text)
 
 
 def node_env(
@@ -115,32 +96,14 @@ def _script(node: NodeEnv, cmd: str, log: str | None) -> str:
     return logged(cmd, target)
 
 
-FLIGHT = {
-    "TORCH_FR_BUFFER_SIZE": "2000",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-    "TORCH_FR_DUMP_TEMP_FILE": "HOME/flight/rank_",
-    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "HOME/flight/rank_",
-}
-
-
-def environment(node: NodeEnv, log: str | None) -> dict[str, str]:
-    # Nodes share the venv path: make its tools (torchrun) reachable as if it were activated.
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    env = {**os.environ, **variables(node), "PATH": path}
-    if log:  # a job's: its ranks get the hook that `meshkit diagnose` reads (node/hook)
-        hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node", "hook")
-        python_path = [hook]
-        if env.get("PYTHONPATH"):
-            python_path.append(env["PYTHONPATH"])
-        env["PYTHONPATH"] = os.pathsep.join(python_path)
-        home = os.path.dirname(os.path.abspath(log))
-        env["MESHKIT_ERRORS"] = errors_dir(home)
-        # torch's flight recorder (gloo and NCCL in torch >= 2.7; NCCL's older name too): what
-        # each rank last entered, which diagnose reads; NCCL dumps it here on a timeout.
-        for name, value in FLIGHT.items():
-            env.setdefault(name, value.replace("HOME", home))
-    return env
+def _recording(log: str | None) -> RankRecording | None:
+    """A job's command (one with a log) gets the rank hook that ``meshkit diagnose`` reads, and
+    torch's flight recorder, beside its log; any other command neither."""
+    if not log:
+        return None
+    home = os.path.dirname(os.path.abspath(log))
+    hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node", "hook")
+    return RankRecording(hook, errors_dir(home), home)
 
 
 def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
@@ -149,7 +112,8 @@ def exec_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
     sys.stdout.flush()
     # Not Python's SIG_IGN for SIGPIPE: `yes | head` in the command must end quietly.
     reset_for_exec()
-    os.execvpe("bash", ["bash", "-c", script], environment(node, log))
+    env = environment(node, os.environ, sys.executable, _recording(log))
+    os.execvpe("bash", ["bash", "-c", script], env)
 
 
 SPAWN_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")  # as python -m
@@ -176,7 +140,7 @@ def spawn_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
 
     check_spawn_cmd(cmd)
     script = _script(node, cmd, log)
-    base = environment(node, log)
+    base = environment(node, os.environ, sys.executable, _recording(log))
     if node.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
         # What torchrun sets: N ranks x all cores would oversubscribe.
         base["OMP_NUM_THREADS"] = "1"
@@ -190,48 +154,13 @@ def spawn_run(node: NodeEnv, cmd: str, log: str | None) -> NoReturn:
 # ---- the command line -------------------------------------------------------------------------
 
 
-class Fallback(Exception):
-    """Not something this parser handles: let the invoke Program do it (and report it)."""
-
-
-@record
-class Flags:
-    """A command line's flags: each valued flag's value (``None`` when not given), and the
-    booleans given."""
-
-    values: dict[str, str | None]
-    given: set[str]
-
-
 def parse(task: str, args: Sequence[str]) -> Flags:
-    """``--name value``, ``--name=value`` and the booleans (``--json``, ``--spawn``). Anything else
-    (help, a positional, an unknown or abbreviated flag, a missing value, a value that looks like
-    a flag) is ``Fallback``. Not argparse: its imports would be a noticeable part of every
-    ``meshkit env`` on every node."""
-    values: dict[str, str | None] = {name: None for name in FLAGS[task] if name not in BOOLEAN}
-    given: set[str] = set()
-    rest = list(args)
-    while rest:
-        arg = rest.pop(0)
-        if not arg.startswith("--"):
-            raise Fallback
-        written_name, equals_sign, value = arg[2:].partition("=")
-        name = written_name.replace("-", "_")
-        if "_" in written_name or name not in FLAGS[task]:
-            raise Fallback
-        if name in BOOLEAN:
-            if equals_sign:
-                raise Fallback
-            given.add(name)
-            continue
-        if not equals_sign:
-            if not rest or rest[0].startswith("-"):
-                raise Fallback
-            value = rest.pop(0)
-        values[name] = value
-    if task in ("run", "exec") and values["cmd"] is None:
-        raise Fallback
-    return Flags(values, given)
+    """``env``'s or ``run``'s flags (``run`` needs ``--cmd``), by the plain parser: ``Fallback``
+    when it is not sure of them."""
+    required: tuple[str, ...] = ()
+    if task == "run":
+        required = ("cmd",)
+    return parse_flags(FLAGS[task], BOOLEAN, args, required)
 
 
 def main(argv: Sequence[str]) -> bool:

@@ -16,6 +16,7 @@ from pathlib import PurePosixPath
 
 from .digest import sha256_hex
 from .errors import JobError, UsageError
+from .jobindex import index_file
 from .record import asdict, build, field, record
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
@@ -111,7 +112,7 @@ class Job:
         return self.home / "job.json"
 
     @property
-    def index(self) -> PurePosixPath:
+    def index(self) -> str:
         return index_file(self.hostfile, self.session)
 
     def log(self, rank: int) -> str:
@@ -232,11 +233,6 @@ def job_home(workdir: str, session: str) -> PurePosixPath:
 
 def job_file(workdir: str, session: str) -> PurePosixPath:
     return job_home(workdir, session) / "job.json"
-
-
-def index_file(hostfile: str, session: str) -> PurePosixPath:
-    path = PurePosixPath(hostfile)
-    return path.parent / ".meshkit" / "jobs" / f"{path.name}--{session}.json"
 
 
 def from_json(text: str, where: str) -> Job:

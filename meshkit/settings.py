@@ -261,3 +261,30 @@ def _check_names(value: Any, where: str) -> tuple[str, ...]:
                 "match at any depth; no '/')"
             )
     return tuple(items)
+
+
+# ---- flags over configuration: a flag given on the command line is the last level ------------
+
+
+def pick(conf: Config, name: str, flag: Any) -> Any:
+    """A flag when given, else the configured value (flags are the last config level)."""
+    if flag is not None:
+        return flag
+    return getattr(conf, name)
+
+
+def pick_int(conf: Config, name: str, flag: Any, *, allow_auto: bool = False) -> int | None:
+    value = pick(conf, name, flag)
+    if value is None or value == "":
+        return None
+    text = str(value)
+    if allow_auto and text == "auto":
+        return None
+    if not whole(text) or int(text) < 1:
+        hint = ""
+        if allow_auto:
+            hint = " or 'auto'"
+        raise UsageError(
+            f"--{name.replace('_', '-')} {text[:40]!r}: expected a whole number >= 1{hint}"
+        )
+    return int(text)

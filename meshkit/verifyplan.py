@@ -26,7 +26,7 @@ class PairFailure:
 
 
 @dataclass(frozen=True)
-class Target:
+class VerifyTarget:
     """One way to reach a node from the others: by the hostfile spelling (a full login: it proves
     the user keys and the host key), or by its hostname (its host-key check alone)."""
 
@@ -39,14 +39,14 @@ class Target:
         return f"{self.index}{'h' if self.by == 'hostname' else ''}"
 
 
-def targets(hosts: Sequence[Host], own_hostnames: Mapping[Host, str]) -> list[Target]:
+def targets(hosts: Sequence[Host], own_hostnames: Mapping[Host, str]) -> list[VerifyTarget]:
     """Every node by its hostfile spelling, and by its own hostname where that is another name."""
     found = []
     for index, host in enumerate(hosts):
-        found.append(Target(index, host.host, "hostfile"))
+        found.append(VerifyTarget(index, host.host, "hostfile"))
         name = own_hostnames.get(host, "")
         if name and name.lower() != host.host.lower() and HOSTNAME.match(name):
-            found.append(Target(index, name, "hostname"))
+            found.append(VerifyTarget(index, name, "hostname"))
     return found
 
 
@@ -73,7 +73,7 @@ def verify_script(
     lines = [VERIFY_FUNCTIONS]
     every = targets(hosts, own_hostnames)
 
-    def from_start(target: Target) -> tuple[int, str]:
+    def from_start(target: VerifyTarget) -> tuple[int, str]:
         return (target.index - start) % len(hosts), target.by
 
     order = sorted(every, key=from_start)

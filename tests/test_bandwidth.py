@@ -168,7 +168,7 @@ NAME = named("nbandw")
 def meshed() -> Iterator[tuple[sandbox.Layout, Path]]:
     need_root()
     path = sandbox_dir(NAME)
-    opts = sandbox.Options(second=True, ifnames=True)
+    opts = sandbox.NetworkOptions(second=True, ifnames=True)
     lay = sandbox.up(path, sandbox.default_subnet("", NAME), 4, NAME, networks=opts)
     try:
         out = meshkit("mesh", "--hostfile", str(lay.hostfile), "--no-verify")

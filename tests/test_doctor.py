@@ -182,7 +182,7 @@ NAME = named("ndoctor")
 def meshed() -> Iterator[tuple[sandbox.Layout, Path]]:
     need_root()
     path = sandbox_dir(NAME)
-    opts = sandbox.Options(second=True, ifnames=True, debian_hosts=True)
+    opts = sandbox.NetworkOptions(second=True, ifnames=True, debian_hosts=True)
     lay = sandbox.up(path, sandbox.default_subnet("", NAME), 3, NAME, networks=opts)
     try:
         out = meshkit("mesh", "--hostfile", str(lay.hostfile), "--no-verify")

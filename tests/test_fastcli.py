@@ -11,14 +11,24 @@ import pytest
 
 from meshkit import envrun as fastcli
 from meshkit import settings
+from meshkit.cli.execute import declared
 from meshkit.cli.tasks import ns
 from meshkit.errors import ConfigError
 
 
-@pytest.mark.parametrize("task", sorted(fastcli.FLAGS))
+def fast_flags(task: str) -> set[tuple[str, bool]]:
+    """The flags the plain parser takes for ``task``, each with whether it is a boolean: env's and
+    run's from envrun, exec's from its one declaration (``cli/execute.py``)."""
+    if task == "exec":
+        names, booleans = declared()
+        return {(name, name in booleans) for name in names}
+    return {(name, name in fastcli.BOOLEAN) for name in fastcli.FLAGS[task]}
+
+
+@pytest.mark.parametrize("task", sorted([*fastcli.FLAGS, "exec"]))
 def test_same_flags_as_the_invoke_task_and_no_short_flags(task):
     invoke_args = {(argument.name, argument.kind is bool) for argument in ns[task].get_arguments()}
-    fast_args = {(name, name in fastcli.BOOLEAN) for name in fastcli.FLAGS[task]}
+    fast_args = fast_flags(task)
     assert fast_args == invoke_args
     assert all(
         not argument.nicknames for argument in ns[task].get_arguments()

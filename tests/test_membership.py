@@ -13,11 +13,12 @@ import pytest
 from helpers.saved_jobs import saved_job
 
 from meshkit import localnet
-from meshkit.discovery import discover, index_beside, read_hosts
+from meshkit.discovery import discover, read_hosts
 from meshkit.distenv import NodeEnv
 from meshkit.errors import HostfileError, JobError, TopologyError, UsageError
 from meshkit.hostfile import Host, parse
 from meshkit.job import REPLACE_AFTER, Job, from_json, parse_duration, restart_env
+from meshkit.jobindex import index_file
 from meshkit.ops import train
 from meshkit.ops.lookup import Options, check_options, job_hosts, min_nodes_flag
 from meshkit.ops.membership import members_of, plan, reason_of_change, spares_of
@@ -413,7 +414,7 @@ def test_env_on_a_member_prints_its_rank_in_the_jobs_changed_membership(on_a_mem
 
 def test_the_index_env_reads_is_the_one_the_job_writes():
     job = Job("x", "/w", "s-1", "/cluster/hosts", "/p", 1)
-    assert index_beside("/cluster/hosts", "s-1") == str(job.index)
+    assert index_file("/cluster/hosts", "s-1") == job.index
 
 
 def meshkit_env(cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -29,7 +29,7 @@ PROBE = re.compile(r"meshkit-probe rank=(\d+) (.*)")
 def meshed() -> Iterator[tuple[sandbox.Layout, Path]]:
     need_root()
     path = sandbox_dir(NAME)
-    opts = networks.Options(second=True, ifnames=True, debian_hosts=True)
+    opts = networks.NetworkOptions(second=True, ifnames=True, debian_hosts=True)
     lay = sandbox.up(path, sandbox.default_subnet("", NAME), 3, NAME, networks=opts)
     try:
         out = meshkit("mesh", "--hostfile", str(lay.hostfile), "--no-verify")

@@ -19,17 +19,17 @@ NAME = named("network")
 
 
 def test_options_parse_and_round_trip_through_state():
-    assert networks.Options.parse("") == networks.Options()
-    assert networks.Options.parse("all") == networks.Options.all()
-    opts = networks.Options.parse("docker0, debian-hosts")
-    assert opts == networks.Options(docker=True, debian_hosts=True)
-    assert networks.Options.from_state(opts.as_state()) == opts
+    assert networks.NetworkOptions.parse("") == networks.NetworkOptions()
+    assert networks.NetworkOptions.parse("all") == networks.NetworkOptions.all()
+    opts = networks.NetworkOptions.parse("docker0, debian-hosts")
+    assert opts == networks.NetworkOptions(docker=True, debian_hosts=True)
+    assert networks.NetworkOptions.from_state(opts.as_state()) == opts
     with pytest.raises(SandboxError, match="unknown wifi"):
-        networks.Options.parse("second,wifi")
+        networks.NetworkOptions.parse("second,wifi")
 
 
 def test_names_differ_per_node_and_second_subnet_is_derived():
-    lay = sandbox.layout("/var/tmp/x", "10.77.5.0/24", 4, "nx", networks.Options.all())
+    lay = sandbox.layout("/var/tmp/x", "10.77.5.0/24", 4, "nx", networks.NetworkOptions.all())
     assert [networks.primary_ifname(lay.networks, i) for i in range(4)] == [
         "eth0",
         "ens3",
@@ -85,7 +85,7 @@ def ping(lay: sandbox.Layout, frm: int, to: str) -> bool:
 
 
 def test_every_node_has_its_networks_and_the_state_keeps_them(lay):
-    assert lay.networks == networks.Options.all()
+    assert lay.networks == networks.NetworkOptions.all()
     for node, (first, second) in zip(
         lay.nodes, [("eth0", "eth1"), ("ens3", "ens4"), ("eno1", "eno2")]
     ):
@@ -126,7 +126,7 @@ def test_cut_takes_one_link_down_both_ways_and_mend_restores_it(lay):
 
 def test_a_rebooted_node_keeps_its_networks(lay):
     again = sandbox.load(sandbox_dir(NAME))  # options come back from state.json
-    assert again.networks == networks.Options.all()
+    assert again.networks == networks.NetworkOptions.all()
     sandbox.reboot(again, 1)
     found = addresses(again, again.nodes[1])
     assert found["ens3"] == [again.nodes[1].address] and found["docker0"] == ["172.17.0.1"]

@@ -28,7 +28,7 @@ def lay() -> Iterator[sandbox.Layout]:
     except SandboxError as exc:  # CI installs them
         pytest.skip(f"sandbox SLURM: {exc}")
     root = sandbox_dir(NAME)
-    opts = networks.Options(ifnames=True, debian_hosts=True, second=True)
+    opts = networks.NetworkOptions(ifnames=True, debian_hosts=True, second=True)
     layout = sandbox.up(root, sandbox.default_subnet("", NAME), 3, NAME, networks=opts, slurm=True)
     try:
         yield layout

@@ -204,11 +204,13 @@ def test_a_24_holds_244_nodes_and_every_interface_name_fits():
     longest = "a" * layout_module.NAME_MAX
     for name in (longest, "default", "b"):
         lay = layout_module.layout(
-            "/nonexistent", "10.77.3.0/24", 244, name, networks.Options.all()
+            "/nonexistent", "10.77.3.0/24", 244, name, networks.NetworkOptions.all()
         )
         assert lay.nodes[-1].address == "10.77.3.254"
         assert max(len(ifname) for ifname in layout_module.ifnames(lay)) <= layout_module.IFNAME_MAX
-    lay = layout_module.layout("/nonexistent", "10.77.3.0/24", 244, longest, networks.Options.all())
+    lay = layout_module.layout(
+        "/nonexistent", "10.77.3.0/24", 244, longest, networks.NetworkOptions.all()
+    )
     assert lay.nodes[-1].veth == "mkaaaaaaaa-243"
     assert len(lay.nodes[-1].veth) == 14
     assert lay.nodes[-1].netns == "meshkit-aaaaaaaa-n243"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -278,6 +279,22 @@ def test_json_has_the_documented_keys_and_a_down_node_says_why() -> None:
     down = data["nodes"][2]
     assert down["up"] is False
     assert down["error"] == "unreachable: connection refused on port 22: is sshd running?"
+
+
+def test_a_live_view_connects_to_a_down_node_again_and_a_lone_snapshot_does_not() -> None:
+    """``Watch`` asks the pool to open a down node's connection again (``NodePool.reconnect``),
+    in the background; ``top --once`` has no later round to show the node in."""
+    pool = FakePool(
+        {"top": {HOSTS[0]: node_sample(), HOSTS[1]: node_sample()}},
+        failures={HOSTS[2]: "connection refused on port 22: is sshd running?"},
+    )
+    op.snapshot(pool, HOSTS, None)
+    assert pool.reconnected == []
+    op.Watch(pool, HOSTS, None, interval=0.0).snapshot()
+    deadline = time.monotonic() + 10.0
+    while not pool.reconnected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.reconnected == [HOSTS[2]]
 
 
 def test_prometheus_text_parses_with_dcgm_and_node_exporter_names() -> None:

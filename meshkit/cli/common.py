@@ -4,6 +4,7 @@ progress. The only place (with the task modules) that prints or exits."""
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from invoke.tasks import task as invoke_task
 
 from .. import settings
 from ..errors import MeshkitError, UsageError
+from ..record import fields
 
 if TYPE_CHECKING:
     from ..outcome import PhaseEvent
@@ -42,6 +44,25 @@ def task(**options: Any) -> Callable[[Callable[..., None]], Task[Any]]:
     """invoke's ``@task`` without its automatic short flags: they differed per task (``-h`` was
     --hostfile on some), so the only short flag left is ``-h`` for help, everywhere."""
     return invoke_task(auto_shortflags=False, **options)  # type: ignore[no-any-return]
+
+
+class FlagsTask(Task[Any]):
+    """An invoke task whose flags are a record's fields (each with its default), not its body's
+    parameters: a command's flags are then declared once, in the record, which the console
+    script's plain parser reads too (``cli/execute.py``). The body takes them as keywords. Made
+    by ``@task(klass=FlagsTask, flags=RECORD)``."""
+
+    def __init__(self, body: Callable[..., None], flags: type, **options: Any) -> None:
+        self.flags = flags  # first: Task's own __init__ reads the flags (``argspec``)
+        super().__init__(body, **options)
+
+    def argspec(self, body: Callable[..., None]) -> inspect.Signature:
+        """The flags as invoke reads a task's signature (the context left out)."""
+        parameters = []
+        for flag in fields(self.flags):
+            keyword = inspect.Parameter.KEYWORD_ONLY
+            parameters.append(inspect.Parameter(flag.name, keyword, default=flag.default))
+        return inspect.Signature(parameters)
 
 
 def helps(*names: str, **extra: str) -> dict[str, str]:

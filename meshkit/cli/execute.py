@@ -11,41 +11,70 @@ import json as jsonlib
 import sys
 from collections.abc import Sequence
 
-from ..envrun import Fallback, parse
 from ..errors import MeshkitError
+from ..flagparse import Fallback, parse
 from ..ops.execute import NodeResult, execute, gather
+from ..record import build, fields, record
 from ..settings import Config, load
 
 
-def run(
-    conf: Config,
-    cmd: str,
-    *,
-    hostfile: str | None = None,
-    include: str | None = None,
-    exclude: str | None = None,
-    node: str | None = None,
-    session: str | None = None,
-    timeout: str | None = None,
-    lines: bool = False,
-    json: bool = False,
-) -> str | None:
-    """Run ``cmd`` on the nodes and print what they said; the failure message (exit 1) when any
-    node failed or did not answer, each of those named on stderr, else None. Raises meshkit's
-    errors (a bad flag, no hostfile) before any node is contacted."""
+@record
+class ExecFlags:
+    """``meshkit exec``'s flags, declared once: the invoke task takes these (``FlagsTask``), and
+    the plain parser reads the same (``parse_exec``). A flag whose default is a bool is a boolean
+    flag, as invoke tells them."""
+
+    cmd: str | None = None
+    hostfile: str | None = None
+    include: str | None = None
+    exclude: str | None = None
+    node: str | None = None
+    session: str | None = None
+    timeout: str | None = None
+    lines: bool = False
+    json: bool = False
+
+
+def declared() -> tuple[list[str], set[str]]:
+    """``ExecFlags``' flag names, and which of them are booleans."""
+    names = []
+    booleans = set()
+    for flag in fields(ExecFlags):
+        names.append(flag.name)
+        if isinstance(flag.default, bool):
+            booleans.add(flag.name)
+    return names, booleans
+
+
+def parse_exec(args: Sequence[str]) -> ExecFlags:
+    """exec's flags by the plain parser; ``Fallback`` when it is not sure of them, and without
+    ``--cmd`` (the task's usage error says what is missing)."""
+    names, booleans = declared()
+    parsed = parse(names, booleans, args, required=("cmd",))
+    values: dict[str, str | bool | None] = {**parsed.values}
+    for name in parsed.given:
+        values[name] = True
+    return build(ExecFlags, values, "exec")
+
+
+def run(conf: Config, cmd: str, flags: ExecFlags) -> str | None:
+    """Run ``cmd`` (``flags.cmd``, which the caller found given) on the nodes and print what they
+    said; the failure message (exit 1) when any node failed or did not answer, each of those
+    named on stderr, else None. Raises meshkit's errors (a bad flag, no hostfile) before any
+    node is contacted."""
     results = execute(
         conf,
         cmd,
-        hostfile=hostfile,
-        session=session,
-        include=include,
-        exclude=exclude,
-        nodes=node,
-        timeout=timeout,
+        hostfile=flags.hostfile,
+        session=flags.session,
+        include=flags.include,
+        exclude=flags.exclude,
+        nodes=flags.node,
+        timeout=flags.timeout,
     )
-    if json:
+    if flags.json:
         print(jsonlib.dumps([as_json(result) for result in results], indent=1))
-    elif lines:
+    elif flags.lines:
         print_lines(results)
     else:
         print_groups(results)
@@ -65,23 +94,11 @@ def main(argv: Sequence[str]) -> bool:
     if not argv or argv[0] != "exec":
         return False
     try:
-        flags = parse("exec", argv[1:])
+        flags = parse_exec(argv[1:])
     except Fallback:
         return False
-    values = flags.values
     try:
-        failure = run(
-            load(),
-            str(values["cmd"]),
-            hostfile=values["hostfile"],
-            include=values["include"],
-            exclude=values["exclude"],
-            node=values["node"],
-            session=values["session"],
-            timeout=values["timeout"],
-            lines="lines" in flags.given,
-            json="json" in flags.given,
-        )
+        failure = run(load(), str(flags.cmd), flags)
     except MeshkitError as exc:
         sys.stdout.flush()
         print(f"meshkit: {exc}", file=sys.stderr)

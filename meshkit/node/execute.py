@@ -15,8 +15,7 @@ import subprocess
 import sys
 import time
 
-from ..distenv import NodeEnv, combine
-from ..envrun import environment
+from ..distenv import NodeEnv, combine, environment
 from ..errors import MeshkitError
 from ..protocol import EXEC_KEEP, ExecReply, ExecRequest
 from ..sources import Placement
@@ -82,7 +81,7 @@ def run(request: ExecRequest, watched: int | None) -> ExecReply:
     stream that carries nothing while a request is served, so any event on it means the other
     end is gone)."""
     try:
-        env = environment(_node(request), None)
+        env = environment(_node(request), os.environ, sys.executable)
     except MeshkitError as exc:
         return ExecReply(None, "", "", error=f"meshkit env failed here: {exc}")
     try:

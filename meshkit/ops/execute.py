@@ -52,7 +52,7 @@ class NodeResult:
 
 
 @dataclass(frozen=True)
-class Group:
+class OutputGroup:
     """Nodes whose standard output was the same, and that output."""
 
     results: list[NodeResult]
@@ -176,14 +176,14 @@ def execute(
         return run(pool, job, hosts, ranks, seconds)
 
 
-def gather(results: Sequence[NodeResult]) -> list[Group]:
+def gather(results: Sequence[NodeResult]) -> list[OutputGroup]:
     """The nodes that printed something, grouped by identical standard output (``clush -b``),
     in the order of each group's first rank."""
     groups: dict[str, list[NodeResult]] = {}
     for result in results:
         if result.stdout:
             groups.setdefault(result.stdout, []).append(result)
-    return [Group(members, stdout) for stdout, members in groups.items()]
+    return [OutputGroup(members, stdout) for stdout, members in groups.items()]
 
 
 def fold(names: Sequence[str]) -> str:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from ..envrun import pick, pick_int
 from ..errors import JobError, UsageError
 from ..hostfile import Host, active
 from ..job import (
@@ -19,14 +18,14 @@ from ..job import (
     check_env,
     check_session,
     from_json,
-    index_file,
     job_file,
     parse_duration,
     workdir_from_index,
 )
+from ..jobindex import index_file
 from ..outcome import ProgressFn
 from ..record import replace
-from ..settings import Config, whole
+from ..settings import Config, pick, pick_int, whole
 from .membership import resolve
 from .pool import NodePool, connect
 
@@ -141,7 +140,7 @@ def find_job(
     else:
         job = None
         if hostfile:
-            index = str(index_file(str(Path(hostfile).absolute()), session))
+            index = index_file(str(Path(hostfile).absolute()), session)
             looked.append(index)
             text = read(index)
             if text is not None:

@@ -41,6 +41,11 @@ class NodePool(Protocol):
 
     def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None: ...
 
+    def reconnect(self, host: Host) -> None:
+        """Open ``host``'s connection and agent again, after it went down; raises while it is
+        still down (``top`` watching a node come back)."""
+        ...
+
 
 class NodeConnections(Protocol):
     """The SSH connection to every reachable node (``remote.SshGroup``, or an ``AgentPool``'s):

@@ -39,8 +39,8 @@ MIN_TIMEOUT = 5.0  # seconds a node gets to answer one sample, at the shortest i
 
 
 @dataclass(frozen=True)
-class NodeView:
-    """One node in one snapshot: its sample, or why it is down."""
+class NodeLine:
+    """One node's line in one snapshot: its sample, or why it is down."""
 
     node: str  # as the hostfile spells it
     node_rank: int
@@ -59,7 +59,7 @@ class NodeView:
 class Snapshot:
     time: float  # wall clock, when the round ended
     interval: float
-    nodes: list[NodeView]
+    nodes: list[NodeLine]
     odd: list[Odd]
     job: str | None = None  # "SESSION in WORKDIR" when the hostfile has a saved job
     supervisor: str | None = None  # a supervised job's supervision, as status says it
@@ -104,7 +104,7 @@ def rank_json(rank: RankSample) -> dict[str, object]:
     }
 
 
-def node_json(view: NodeView, odd: Sequence[Odd]) -> dict[str, object]:
+def node_json(view: NodeLine, odd: Sequence[Odd]) -> dict[str, object]:
     sample = view.sample
     data: dict[str, object] = {
         "node": view.node,
@@ -176,7 +176,7 @@ def target(
     import os
 
     from ..discovery import read_hosts
-    from ..envrun import pick
+    from ..settings import pick
 
     try:
         job, hosts = lookup.saved(conf, hostfile, session, workdir)
@@ -270,13 +270,13 @@ class Watch:
                 if outcome is None and host not in self.pool.failures:
                     error = "connection lost; connecting again"
                 since = self.down_since.setdefault(host, now)
-                views.append(NodeView(host.label, rank, None, error, now - since))
+                views.append(NodeLine(host.label, rank, None, error, now - since))
                 self.reconnect_later(host)
                 continue
             self.down_since.pop(host, None)
             sample = outcome.value
             answered.append((host.label, sample))
-            views.append(NodeView(host.label, rank, sample, history=self.remember(host, sample)))
+            views.append(NodeLine(host.label, rank, sample, history=self.remember(host, sample)))
         stalled = False
         if self.job is not None:
             states = []
@@ -308,9 +308,7 @@ class Watch:
     def reconnect_later(self, host: Host) -> None:
         """Open a down node's connection again in the background (a cut node's connect takes
         the whole connect timeout; the view does not wait for it)."""
-        # remote.AgentPool can; a test double need not
-        reconnect = getattr(self.pool, "reconnect", None)
-        if reconnect is None or not self.reconnect_down:
+        if not self.reconnect_down:
             return
         with self.lock:
             if host in self.reconnecting:
@@ -319,7 +317,7 @@ class Watch:
 
         def attempt() -> None:
             try:
-                reconnect(host)
+                self.pool.reconnect(host)
             except Exception:  # still down: the pool keeps why, the next round tries again
                 time.sleep(self.interval)
             finally:

@@ -51,8 +51,8 @@ from .layout import (
     DEFAULT,
     MAX_NODES,
     Layout,
+    NetworkOptions,
     Node,
-    Options,
     check_name,
     default_dir,
     default_subnet,
@@ -90,9 +90,9 @@ __all__ = [
     "SSHD",
     "USER",
     "Layout",
+    "NetworkOptions",
     "Node",
     "NodeStatus",
-    "Options",
     "check_name",
     "check_subnet",
     "cut",
@@ -174,7 +174,7 @@ def up(
     subnet: str,
     count: int,
     name: str = DEFAULT,
-    networks: Options | None = None,
+    networks: NetworkOptions | None = None,
     slurm: bool = False,
     bashrc: str = "minimal",
     user: bool = False,
@@ -247,7 +247,7 @@ def load(root: str | os.PathLike[str]) -> Layout:
         raise SandboxError(f"no sandbox at {root}; create one with: meshkit sandbox.up --nodes 3")
     name = str(state.get("name", DEFAULT))
     bashrc = str(state.get("bashrc", "minimal"))
-    networks = Options.from_state(state.get("networks"))
+    networks = NetworkOptions.from_state(state.get("networks"))
     subnet = str(state["subnet"])
     count = int(str(state["nodes"]))
     user = bool(state.get("user", False))

@@ -97,7 +97,7 @@ def default_subnet(base: str, name: str) -> str:
 
 
 @dataclass(frozen=True)
-class Options:
+class NetworkOptions:
     """Real-world network options (see networks.py), all off by default."""
 
     second: bool = False
@@ -106,11 +106,11 @@ class Options:
     debian_hosts: bool = False
 
     @classmethod
-    def all(cls) -> Options:
+    def all(cls) -> NetworkOptions:
         return cls(second=True, ifnames=True, docker=True, debian_hosts=True)
 
     @classmethod
-    def parse(cls, text: str) -> Options:
+    def parse(cls, text: str) -> NetworkOptions:
         """``--networks`` text: a comma list of option names (``-`` or ``_``), or ``all``."""
         words = []
         for part in text.split(","):
@@ -129,7 +129,7 @@ class Options:
         return cls(**{known[word]: True for word in words})
 
     @classmethod
-    def from_state(cls, data: object) -> Options:
+    def from_state(cls, data: object) -> NetworkOptions:
         if not isinstance(data, Mapping):
             return cls()
         return cls(**{option.name: bool(data.get(option.name, False)) for option in fields(cls)})
@@ -165,7 +165,7 @@ class Layout:
     subnet: ipaddress.IPv4Network
     count: int
     name: str = DEFAULT
-    networks: Options = field(default_factory=Options)
+    networks: NetworkOptions = field(default_factory=NetworkOptions)
     bashrc: str = "minimal"  # the nodes' ~/.bashrc: a key of BASHRCS
     user: bool = False  # the sandbox's ordinary user (user.py) on the controller and nodes
     kex: str = "fast"  # the key exchanges the nodes' sshd offers: a key of KEXES
@@ -294,7 +294,7 @@ def layout(
     subnet: str,
     count: int,
     name: str = DEFAULT,
-    networks: Options | None = None,
+    networks: NetworkOptions | None = None,
     bashrc: str = "minimal",
     user: bool = False,
     kex: str = "fast",
@@ -320,7 +320,7 @@ def layout(
         raise SandboxError(
             f"subnet {network} is too small for {count} nodes (it holds {holds}); use a /24"
         )
-    options = networks or Options()
+    options = networks or NetworkOptions()
     sandbox = Layout(Path(root).resolve(), network, count, name, options, bashrc, user, kex)
     long = [ifname for ifname in ifnames(sandbox) if len(ifname) > IFNAME_MAX]
     if long:

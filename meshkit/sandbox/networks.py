@@ -1,11 +1,11 @@
 """Real-world networks for the sandbox: what breaks multi-node training on real clusters.
 
-Options (``layout.Options``, all off by default): ``second``, a second network per node (its own
-bridge and subnet), as a storage or management network beside the hostfile's; ``ifnames``,
+The options (``layout.NetworkOptions``, all off by default): ``second``, a second network per node
+(its own bridge and subnet), as a storage or management network beside the hostfile's; ``ifnames``,
 interface names that differ between nodes (``eth0``, ``ens3``, ``eno1``, ...), so one
 ``GLOO_SOCKET_IFNAME`` cannot serve every node; ``docker``, a ``docker0`` bridge with the same
-address (172.17.0.1/16) in every node; ``debian_hosts``, the Debian ``127.0.1.1 <hostname>`` line
-in every node's /etc/hosts. They are stored in state.json, so ``load`` gives them back.
+address (172.17.0.1/16) in every node; ``debian_hosts``, the Debian ``127.0.1.1 <hostname>`` line in
+every node's /etc/hosts. They are stored in state.json, so ``load`` gives them back.
 
 ``cut``/``mend`` take the link between two nodes down and up again (an ``unreachable`` route in each
 node's namespace: iproute2 alone, no firewall tools). ``shape``/``unshape`` slow a link or a node
@@ -20,7 +20,7 @@ import ipaddress
 import json
 
 from ..errors import SandboxError
-from .layout import Layout, Node, Options
+from .layout import Layout, NetworkOptions, Node
 from .system import ip_batch, run
 
 DOCKER_BRIDGE = "docker0"
@@ -29,14 +29,14 @@ PRIMARY_NAMES = ("eth0", "ens3", "eno1")
 SECOND_NAMES = ("eth1", "ens4", "eno2")
 
 
-def primary_ifname(opts: Options, index: int) -> str:
+def primary_ifname(opts: NetworkOptions, index: int) -> str:
     """The name of node ``index``'s interface on the hostfile's network."""
     if not opts.ifnames:
         return "eth0"
     return PRIMARY_NAMES[index % len(PRIMARY_NAMES)]
 
 
-def second_ifname(opts: Options, index: int) -> str:
+def second_ifname(opts: NetworkOptions, index: int) -> str:
     if not opts.ifnames:
         return "eth1"
     return SECOND_NAMES[index % len(SECOND_NAMES)]

@@ -29,6 +29,7 @@ class FakePool:
         self.failures = dict(failures or {})
         self.calls: list[tuple[str, Host, p.Request]] = []
         self.files: dict[tuple[Host, str], str] = {}
+        self.reconnected: list[Host] = []
 
     def call_all(
         self,
@@ -62,6 +63,10 @@ class FakePool:
 
     def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
         self.files[(host, path)] = text
+
+    def reconnect(self, host: Host) -> None:
+        """Recorded: a down node stays as ``failures`` and ``replies`` say."""
+        self.reconnected.append(host)
 
 
 def healthy(**override: dict[Host, object]) -> dict[str, dict[Host, object]]:

@@ -1,13 +1,15 @@
-"""``exec`` as an invoke task: its help and flags; the run and its output are ``cli/execute.py``'s,
-which the console script also calls without invoke."""
+"""``exec`` as an invoke task: its help; its flags (``ExecFlags``), the run and its output are
+``cli/execute.py``'s, which the console script also calls without invoke."""
 
 from __future__ import annotations
 
 from invoke.context import Context
 from invoke.exceptions import Exit
 
-from ..common import conf, helps, reported, task
-from ..execute import run
+from ...errors import UsageError
+from ...record import build
+from ..common import FlagsTask, conf, helps, reported, task
+from ..execute import ExecFlags, run
 
 EXEC_HELP = helps(
     "hostfile",
@@ -24,19 +26,8 @@ EXEC_HELP = helps(
 )
 
 
-@task(name="exec", help=EXEC_HELP)
-def exec_(
-    context: Context,
-    cmd: str | None = None,
-    hostfile: str | None = None,
-    include: str | None = None,
-    exclude: str | None = None,
-    node: str | None = None,
-    session: str | None = None,
-    timeout: str | None = None,
-    lines: bool = False,
-    json: bool = False,
-) -> None:
+@task(name="exec", help=EXEC_HELP, klass=FlagsTask, flags=ExecFlags)
+def exec_(context: Context, **given: str | bool | None) -> None:
     """Run CMD on every node at once, each with its meshkit env variables; gather the output.
 
     Identical outputs are shown once under the nodes that printed them (node[0-3,5]), as
@@ -44,22 +35,10 @@ def exec_(
     first and last 32 KiB of each stream and says how much it cut. Exit 1 when any node failed
     or did not answer (each named, with why); Ctrl-C ends the command on every node.
     """
+    flags = build(ExecFlags, given, "exec")
     with reported():
-        if cmd is None:
-            from ...errors import UsageError
-
+        if flags.cmd is None:
             raise UsageError("exec: give the command: meshkit exec --cmd CMD")
-        failure = run(
-            conf(),
-            cmd,
-            hostfile=hostfile,
-            include=include,
-            exclude=exclude,
-            node=node,
-            session=session,
-            timeout=timeout,
-            lines=lines,
-            json=json,
-        )
+        failure = run(conf(), flags.cmd, flags)
     if failure is not None:
         raise Exit(failure, 1)

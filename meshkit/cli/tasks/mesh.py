@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 from invoke.context import Context
 from invoke.exceptions import Exit
 
-from ...envrun import pick
 from ...errors import MeshkitError
 from ...hostfile import Host
+from ...settings import pick
 
 if TYPE_CHECKING:
     from ...keys import Merge

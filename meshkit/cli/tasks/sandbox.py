@@ -70,7 +70,7 @@ def up(
         label = sandbox.check_name(name or sandbox.DEFAULT)
         configured = conf().sandbox
         chosen_subnet = subnet or sandbox.default_subnet(str(configured.subnet), label)
-        options = sandbox.Options.parse(networks or "")
+        options = sandbox.NetworkOptions.parse(networks or "")
         count = int(nodes or configured.nodes)
         where = _dir(dir, label)
         created = sandbox.up(where, chosen_subnet, count, label, options, slurm, user=user)

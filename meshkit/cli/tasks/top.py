@@ -20,7 +20,7 @@ from ..common import conf, helps, reported, table, task
 if TYPE_CHECKING:
     from rich.console import Group
 
-    from ...ops.top import NodeView, Snapshot, Watch
+    from ...ops.top import NodeLine, Snapshot, Watch
 
 SPARKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 30  # values shown: the last minute at the 2 s default
@@ -78,7 +78,7 @@ NODE_HEADERS = [
 ]
 
 
-def node_cells(view: NodeView) -> list[str]:
+def node_cells(view: NodeLine) -> list[str]:
     """One node's row: its figures, or ``down`` and why."""
     from ...ops.odd_one_out import job_port
 
@@ -139,7 +139,7 @@ INFINIBAND_HEADERS = ["ib rx/s", "ib tx/s"]
 INFINIBAND_AT = NODE_HEADERS.index("tx/s") + 1  # the InfiniBand columns follow the job's network
 
 
-def infiniband_cells(view: NodeView) -> list[str]:
+def infiniband_cells(view: NodeLine) -> list[str]:
     """A node's InfiniBand ports' rates, summed (its ports other than the job's interface)."""
     sample = view.sample
     if sample is None:
