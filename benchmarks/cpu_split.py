@@ -22,11 +22,11 @@ from pathlib import Path
 from meshkit import sandbox
 
 from . import peers
-from .run import machine_busy
+from .harness import machine_busy
 
 NAME = "bcpu"
 ROOT = "/var/tmp/meshkit-bench-sandbox-bcpu"
-KEX = "openssh"  # as the main benchmark's nodes (run.KEX)
+KEX = "openssh"  # as the main benchmark's nodes (cluster.KEX)
 
 
 def timed(argvs: list[list[str]], cwd: Path) -> dict[str, object]:

@@ -36,7 +36,7 @@ from meshkit.sandbox.bashrc import shells as counted_shells
 from meshkit.sandbox.layout import default_subnet
 
 from . import exec_peers, peers
-from .run import RESULTS, commit, machine
+from .harness import RESULTS, commit, machine
 
 PARAMIKO_FLOOR = """
 import sys, threading, time

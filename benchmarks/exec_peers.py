@@ -39,7 +39,7 @@ from meshkit import sandbox
 from meshkit.sandbox.layout import default_subnet
 
 from . import peers
-from .run import RESULTS, commit, machine, machine_busy
+from .harness import RESULTS, commit, machine, machine_busy
 from .stats import answered
 
 NAME = "bexec"

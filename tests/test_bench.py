@@ -223,7 +223,7 @@ def test_wait_exits_reads_each_nodes_new_job_only_and_names_who_is_missing(tmp_p
 
     import pytest
 
-    from benchmarks import run
+    from benchmarks import harness, launches
     from meshkit.sandbox.layout import Layout
 
     lay = Layout(tmp_path, ipaddress.IPv4Network("10.9.0.0/24"), 2)
@@ -231,20 +231,20 @@ def test_wait_exits_reads_each_nodes_new_job_only_and_names_who_is_missing(tmp_p
     for directory in jobs:
         (directory / "old").mkdir(parents=True)
         (directory / "old" / "exit").write_text("9\n")  # an earlier job's: never read
-    before = run.job_dirs(lay)
+    before = launches.job_dirs(lay)
     for directory in jobs:
         (directory / "new").mkdir()
     (jobs[0] / "new" / "exit").write_text("0\n")
-    with pytest.raises(run.StepFailed, match=r"ranks done on \['node0'\] only"):
-        run.wait_exits(lay, before, timeout=0.1)
+    with pytest.raises(harness.StepFailed, match=r"ranks done on \['node0'\] only"):
+        launches.wait_exits(lay, before, timeout=0.1)
     (jobs[1] / "new" / "exit").write_text("1\n")
-    assert run.wait_exits(lay, before, timeout=0.1) == {"node0": "0", "node1": "1"}
+    assert launches.wait_exits(lay, before, timeout=0.1) == {"node0": "0", "node1": "1"}
 
 
 def test_launch_orders_balance_position_and_predecessor_over_six_repeats():
     from collections import Counter
 
-    from benchmarks.run import launch_order
+    from benchmarks.launches import launch_order
 
     orders = [launch_order(repeat) for repeat in range(6)]
     assert len(set(orders)) == 6
@@ -257,7 +257,7 @@ def test_launch_orders_balance_position_and_predecessor_over_six_repeats():
 
 
 def test_settle_returns_once_the_machine_is_idle_and_never_waits_past_its_limit():
-    from benchmarks.run import machine_busy, settle
+    from benchmarks.harness import machine_busy, settle
 
     assert machine_busy() > 0
     assert settle(limit=0.3, window=0.1, idle=2.5) < 0.3  # 2.5 cores' worth of "idle": at once
@@ -267,7 +267,7 @@ def test_settle_returns_once_the_machine_is_idle_and_never_waits_past_its_limit(
 def test_four_launch_orders_are_a_williams_square():
     """With --spawn: each launch in each place once, and right after each other launch once,
     in every four repeats."""
-    from benchmarks.run import launch_order
+    from benchmarks.launches import launch_order
 
     orders = [launch_order(repeat, 4) for repeat in range(4)]
     assert launch_order(4, 4) == orders[0]
@@ -285,11 +285,12 @@ def test_a_row_pairs_each_sample_with_its_clusters_floor_and_counts_its_shells(
     """Row.sample on a conda-bashrc layout (files only, no nodes): the shells each step started
     on each node (what the nodes' bashrc appends to their /tmp/.meshkit-shells), each sample's
     cluster, and the ratio to that cluster's own floor."""
-    from benchmarks.run import Row, StepFailed, count_floor_shells
+    from benchmarks.harness import StepFailed
+    from benchmarks.measurement import Row, count_floor_shells
     from meshkit import sandbox
 
     clock = [0.0]  # each step takes exactly the seconds it is given
-    monkeypatch.setattr("benchmarks.run.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("benchmarks.measurement.time.perf_counter", lambda: clock[0])
 
     def cluster(name: str) -> sandbox.Layout:
         lay = sandbox.layout(tmp_path / name, "10.77.3.0/24", 2, "b", bashrc="conda")
