@@ -318,9 +318,9 @@ class AgentPool:
 
 
 def show_top(cuda: int, work: Path, hostfile: Path, address: str) -> None:
-    """``meshkit top --gpus``'s screen of this node while a job keeps every GPU busy: the README's
-    real screen. The samples come from the node agent (NVML through ctypes); the table is the
-    CLI's own plain text."""
+    """``meshkit top --gpus``'s screen of this node while a job keeps every GPU busy: the real
+    screen in DESIGN.md's top section. The samples come from the node agent (NVML through
+    ctypes); the table is the CLI's own plain text."""
     from meshkit.cli.tasks.top import plain
     from meshkit.ops.top import Watch
 
