@@ -4,7 +4,7 @@ The nodes each have their own /tmp: 20,000 files (listed by the node in pages, a
 supervisor relaunches the job and syncs again) and a 1 GiB file (sent a chunk at a time: the
 controller's memory stays far below the file's size). Apart from test_sync because it needs a
 sandbox of another size and takes minutes (CI's workers share out whole modules); the copy plan
-and the node side alone are test_syncnode."""
+and the node side alone are test_sync_node."""
 
 from __future__ import annotations
 
