@@ -34,11 +34,11 @@ SECONDS = {
     "test_network_train": 300,
     "test_mesh": 300,
     "test_bandwidth": 190,
-    "test_cmpirun": 160,
+    "test_openmpi": 160,
     "test_jobctl": 160,
     "test_doctor": 130,
     "test_sync": 120,
-    "test_cslurm": 85,
+    "test_slurm": 85,
     "test_fastcli": 60,
     # this round's sandbox modules, from their authors' runs under load
     "test_nonroot": 185,

@@ -1,6 +1,8 @@
-"""Job control as users live it, on real sshd nodes with real tmux: from another node's home
-directory, two projects side by side, detached processes, a missing interpreter, paths with
-tmux format characters, and Ctrl-C."""
+"""Sandbox: the job tasks end to end, as users run them, on real sshd nodes with real tmux.
+
+From another node's home directory, two projects side by side, detached processes, a missing
+interpreter, paths with tmux format characters, and Ctrl-C. The node side alone is test_jobs, the
+controller's jobs ops against canned node replies test_ops_jobs."""
 
 from __future__ import annotations
 

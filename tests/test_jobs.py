@@ -1,5 +1,8 @@
-"""The job model, the protocol, and the node side (agent, keeper, stop) with real processes and a
-real (private) tmux server on this machine."""
+"""Node side, on this machine: a job's records, the agent and the keeper, real tmux, no SSH.
+
+The job model, the protocol, and the node side (agent, keeper, stop) with real processes and a
+real (private) tmux server on this machine. The controller's jobs ops are test_ops_jobs (canned
+node replies), the job tasks end to end test_jobctl (sandbox)."""
 
 from __future__ import annotations
 

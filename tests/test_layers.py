@@ -1,6 +1,7 @@
 """meshkit's layers, read from every module's imports (those inside functions and under
 TYPE_CHECKING included): SSH only in ``remote/``; printing and exiting only in ``cli/``; the node
 side and the env/run path on the standard library; nothing imports a higher layer; no import cycle.
+And no module passes 600 lines unless meshkit/DESIGN.md names it with its reason.
 
 Each rule names the module and the import that breaks it. The few exceptions are listed with their
 reason: an exception is a decision, so one that no module needs any more fails too.
@@ -9,6 +10,7 @@ reason: an exception is a decision, so one that no module needs any more fails t
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -340,3 +342,83 @@ def test_an_op_that_does_not_connect_does_not_load_ssh(module):
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+# ---- a module holds one concept: none passes 600 lines unless DESIGN.md names it ----------------
+
+MAX_LINES = 600
+DESIGN = PACKAGE / "DESIGN.md"
+SIZE_RULE = "- A module holds one concept"
+# a module allowed past the limit, in the size rule's list: ``  - `protocol.py`: its reason``
+LONG_MODULE = re.compile(r"  - `(?P<path>[\w/]+\.py)`: (?P<reason>.+)")
+
+
+def size_rule_lines() -> list[str]:
+    """DESIGN.md's size rule, from its bullet in "The package shape" to the end of that bullet (the
+    next bullet at its level, a blank line or a code block)."""
+    lines = DESIGN.read_text().splitlines()
+    shape = lines.index("## The package shape")
+    starts = [index for index in range(shape, len(lines)) if lines[index].startswith(SIZE_RULE)]
+    assert starts, f"{DESIGN.name}: no bullet starting {SIZE_RULE!r} under 'The package shape'"
+    found = []
+    for line in lines[starts[0] :]:
+        if found and (line.startswith("- ") or not line.strip() or line.startswith("```")):
+            break
+        found.append(line)
+    return found
+
+
+def long_modules_allowed() -> dict[str, str]:
+    """The modules DESIGN.md allows past the limit (their path under meshkit/), each with its
+    reason: the only place an exception is made."""
+    allowed: dict[str, str] = {}
+    last_path = ""
+    for line in size_rule_lines():
+        listed = LONG_MODULE.fullmatch(line)
+        if listed:
+            last_path = listed["path"]
+            allowed[last_path] = listed["reason"]
+        elif last_path and line.startswith("    "):
+            allowed[last_path] += " " + line.strip()  # its reason goes on
+        else:
+            # an item the pattern misses would be an exception nobody sees
+            assert not line.startswith("  - "), f"{DESIGN.name}: not `path.py`: reason: {line}"
+    return allowed
+
+
+def lines_of(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_the_size_rule_in_design_names_the_limit_this_test_holds():
+    words = " ".join(size_rule_lines()).split()
+    assert f"Past {MAX_LINES} lines" in " ".join(words)
+
+
+def test_no_module_passes_the_limit_unless_design_names_it_with_its_reason():
+    allowed = long_modules_allowed()
+    found = []
+    for path in MODULES.values():
+        name = path.relative_to(PACKAGE).as_posix()
+        size = lines_of(path)
+        if size > MAX_LINES and name not in allowed:
+            found.append(
+                f"meshkit/{name}: {size} lines, over {MAX_LINES}: split it by concept (never "
+                f"shorten code to fit), or name it in meshkit/DESIGN.md's list under "
+                f"{SIZE_RULE[2:]!r} with the reason it is one concept"
+            )
+    assert not found, "\n".join(["", *found])
+
+
+def test_every_long_module_named_in_design_is_still_long():
+    found = []
+    for name, reason in long_modules_allowed().items():
+        path = PACKAGE / name
+        if not path.is_file():
+            found.append(f"meshkit/DESIGN.md names meshkit/{name} ({reason}): no such module")
+        elif lines_of(path) <= MAX_LINES:
+            found.append(
+                f"meshkit/DESIGN.md names meshkit/{name} as past {MAX_LINES} lines: it has "
+                f"{lines_of(path)}, so take it off the list"
+            )
+    assert not found, "\n".join(["", *found])

@@ -1,4 +1,6 @@
-"""The jobs ops layer against a small fake cluster (in the spirit of invoke's MockContext): the
+"""Controller side, no nodes: the jobs ops (ops/jobs.py) over a fake pool's canned replies.
+
+The jobs ops layer against a small fake cluster (in the spirit of invoke's MockContext): the
 logic that otherwise only root sandbox tests reach - preflight verdicts, port choice, conflicts,
 status and stop analysis, a supervised job's status - with canned node replies."""
 

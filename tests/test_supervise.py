@@ -1,4 +1,6 @@
-"""Supervised jobs without a cluster: the supervisor's policy (pure: per-node views, restart
+"""Controller side, no nodes: the supervisor's policy, its record and its loop, scripted.
+
+Supervised jobs without a cluster: the supervisor's policy (pure: per-node views, restart
 policy -> action), its record as status shows it, and the loop against scripted node answers."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Supervised jobs on the sandbox (real sshd, tmux, torch with gloo under torchrun and --spawn), a
+"""Sandbox: supervised jobs end to end, a supervisor on each real sshd node, torch with gloo.
+
+Supervised jobs on the sandbox (real sshd, tmux, torch with gloo under torchrun and --spawn), a
 supervisor on every node: a killed worker and a rebooted node (node 0, where the job was
 launched, included) each restart the whole job with the same ranks, which then completes; a
 relaunch waits while a doctor's check fails, and its leader killed meanwhile leaves exactly one

@@ -1,7 +1,9 @@
-"""No shared storage: every sandbox node has its own /tmp, so a workdir and a hostfile there are
-private to one node. train detects it, copies the workdir (only what changed, excludes honoured)
-and stores the job on every node; status, logs, stop and a re-syncing relaunch then work from any
-node."""
+"""Sandbox: what train --sync copies and refuses, on three nodes with no shared storage.
+
+Every sandbox node has its own /tmp, so a workdir and a hostfile there are private to one node.
+train detects it, copies the workdir (only what changed, excludes honoured) and stores the job on
+every node; status, logs, stop and a re-syncing relaunch then work from any node. The copy plan
+and the node side alone are test_sync_node, large workdirs test_sync_scale."""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""train --sync at the sizes of ordinary workdirs, on a two-node sandbox whose nodes each have
-their own /tmp: 20,000 files (listed by the node in pages, also when a supervisor relaunches the
-job and syncs again) and a 1 GiB file (sent a chunk at a time: the controller's memory stays far
-below the file's size)."""
+"""Sandbox, at size: train --sync with 20,000 files and a 1 GiB file, on two nodes.
+
+The nodes each have their own /tmp: 20,000 files (listed by the node in pages, also when a
+supervisor relaunches the job and syncs again) and a 1 GiB file (sent a chunk at a time: the
+controller's memory stays far below the file's size). Apart from test_sync because it needs a
+sandbox of another size and takes minutes (CI's workers share out whole modules); the copy plan
+and the node side alone are test_sync_node."""
 
 from __future__ import annotations
 

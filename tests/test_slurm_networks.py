@@ -9,13 +9,13 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from conftest import named, need_root, sandbox_dir
+from conftest import need_root, sandbox_dir, sandbox_name
 
 from meshkit import sandbox
 from meshkit.errors import SandboxError
 from meshkit.sandbox import networks, slurm
 
-NAME = named("nslurm")
+NAME = sandbox_name(__name__)
 JOB_TIMEOUT = 300.0  # a bound, not a speed check
 IFNAMES = ["eth0", "ens3", "eno1"]
 

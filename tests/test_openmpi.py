@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import fresh_sandbox, meshkit, named
+from conftest import fresh_sandbox, meshkit, sandbox_name
 
 from meshkit import sandbox
 
 NODES = 4
-NAME = named("xmpirun")
+NAME = sandbox_name(__name__)
 MPI_TIMEOUT = 300.0  # bounds, not speed checks: torch imports crawl on a loaded machine
 # Where a process runs and what it says, as one file per process in a shared directory (mpirun
 # interleaves the processes' output).

@@ -1,5 +1,8 @@
-"""The node side of supervision, on this machine: ending a job's supervisor here and this node's
-copy of the supervision record, written only by compare-and-set."""
+"""Node side, on this machine: a supervisor's pid file and heartbeat, and this node's record.
+
+Ending a job's supervisor here, and this node's copy of the supervision record, written only by
+compare-and-set. The supervisor's policy and loop are test_supervise (no nodes), supervised jobs
+end to end test_supervised (sandbox)."""
 
 from __future__ import annotations
 

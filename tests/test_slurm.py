@@ -13,13 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import named, need_root, sandbox_dir
+from conftest import need_root, sandbox_dir, sandbox_name
 
 from meshkit import sandbox
 from meshkit.errors import SandboxError
 from meshkit.sandbox import slurm
 
-NAME = named("xslurm")
+NAME = sandbox_name(__name__)
 NODES = 4
 JOB_TIMEOUT = 300.0  # a bound, not a speed check
 TRAIN = """\
@@ -117,17 +117,17 @@ def test_srun_two_tasks_per_node_each_node_agrees(lay: sandbox.Layout) -> None:
 
 def test_sbatch_tasks_init_distributed_and_all_reduce(lay: sandbox.Layout) -> None:
     shared = Path(lay.shared)
-    (shared / "cslurm_train.py").write_text(TRAIN)
-    out = shared / "cslurm.out"
+    (shared / "slurm_train.py").write_text(TRAIN)
+    out = shared / "slurm.out"
     out.unlink(missing_ok=True)
-    reports = shared / "cslurm-results"
+    reports = shared / "slurm-results"
     shutil.rmtree(reports, ignore_errors=True)
     reports.mkdir()
-    batch = shared / "cslurm.sbatch"
+    batch = shared / "slurm.sbatch"
     batch.write_text(
         "#!/bin/sh\n"
         f"#SBATCH --nodes={NODES} --ntasks-per-node=2 --chdir=/ --output={out}\n"
-        f"srun {sys.executable} {shared / 'cslurm_train.py'} {reports}\n"
+        f"srun {sys.executable} {shared / 'slurm_train.py'} {reports}\n"
     )
     done = in_node(lay, ["sbatch", "--parsable", "--wait", str(batch)], node=2)
     text = out.read_text() if out.exists() else ""

@@ -1,5 +1,7 @@
-"""Sync on this machine: the copy plan, and the node side (the manifest of a workdir, in pages,
-and the chunked put, which never writes through a link)."""
+"""On this machine, no nodes: the copy plan (pure) and the node side's manifest and put.
+
+The manifest of a workdir comes in pages, and the chunked put never writes through a link. train
+--sync on sandbox nodes is test_sync, with large workdirs test_sync_scale."""
 
 from __future__ import annotations
 
