@@ -5,7 +5,7 @@
     cluster = Cluster("hostfile")
     cluster.mesh()
     cluster.train("torchrun train.py", nproc_per_node=2)
-    for row in cluster.status():
+    for row in cluster.status().rows:
         print(row.node_rank, row.host, row.state)
     cluster.stop()
 
@@ -125,9 +125,12 @@ class Cluster:
         job, _ = lookup.saved(self.conf, self.hostfile, self.session, self.workdir)
         return job
 
-    def status(self) -> list[jobs.StatusRow]:
-        """``meshkit status``: one row per node (a node that cannot be asked has ``error``)."""
-        return self._on_saved(jobs.status_with_supervision, spares=True)
+    def status(self) -> jobs.JobStatus:
+        """``meshkit status``: ``.rows``, one per node (a node that cannot be asked has
+        ``error``), and a supervised job's ``.supervision``, once for the job (its record's
+        fields, its leader, its spares' health; None: not supervised). ``.as_json()``: the
+        ``status --json`` objects."""
+        return self._on_saved(jobs.job_status, spares=True)
 
     def diagnose(self) -> diagnose_op.Diagnosis:
         """``meshkit diagnose``: every rank's live stack, grouped; the outliers; the first

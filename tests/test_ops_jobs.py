@@ -17,6 +17,8 @@ from meshkit.errors import LaunchError, NodeFailed, RemoteError
 from meshkit.hostfile import Host
 from meshkit.job import Job
 from meshkit.ops import jobs as ops
+from meshkit.ops import supervision_status as shown
+from meshkit.ops.supervision import View, view
 from meshkit.outcome import Outcome
 from meshkit.protocol import Supervision, SupervisorState
 from meshkit.record import replace
@@ -160,47 +162,104 @@ def test_status_and_stop_rows_never_claim_what_was_not_seen():
 # ---- a supervised job's status: its record and its leader --------------------------------
 
 
+def supervised(
+    record: Supervision | None, leader: int | None, spares: list[shown.SpareRow] | None = None
+) -> shown.SupervisionStatus:
+    """What ``job_status`` shows of a supervised job whose nodes believe ``record`` and whose
+    live supervisors are ``leader``'s alone (None: none live)."""
+    live = frozenset() if leader is None else frozenset({leader})
+    return shown.supervision_status(View(record, live), spares or [])
+
+
+def first_json(rows: list[ops.StatusRow], supervision: shown.SupervisionStatus | None) -> dict:
+    """The first node's ``status --json`` object."""
+    return ops.JobStatus(rows, supervision).as_json()[0]
+
+
 def test_a_supervised_jobs_status_fields():
     reason = "node 1 exited with code 1"
     rec = Supervision(SupervisorState.GAVE_UP, 3, 0, reason, [1, 143, 143], 7, 1, None)
-    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
     rows = [ops.StatusRow(0, "a", "exited", 1, None, None)]
-    out = ops.with_supervision(job, rows, rec, None)[0].as_json()
+    out = first_json(rows, supervised(rec, None))
     assert (out["supervisor"], out["attempt"], out["restarts_left"]) == ("gave up", 3, 0)
     assert out["exit_code"] == 1
     assert out["last_restart_reason"] == "node 1 exited with code 1"
     plain = Job("x", "/w", "s", "/h", "/p", 1)
-    assert "supervisor" not in ops.with_supervision(plain, rows, None, None)[0].as_json()
-    assert ops.with_supervision(job, rows, None, None)[0].as_json()["supervisor"] is None
+    unsupervised = ops.job_status(FakePool(healthy()), plain, HOSTS)
+    assert unsupervised.supervision is None  # not supervised: no supervision keys
+    assert "supervisor" not in unsupervised.as_json()[0]
+    assert "supervisor" not in first_json(rows, None)
+    assert first_json(rows, supervised(None, None))["supervisor"] is None
 
 
 def test_status_names_the_leader_and_a_held_relaunch_and_an_unbacked_record():
     """Status shows the lowest live supervisor as the leader and what holds a relaunch; a
     running record that no live supervisor backs (every node's died) is "not responding"."""
-    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
     rows = [ops.StatusRow(0, "a", "absent", None, None, None)]
     why = "b: workdir: /w: Read-only"
     held = Supervision(SupervisorState.RELAUNCHING, 2, 1, "node 1 exited", held=why)
-    out = ops.with_supervision(job, rows, held, 1)[0].as_json()
+    out = first_json(rows, supervised(held, 1))
     # the JSON keeps its fixed names: a claimed relaunch is a running supervisor, relaunching
     assert (out["supervisor"], out["relaunching"]) == (SupervisorState.RUNNING, True)
     assert (out["leader"], out["held"]) == (1, held.held)
     running = Supervision(SupervisorState.RUNNING, 1, 2)
-    gone = ops.with_supervision(job, rows, running, None)[0].as_json()
+    gone = first_json(rows, supervised(running, None))
     assert gone["supervisor"] == "not responding"
     assert "no node has a live" in str(gone["last_restart_reason"])
     done = Supervision(SupervisorState.DONE, 1, 2)
-    shown = ops.with_supervision(job, rows, done, 0)[0].as_json()
-    assert shown["supervisor"] == SupervisorState.DONE
-    assert shown["leader"] is None
+    ended = first_json(rows, supervised(done, 0))
+    assert ended["supervisor"] == SupervisorState.DONE
+    assert ended["leader"] is None
+
+
+def test_one_view_gives_the_believed_record_and_the_leader():
+    """``supervision.view``: the record believed of the nodes' copies (a copy far ahead left
+    out, its version counted) and the live supervisors, the lowest of them leading."""
+    old = Supervision(SupervisorState.RUNNING, 1, 2, version=3)
+    new = replace(old, version=4)
+    absurd = replace(old, version=9, generation=10**9)
+    answers = {
+        HOSTS[0]: p.SupervisorReply(None, None, [], old),  # no supervisor runs there
+        HOSTS[1]: p.SupervisorReply(11, 0.0, [], absurd),
+        HOSTS[2]: p.SupervisorReply(12, 1.0, [], new),
+    }
+    seen = view(answers, HOSTS, 1, 3)
+    assert seen.record == replace(new, version=9)
+    assert (seen.live, seen.leader) == ({1, 2}, 1)
+    stale = {HOSTS[2]: p.SupervisorReply(12, 600.0, [], new)}  # its heartbeat long gone
+    assert (view(stale, HOSTS, 1, 3).record, view(stale, HOSTS, 1, 3).leader) == (new, None)
+    assert view({}, HOSTS, 1, 3) == View(None, frozenset())
+
+
+def test_status_and_top_say_the_supervision_in_the_same_words():
+    from meshkit.cli.tasks.jobs import supervisor_lines
+
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=3)
+    running = supervised(Supervision(SupervisorState.RUNNING, 2, 2, "node 1 exited"), 0)
+    assert shown.supervisor_words(running) == "running, attempt 2 of 4 (leader: node 0)"
+    assert supervisor_lines(running, job) == [
+        "supervisor: running, attempt 2 of 4 (leader: node 0), restarts left 2, "
+        "last restart: node 1 exited"
+    ]
+    gave_up = supervised(Supervision(SupervisorState.GAVE_UP, 3, 0), 0)
+    assert shown.supervisor_words(gave_up) == "gave up, attempt 3 of 3"
+    assert supervisor_lines(gave_up, job) == [
+        "supervisor: gave up, attempt 3 of 3, restarts left 0"
+    ]
+    unbacked = supervised(Supervision(SupervisorState.RUNNING, 1, 3), None)
+    assert shown.supervisor_words(unbacked) == "not responding"
+    said = supervisor_lines(unbacked, job)
+    assert said == [f"supervisor: not responding: {shown.NOT_BACKED}"]
+    nothing = supervised(None, None)
+    assert shown.supervisor_words(nothing) is None
+    assert supervisor_lines(nothing, job) == ["supervisor: none (restarts 3)"]
 
 
 def test_status_json_spells_the_states_as_before():
     """``status --json`` prints the states as plain strings, byte for byte."""
-    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
     rows = [ops.StatusRow(0, "a", p.JobState.EXITED, 1, None, None)]
     record = Supervision(SupervisorState.GAVE_UP, 3, 0)
-    out = ops.with_supervision(job, rows, record, None)[0].as_json()
+    out = first_json(rows, supervised(record, None))
     text = json.dumps(out)
     assert '"state": "exited"' in text
     assert '"supervisor": "gave up"' in text
@@ -211,7 +270,6 @@ def test_status_json_spells_the_states_as_before():
 
 
 def test_status_json_carries_the_membership_for_a_supervised_job_only():
-    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
     rows = [ops.StatusRow(0, "a", p.JobState.RUNNING, None, None, None)]
     record = Supervision(
         SupervisorState.RELAUNCHING,
@@ -224,9 +282,11 @@ def test_status_json_carries_the_membership_for_a_supervised_job_only():
         replaced=["10.0.0.2 -> 10.0.0.9"],
         waiting="node 2 (10.0.0.3) until 21:00:00 UTC, lost then (--replace-after)",
     )
-    row = ops.with_supervision(job, rows, record, 0)[0]
-    spares = [ops.SpareRow("10.0.0.2", False, "not answering: timed out"), ops.SpareRow("s2", True)]
-    out = replace(row, spares=spares).as_json()
+    spares = [
+        shown.SpareRow("10.0.0.2", False, "not answering: timed out"),
+        shown.SpareRow("s2", True),
+    ]
+    out = first_json(rows, supervised(record, 0, spares))
     assert out["generation"] == 2
     assert out["lost"] == ["10.0.0.2"]
     assert out["replaced"] == ["10.0.0.2 -> 10.0.0.9"]
@@ -237,15 +297,14 @@ def test_status_json_carries_the_membership_for_a_supervised_job_only():
     ]
     json.dumps(out)  # every value is plain JSON
     # no record yet (or after a stop): the keys are there, empty
-    bare = ops.with_supervision(job, rows, None, None)[0].as_json()
+    bare = first_json(rows, supervised(None, None))
     assert (bare["generation"], bare["lost"], bare["waiting"], bare["spares"]) == (
         None,
         [],
         None,
         [],
     )
-    plain = Job("x", "/w", "s", "/h", "/p", 1)
-    unsupervised = ops.with_supervision(plain, rows, record, 0)[0].as_json()
+    unsupervised = first_json(rows, None)  # a job that is not supervised (``job_status``)
     for key in ("generation", "lost", "replaced", "waiting", "spares"):
         assert key not in unsupervised
 
@@ -274,11 +333,11 @@ def test_a_spare_is_healthy_when_its_facts_match_the_master_and_else_says_why():
     }
     pool = FakePool(replies, failures={down: "connection timed out"})
     job = Job("x", "/w", "s", "/h", "/p", 1, restarts=1)
-    rows = ops.spare_rows(pool, job, [master], [spare, down, silent, old])
+    rows = shown.spare_rows(pool, job, [master], [spare, down, silent, old])
     assert rows[:3] == [
-        ops.SpareRow("10.0.0.9", True),
-        ops.SpareRow("10.0.0.8", False, "not answering: connection timed out"),
-        ops.SpareRow("10.0.0.7", False, "10.0.0.7: agent exited"),
+        shown.SpareRow("10.0.0.9", True),
+        shown.SpareRow("10.0.0.8", False, "not answering: connection timed out"),
+        shown.SpareRow("10.0.0.7", False, "10.0.0.7: agent exited"),
     ]
     assert not rows[3].healthy
     assert "versions: torch 2.4.0 (master: 2.5.0)" in str(rows[3].why)
@@ -288,28 +347,22 @@ def test_a_spare_is_healthy_when_its_facts_match_the_master_and_else_says_why():
     assert {request.write_marker for request in asked} == {False}
     # a clock far off, a workdir missing: missing is fine for a synced job (the sync makes it)
     timing = (now, now)
-    late = ops.spare_health(spare, facts(clock=now + 600), None, None, timing, False)
+    late = shown.spare_health(spare, facts(clock=now + 600), None, None, timing, False)
     assert not late.healthy
     assert str(late.why).startswith("clock: +600.00s")
     missing = facts(writable="/w: missing", clock=now)
-    assert ops.spare_health(spare, missing, None, None, timing, True).healthy
-    shared = ops.spare_health(spare, missing, None, None, timing, False)
-    assert shared == ops.SpareRow("10.0.0.9", False, "workdir: /w: missing")
-    assert ops.spare_rows(pool, job, [master], []) == []
+    assert shown.spare_health(spare, missing, None, None, timing, True).healthy
+    shared = shown.spare_health(spare, missing, None, None, timing, False)
+    assert shared == shown.SpareRow("10.0.0.9", False, "workdir: /w: missing")
+    assert shown.spare_rows(pool, job, [master], []) == []
 
 
 def test_status_shows_the_generation_who_replaced_whom_the_lost_nodes_and_each_spare():
     from meshkit.cli.tasks.jobs import membership_lines, render_status
 
     job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
-    row = ops.StatusRow(
-        0,
-        "10.0.0.1",
-        p.JobState.RUNNING,
-        None,
-        None,
-        None,
-        supervised=True,
+    rows = [ops.StatusRow(0, "10.0.0.1", p.JobState.RUNNING, None, None, None)]
+    supervision = shown.SupervisionStatus(
         attempt=2,
         restarts_left=2,
         supervisor=SupervisorState.RUNNING,
@@ -317,20 +370,22 @@ def test_status_shows_the_generation_who_replaced_whom_the_lost_nodes_and_each_s
         generation=2,
         lost=["10.0.0.2"],
         replaced=["10.0.0.2 -> 10.0.0.9"],
-        spares=[ops.SpareRow("10.0.0.2", False, "not answering: timed out")],
+        spares=[shown.SpareRow("10.0.0.2", False, "not answering: timed out")],
     )
-    assert membership_lines(row) == [
+    assert membership_lines(supervision) == [
         "membership: generation 2",
         "  replaced 10.0.0.2 -> 10.0.0.9",
         "  lost: 10.0.0.2",
         "  spare 10.0.0.2: not healthy: not answering: timed out",
     ]
-    waiting = replace(row, waiting="node 1 (10.0.0.2) until 21:00:00 UTC, lost then")
+    waiting = replace(supervision, waiting="node 1 (10.0.0.2) until 21:00:00 UTC, lost then")
     assert "waiting for node 1 (10.0.0.2) until 21:00:00 UTC, lost then" in render_status(
-        [waiting], job
+        ops.JobStatus(rows, waiting), job
     )
     # the first generation with a healthy spare: the generation and the spare
-    first = replace(row, generation=1, lost=[], replaced=[], spares=[ops.SpareRow("s", True)])
+    first = replace(
+        supervision, generation=1, lost=[], replaced=[], spares=[shown.SpareRow("s", True)]
+    )
     assert membership_lines(first) == ["membership: generation 1", "  spare s: healthy"]
     # the first generation, no spare line: nothing about membership
     assert membership_lines(replace(first, spares=[])) == []
@@ -341,9 +396,11 @@ def test_status_says_a_node_that_does_not_answer_does_not_and_why_whole():
 
     job = Job("x", "/w", "s", "/h", "/p", 1)
     down = "no answer within 10s on port 22: is the node up and reachable?"
-    rows = ops.status(FakePool(healthy(), failures={HOSTS[2]: down}), job, HOSTS)
+    status = ops.job_status(FakePool(healthy(), failures={HOSTS[2]: down}), job, HOSTS)
+    rows = status.rows
     assert rows[2].state == "absent"  # the fixed name, as --json shows it
-    text = render_status(rows, job)
+    assert status.as_json()[2]["state"] == "absent"
+    text = render_status(status, job)
     line = next(line for line in text.splitlines() if line.startswith("2 "))
     assert "no answer" in line
     assert "absent" not in line
@@ -357,9 +414,12 @@ def test_status_tells_a_node_that_answered_with_its_error_from_one_that_did_not_
     job = Job("x", "/w", "s", "/h", "/p", 1)
     damaged = NodeFailed("StatusRequest failed on the node: DamagedState: 'nan', not a time")
     replies = healthy(status={**healthy()["status"], HOSTS[1]: damaged})
-    rows = ops.status(FakePool(replies), job, HOSTS)
-    assert (rows[1].state, rows[1].silent) == ("absent", False)  # --json's fixed name
-    text = render_status(rows, job)
+    status = ops.job_status(FakePool(replies), job, HOSTS)
+    rows = status.rows
+    assert (rows[1].state, rows[1].silent) == ("absent", False)  # the job is not seen there
+    # --json says what the text table says: the node answered, with an error
+    assert [node["state"] for node in status.as_json()] == ["running", "error", "running"]
+    text = render_status(status, job)
     line = next(line for line in text.splitlines() if line.startswith("1 "))
     assert line.split()[2] == "error"
     assert "no answer" not in text

@@ -34,7 +34,7 @@ def test_a_script_meshes_trains_watches_and_stops_a_job(cluster, capsys):
     )
     deadline = time.monotonic() + 180
     while True:
-        rows = api.status()
+        rows = api.status().rows
         if all(row.state == "exited" for row in rows) or time.monotonic() > deadline:
             break
         time.sleep(1)

@@ -442,9 +442,10 @@ def test_a_stop_that_misses_a_node_is_remembered_and_its_supervisor_relaunches_n
         request for op, _, request in pool.calls if op == "supervisor" and request.action == "start"
     ]
     assert starts == []
-    rows = ops.with_supervision(job, ops.status(pool, job, HOSTS), marked, None)
-    assert rows[0].supervisor == SupervisorState.STOPPED
-    assert rows[0].as_json()["supervisor"] is None  # the fixed names: no supervisor
+    status = ops.job_status(pool, job, HOSTS)
+    assert status.supervision is not None
+    assert status.supervision.supervisor == SupervisorState.STOPPED
+    assert status.as_json()[0]["supervisor"] is None  # the fixed names: no supervisor
 
 
 # ---- the heartbeat: a thread of its own, on the node's monotonic clock -----------------------

@@ -1,8 +1,9 @@
 """Jobs over a cluster: the env round, preflight, launch, status, stop and logs, a supervised
-job's supervision included in its status and stop. Every node operation goes through the node
-agent (``NodePool``); these functions print nothing and return dataclasses for the CLI (or a
-script, through ``meshkit.Cluster``) to render. The verdicts (preflight problems, port choice,
-status rows) are pure functions of the replies, unit-tested with a fake pool.
+job's supervision included in its status (once for the job, beside the nodes' rows) and stop.
+Every node operation goes through the node agent (``NodePool``); these functions print nothing
+and return dataclasses for the CLI (or a script, through ``meshkit.Cluster``) to render. The
+verdicts (preflight problems, port choice, status rows) are pure functions of the replies,
+unit-tested with a fake pool.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from ..errors import LaunchError, NodeFailed, ProtocolError
 from ..hostfile import Host, members_text
 from ..job import Job
 from ..outcome import Outcome
-from ..protocol import JobState, Supervision, SupervisorShown, SupervisorState
+from ..protocol import JobState
 from ..record import replace
 from .lookup import cluster_hosts
 from .membership import spares_of
 from .pool import NodePool, unanswered
-from .supervision import ask, believed, end_supervisor, live_ranks, stop_record
-from .verdicts import clock_check, env_error, gpus_check, versions_check
+from .supervision import ask, end_supervisor, look, stop_record
+from .supervision_status import SupervisionStatus, spare_rows, supervision_status
+from .verdicts import env_error
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
 FOLLOW = 0.5  # seconds between polls of logs --follow
@@ -226,17 +228,9 @@ def replace_port(job: Job, port: int) -> Job:
 
 
 @dataclass(frozen=True)
-class SpareRow:
-    """A node of the hostfile outside the job's membership: a spare line, or a lost node that
-    came back. ``healthy``: it passes ``spare_rows``' checks; else ``why`` not."""
-
-    node: str
-    healthy: bool
-    why: str | None = None
-
-
-@dataclass(frozen=True)
 class StatusRow:
+    """One node's part of the job, as its agent answered (or why it did not)."""
+
     node_rank: int
     host: str
     state: JobState
@@ -245,39 +239,37 @@ class StatusRow:
     last_line: str | None
     error: str | None = None
     silent: bool = False  # with an error: the node gave no reply at all (not its own failure)
-    supervised: bool = False  # train --restarts: the six fields below are shown
-    attempt: int | None = None
-    restarts_left: int | None = None
-    last_restart_reason: str | None = None
-    supervisor: SupervisorState | SupervisorShown | None = None  # None: no record
     idle_s: float | None = None  # seconds since the node's log was last written
     stalled: bool = False  # the job's: running, and no node has written output for stall_after
-    diagnosis: str | None = None  # the diagnosis the supervisor saved before a stall restart
-    leader: int | None = None  # the rank whose supervisor leads (None: no live one)
-    held: str | None = None  # what holds a relaunch: "NODE: CHECK: DETAIL"
-    generation: int | None = None  # the membership's (one on with each replacement or shrink)
-    lost: list[str] = field(default_factory=list)  # nodes dropped from the membership
-    replaced: list[str] = field(default_factory=list)  # "LOST -> SPARE"
-    waiting: str | None = None  # the nodes a relaunch waits for, and until when
-    spares: list[SpareRow] = field(default_factory=list)  # the hostfile's nodes outside it
 
-    def as_json(self) -> dict[str, object]:
-        """The ``--json`` shape: the supervision fields only for a supervised job."""
+    def as_json(self, supervision: SupervisionStatus | None = None) -> dict[str, object]:
+        """The ``--json`` shape of this node: with ``supervision`` (a supervised job's, the
+        same for every node) its keys too. A node that answered with its own error is
+        ``error``, as the text table says; one that gave no answer stays ``absent``."""
         keys = ["node_rank", "host", "state", "exit_code", "started", "last_line", "stalled"]
-        if self.supervised:
-            keys += ["attempt", "restarts_left", "last_restart_reason", "diagnosis"]
-            keys += ["leader", "held", "generation", "lost", "replaced", "waiting"]
         data = {key: getattr(self, key) for key in keys}
-        if self.supervised:
-            data["spares"] = [asdict(spare) for spare in self.spares]
+        if self.error and not self.silent:
+            data["state"] = "error"
+        if supervision is not None:
+            data.update(supervision.record_json())
         data["idle_s"] = None if self.idle_s is None else round(self.idle_s, 1)
-        if self.supervised:  # the fixed names: a claimed relaunch is still a running supervisor
-            relaunching = self.supervisor == SupervisorState.RELAUNCHING
-            data["supervisor"] = SupervisorState.RUNNING if relaunching else self.supervisor
-            if self.supervisor == SupervisorState.STOPPED:
-                data["supervisor"] = None  # no "stopped" in the fixed names: no supervisor
-            data["relaunching"] = relaunching
+        if supervision is not None:
+            data.update(supervision.supervisor_json())
         return data
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """``meshkit status``: each node's row, and once for the job a supervised job's
+    supervision (None: the job is not supervised)."""
+
+    rows: list[StatusRow]
+    supervision: SupervisionStatus | None = None
+
+    def as_json(self) -> list[dict[str, object]]:
+        """The ``--json`` shape: one object per node, each with the job's supervision keys
+        when it is supervised."""
+        return [row.as_json(self.supervision) for row in self.rows]
 
 
 def is_stalled(stall_after: float | None, nodes: Sequence[tuple[str, float | None]]) -> bool:
@@ -355,6 +347,18 @@ def wait_done(pool: NodePool, job: Job, hosts: Sequence[Host], timeout: float) -
         time.sleep(1.0)
 
 
+def job_status(pool: NodePool, job: Job, hosts: Sequence[Host]) -> JobStatus:
+    """``meshkit status``: each node's row, and a supervised job's supervision: the believed
+    record and its leader (``supervision.look``), and each spare's health."""
+    rows = status(pool, job, hosts)
+    if not job.restarts:
+        return JobStatus(rows)
+    cluster = cluster_hosts(job)
+    seen = look(pool, job, hosts, len(cluster))
+    spares = spare_rows(pool, job, hosts, spares_of(cluster, hosts))
+    return JobStatus(rows, supervision_status(seen, spares))
+
+
 @dataclass(frozen=True)
 class StopRow:
     node_rank: int
@@ -384,112 +388,6 @@ def stop(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[StopRow]:
             reply = outcome.value
             rows.append(StopRow(rank, host.label, reply.found, reply.signalled, reply.left, None))
     return rows
-
-
-def with_supervision(
-    job: Job, rows: list[StatusRow], record: Supervision | None, leader: int | None
-) -> list[StatusRow]:
-    """Pure: a supervised job's rows carry its record (all null when there is none, e.g. after
-    ``stop``) and its leader; a record no live supervisor backs says "not responding"."""
-    if not job.restarts:
-        return rows
-    if record is None:
-        return [replace(row, supervised=True) for row in rows]
-    state: SupervisorState | SupervisorShown = record.supervisor
-    reason = record.last_restart_reason
-    if state not in (SupervisorState.RUNNING, SupervisorState.RELAUNCHING):
-        leader = None  # nobody supervises an ended job (its supervisors are on their way out)
-    elif leader is None:
-        state = SupervisorShown.NOT_RESPONDING
-        reason = (
-            "no node has a live supervisor (each was ended, or its node rebooted); "
-            "`meshkit train` relaunches the job under new ones"
-        )
-    return [
-        replace(
-            row,
-            supervised=True,
-            attempt=record.attempt,
-            restarts_left=record.restarts_left,
-            last_restart_reason=reason,
-            supervisor=state,
-            leader=leader,
-            held=record.held,
-            diagnosis=record.diagnosis,
-            generation=record.generation,
-            lost=list(record.lost),
-            replaced=list(record.replaced),
-            waiting=record.waiting,
-        )
-        for row in rows
-    ]
-
-
-def status_with_supervision(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[StatusRow]:
-    """``meshkit status``: each node's row, with a supervised job's record and its leader."""
-    rows = status(pool, job, hosts)
-    if not job.restarts:
-        return rows
-    answers = ask(pool, job, hosts)
-    leader = min(live_ranks(hosts, answers), default=None)
-    cluster = cluster_hosts(job)
-    copies = [reply.record for reply in answers.values()]
-    record = believed(copies, job.generation, len(cluster))
-    supervised = with_supervision(job, rows, record, leader)
-    spares = spare_rows(pool, job, hosts, spares_of(cluster, hosts))
-    return [replace(row, spares=spares) for row in supervised]
-
-
-def spare_rows(
-    pool: NodePool, job: Job, hosts: Sequence[Host], spares: Sequence[Host]
-) -> list[SpareRow]:
-    """Each spare's health, by the part of the supervisor's gate (the doctor's quick checks) that
-    one node's facts decide without writing anything of the job's: it answers, its versions
-    are the master's, it has a GPU for each of the master's slots, its clock is close, and the
-    workdir is there and writable (a synced job's is made by the sync). The gate's network
-    checks run when a spare is chosen. (``status`` connects to a supervised job's spares.)"""
-    if not spares:
-        return []
-    request = p.FactsRequest(job.workdir, "", "", False)
-    sent = time.time()
-    replies = pool.call_all("facts", lambda host: request, p.FactsReply, [hosts[0], *spares])
-    back = time.time()
-    master = replies.get(hosts[0])
-    reference = None
-    if master is not None:
-        reference = master.value
-    slots = hosts[0].slots
-    rows = []
-    for spare in spares:
-        outcome = replies.get(spare)
-        if spare in pool.failures:
-            rows.append(SpareRow(spare.label, False, f"not answering: {pool.failures[spare]}"))
-        elif outcome is None or outcome.value is None:
-            rows.append(SpareRow(spare.label, False, unanswered(outcome, spare, pool.failures)))
-        else:
-            timing = (sent, back)
-            rows.append(spare_health(spare, outcome.value, reference, slots, timing, job.sync))
-    return rows
-
-
-def spare_health(
-    spare: Host,
-    reply: p.FactsReply,
-    master: p.FactsReply | None,
-    slots: int | None,
-    timing: tuple[float, float],
-    synced: bool,
-) -> SpareRow:
-    """Pure: ``spare_rows``' verdict on one spare's facts."""
-    checks = [versions_check(spare, reply, master), gpus_check(spare, reply, slots)]
-    checks.append(clock_check(spare, reply, timing))
-    problems = [f"{check.check}: {check.detail}" for check in checks if not check.ok]
-    missing = reply.writable is not None and reply.writable.endswith(": missing")
-    if reply.writable is not None and not (synced and missing):
-        problems.append(f"workdir: {reply.writable}")
-    if problems:
-        return SpareRow(spare.label, False, "; ".join(problems))
-    return SpareRow(spare.label, True)
 
 
 UNREACHED = "the job may still run there; `meshkit stop` again once it answers ends it"

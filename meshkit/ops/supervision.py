@@ -1,11 +1,13 @@
 """A supervised job's supervisors over the cluster, through the ``supervisor`` op: ask every
-node about its supervisor and its copy of the supervision record, write the record by
-compare-and-set, start a supervisor on every node, end them all.
+node about its supervisor and its copy of the supervision record, take from the answers the
+record believed and the leader (``view``: what status, top and stop show and build on), write
+the record by compare-and-set, start a supervisor on every node, end them all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from ..hostfile import Host
@@ -87,6 +89,43 @@ def believed(
     if record is None or not left_out:
         return record
     return replace(record, version=max(record.version, *left_out))
+
+
+@dataclass(frozen=True)
+class View:
+    """A supervised job's supervision as the nodes' answers give it: the record believed
+    (``believed``; None: no node that answered keeps a copy) and the ranks whose supervisors are
+    live (``live_ranks``)."""
+
+    record: Supervision | None
+    live: frozenset[int]
+
+    @property
+    def leader(self) -> int | None:
+        """The rank whose supervisor leads: the lowest live one (None: no live supervisor)."""
+        return min(self.live, default=None)
+
+
+def view(answers: Answers, hosts: Sequence[Host], generation: int, nodes: int) -> View:
+    """Pure: the record believed and the live supervisors, from the nodes' ``answers``
+    (``hosts``: the job's nodes in rank order; ``generation``: the newest the reader knows;
+    ``nodes``: the hostfile's node count, spares included, ``far_ahead``'s bound)."""
+    copies = [reply.record for reply in answers.values()]
+    record = believed(copies, generation, nodes)
+    return View(record, frozenset(live_ranks(hosts, answers)))
+
+
+def look(
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    nodes: int,
+    asked: Sequence[Host] | None = None,
+) -> View:
+    """``view`` of the answers of the nodes ``asked`` (None: all of ``hosts``), against the
+    saved job's generation: what ``status``, ``top`` and ``stop`` show and build on."""
+    answers = ask(pool, job, hosts if asked is None else asked)
+    return view(answers, hosts, job.generation, nodes)
 
 
 def stop_record(answers: Answers, restarts: int, generation: int, nodes: int) -> Supervision:

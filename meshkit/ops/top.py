@@ -18,21 +18,14 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import JobError
 from ..hostfile import Host
 from ..job import Job
-from ..protocol import (
-    GpuSample,
-    JobState,
-    RankSample,
-    SupervisorShown,
-    SupervisorState,
-    TopReply,
-    TopRequest,
-)
+from ..protocol import GpuSample, JobState, RankSample, TopReply, TopRequest
 from ..settings import Config
 from . import lookup
 from .jobs import is_stalled
 from .odd_one_out import Odd, job_port, mark
 from .pool import NodePool, unanswered
-from .supervision import ask, believed, live_ranks
+from .supervision import look
+from .supervision_status import supervision_status, supervisor_words
 
 HISTORY = 60.0  # seconds of each node's busy figure kept for its sparkline
 MIN_TIMEOUT = 5.0  # seconds a node gets to answer one sample, at the shortest intervals
@@ -192,24 +185,13 @@ def target(
 def supervisor_state(
     pool: NodePool, job: Job, hosts: Sequence[Host], asked: Sequence[Host], nodes: int
 ) -> str | None:
-    """A supervised job's supervision as ``status`` words it, from the nodes ``asked`` (None: not
-    supervised, or no record); ``nodes``: the hostfile's, spares included (``believed``)."""
+    """A supervised job's supervision in ``supervisor_words``, as ``status`` says it, from the
+    nodes ``asked`` (None: not supervised, or no record); ``nodes``: the hostfile's, spares
+    included (``believed``)."""
     if not job.restarts:
         return None
-    answers = ask(pool, job, asked)
-    leader = min(live_ranks(hosts, answers), default=None)
-    record = believed((reply.record for reply in answers.values()), job.generation, nodes)
-    if record is None:
-        return None
-    running = record.supervisor in (SupervisorState.RUNNING, SupervisorState.RELAUNCHING)
-    if running and leader is None:
-        return str(SupervisorShown.NOT_RESPONDING)
-    text = (
-        f"{record.supervisor}, attempt {record.attempt} of {record.attempt + record.restarts_left}"
-    )
-    if running:
-        text += f" (leader: node {leader})"
-    return text
+    seen = look(pool, job, hosts, nodes, asked)
+    return supervisor_words(supervision_status(seen))
 
 
 class Watch:

@@ -23,7 +23,7 @@ import json, sys
 from meshkit.api import Cluster
 cluster = Cluster(sys.argv[1], session=sys.argv[2])
 if sys.argv[3] == "status":
-    print(json.dumps([row.as_json() for row in cluster.status()]))
+    print(json.dumps(cluster.status().as_json()))
 else:
     started = cluster.train(sys.argv[4], **json.loads(sys.argv[3]))
     sys.exit(0 if started.ok else 1)

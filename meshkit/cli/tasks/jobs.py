@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # every command builds the task list; only these tasks load t
     from ...hostfile import Host
     from ...ops import jobs as ops
     from ...ops.diagnose import Diagnosis
+    from ...ops.supervision_status import SupervisionStatus
 
 JOB_FLAGS = ("hostfile", "session", "workdir")
 
@@ -35,49 +36,50 @@ def _print_start(launch: ops.Launch) -> None:
     print(table(["rank", "host", "state", "replaced", "error"], cells))
 
 
-def supervisor_lines(row: ops.StatusRow, job: Job) -> list[str]:
-    """What the supervision of a supervised job says (the master's row carries it)."""
-    if row.supervisor is None:
+def supervisor_lines(shown: SupervisionStatus, job: Job) -> list[str]:
+    """What the supervision of a supervised job says (``supervisor_words``, then the restarts
+    left, the last restart, what holds or waits, the membership)."""
+    from ...ops.supervision_status import supervisor_words
+
+    words = supervisor_words(shown)
+    if words is None:
         return [f"supervisor: none (restarts {job.restarts})"]
-    if row.supervisor == SupervisorShown.NOT_RESPONDING:
-        return [f"supervisor: not responding: {row.last_restart_reason}"]
-    leader = f" (leader: node {row.leader})" if row.leader is not None else ""
-    last = f", last restart: {row.last_restart_reason}" if row.last_restart_reason else ""
-    # attempts a replacement made use up no restart: the last is this one plus the restarts left
-    final = (row.attempt or 0) + (row.restarts_left or 0)
-    attempt = f"attempt {row.attempt} of {final}, restarts left {row.restarts_left}"
-    lines = [f"supervisor: {row.supervisor}{leader}, {attempt}{last}"]
-    if row.held:
-        lines.append(f"relaunch held by {row.held}")
-    if row.waiting:
-        lines.append(f"waiting for {row.waiting}")
-    lines += membership_lines(row)
+    if shown.supervisor == SupervisorShown.NOT_RESPONDING:
+        return [f"supervisor: {words}: {shown.last_restart_reason}"]
+    last = f", last restart: {shown.last_restart_reason}" if shown.last_restart_reason else ""
+    lines = [f"supervisor: {words}, restarts left {shown.restarts_left}{last}"]
+    if shown.held:
+        lines.append(f"relaunch held by {shown.held}")
+    if shown.waiting:
+        lines.append(f"waiting for {shown.waiting}")
+    lines += membership_lines(shown)
     return lines
 
 
-def membership_lines(row: ops.StatusRow) -> list[str]:
+def membership_lines(shown: SupervisionStatus) -> list[str]:
     """The membership beyond the rank table: its generation, the lost nodes and who replaced
     them, and the spares (healthy or not, and why)."""
     lines = []
-    if row.generation is not None and (row.generation > 1 or row.spares):
-        lines.append(f"membership: generation {row.generation}")
-    for line in row.replaced:
+    if shown.generation is not None and (shown.generation > 1 or shown.spares):
+        lines.append(f"membership: generation {shown.generation}")
+    for line in shown.replaced:
         lines.append(f"  replaced {line}")
-    if row.lost:
-        lines.append(f"  lost: {', '.join(row.lost)}")
-    for spare in row.spares:
+    if shown.lost:
+        lines.append(f"  lost: {', '.join(shown.lost)}")
+    for spare in shown.spares:
         health = "healthy" if spare.healthy else f"not healthy: {spare.why}"
         lines.append(f"  spare {spare.node}: {health}")
     return lines
 
 
-def render_status(rows: Sequence[ops.StatusRow], job: Job) -> str:
+def render_status(status: ops.JobStatus, job: Job) -> str:
     out = [f"job {job.label} (tmux session {job.tmux_session})"]
-    if rows and rows[0].supervised:
-        out += supervisor_lines(rows[0], job)
+    shown = status.supervision
+    if shown is not None:
+        out += supervisor_lines(shown, job)
     cells = []
     below = []  # why a node's row has no state: whole, below the table
-    for row in rows:
+    for row in status.rows:
         quiet = f"yes ({row.idle_s:.0f}s quiet)" if row.stalled and row.idle_s else "no"
         started = (row.started or "")[:19]
         last_line = (row.last_line or "")[:70]
@@ -89,14 +91,14 @@ def render_status(rows: Sequence[ops.StatusRow], job: Job) -> str:
             last_line = "(the node does not answer: see below)"
             below.append(f"node {row.node_rank} ({row.host}) does not answer: {row.error}")
         elif row.error:
-            state = "error"
+            state = "error"  # as --json says it
             last_line = "(the node's error: see below)"
             below.append(f"node {row.node_rank} ({row.host}) answered with an error: {row.error}")
         cells.append((row.node_rank, row.host, state, row.exit_code, started, quiet, last_line))
     out.append(table(["rank", "host", "state", "exit", "started", "stalled", "last line"], cells))
     out += below
-    if rows and rows[0].diagnosis:
-        out.append(f"diagnosis saved before the stall restart: {rows[0].diagnosis}")
+    if shown is not None and shown.diagnosis:
+        out.append(f"diagnosis saved before the stall restart: {shown.diagnosis}")
     return "\n".join(out)
 
 
@@ -280,14 +282,14 @@ def status(
     from ...ops import jobs as ops
 
     with reported():
-        job, rows = lookup.on_saved(
-            conf(), hostfile, session, workdir, ops.status_with_supervision, progress, True
+        job, found = lookup.on_saved(
+            conf(), hostfile, session, workdir, ops.job_status, progress, True
         )
     if json:
-        print(jsonlib.dumps([row.as_json() for row in rows]))
+        print(jsonlib.dumps(found.as_json()))
     else:
-        print(render_status(rows, job))
-    if any(row.error for row in rows):
+        print(render_status(found, job))
+    if any(row.error for row in found.rows):
         raise Exit(code=1)
 
 
@@ -501,7 +503,7 @@ def demo(context: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: flo
         for line in sorted(results, key=rank_of):
             print(line)
         print("\n== status")
-        print(render_status(rows, launch.job))
+        print(render_status(ops.JobStatus(rows), launch.job))
         expected = len(hosts) * int(nproc_per_node)
         correct = [line for line in results if "ok=True" in line]
         every_rank_correct = len(correct) == len(results) == expected
