@@ -2,22 +2,21 @@
 action once nodes are lost: each lost rank to the first spare that answers, gets the workdir (a
 synced job) and passes the doctor's quick checks, or with too few such spares and
 ``--min-nodes`` the job shrunk (``ops.membership.plan``); the new generation claimed on every node
-of it, then made as any claimed attempt is (the loop's ``finish``). With neither possible, it
+of it, then made as any claimed attempt is (``ops.relaunch.finish``). With neither possible, it
 waits up to ``--replace-after`` more for the nodes or a spare, then gives up saying why. Also
-the note the record carries while the leader waits for nodes (``waiting_note``). A replacement
-uses up no restart.
+the note the record carries while the leader waits for nodes (``waiting_note``), and the fencing
+of a lost node that comes back (``fence``). A replacement uses up no restart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-from ..errors import LaunchError, RemoteError
+from ..errors import LaunchError, MeshkitError, RemoteError
 from ..hostfile import Host, members_text
 from ..job import Job
 from ..protocol import StopReply, StopRequest, Supervision, SupervisorState
@@ -25,48 +24,12 @@ from ..record import replace
 from . import jobs as ops
 from .membership import Change, plan, reason_of_change, spares_of
 from .pool import NodePool
-from .supervision import write
+from .relaunch import Loop, finish
+from .supervision import ask, write
 from .supervision_policy import Outcome, Then, held_by
 from .verdicts import Check
 
 RECONNECT = 10.0  # seconds between new connections while some node does not answer
-
-Connect = Callable[[Sequence[Host], float], AbstractContextManager[NodePool]]
-Gate = Callable[[NodePool, Job, Sequence[Host]], list[Check]]  # the failed checks
-
-
-class Loop(Protocol):
-    """What the replacement takes from the supervisor's loop: its connections, its job and
-    membership, and the steps a replacement shares with a restart."""
-
-    @property
-    def connect(self) -> Connect: ...
-    @property
-    def job(self) -> Job: ...
-    @property
-    def hosts(self) -> Sequence[Host]: ...
-    @property
-    def cluster(self) -> Sequence[Host]: ...
-    @property
-    def node(self) -> Host: ...
-    @property
-    def gate(self) -> Gate: ...
-    @property
-    def interval(self) -> float: ...
-
-    def say(self, message: str) -> None: ...
-
-    def moved(self) -> None:
-        """The loop took a step (its heartbeat goes on)."""
-
-    def follow(self, record: Supervision) -> bool:
-        """Take ``record``'s membership as the loop's."""
-
-    def finish(self, pool: NodePool, claimed: Supervision, checked: bool) -> Outcome:
-        """Make the claimed attempt (stop, health gate, launch)."""
-
-    def gave_up(self, pool: NodePool, record: Supervision, why: str) -> Outcome:
-        """Write GAVE UP, saying ``why``."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +125,7 @@ def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refus
         loop.say(f"generation {claimed.generation}: {claimed.last_restart_reason}")
         loop.follow(claimed)
         # the checks just passed on every node of it: not run again before the launch
-        return loop.finish(pool, claimed, not held)
+        return finish(loop, pool, claimed, checked=not held)
 
 
 def unfit_spares(added: Sequence[Host], held: Sequence[Check]) -> dict[Host, str]:
@@ -193,6 +156,22 @@ def claim_of(seen: Supervision, change: Change) -> Supervision:
         waiting=None,
         held=None,
     )
+
+
+def fence(loop: Loop, record: Supervision) -> Supervision:
+    """This node was lost and the job moved on without it (``record``, a newer generation):
+    end what it still runs of the job here, keep the newer record here, and end; it is a spare
+    now."""
+    node = [loop.node]
+    loop.say(
+        f"generation {record.generation} does not include this node (it was lost and "
+        "replaced): ending what it runs of the job here; it is a spare now"
+    )
+    with contextlib.suppress(MeshkitError), loop.connect(node, RECONNECT) as own:
+        ask(own, loop.job, node, record=record, version=record.version)
+        ending = StopRequest(loop.job.id)
+        own.call_all("stop", lambda host: ending, StopReply, node)
+    return record
 
 
 def end_what_is_left(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[int | None]:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import JobError, LaunchError, MeshkitError, RemoteError, UsageError
+from ..errors import JobError, UsageError
 from ..hostfile import Host
 from ..job import Job
 from ..node.supervise import Heartbeat
@@ -29,8 +29,9 @@ from . import jobs as ops
 from .diagnose import save_diagnosis
 from .membership import members_of
 from .pool import NodePool
-from .replacement import RECONNECT, Connect, Gate, end_what_is_left, replace_lost, waiting_note
-from .supervision import Answers, ask, believed, far_ahead, live_ranks, start_all, write
+from .relaunch import COME_BACK, Connect, Gate, Launcher, finish
+from .replacement import RECONNECT, end_what_is_left, fence, replace_lost, waiting_note
+from .supervision import Answers, ask, believed, far_ahead, live_ranks, write
 from .supervision_policy import (
     BACKOFF,
     Action,
@@ -44,7 +45,6 @@ from .supervision_policy import (
     Then,
     backoff,
     decide,
-    held_by,
     next_step,
     views,
     waited_only,
@@ -56,10 +56,7 @@ POLL_TIMEOUT = 15.0  # seconds a node gets to answer a poll: a powered-off node'
 # does not fail, it goes silent, and the command timeout would hide the loss for minutes (the
 # bound a node is lost after counts from the poll's start: ``Silence``)
 FOLLOWER_POLLS = 3  # a follower polls every 3rd interval: all at every one is N² requests
-COME_BACK = 300.0  # seconds a relaunch waits for every node to answer, then for its checks
 GIVE_UP_GRACE = 30.0  # seconds the nodes still running get to end by themselves after a give-up
-
-Launcher = Callable[[NodePool, Job, int], ops.Launch]
 
 
 @dataclass(frozen=True)
@@ -167,7 +164,7 @@ class Supervisor:
                 why = "the supervision record is gone from every node"
                 return Final(Supervision(SupervisorState.GAVE_UP, 0, 0, why))
             if self.node not in self.hosts:
-                return Final(self._fence(record))
+                return Final(fence(self, record))
             if look.moved:  # the new membership's nodes, over a new connection
                 return Then.RECONNECT
             step = next_step(self.me, look.live, record)
@@ -317,7 +314,7 @@ class Supervisor:
             if claimed is None:
                 self.say("another supervisor moved on first; following it")
                 return Then.WATCH
-            return self.finish(pool, claimed)
+            return finish(self, pool, claimed)
 
     def _bound(self) -> float:
         """Seconds a node may go without answering before it is lost (--replace-after), or,
@@ -394,20 +391,6 @@ class Supervisor:
             self.me = members.index(self.node)
             self.say(f"generation {record.generation}: this node is rank {self.me}")
         return True
-
-    def _fence(self, record: Supervision) -> Supervision:
-        """This node was lost and the job moved on without it (a newer generation): end what it
-        still runs of the job here, keep the newer record here, and end; it is a spare now."""
-        node = [self.node]
-        self.say(
-            f"generation {record.generation} does not include this node (it was lost and "
-            "replaced): ending what it runs of the job here; it is a spare now"
-        )
-        with contextlib.suppress(MeshkitError), self.connect(node, RECONNECT) as own:
-            ask(own, self.job, node, record=record, version=record.version)
-            ending = StopRequest(self.job.id)
-            own.call_all("stop", lambda host: ending, StopReply, node)
-        return record
 
     def _write(
         self, pool: NodePool, record: Supervision, every: bool = False
@@ -539,74 +522,6 @@ class Supervisor:
         left = start + backoff(attempt, self.base_backoff) - now
         if left > 0:
             time.sleep(left)
-
-    def finish(self, pool: NodePool, claimed: Supervision, checked: bool = False) -> Outcome:
-        """Make the claimed attempt: stop the job everywhere, hold while the health gate fails
-        (``checked``: it passed on every node just before the claim), launch, then a supervisor
-        on every node again."""
-        job = self.job
-        hosts = self.hosts
-        say = self.say
-        attempt = claimed.attempt
-        last = attempt + claimed.restarts_left
-        say(f"attempt {attempt}: relaunching (of {last}); stopping the job")
-        ops.stop(pool, job, hosts)
-        deadline = time.monotonic() + COME_BACK
-        while not checked:
-            failed = self.gate(pool, job, hosts)
-            if not failed:
-                break
-            held = held_by(failed[0])
-            if time.monotonic() > deadline:
-                why = f"the relaunch was held for {COME_BACK:.0f}s by {held}"
-                return self.gave_up(pool, claimed, why)
-            if claimed.held != held:
-                say(f"attempt {attempt}: held by {held}")
-                renewed = self._write(pool, replace(claimed, held=held))
-                if renewed is None:
-                    return Then.WATCH
-                claimed = renewed
-            self.moved()
-            time.sleep(self.interval)
-        # The claim renewed right before the launch: a supervisor that hung while another
-        # took this attempt over finds a newer copy here and launches nothing.
-        renewed = self._write(pool, replace(claimed, held=None))
-        if renewed is None:
-            say(f"attempt {attempt}: another supervisor took it over; following it")
-            return Then.WATCH
-        claimed = renewed
-        failure = self._launch(pool, claimed)
-        if failure is not None:  # a failed attempt: the next poll sees the nodes absent
-            say(f"attempt {attempt} did not start: {failure}")
-        running = replace(claimed, supervisor=SupervisorState.RUNNING, held=None)
-        if self._write(pool, running) is None:
-            return Then.WATCH
-        say(f"attempt {attempt} started")
-        start_all(pool, job, hosts)  # where none is live: a rebooted node's comes back
-        return Then.WATCH
-
-    def _launch(self, pool: NodePool, claimed: Supervision) -> str | None:
-        """Launch the claimed attempt on every node; why it did not start (None: it did)."""
-        attempt = claimed.attempt
-        try:
-            if self.relaunch is not None:
-                launched = self.relaunch(pool, self.job, attempt)
-            else:
-                launched = ops.launch(
-                    pool,
-                    self.job,
-                    self.hosts,
-                    attempt=attempt,
-                    reason=str(claimed.reason),
-                    replacement="; ".join(claimed.replaced),
-                    last=attempt + claimed.restarts_left,
-                )
-        except (LaunchError, RemoteError) as exc:
-            return str(exc).replace("\n", "; ")
-        if launched.ok:
-            return None
-        errors = [f"node {row.node_rank}: {row.error}" for row in launched.rows if row.error]
-        return "; ".join(errors)
 
 
 def run(
