@@ -22,7 +22,7 @@ from meshkit.jobindex import index_file
 from meshkit.ops import train
 from meshkit.ops.lookup import Options, check_options, job_hosts, min_nodes_flag
 from meshkit.ops.membership import members_of, plan, reason_of_change, spares_of
-from meshkit.ops.supervision_policy import NodeView, Unanswered, restart_reason, waited_only
+from meshkit.ops.supervision_policy import Heard, NodeView, restart_reason, waited_only
 from meshkit.protocol import JobState, RestartReason, Supervision, SupervisorState
 from meshkit.record import replace
 from meshkit.settings import Config
@@ -164,14 +164,14 @@ def test_too_few_spares_take_what_ranks_they_can_and_the_job_shrinks_by_the_rest
 # ---- what a supervisor writes and follows -----------------------------------------------------
 
 
-def views(*states: JobState | Unanswered) -> list[NodeView]:
+def views(*states: JobState | Heard) -> list[NodeView]:
     return [NodeView(rank, f"10.0.0.{rank + 1}", state) for rank, state in enumerate(states)]
 
 
 def test_every_rank_is_told_why_its_attempt_was_launched():
     running = JobState.RUNNING
     assert restart_reason(views(running, JobState.EXITED), None) == RestartReason.FAILURE
-    assert restart_reason(views(running, Unanswered.UNREACHABLE), None) == RestartReason.FAILURE
+    assert restart_reason(views(running, Heard.UNREACHABLE), None) == RestartReason.FAILURE
     assert restart_reason(views(running, running), "no output for 30m") == RestartReason.STALL
     failed_while_stalled = views(running, JobState.EXITED)
     assert restart_reason(failed_while_stalled, "no output") == RestartReason.FAILURE

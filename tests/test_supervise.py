@@ -23,6 +23,7 @@ from meshkit.ops import supervision as sup
 from meshkit.ops.supervise import Supervisor
 from meshkit.ops.supervision import newest
 from meshkit.ops.supervision_policy import (
+    Action,
     Heard,
     NodeView,
     Silence,
@@ -33,6 +34,7 @@ from meshkit.ops.supervision_policy import (
     restartable,
     views,
 )
+from meshkit.ops.verdicts import Check
 from meshkit.outcome import Outcome
 from meshkit.protocol import Supervision, SupervisorState
 from meshkit.record import replace
@@ -89,12 +91,28 @@ def test_unreachable_absent_and_restarted_nodes_restart():
 
 def test_one_missed_poll_is_not_a_failure():
     row = ops.StatusRow(0, "a", "absent", None, None, None, "timeout")
-    misses: dict[int, int] = {}
-    assert views([row], misses)[0].state == "running"
-    assert views([row], misses)[0].state == "unreachable"
+    hosts = [Host("a")]
+    silence = Silence()  # the one tracker, its count of status polls missed in a row
+    assert views([row], hosts, silence)[0].state == "running"
+    assert views([row], hosts, silence)[0].state == "unreachable"
     ok = ops.StatusRow(0, "a", "running", None, "2026-01-01T00:00:00+00:00", None)
-    assert views([ok], misses)[0].started == 1767225600.0
-    assert misses == {}
+    assert views([ok], hosts, silence)[0].started == 1767225600.0
+    assert silence.misses == {}
+
+
+def test_nodes_not_answering_are_a_replacement_whatever_restarts_are_left():
+    """With --replace-after, nodes that do not answer (and nothing else) are REPLACE, restarts
+    left or not: a replacement uses up none. Anything else with them is a failure as before."""
+    silent = nodes(("running", None), ("unreachable", None))
+    for left in (0, 2):
+        decision = decide(silent, STARTED, (), left, replaceable=True)
+        assert (decision.action, decision.cause) == (Action.REPLACE, "lost")
+        assert decision.reason == "node 1 (10.0.0.2) is not answering"
+    assert decide(silent, STARTED, (), 0).action == Action.GIVE_UP  # no --replace-after
+    assert decide(silent, STARTED, (), 1).action == Action.RESTART
+    mixed = nodes(("exited", 1), ("unreachable", None))
+    assert decide(mixed, STARTED, (), 0, replaceable=True).action == Action.GIVE_UP
+    assert decide(mixed, STARTED, (), 1, replaceable=True).action == Action.RESTART
 
 
 def test_backoff_doubles_and_is_capped():
@@ -317,7 +335,7 @@ def test_a_leader_dying_mid_relaunch_leaves_one_relaunch_finished_by_the_next():
     with pytest.raises(Died):
         loop(job, pool, 0, gate=dies)
     pool.live = {1}  # node 0's supervisor is gone; node 1's looks and leads
-    holds = iter([["10.0.0.3: workdir: /w: Read-only file system"], []])
+    holds = iter([[Check("workdir", "10.0.0.3", None, False, "/w: Read-only file system")], []])
     pool.polls = [running, [st("exited", 0, 2.0)] * 3]
     final, launched = loop(job, pool, 1, gate=lambda *a: next(holds))
     assert launched == [2]
@@ -460,7 +478,8 @@ from test_supervise import HOSTS, ScriptedPool, first_record, launched_rows, st
 from meshkit.hostfile import Host
 from meshkit.job import Job
 from meshkit.ops import supervision as sup
-from meshkit.ops.supervise import Heartbeat, Supervisor
+from meshkit.node.supervise import Heartbeat
+from meshkit.ops.supervise import Supervisor
 
 job = Job("x", sys.argv[5], sys.argv[4], "/h", "/p", 1, restarts=2)
 failed = [st("running"), st("exited", 1), st("running")]
@@ -529,7 +548,7 @@ def test_a_loop_that_stops_moving_lets_its_heartbeat_go_stale(tmp_path, monkeypa
     supervisor stuck past every bound of its steps goes stale as a frozen one does."""
     from meshkit.node import files
     from meshkit.node import supervise as nsup
-    from meshkit.ops.supervise import Heartbeat
+    from meshkit.node.supervise import Heartbeat
 
     monkeypatch.setattr(files, "supervisors_root", lambda: str(tmp_path))
     job_id = "ab" * 8
@@ -619,8 +638,11 @@ def test_a_silent_node_is_lost_once_a_new_connection_failed_and_the_bound_ran_fr
 
 def test_a_node_refused_by_a_new_connection_is_unreachable_at_once():
     row = ops.StatusRow(1, "b", "absent", None, None, None, "timed out")
-    assert views([row], {})[0].state == "running"  # one missed poll: maybe a blip
-    assert views([row], {}, refused=[1])[0].state == "unreachable"
+    hosts = [Host("a"), Host("b")]
+    assert views([row], hosts, Silence())[0].state == "running"  # one missed poll: maybe a blip
+    refused = Silence()
+    refused.unreachable(hosts[1], 0.0)  # a new connection could not reach it
+    assert views([row], hosts, refused)[0].state == "unreachable"
 
 
 class Claimed(Exception):
@@ -791,3 +813,43 @@ def test_a_node_whose_copy_claims_an_absurd_generation_is_ignored_and_its_copy_r
         "generation 1: ignored, not followed"
     ]
     assert not any("this node is rank" in line for line in said)
+
+
+def test_a_lost_node_goes_to_a_spare_with_no_restarts_left(monkeypatch):
+    """``--restarts 0 --replace-after``: a replacement uses up no restart, so a node lost with
+    none left still goes to the spare (the policy does not give up first), and the claim of the
+    new generation keeps ``restarts_left`` at 0."""
+    from meshkit.ops import supervise
+
+    monkeypatch.setattr(supervise, "POLL_TIMEOUT", 0.2)
+    monkeypatch.setattr(supervise, "RECONNECT", 0.2)
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=0, replace_after=0.5)
+    spare = Host("10.0.0.9", lineno=9, spare=True)
+    pool = PoweredOff([[st("running")] * 3], {0, 1})
+    pool.CONNECT = 0.1
+    pool.replies["stop"][spare] = p.StopReply(True, 4, [])
+    sup.write(pool, job, HOSTS[:2], first_record(0), 0)
+    said: list[str] = []
+
+    def relaunch(pool_, job_, attempt):
+        raise Claimed
+
+    with pytest.raises(Claimed):
+        Supervisor(
+            pool.connect,
+            job,
+            HOSTS,
+            0,
+            said.append,
+            interval=0,
+            base_backoff=0,
+            relaunch=relaunch,
+            gate=lambda *a: [],
+            cluster=[*HOSTS, spare],
+        ).run()
+    assert not any("gave up" in line for line in said), said
+    claim = newest(pool.records())
+    assert claim is not None
+    assert (claim.generation, claim.members) == (2, ["10.0.0.1", "10.0.0.2", "10.0.0.9"])
+    assert (claim.attempt, claim.restarts_left) == (2, 0)
+    assert claim.reason == p.RestartReason.REPLACED

@@ -166,8 +166,8 @@ def supervisors_root() -> str:
 
 
 def supervisor_pid_file(job_id: str) -> str:
-    """The pid of the job's supervisor on this node; its mtime is the supervisor's
-    heartbeat."""
+    """The pid of the job's supervisor on this node, then its heartbeat: a reading of this
+    node's monotonic clock (``node.supervise.beat``), not the file's mtime."""
     check_job_id(job_id)
     return os.path.join(supervisors_root(), f"{job_id}.pid")
 

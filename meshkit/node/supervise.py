@@ -5,7 +5,7 @@ which is the truth. Standard library only.
 
 The heartbeat is a reading of this node's monotonic clock, written by the supervisor and read
 here by the agent on the same clock: its age never depends on a wall clock that steps (NTP, an
-admin's ``date``) or on another machine's.
+admin's ``date``) or on another machine's. It beats from a thread of its own (``Heartbeat``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from ..protocol import Supervision, SupervisorReply, SupervisorRequest, SupervisorState
 from ..record import build
@@ -30,6 +33,9 @@ from .files import (
     write_atomic,
 )
 
+BEAT_EVERY = 5.0  # seconds between heartbeats (well inside ops.supervision.STALE)
+HUNG = 900.0  # seconds a loop may go without a step before its heartbeat stops: longer than
+# any one step it takes (a relaunch's two 300 s waits, its stop and launch)
 MAX_COPY = 262144  # characters of a supervision record this node stores: its membership names
 # every node (4096 at most, the hostfile's bound), so tens of characters each
 
@@ -44,6 +50,42 @@ def beat(job_id: str) -> None:
     """The supervisor's heartbeat: its pid and this node's monotonic clock, in its pid file."""
     with contextlib.suppress(OSError):
         write_atomic(supervisor_pid_file(job_id), f"{os.getpid()}\n{time.monotonic()}\n")
+
+
+@dataclass
+class Heartbeat:
+    """A supervisor's heartbeat, from a thread of its own every ``every`` s whatever the loop is
+    doing: a relaunch (stop, health checks, launch, resync) may take longer than
+    ``ops.supervision.STALE``, and another supervisor must not take it for a hung one and take
+    the attempt over. The loop marks each step (``moved``); one that has not moved for ``hung``
+    s is stuck past every bound its steps have, and then the beats stop, so it goes stale as a
+    frozen one does."""
+
+    job_id: str
+    every: float = BEAT_EVERY
+    hung: float = HUNG
+    last_move: float = field(default_factory=time.monotonic)
+
+    def moved(self) -> None:
+        self.last_move = time.monotonic()
+
+    @contextlib.contextmanager
+    def beating(self) -> Iterator[Heartbeat]:
+        register(self.job_id)
+        done = threading.Event()
+
+        def beat_on() -> None:
+            while not done.wait(self.every):
+                if time.monotonic() - self.last_move < self.hung:
+                    beat(self.job_id)
+
+        thread = threading.Thread(target=beat_on, name="heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            done.set()
+            thread.join()
 
 
 def recorded_pid(text: str | None) -> int | None:

@@ -6,11 +6,14 @@ pure, unit-tested with plain replies.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from ..errors import MeshkitError
 from ..hostfile import Host
 from ..job import Job
 from ..outcome import Outcome
@@ -121,6 +124,29 @@ def diagnose(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Diagnosis:
 
     replies = pool.call_all("diagnose", request, DiagnoseReply, timeout=SECONDS + 30)
     return build(job, hosts, replies, pool.failures, sent)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A diagnosis saved in the job's directory: where, and its outliers ("rank 0-2", or
+    "none")."""
+
+    path: str
+    outliers: str
+
+
+def save_diagnosis(pool: NodePool, job: Job, hosts: Sequence[Host], attempt: int) -> Saved:
+    """Before a stalled job is stopped (the supervisor, --restart-on-stall): its diagnosis
+    (every rank's stack) into the job's directory (every node's copy of it when synced), where
+    it outlives the restart, as ``diagnosis-ATTEMPT.json``."""
+    found = diagnose(pool, job, hosts)
+    path = str(job.home / f"diagnosis-{attempt}.json")
+    text = json.dumps(found.as_json(), indent=1) + "\n"
+    for host in job.home_copies(hosts):
+        with contextlib.suppress(MeshkitError):  # the restart goes on without it
+            pool.write_file(host, path, text, 0o600)  # stacks and paths: this user's only
+    outliers = f"rank {spans(found.outliers)}" if found.outliers else "none"
+    return Saved(path, outliers)
 
 
 def build(

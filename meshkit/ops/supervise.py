@@ -1,79 +1,62 @@
 """Supervised jobs (``train --restarts N``): a supervisor on every node of the job, the lowest-
 ranked live one leading, so the reboot of any one node (the launching one and the master
-included) leaves the job supervised. The leader watches every node; on a failure it waits for
-every node to answer, claims the next attempt in the record (compare-and-set on every node: two
-supervisors never relaunch at once), stops the job, waits while the doctor's quick checks fail,
-and relaunches it with the same ranks, at most N times. A node that does not answer within
-``--replace-after`` is lost: its rank goes to a healthy spare (or, with ``--min-nodes``, the job
-shrinks), in a new generation of the membership (``ops.membership``) that every supervisor then
-follows, and that fences the lost node should it come back. This module is the loop
-(``Supervisor``, ``run``); its policy is ``ops.supervision_policy``, its rounds over the nodes
-``ops.supervision``. It prints nothing: it reports through ``say``.
+included) leaves the job supervised. The leader watches every node and acts on what each poll
+asks for (``supervision_policy.Action``, whose docstring is the state machine): it waits, ends
+DONE, gives up, restarts (waits for every node to answer, claims the next attempt in the record
+by compare-and-set on every node, so that two supervisors never relaunch at once, stops the job,
+waits while the doctor's quick checks fail, and relaunches it with the same ranks, at most N
+times), replaces lost nodes (``ops.replacement``: a new generation of the membership,
+``ops.membership``, that every supervisor then follows and that fences the lost node should it
+come back), or finishes a claimed attempt whose claimer is gone. This module is the loop
+(``Supervisor``, ``run``), one method per action; its policy is ``ops.supervision_policy``, its
+rounds over the nodes ``ops.supervision``. It prints nothing: it reports through ``say``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
-import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-from ..errors import JobError, LaunchError, MeshkitError, RemoteError, UsageError
-from ..hostfile import Host, members_text
+from ..errors import JobError, UsageError
+from ..hostfile import Host
 from ..job import Job
-from ..node.supervise import beat, register
+from ..node.supervise import Heartbeat
 from ..protocol import JobState, StopReply, StopRequest, Supervision, SupervisorState
 from ..record import replace
 from . import jobs as ops
-from .membership import Change, members_of, plan, reason_of_change, spares_of
+from .diagnose import save_diagnosis
+from .membership import members_of
 from .pool import NodePool
-from .supervision import Answers, ask, believed, far_ahead, live_ranks, start_all, write
+from .relaunch import COME_BACK, Connect, Gate, Launcher, finish
+from .replacement import RECONNECT, end_what_is_left, fence, replace_lost, waiting_note
+from .supervision import Answers, ask, believed, far_ahead, live_ranks, write
 from .supervision_policy import (
     BACKOFF,
     Action,
+    Cause,
     Decision,
-    Heard,
+    Final,
     NodeView,
+    Outcome,
     Silence,
     Step,
+    Then,
     backoff,
     decide,
     next_step,
-    restart_reason,
     views,
     waited_only,
 )
+from .verdicts import Check
 
 POLL_INTERVAL = 2.0  # seconds between polls of every node
 POLL_TIMEOUT = 15.0  # seconds a node gets to answer a poll: a powered-off node's connection
 # does not fail, it goes silent, and the command timeout would hide the loss for minutes (the
 # bound a node is lost after counts from the poll's start: ``Silence``)
 FOLLOWER_POLLS = 3  # a follower polls every 3rd interval: all at every one is N² requests
-COME_BACK = 300.0  # seconds a relaunch waits for every node to answer, then for its checks
 GIVE_UP_GRACE = 30.0  # seconds the nodes still running get to end by themselves after a give-up
-RECONNECT = 10.0  # seconds between new connections while some node does not answer
-BEAT_EVERY = 5.0  # seconds between heartbeats (well inside supervision.STALE)
-HUNG = 900.0  # seconds a loop may go without a step before its heartbeat stops: longer than
-# any one step it takes (a relaunch's two 300 s waits, its stop and launch)
-
-Connect = Callable[[Sequence[Host], float], AbstractContextManager[NodePool]]
-Gate = Callable[[NodePool, Job, Sequence[Host]], list[str]]  # one line per failed check
-Launcher = Callable[[NodePool, Job, int], ops.Launch]
-
-
-@dataclass(frozen=True)
-class Restart:
-    """A relaunch to make: the record ``seen`` and the ``claim`` to write over it. ``takeover``:
-    ``seen`` is already a claimed relaunch (of a supervisor that is gone), which this one
-    finishes: ``claim`` is then ``seen`` itself."""
-
-    seen: Supervision
-    claim: Supervision
-    takeover: bool
 
 
 @dataclass(frozen=True)
@@ -91,54 +74,22 @@ class Look:
 
 
 @dataclass(frozen=True)
-class Refused:
-    """Spares a change of membership could not use, each with why (down, sync, checks)."""
+class Call:
+    """A poll's decision to act on: the ``record`` as the nodes held it, ``kept``, the record
+    with the poll's exit codes and diagnosis (what a claim, DONE or GAVE UP writes over it),
+    and the poll's ``nodes``."""
 
-    spares: dict[Host, str]
-
-
-@dataclass
-class Heartbeat:
-    """A supervisor's heartbeat, from a thread of its own every ``every`` s whatever the loop is
-    doing: a relaunch (stop, health checks, launch, resync) may take longer than
-    ``supervision.STALE``, and another supervisor must not take it for a hung one and take the
-    attempt over. The loop marks each step (``moved``); one that has not moved for ``hung`` s is
-    stuck past every bound its steps have, and then the beats stop, so it goes stale as a frozen
-    one does."""
-
-    job_id: str
-    every: float = BEAT_EVERY
-    hung: float = HUNG
-    last_move: float = field(default_factory=time.monotonic)
-
-    def moved(self) -> None:
-        self.last_move = time.monotonic()
-
-    @contextlib.contextmanager
-    def beating(self) -> Iterator[Heartbeat]:
-        register(self.job_id)
-        done = threading.Event()
-
-        def beat_on() -> None:
-            while not done.wait(self.every):
-                if time.monotonic() - self.last_move < self.hung:
-                    beat(self.job_id)
-
-        thread = threading.Thread(target=beat_on, name="heartbeat", daemon=True)
-        thread.start()
-        try:
-            yield self
-        finally:
-            done.set()
-            thread.join()
+    decision: Decision
+    record: Supervision
+    kept: Supervision
+    nodes: list[NodeView] = field(default_factory=list)
 
 
-def health(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
-    """The doctor's quick checks on every node: the failures, as "NODE: CHECK: DETAIL"."""
+def health(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[Check]:
+    """The health gate: the doctor's quick checks on every node, the failed ones."""
     from .doctor import quick
 
-    report = quick(pool, job, hosts)
-    return [f"{check.node}: {check.check}: {check.detail}" for check in report.failures]
+    return quick(pool, job, hosts).failures
 
 
 @dataclass
@@ -165,23 +116,205 @@ class Supervisor:
         self.launched = list(self.hosts)  # the membership before any record names one
         if not self.cluster:
             self.cluster = list(self.hosts)
-        self.silence = Silence()  # since when each node has not answered
+        self.silence = Silence()  # the one tracker of the nodes that do not answer
         self.opened = time.monotonic()  # when the pool being looked through was opened
         self.ignored: set[tuple[Host, int]] = set()  # copies far ahead, as the log named them
 
     def run(self) -> Supervision:
+        """Watch, act on what a watch calls for, and again, until an action ends it all."""
         while True:
-            self.opened = time.monotonic()
-            with self.connect(self.hosts, 0.0) as pool:
-                outcome = self._serve(pool)
-            if isinstance(outcome, Supervision):
-                return outcome
-            if outcome is None:
-                continue  # a new connection at once: a node that went silent may be gone
-            final = self._relaunch(outcome)
-            if final is not None:
-                return final
+            outcome = self._round()
+            if isinstance(outcome, Final):
+                return outcome.record
+            if outcome == Then.WATCH:
+                time.sleep(self.interval)
+
+    def _round(self) -> Outcome:
+        """One connection: watch until there is something to do, then do it, on that
+        connection when it ends the job (DONE, GIVE_UP), else once it is closed (a relaunch
+        opens its own, to the nodes it waits for)."""
+        ending = {Action.DONE: self._done, Action.GIVE_UP: self._give_up}
+        relaunching = {
+            Action.RESTART: self._restart,
+            Action.REPLACE: self._replace,
+            Action.RESUME: self._resume,
+        }
+        self.opened = time.monotonic()
+        with self.connect(self.hosts, 0.0) as pool:
+            watched = self._watch(pool)
+            if isinstance(watched, Call) and watched.decision.action in ending:
+                return ending[watched.decision.action](pool, watched)
+        if isinstance(watched, Call):
+            return relaunching[watched.decision.action](watched)
+        return watched
+
+    def _watch(self, pool: NodePool) -> Call | Outcome:
+        """Follow or lead on this pool until a poll calls for an action (never WAIT), the
+        supervision ends, or a new connection is due (a node that did not answer may be back)."""
+        started: dict[int, float] = {}
+        attempt = 0
+        since = time.monotonic()
+        self.silence.recount()
+        while True:
+            look = self._look(pool)
+            record = look.record
+            if not look.answered:
+                return Then.WATCH  # this node is cut off: a new connection in a while
+            if record is None:  # every copy is gone (a train dropped them to start anew)
+                why = "the supervision record is gone from every node"
+                return Final(Supervision(SupervisorState.GAVE_UP, 0, 0, why))
+            if self.node not in self.hosts:
+                return Final(fence(self, record))
+            if look.moved:  # the new membership's nodes, over a new connection
+                return Then.RECONNECT
+            step = next_step(self.me, look.live, record)
+            if step == Step.STOP:
+                return Final(self._carry_stop(pool, record))
+            if step == Step.END:
+                return Final(record)
+            if step == Step.WATCH:
+                record = self._note_wait(pool, record, look.silent)
+            # a node that did not answer (never connected, or its channel died with a reboot)
+            # may be back by now: look through a new connection
+            late = time.monotonic() - since > RECONNECT
+            if look.answered < len(self.hosts) and late:
+                return Then.RECONNECT
+            if step == Step.RESUME:
+                return Call(Decision(Action.RESUME), record, record)
+            if step == Step.FOLLOW:
+                started.clear()
+                self.silence.recount()
+                time.sleep(self.interval * FOLLOWER_POLLS)
+                continue
+            if record.attempt != attempt:
+                started.clear()
+                attempt = record.attempt
+            call = self._poll(pool, record, started)
+            if call.decision.action != Action.WAIT:
+                return call
             time.sleep(self.interval)
+
+    def _poll(self, pool: NodePool, record: Supervision, started: dict[int, float]) -> Call:
+        """One poll of the job on every node, and the policy's decision on it. A stall's
+        diagnosis is saved before anything is stopped, and named in the decision's reason."""
+        job = self.job
+        rows = ops.status(pool, job, self.hosts, phase="", timeout=POLL_TIMEOUT)
+        seen = views(rows, self.hosts, self.silence)
+        for node in seen:
+            if node.started is not None:
+                started.setdefault(node.rank, node.started)
+        stalled = None
+        if job.restart_on_stall and any(row.stalled for row in rows):
+            stalled = f"the job stalled: no output for {job.stall_after:.0f}s (--stall-after)"
+        replaceable = job.replace_after is not None
+        left = record.restarts_left
+        decision = decide(seen, started, job.restart_on, left, stalled, replaceable)
+        codes = [node.exit_code for node in seen]
+        diagnosis = record.diagnosis
+        if decision.cause == Cause.STALL:
+            saved = save_diagnosis(pool, job, self.hosts, record.attempt)
+            diagnosis = saved.path
+            reason = f"{decision.reason}; outliers: {saved.outliers} (diagnosis: {saved.path})"
+            decision = replace(decision, reason=reason)
+            self.say(f"saved the diagnosis: {saved.path}")
+        kept = replace(record, exit_codes=codes, diagnosis=diagnosis)
+        return Call(decision, record, kept, seen)
+
+    # ---- the actions: DONE and GIVE_UP on the watch's connection, the relaunches after it
+
+    def _done(self, pool: NodePool, call: Call) -> Outcome:
+        """DONE: every node exited 0. Should another supervisor have written first, watch
+        again (over a new connection)."""
+        final = self._write(pool, replace(call.kept, supervisor=SupervisorState.DONE))
+        if final is None:
+            return Then.RECONNECT
+        self.say("done: every node exited 0")
+        return Final(final)
+
+    def _give_up(self, pool: NodePool, call: Call) -> Outcome:
+        """GIVE_UP: a fatal code, or a failure with no restart left."""
+        return self._end_and_give_up(pool, call.kept, call.nodes, call.decision.reason)
+
+    def _restart(self, call: Call) -> Outcome:
+        """RESTART: a failure, a stall or a reboot: the next attempt, once every node
+        answers."""
+        claim = replace(
+            call.kept,
+            supervisor=SupervisorState.RELAUNCHING,
+            last_restart_reason=call.decision.reason,
+            attempt=call.record.attempt + 1,
+            restarts_left=call.record.restarts_left - 1,
+            reason=call.decision.told,
+        )
+        return self._relaunch(call, claim)
+
+    def _replace(self, call: Call) -> Outcome:
+        """REPLACE: nodes that do not answer. Once lost (``Silence``), their ranks go to
+        spares (``ops.replacement``), which uses up no restart; should every node answer again
+        first, the failure is a restart, which needs one left."""
+        if call.record.restarts_left <= 0:
+            return self._relaunch(call, None)
+        return self._restart(call)
+
+    def _resume(self, call: Call) -> Outcome:
+        """RESUME: the claimed attempt of a supervisor that is gone, finished by the leader:
+        the same attempt, never a new one."""
+        seen = call.record
+        return self._claim(seen, seen.last_restart_reason or "", None, call.nodes, takeover=True)
+
+    def _relaunch(self, call: Call, claim: Supervision | None) -> Outcome:
+        """Back off, then claim the next attempt (``claim``; None: none is left) and make it.
+        Nodes lost meanwhile (the bound ran while the failure was noticed) are replaced at
+        once: no wait, and no new connection to them to wait its timeout out again."""
+        seen = call.record
+        why = call.decision.reason
+        self.say(f"attempt {seen.attempt} failed: {why}")
+        self._back_off(seen.attempt)
+        lost = self._lost()
+        if lost and self.job.replace_after is not None:
+            return replace_lost(self, replace(seen, last_restart_reason=why), lost, self._bound())
+        return self._claim(seen, why, claim, call.nodes, takeover=False)
+
+    def _claim(
+        self,
+        seen: Supervision,
+        why: str,
+        claim: Supervision | None,
+        nodes: list[NodeView],
+        takeover: bool,
+    ) -> Outcome:
+        """Wait for every node to answer (those that do not: lost, to the replacement, or the
+        job given up); then write the claim over the record (``takeover``: the claimed one as
+        it is) by compare-and-set on every node, and make the attempt. Back to watching when
+        another supervisor moved on first (only a "waiting" note is ours)."""
+        with self._every_node(self._bound()) as pool:
+            look = self._look(pool)
+            current = look.record
+            if current is None or look.moved or not waited_only(seen, current):
+                return Then.WATCH
+            if next_step(self.me, look.live, current) not in (Step.WATCH, Step.RESUME):
+                return Then.WATCH
+            missing = [host for host in self.hosts if host in pool.failures]
+            if missing and self.job.replace_after is not None:
+                noted = replace(current, last_restart_reason=why)
+                return replace_lost(self, noted, missing, self._bound())
+            if missing:
+                names = ", ".join(host.label for host in missing)
+                why = f"{why}; then {names} did not answer within {COME_BACK:.0f}s"
+                codes = end_what_is_left(pool, self.job, self.hosts)
+                return self.gave_up(pool, replace(current, exit_codes=codes), why)
+            if takeover:
+                claim = replace(current, waiting=None)
+            elif claim is None:  # they answer again, and no restart is left to relaunch them
+                given = f"no restarts left; last failure: {why}"
+                return self._end_and_give_up(pool, current, nodes, given)
+            else:
+                claim = replace(claim, version=current.version, waiting=None)
+            claimed = self._write(pool, claim, every=True)
+            if claimed is None:
+                self.say("another supervisor moved on first; following it")
+                return Then.WATCH
+            return finish(self, pool, claimed)
 
     def _bound(self) -> float:
         """Seconds a node may go without answering before it is lost (--replace-after), or,
@@ -201,19 +334,19 @@ class Supervisor:
             else:
                 self.silence.missed(host, asked)
 
-    def _moved(self) -> None:
+    def moved(self) -> None:
         """The loop took a step: its heartbeat goes on."""
         if self.heart is not None:
             self.heart.moved()
 
     def _look(self, pool: NodePool) -> Look:
         """Look at every node's supervisor, and follow the newest record's membership."""
-        self._moved()
+        self.moved()
         asked = time.monotonic()
         answers = ask(pool, self.job, self.hosts, timeout=POLL_TIMEOUT)
         self._hear(pool, answers, asked)
         record = self._believed(answers)
-        moved = self._follow(record)
+        moved = self.follow(record)
         if moved:
             return Look({self.me}, record, len(answers), moved=True)
         live = live_ranks(self.hosts, answers)
@@ -237,7 +370,7 @@ class Supervisor:
         copies = [reply.record for reply in answers.values()]
         return believed(copies, self.job.generation, len(self.cluster))
 
-    def _follow(self, record: Supervision | None) -> bool:
+    def follow(self, record: Supervision | None) -> bool:
         """Take ``record``'s membership as this supervisor's (its nodes, this node's rank, the
         job's generation). Returns whether it changed."""
         if record is None or record.generation == self.job.generation:
@@ -259,104 +392,10 @@ class Supervisor:
             self.say(f"generation {record.generation}: this node is rank {self.me}")
         return True
 
-    def _fence(self, pool: NodePool, record: Supervision) -> Supervision:
-        """This node was lost and the job moved on without it (a newer generation): end what it
-        still runs of the job here, keep the newer record here, and end; it is a spare now."""
-        node = [self.node]
-        self.say(
-            f"generation {record.generation} does not include this node (it was lost and "
-            "replaced): ending what it runs of the job here; it is a spare now"
-        )
-        with contextlib.suppress(MeshkitError), self.connect(node, RECONNECT) as own:
-            ask(own, self.job, node, record=record, version=record.version)
-            ending = StopRequest(self.job.id)
-            own.call_all("stop", lambda host: ending, StopReply, node)
-        return record
-
     def _write(
         self, pool: NodePool, record: Supervision, every: bool = False
     ) -> Supervision | None:
         return write(pool, self.job, self.hosts, record, self.me, every)
-
-    def _serve(self, pool: NodePool) -> Supervision | Restart | None:
-        """Follow or lead on this pool. Returns the final record, a restart to make, or None for
-        a new connection (a node that did not answer may be back)."""
-        started: dict[int, float] = {}
-        misses: dict[int, int] = {}
-        attempt = 0
-        since = time.monotonic()
-        while True:
-            look = self._look(pool)
-            record = look.record
-            if not look.answered:
-                time.sleep(self.interval)  # this node is cut off: a new connection in a while
-                return None
-            if record is None:  # every copy is gone (a train dropped them to start anew)
-                why = "the supervision record is gone from every node"
-                return Supervision(SupervisorState.GAVE_UP, 0, 0, why)
-            if self.node not in self.hosts:
-                return self._fence(pool, record)
-            if look.moved:  # the new membership's nodes, over a new connection
-                return None
-            step = next_step(self.me, look.live, record)
-            if step == Step.STOP:
-                return self._carry_stop(pool, record)
-            if step == Step.END:
-                return record
-            if step == Step.WATCH:
-                record = self._note_wait(pool, record, look.silent)
-            # a node that did not answer (never connected, or its channel died with a reboot)
-            # may be back by now: look through a new connection
-            late = time.monotonic() - since > RECONNECT
-            if look.answered < len(self.hosts) and late:
-                return None
-            if step == Step.RESUME:
-                return Restart(record, record, takeover=True)
-            if step == Step.FOLLOW:
-                started.clear()
-                misses.clear()
-                time.sleep(self.interval * FOLLOWER_POLLS)
-                continue
-            if record.attempt != attempt:
-                started.clear()
-                attempt = record.attempt
-            rows = ops.status(pool, self.job, self.hosts, phase="", timeout=POLL_TIMEOUT)
-            refused = [rank for rank, host in enumerate(self.hosts) if host in self.silence.refused]
-            seen = views(rows, misses, refused)
-            for node in seen:
-                if node.started is not None:
-                    started.setdefault(node.rank, node.started)
-            stalled = None
-            if self.job.restart_on_stall and any(row.stalled for row in rows):
-                stalled = f"the job stalled: no output for {self.job.stall_after:.0f}s"
-                stalled += " (--stall-after)"
-            left = record.restarts_left
-            decision = decide(seen, started, self.job.restart_on, left, stalled)
-            codes = [node.exit_code for node in seen]
-            saved = None
-            if stalled and stalled in str(decision.reason):
-                saved, decision = _save_diagnosis(pool, self.job, self.hosts, record, decision)
-                self.say(f"saved the diagnosis: {saved}")
-            kept = replace(record, exit_codes=codes, diagnosis=saved or record.diagnosis)
-            if decision.action == Action.WAIT:
-                time.sleep(self.interval)
-            elif decision.action == SupervisorState.DONE:
-                final = self._write(pool, replace(kept, supervisor=SupervisorState.DONE))
-                if final is not None:
-                    self.say("done: every node exited 0")
-                    return final
-            elif decision.action == SupervisorState.GAVE_UP:
-                return self._give_up(pool, kept, seen, decision.reason or "")
-            else:
-                claim = replace(
-                    kept,
-                    supervisor=SupervisorState.RELAUNCHING,
-                    last_restart_reason=decision.reason,
-                    attempt=record.attempt + 1,
-                    restarts_left=record.restarts_left - 1,
-                    reason=restart_reason(seen, stalled),
-                )
-                return Restart(record, claim, takeover=False)
 
     def _carry_stop(self, pool: NodePool, stopped: Supervision) -> Supervision:
         """The job was stopped, and this supervisor survived it (cut off from ``stop``): the
@@ -380,9 +419,12 @@ class Supervisor:
         pool.call_all("stop", lambda host: ending, StopReply, behind)
         return stopped
 
-    def _give_up(
+    def _end_and_give_up(
         self, pool: NodePool, record: Supervision, seen: list[NodeView], why: str
-    ) -> Supervision:
+    ) -> Final:
+        """Give up, the nodes still running ended first. The other nodes usually fail on their
+        own within seconds (torchrun notices a lost peer): they get a while, so status shows
+        the codes they really ended with."""
         # The other nodes usually fail on their own within seconds (torchrun notices a lost
         # peer): give them a while, so status shows the codes they really ended with.
         job = self.job
@@ -401,14 +443,15 @@ class Supervisor:
             ending = StopRequest(job.id, keep_exit=True)
             pool.call_all("stop", lambda host: ending, StopReply, still)
         codes = [row.exit_code for row in ops.status(pool, job, hosts, phase="")]
-        return self._gave_up(pool, replace(record, exit_codes=codes), why)
+        return self.gave_up(pool, replace(record, exit_codes=codes), why)
 
-    def _gave_up(self, pool: NodePool, record: Supervision, why: str) -> Supervision:
+    def gave_up(self, pool: NodePool, record: Supervision, why: str) -> Final:
+        """Write GAVE UP, saying ``why``: the supervision is over."""
         self.say(f"gave up: {why}")
         given = replace(
             record, supervisor=SupervisorState.GAVE_UP, last_restart_reason=why, waiting=None
         )
-        return self._write(pool, given) or given
+        return Final(self._write(pool, given) or given)
 
     @contextlib.contextmanager
     def _every_node(self, bound: float) -> Iterator[NodePool]:
@@ -417,7 +460,7 @@ class Supervisor:
         unanswered, ``Silence``: the tries run inside the bound), the pool as it is. While it
         waits, the record says for which nodes and until when (status shows it)."""
         while True:
-            self._moved()
+            self.moved()
             now = time.monotonic()
             deadline = self.silence.until(self.silence.silent(self.hosts), bound, now)
             # a try at a node that is off takes about RECONNECT (the connect timeout), so the
@@ -454,12 +497,8 @@ class Supervisor:
         if silent:
             deadline = self.silence.until(silent, self._bound(), time.monotonic())
             until = time.time() + deadline - time.monotonic()
-            stamp = datetime.datetime.fromtimestamp(until, datetime.timezone.utc)
-            what = "lost then (--replace-after)"
-            if self.job.replace_after is None:
-                what = "given up then"
             names = [f"node {self.hosts.index(host)} ({host.label})" for host in silent]
-            waiting = f"{', '.join(names)} until {stamp:%H:%M:%S} UTC, {what}"
+            waiting = waiting_note(names, until, self.job.replace_after)
         if waiting == record.waiting:
             return record
         if waiting is None:
@@ -473,12 +512,7 @@ class Supervisor:
     def _lost(self) -> list[Host]:
         """The nodes that do not answer, when every one of them is lost already (silent for
         the bound, and a new connection failed too); else none."""
-        silent = self.silence.silent(self.hosts)
-        now = time.monotonic()
-        bound = self._bound()
-        if any(self.silence.state(host, now, bound) != Heard.LOST for host in silent):
-            return []
-        return silent
+        return self.silence.lost(self.hosts, time.monotonic(), self._bound())
 
     def _back_off(self, attempt: int) -> None:
         """Wait before relaunch number ``attempt``, counted from the failure's first sign (a
@@ -488,244 +522,6 @@ class Supervisor:
         left = start + backoff(attempt, self.base_backoff) - now
         if left > 0:
             time.sleep(left)
-
-    def _relaunch(self, restart: Restart) -> Supervision | None:
-        """Claim the next attempt (or take the claimed one over), and make it: every node
-        answering, the job stopped everywhere, the health gate, the launch, then a supervisor
-        on every node again. Returns the final record when it gives up; None when it is back to
-        watching, or another supervisor moved on first."""
-        job = self.job
-        hosts = self.hosts
-        say = self.say
-        seen = restart.seen
-        why = restart.claim.last_restart_reason
-        if not restart.takeover:
-            say(f"attempt {seen.attempt} failed: {why}")
-            self._back_off(seen.attempt)
-        lost = self._lost()
-        if lost and job.replace_after is not None and not restart.takeover:
-            # lost already (the bound ran while the failure was noticed): no wait, and no new
-            # connection to them to wait its timeout out again
-            return self._replace(replace(seen, last_restart_reason=why), lost)
-        with self._every_node(self._bound()) as pool:
-            look = self._look(pool)
-            current = look.record
-            if current is None or look.moved or not waited_only(seen, current):
-                return None  # another supervisor moved on (only a "waiting" note is ours)
-            if next_step(self.me, look.live, current) not in (Step.WATCH, Step.RESUME):
-                return None
-            claim = replace(restart.claim, version=current.version, waiting=None)
-            if restart.takeover:
-                claim = replace(current, waiting=None)
-            missing = [host for host in hosts if host in pool.failures]
-            if missing and job.replace_after is not None:
-                return self._replace(replace(current, last_restart_reason=why), missing)
-            if missing:
-                names = ", ".join(host.label for host in missing)
-                why = f"{why}; then {names} did not answer within {COME_BACK:.0f}s"
-                codes = self._end_what_is_left(pool)
-                return self._gave_up(pool, replace(current, exit_codes=codes), why)
-            claimed = self._write(pool, claim, every=True)
-            if claimed is None:
-                say("another supervisor moved on first; following it")
-                return None
-            return self._finish(pool, claimed)
-
-    def _replace(self, seen: Supervision, lost: list[Host]) -> Supervision | None:
-        """``lost`` did not answer within --replace-after: a new membership without them (their
-        ranks to healthy spares, or the job shrunk with --min-nodes), claimed on every node of
-        it and launched. With neither possible, wait up to --replace-after more for the nodes or
-        a spare, then give up saying so."""
-        job = self.job
-        bound = self._bound()
-        names = ", ".join(host.label for host in lost)
-        self.say(f"lost: {names} (no answer within {bound:.0f}s, --replace-after)")
-        deadline = time.monotonic() + bound
-        refused: dict[Host, str] = {}
-        while True:
-            self._moved()
-            candidates = [
-                host for host in spares_of(self.cluster, self.hosts) if host not in refused
-            ]
-            change = plan(self.hosts, lost, candidates, self.cluster, job.min_nodes)
-            if change is not None:
-                outcome = self._try_change(seen, change)
-                if isinstance(outcome, Refused):
-                    for spare, why in outcome.spares.items():
-                        self.say(f"spare {spare.label} not used: {why}")
-                    refused.update(outcome.spares)
-                    continue
-                return outcome
-            if time.monotonic() > deadline:
-                why = f"{seen.last_restart_reason}; then {names} did not answer within "
-                why += f"{bound:.0f}s (--replace-after) and no healthy spare took its place"
-                if refused:
-                    spares = "; ".join(f"{host.label}: {text}" for host, text in refused.items())
-                    why += f" (spares: {spares})"
-                elif not spares_of(self.cluster, self.hosts):
-                    why += " (the hostfile has no spare line)"
-                if job.min_nodes is not None:
-                    why += f", and fewer than --min-nodes {job.min_nodes} nodes are left"
-                with self.connect(self.hosts, 0.0) as pool:
-                    codes = self._end_what_is_left(pool)
-                    return self._gave_up(pool, replace(seen, exit_codes=codes), why)
-            with self.connect(self.hosts, RECONNECT) as pool:
-                if not pool.failures:
-                    self.say("every node answers again; back to watching")
-                    return None
-            refused.clear()  # a spare refused a while ago may be healthy now
-            time.sleep(self.interval)
-
-    def _end_what_is_left(self, pool: NodePool) -> list[int | None]:
-        """The job cannot go on without its lost nodes: end it on the nodes that answer (its
-        ranks wait on their lost peers), keeping the codes they end with; each node's code."""
-        job = self.job
-        left = [host for host in self.hosts if host not in pool.failures]
-        ending = StopRequest(job.id, keep_exit=True)
-        pool.call_all("stop", lambda host: ending, StopReply, left)
-        return [row.exit_code for row in ops.status(pool, job, self.hosts, phase="")]
-
-    def _try_change(self, seen: Supervision, change: Change) -> Supervision | Refused | None:
-        """Make ``change`` over the nodes of the new membership: each spare taking a rank must
-        answer, get the workdir (a synced job) and pass the doctor's quick checks; then the new
-        generation is claimed on every node of it and launched. ``Refused``: spares it could not
-        use; None: back to watching (another supervisor moved on, or a member is down too)."""
-        labels = tuple(host.label for host in change.members)
-        job = replace(self.job, members=labels, generation=seen.generation + 1)
-        with self.connect(change.members, RECONNECT) as pool:
-            down = {host: pool.failures[host] for host in change.added if host in pool.failures}
-            if down:
-                return Refused(down)
-            if any(host in pool.failures for host in change.members):
-                return None
-            if job.sync:
-                from .sync import sync_workdir
-
-                try:
-                    sync_workdir(pool, job, change.added)
-                except (LaunchError, RemoteError) as exc:
-                    why = str(exc).replace("\n", "; ")
-                    return Refused({host: f"sync failed: {why}" for host in change.added})
-            for where in job.home_copies(change.members):
-                pool.write_file(where, job.node_hostfile, members_text(change.members))
-            held = self.gate(pool, job, change.members)
-            unfit = {}
-            for spare in change.added:
-                said = [line for line in held if line.startswith(f"{spare.label}:")]
-                if said:
-                    unfit[spare] = said[0]
-            if unfit:
-                return Refused(unfit)
-            claim = replace(
-                seen,
-                supervisor=SupervisorState.RELAUNCHING,
-                attempt=seen.attempt + 1,
-                reason=change.reason,
-                generation=job.generation,
-                members=list(labels),
-                lost=[*seen.lost, *(host.label for host in change.lost)],
-                replaced=[*seen.replaced, *change.replaced],
-                last_restart_reason=reason_of_change(change),
-                waiting=None,
-                held=None,
-            )
-            rank = change.members.index(self.node)
-            claimed = write(pool, job, change.members, claim, rank, every=True)
-            if claimed is None:
-                self.say("another supervisor moved on first; following it")
-                return None
-            self.say(f"generation {claimed.generation}: {claimed.last_restart_reason}")
-            self._follow(claimed)
-            # the checks just passed on every node of it: not run again before the launch
-            return self._finish(pool, claimed, checked=not held)
-
-    def _finish(
-        self, pool: NodePool, claimed: Supervision, checked: bool = False
-    ) -> Supervision | None:
-        """Make the claimed attempt: stop the job everywhere, hold while the health gate fails
-        (``checked``: it passed on every node just before the claim), launch, then a supervisor
-        on every node again."""
-        job = self.job
-        hosts = self.hosts
-        say = self.say
-        attempt = claimed.attempt
-        last = attempt + claimed.restarts_left
-        say(f"attempt {attempt}: relaunching (of {last}); stopping the job")
-        ops.stop(pool, job, hosts)
-        deadline = time.monotonic() + COME_BACK
-        while not checked:
-            held = self.gate(pool, job, hosts)
-            if not held:
-                break
-            if time.monotonic() > deadline:
-                why = f"the relaunch was held for {COME_BACK:.0f}s by {held[0]}"
-                return self._gave_up(pool, claimed, why)
-            if claimed.held != held[0]:
-                say(f"attempt {attempt}: held by {held[0]}")
-                renewed = self._write(pool, replace(claimed, held=held[0]))
-                if renewed is None:
-                    return None
-                claimed = renewed
-            self._moved()
-            time.sleep(self.interval)
-        # The claim renewed right before the launch: a supervisor that hung while another
-        # took this attempt over finds a newer copy here and launches nothing.
-        renewed = self._write(pool, replace(claimed, held=None))
-        if renewed is None:
-            say(f"attempt {attempt}: another supervisor took it over; following it")
-            return None
-        claimed = renewed
-        failure = self._launch(pool, claimed)
-        if failure is not None:  # a failed attempt: the next poll sees the nodes absent
-            say(f"attempt {attempt} did not start: {failure}")
-        running = replace(claimed, supervisor=SupervisorState.RUNNING, held=None)
-        if self._write(pool, running) is None:
-            return None
-        say(f"attempt {attempt} started")
-        start_all(pool, job, hosts)  # where none is live: a rebooted node's comes back
-        return None
-
-    def _launch(self, pool: NodePool, claimed: Supervision) -> str | None:
-        """Launch the claimed attempt on every node; why it did not start (None: it did)."""
-        attempt = claimed.attempt
-        try:
-            if self.relaunch is not None:
-                launched = self.relaunch(pool, self.job, attempt)
-            else:
-                launched = ops.launch(
-                    pool,
-                    self.job,
-                    self.hosts,
-                    attempt=attempt,
-                    reason=str(claimed.reason),
-                    replacement="; ".join(claimed.replaced),
-                    last=attempt + claimed.restarts_left,
-                )
-        except (LaunchError, RemoteError) as exc:
-            return str(exc).replace("\n", "; ")
-        if launched.ok:
-            return None
-        errors = [f"node {row.node_rank}: {row.error}" for row in launched.rows if row.error]
-        return "; ".join(errors)
-
-
-def _save_diagnosis(
-    pool: NodePool, job: Job, hosts: Sequence[Host], record: Supervision, decision: Decision
-) -> tuple[str, Decision]:
-    """Before a stalled job is stopped: its diagnosis (every rank's stack) into the job's
-    directory (every node's copy of it when synced), where it outlives the restart; the reason
-    names the outliers. Returns where it was saved, and the decision with that reason."""
-    from .diagnose import diagnose, spans
-
-    found = diagnose(pool, job, hosts)
-    path = str(job.home / f"diagnosis-{record.attempt}.json")
-    text = json.dumps(found.as_json(), indent=1) + "\n"
-    for host in job.home_copies(hosts):
-        with contextlib.suppress(MeshkitError):  # the restart goes on without it
-            pool.write_file(host, path, text, 0o600)  # stacks and paths: this user's only
-    outliers = f"rank {spans(found.outliers)}" if found.outliers else "none"
-    reason = f"{decision.reason}; outliers: {outliers} (diagnosis: {path})"
-    return path, replace(decision, reason=reason)
 
 
 def run(

@@ -1,96 +1,125 @@
 """The supervisor's policy, pure: how one poll's status rows look to it (``views``), what to do
-about them (``decide``), how long to wait before a relaunch (``backoff``), and what each
-supervisor does next (``next_step``). The loop around it is ``ops.supervise``.
-
-The supervision's states (``protocol.SupervisorState``), one record per job with a copy on every
-node, written by compare-and-set (``ops.supervision``)::
-
-                  claim (every node answering)                 launched
-      RUNNING  ---------------------------------> RELAUNCHING ---------> RUNNING (attempt + 1)
-         |  every node exited 0 ------> DONE           |
-         |  a fatal code, no restarts -> GAVE UP       +-- nodes gone, held past 300 s -> GAVE UP
-
-      any state  ---- meshkit stop ---->  STOPPED
-
-1. ``RUNNING``: the attempt runs; the leader, the lowest live rank, watches it (``decide``).
-2. ``RELAUNCHING``: rank ``by`` claimed the next attempt and makes it; if it is gone, the
-   leader finishes the same attempt (``RESUME``), never a new one.
-3. ``DONE``, ``GAVE UP``: final; every supervisor ends (``END``).
-4. ``STOPPED``: final, and it wins over every other record whatever the versions
-   (``Supervision.precedence``; a node replaces it with nothing but another stop), so a
-   supervisor that ``stop`` could not reach (a partition) and that counted versions on its own
-   side still finds it once it reconnects. It relaunches nothing: a stop ends the whole job, so
-   it ends the job on the nodes whose copy does not say stopped yet (the ones the stop did not
-   reach), leaves the record there, and ends (``STOP``).
-5. A node that does not answer within ``--replace-after`` is lost: the leader claims RELAUNCHING
-   with a new ``generation`` and ``members`` (``ops.membership``: a spare takes its rank, or the
-   job shrinks with ``--min-nodes``); a replacement does not use up ``restarts_left``. Every
-   supervisor follows the newest generation; one whose node is in none is fenced: it ends what
-   its node runs of the job, and its node is a spare from then on.
-
-How a node that stops answering becomes lost (``Silence``, one state per node)::
-
-                 a poll unanswered              a new connection fails too
-      ANSWERS  ---------------------> SILENT  -----------------------------> UNREACHABLE
-         ^      (since: that poll's start)                                      |
-         +------------- it answers a poll, or a new connection reaches it ------+
-                                                                                |
-                                                   since + --replace-after      v
-                                                 ------------------------->   LOST
-
-The bound counts from the first poll the node left unanswered, the moment it stopped answering,
-not from when the leader noticed: a poll waits its own bound before it counts as unanswered, and
-a new connection its connect timeout, and both run inside ``--replace-after`` instead of before
-it. A node is lost only once a new connection failed as well (a wedged channel to a live node is
-not a lost node).
+about them (``decide``: an ``Action`` and its ``Cause``), how long to wait before a relaunch
+(``backoff``), and what each supervisor does next (``next_step``). The state machine is written
+once, in ``Action``'s docstring; how a node that stops answering becomes lost, in ``Silence``'s.
+The loop around it is ``ops.supervise``.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Union
 
 from ..hostfile import Host
 from ..protocol import JobState, RestartReason, Supervision, SupervisorState
 from ..record import StrEnum, replace
 from .jobs import StatusRow
+from .verdicts import Check
 
 MISSES = 2  # consecutive unanswered polls before a node counts as gone (one blip is no failure)
 BACKOFF = 2.0  # seconds before the first relaunch, doubled for each later one
 MAX_BACKOFF = 60.0
 
 
-class Unanswered(StrEnum):
-    """A node's state, as the supervisor sees it, once it did not answer ``MISSES`` polls in a
-    row."""
-
-    UNREACHABLE = "unreachable"
-
-
-@dataclass(frozen=True)
-class NodeView:
-    """One node as the supervisor sees it in one poll."""
-
-    rank: int
-    host: str
-    state: JobState | Unanswered
-    exit_code: int | None = None
-    started: float | None = None
-
-
 class Action(StrEnum):
-    """What a poll asks for besides ending the supervision (DONE, GAVE_UP)."""
+    """What the leader does after one poll (``decide``), or, for ``RESUME``, after one look at
+    the record (``next_step``). The loop (``ops.supervise``) has one method per action.
+
+    The supervision's states (``protocol.SupervisorState``), one record per job with a copy on
+    every node, written by compare-and-set (``ops.supervision``), and the actions that move
+    them::
+
+                   RESTART: claim the next attempt                   launched
+                   (every node answering)
+          RUNNING  --------------------------------> RELAUNCHING  ---------> RUNNING
+             |     REPLACE: claim generation + 1          |                  (attempt + 1)
+             |     (a spare takes each lost rank,         |
+             |      or the job shrinks)                   +-- RESUME: the leader finishes
+             |                                            |   a gone claimer's attempt
+             +-- DONE: every node exited 0 --> DONE       |
+             +-- GIVE_UP: a fatal code, or no restart     +-- nodes gone, or held past
+                 left for a failure --> GAVE UP               300 s --> GAVE UP
+
+          any state  ---- meshkit stop ---->  STOPPED
+
+    1. ``RUNNING``: the attempt runs; the leader, the lowest live rank, watches it (``decide``):
+       ``WAIT``; ``DONE``; ``GIVE_UP``; ``RESTART`` (a failure, stall or reboot: back off, wait
+       for every node, claim the next attempt, stop, hold while the health gate fails, launch,
+       at most ``--restarts`` times); ``REPLACE`` (nodes that do not answer, with
+       ``--replace-after``: once lost, their ranks go to healthy spares, or the job shrinks
+       with ``--min-nodes``, in a new ``generation`` (``ops.membership``, ``ops.replacement``);
+       a replacement uses up no restart, so it is decided whatever ``restarts_left`` is; nodes
+       that answer again before they are lost are a restart, which needs one left).
+    2. ``RELAUNCHING``: rank ``by`` claimed the next attempt and makes it; if it is gone, the
+       leader finishes the same attempt (``RESUME``), never a new one.
+    3. ``DONE``, ``GAVE UP``: final; every supervisor ends (``Step.END``).
+    4. ``STOPPED``: final, and it wins over every other record whatever the versions
+       (``Supervision.precedence``; a node replaces it with nothing but another stop), so a
+       supervisor that ``stop`` could not reach (a partition) and that counted versions on its
+       own side still finds it once it reconnects. It relaunches nothing: a stop ends the whole
+       job, so it ends the job on the nodes whose copy does not say stopped yet (the ones the
+       stop did not reach), leaves the record there, and ends (``Step.STOP``).
+    5. Every supervisor follows the newest generation; one whose node is in none is fenced: it
+       ends what its node runs of the job, and its node is a spare from then on.
+    """
 
     WAIT = "wait"
     RESTART = "restart"
+    REPLACE = "replace"
+    RESUME = "resume"
+    DONE = "done"
+    GIVE_UP = "gave up"
+
+
+class Cause(StrEnum):
+    """Why a decision was taken: a node that exited with a failing code or whose job was
+    restarted outside the supervisor (FAILURE), the job's stall (STALL, --restart-on-stall: its
+    diagnosis is saved first), a job gone from a node (REBOOT), or nodes that do not answer
+    (LOST: lost once ``Silence`` says so)."""
+
+    FAILURE = "failure"
+    STALL = "stall"
+    REBOOT = "reboot"
+    LOST = "lost"
 
 
 @dataclass(frozen=True)
 class Decision:
-    action: Action | Literal[SupervisorState.DONE, SupervisorState.GAVE_UP]
-    reason: str | None = None
+    """One ``Action`` and why: its ``cause`` (None: nothing went wrong, WAIT and DONE), the
+    ``reason`` the record and the log say, and ``told``, what every rank of a relaunch is told
+    (``MESHKIT_RESTART_REASON``)."""
+
+    action: Action
+    cause: Cause | None = None
+    reason: str = ""
+    told: RestartReason = RestartReason.FAILURE
+
+
+class Then(StrEnum):
+    """What the loop does once an action is made and the supervision goes on: WATCH again
+    over a new connection after one interval, or RECONNECT at once (a node that did not answer
+    may be back, or the membership moved)."""
+
+    WATCH = "watch"
+    RECONNECT = "reconnect"
+
+
+@dataclass(frozen=True)
+class Final:
+    """The supervision is over: this supervisor ends with ``record``."""
+
+    record: Supervision
+
+
+Outcome = Union[Then, Final]  # what an action leads to (typing's Union: Python 3.9 nodes)
+
+
+def held_by(check: Check) -> str:
+    """A failed health check as the record's ``held`` and the log say it: "NODE: CHECK:
+    DETAIL"."""
+    return f"{check.node}: {check.check}: {check.detail}"
 
 
 class Step(StrEnum):
@@ -114,14 +143,48 @@ class Heard(StrEnum):
     LOST = "lost"
 
 
+@dataclass(frozen=True)
+class NodeView:
+    """One node as the supervisor sees it in one poll: a job's state, or UNREACHABLE when it
+    counts as not answering (``Silence.gone``)."""
+
+    rank: int
+    host: str
+    state: JobState | Heard
+    exit_code: int | None = None
+    started: float | None = None
+
+
 @dataclass
 class Silence:
-    """Since when each node has not answered (the start of the first poll it left unanswered),
-    and which of them a new connection could not reach either: the state machine above, over
-    monotonic times the caller gives (pure)."""
+    """The one tracker of the nodes that do not answer: since when each has not (the start of
+    the first poll it left unanswered), which of them a new connection could not reach either,
+    and how many status polls in a row each left unanswered. Over monotonic times the caller
+    gives (pure).
+
+    How a node that stops answering becomes lost (``state``)::
+
+                     a poll unanswered              a new connection fails too
+          ANSWERS  ---------------------> SILENT  -----------------------------> UNREACHABLE
+             ^      (since: that poll's start)                                      |
+             +------------- it answers a poll, or a new connection reaches it ------+
+                                                                                    |
+                                                       since + --replace-after      v
+                                                     ------------------------->   LOST
+
+    The bound counts from the first poll the node left unanswered, the moment it stopped
+    answering, not from when the leader noticed: a poll waits its own bound before it counts
+    as unanswered, and a new connection its connect timeout, and both run inside
+    ``--replace-after`` instead of before it. A node is lost only once a new connection failed
+    as well (a wedged channel to a live node is not a lost node).
+
+    Before that, a poll's view takes a node as gone (``gone``: a failure to act on) once it
+    left ``MISSES`` status polls in a row unanswered (one blip is no failure), or at once when
+    a new connection could not reach it."""
 
     since: dict[Host, float] = field(default_factory=dict)
     refused: set[Host] = field(default_factory=set)
+    misses: dict[Host, int] = field(default_factory=dict)
 
     def heard(self, host: Host) -> None:
         """``host`` answered (a poll, or a new connection): its silence, if any, is over."""
@@ -137,6 +200,23 @@ class Silence:
         self.since.setdefault(host, tried)
         self.refused.add(host)
 
+    def polled(self, host: Host, answered: bool) -> None:
+        """``host`` answered a status poll (a reply that reads), or did not: the count of
+        those it left unanswered in a row."""
+        if answered:
+            self.misses.pop(host, None)
+        else:
+            self.misses[host] = self.misses.get(host, 0) + 1
+
+    def recount(self) -> None:
+        """The polls in a row count anew (a new connection, or a follower's watch)."""
+        self.misses.clear()
+
+    def gone(self, host: Host) -> bool:
+        """The silence rule of a poll's view: ``host`` left ``MISSES`` status polls in a row
+        unanswered, or a new connection could not reach it (no blip)."""
+        return self.misses.get(host, 0) >= MISSES or host in self.refused
+
     def state(self, host: Host, now: float, bound: float) -> Heard:
         if host not in self.since:
             return Heard.ANSWERS
@@ -149,6 +229,14 @@ class Silence:
     def silent(self, hosts: Sequence[Host]) -> list[Host]:
         """Those of ``hosts`` that do not answer (silent, unreachable or lost), in order."""
         return [host for host in hosts if host in self.since]
+
+    def lost(self, hosts: Sequence[Host], now: float, bound: float) -> list[Host]:
+        """Those of ``hosts`` that do not answer, when every one of them is LOST already;
+        else none."""
+        silent = self.silent(hosts)
+        if any(self.state(host, now, bound) != Heard.LOST for host in silent):
+            return []
+        return silent
 
     def until(self, hosts: Sequence[Host], bound: float, now: float) -> float:
         """When every one of ``hosts`` that does not answer has not answered for ``bound`` s
@@ -179,24 +267,31 @@ def decide(
     restart_on: Sequence[int],
     restarts_left: int,
     stalled: str | None = None,
+    replaceable: bool = False,
 ) -> Decision:
     """What to do after one poll. ``started`` is when each node's part of this attempt started
     (as first seen): a different start time means the node ran something else since (a reboot
     and someone's relaunch, say). ``stalled``: why the job counts as stalled (--restart-on-stall),
-    a failure like any other."""
+    a failure like any other. ``replaceable``: a node that does not answer may be replaced
+    (--replace-after), which uses up no restart: nodes that do not answer, and nothing else,
+    are a REPLACE whatever ``restarts_left`` is."""
     if nodes and all(node.state == JobState.EXITED and node.exit_code == 0 for node in nodes):
-        return Decision(SupervisorState.DONE, "every node exited 0")
+        return Decision(Action.DONE, None, "every node exited 0")
     problems: list[str] = []
     fatal: list[str] = []
+    silent = 0  # problems that are nodes not answering
+    rebooted = False
     for node in nodes:
         who = f"node {node.rank} ({node.host})"
         restarted = False  # its part of this attempt is not the one first seen
         if node.rank in started and node.started is not None:
             restarted = node.started != started[node.rank]
-        if node.state == Unanswered.UNREACHABLE:
+        if node.state == Heard.UNREACHABLE:
             problems.append(f"{who} is not answering")
+            silent += 1
         elif node.state == JobState.ABSENT:
             problems.append(f"{who}: the job is gone there (rebooted, or ended outside meshkit)")
+            rebooted = True
         elif restarted:
             problems.append(f"{who}: the job was restarted outside the supervisor")
         elif node.state == JobState.EXITED and node.exit_code not in (0, None):
@@ -204,16 +299,26 @@ def decide(
                 problems.append(f"{who} exited with code {node.exit_code}")
             else:
                 fatal.append(f"{who} exited with code {node.exit_code} (not in --restart-on)")
+    cause = Cause.FAILURE
     if stalled and not problems:
         problems.append(stalled)
+        cause = Cause.STALL
+    elif rebooted:
+        cause = Cause.REBOOT
+    elif problems and silent == len(problems):
+        cause = Cause.LOST
+    told = restart_reason(nodes, stalled)
     if fatal:
-        return Decision(SupervisorState.GAVE_UP, "; ".join(fatal + problems))
+        given = Cause.STALL if cause == Cause.STALL else Cause.FAILURE  # a stall among them
+        return Decision(Action.GIVE_UP, given, "; ".join(fatal + problems), told)
     if not problems:
         return Decision(Action.WAIT)
     reason = "; ".join(problems)
+    if cause == Cause.LOST and replaceable:
+        return Decision(Action.REPLACE, cause, reason, told)
     if restarts_left <= 0:
-        return Decision(SupervisorState.GAVE_UP, f"no restarts left; last failure: {reason}")
-    return Decision(Action.RESTART, reason)
+        return Decision(Action.GIVE_UP, cause, f"no restarts left; last failure: {reason}", told)
+    return Decision(Action.RESTART, cause, reason, told)
 
 
 def restart_reason(nodes: Sequence[NodeView], stalled: str | None) -> RestartReason:
@@ -244,23 +349,20 @@ def backoff(restart_number: int, base: float = BACKOFF, cap: float = MAX_BACKOFF
     return float(min(cap, base * 2**doublings))
 
 
-def views(
-    rows: Sequence[StatusRow], misses: dict[int, int], refused: Collection[int] = ()
-) -> list[NodeView]:
-    """Status rows as the policy sees them: a node that did not answer ``MISSES`` polls in a row
-    is ``unreachable``; before that it is taken to be as it was (``running``). A node in
-    ``refused`` (ranks a new connection could not reach after a missed poll: no blip) is
-    ``unreachable`` at once."""
+def views(rows: Sequence[StatusRow], hosts: Sequence[Host], silence: Silence) -> list[NodeView]:
+    """Status rows (of ``hosts``, by rank) as the policy sees them, each counted in
+    ``silence``: a node that does not answer is UNREACHABLE once ``silence`` takes it as gone;
+    before that it is taken to be as it was (``running``)."""
     seen = []
     for row in rows:
+        host = hosts[row.node_rank]
+        silence.polled(host, answered=not row.error)
         if row.error:
-            misses[row.node_rank] = misses.get(row.node_rank, 0) + 1
-            state: JobState | Unanswered = JobState.RUNNING
-            if misses[row.node_rank] >= MISSES or row.node_rank in refused:
-                state = Unanswered.UNREACHABLE
+            state: JobState | Heard = JobState.RUNNING
+            if silence.gone(host):
+                state = Heard.UNREACHABLE
             seen.append(NodeView(row.node_rank, row.host, state))
             continue
-        misses.pop(row.node_rank, None)
         stamp = None
         if row.started:
             stamp = datetime.datetime.fromisoformat(row.started).timestamp()

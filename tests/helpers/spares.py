@@ -81,14 +81,17 @@ def train(
     spawn: bool = False,
     replace_after: str = REPLACE_AFTER,
     api: bool = False,
+    restarts: int = 2,
+    cmd: str | None = None,
 ):
+    """``train`` of the example job (``cmd``: another command line) inside node ``node``."""
     if api:  # the same job, from a script: Cluster.train(restarts=, replace_after=, ...)
         return train_by_api(lay, workdir, hostfile, session, node, spawn, replace_after, *args)
     flags = ["--hostfile", str(hostfile), "--session", session, "--nproc-per-node", str(NPROC)]
-    flags += ["--restarts", "2", "--replace-after", replace_after, *args]
+    flags += ["--restarts", str(restarts), "--replace-after", replace_after, *args]
     if spawn:
         flags.append("--spawn")
-    out = on_node(lay, node, workdir, "train", *flags, "--cmd", job_cmd(session, spawn))
+    out = on_node(lay, node, workdir, "train", *flags, "--cmd", cmd or job_cmd(session, spawn))
     assert out.returncode == 0, out.stdout + out.stderr
     return out
 

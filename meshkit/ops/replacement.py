@@ -1,0 +1,193 @@
+"""A supervised job's replacement step (``train --replace-after``), the supervisor's REPLACE
+action once nodes are lost: each lost rank to the first spare that answers, gets the workdir (a
+synced job) and passes the doctor's quick checks, or with too few such spares and
+``--min-nodes`` the job shrunk (``ops.membership.plan``); the new generation claimed on every node
+of it, then made as any claimed attempt is (``ops.relaunch.finish``). With neither possible, it
+waits up to ``--replace-after`` more for the nodes or a spare, then gives up saying why. Also
+the note the record carries while the leader waits for nodes (``waiting_note``), and the fencing
+of a lost node that comes back (``fence``). A replacement uses up no restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import LaunchError, MeshkitError, RemoteError
+from ..hostfile import Host, members_text
+from ..job import Job
+from ..protocol import StopReply, StopRequest, Supervision, SupervisorState
+from ..record import replace
+from . import jobs as ops
+from .membership import Change, plan, reason_of_change, spares_of
+from .pool import NodePool
+from .relaunch import Loop, finish
+from .supervision import ask, write
+from .supervision_policy import Outcome, Then, held_by
+from .verdicts import Check
+
+RECONNECT = 10.0  # seconds between new connections while some node does not answer
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Spares a change of membership could not use, each with why (down, sync, checks)."""
+
+    spares: dict[Host, str]
+
+
+def replace_lost(loop: Loop, seen: Supervision, lost: list[Host], bound: float) -> Outcome:
+    """``lost`` did not answer within ``bound`` (--replace-after): a new membership without
+    them, claimed on every node of it and launched. With none possible, try again (a spare
+    refused a while ago may be healthy now) until ``bound`` more has passed, then give up
+    saying why; back to watching should every node answer again meanwhile."""
+    names = ", ".join(host.label for host in lost)
+    loop.say(f"lost: {names} (no answer within {bound:.0f}s, --replace-after)")
+    deadline = time.monotonic() + bound
+    refused: dict[Host, str] = {}
+    while True:
+        loop.moved()
+        candidates = [host for host in spares_of(loop.cluster, loop.hosts) if host not in refused]
+        change = plan(loop.hosts, lost, candidates, loop.cluster, loop.job.min_nodes)
+        if change is not None:
+            tried = try_change(loop, seen, change)
+            if isinstance(tried, Refused):
+                for spare, why in tried.spares.items():
+                    loop.say(f"spare {spare.label} not used: {why}")
+                refused.update(tried.spares)
+                continue
+            return tried
+        if time.monotonic() > deadline:
+            why = unreplaced(loop, seen, names, bound, refused)
+            with loop.connect(loop.hosts, 0.0) as pool:
+                codes = end_what_is_left(pool, loop.job, loop.hosts)
+                return loop.gave_up(pool, replace(seen, exit_codes=codes), why)
+        with loop.connect(loop.hosts, RECONNECT) as pool:
+            if not pool.failures:
+                loop.say("every node answers again; back to watching")
+                return Then.WATCH
+        refused.clear()  # a spare refused a while ago may be healthy now
+        time.sleep(loop.interval)
+
+
+def unreplaced(
+    loop: Loop, seen: Supervision, names: str, bound: float, refused: dict[Host, str]
+) -> str:
+    """Why the job gives up on its lost nodes ``names``: no spare took their place."""
+    why = f"{seen.last_restart_reason}; then {names} did not answer within "
+    why += f"{bound:.0f}s (--replace-after) and no healthy spare took its place"
+    if refused:
+        spares = "; ".join(f"{host.label}: {text}" for host, text in refused.items())
+        why += f" (spares: {spares})"
+    elif not spares_of(loop.cluster, loop.hosts):
+        why += " (the hostfile has no spare line)"
+    if loop.job.min_nodes is not None:
+        why += f", and fewer than --min-nodes {loop.job.min_nodes} nodes are left"
+    return why
+
+
+def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refused:
+    """Make ``change`` over the nodes of the new membership: each spare taking a rank must
+    answer, get the workdir (a synced job) and pass the doctor's quick checks; then the new
+    generation is claimed on every node of it and launched. ``Refused``: spares it could not
+    use; ``Then.WATCH``: back to watching (another supervisor moved on, or a member is down
+    too)."""
+    labels = tuple(host.label for host in change.members)
+    job = replace(loop.job, members=labels, generation=seen.generation + 1)
+    with loop.connect(change.members, RECONNECT) as pool:
+        down = {host: pool.failures[host] for host in change.added if host in pool.failures}
+        if down:
+            return Refused(down)
+        if any(host in pool.failures for host in change.members):
+            return Then.WATCH
+        if job.sync:
+            from .sync import sync_workdir
+
+            try:
+                sync_workdir(pool, job, change.added)
+            except (LaunchError, RemoteError) as exc:
+                why = str(exc).replace("\n", "; ")
+                return Refused({host: f"sync failed: {why}" for host in change.added})
+        for where in job.home_copies(change.members):
+            pool.write_file(where, job.node_hostfile, members_text(change.members))
+        held = loop.gate(pool, job, change.members)
+        unfit = unfit_spares(change.added, held)
+        if unfit:
+            return Refused(unfit)
+        rank = change.members.index(loop.node)
+        claimed = write(pool, job, change.members, claim_of(seen, change), rank, every=True)
+        if claimed is None:
+            loop.say("another supervisor moved on first; following it")
+            return Then.WATCH
+        loop.say(f"generation {claimed.generation}: {claimed.last_restart_reason}")
+        loop.follow(claimed)
+        # the checks just passed on every node of it: not run again before the launch
+        return finish(loop, pool, claimed, checked=not held)
+
+
+def unfit_spares(added: Sequence[Host], held: Sequence[Check]) -> dict[Host, str]:
+    """Pure: the spares of ``added`` that failed one of the checks ``held``, each with its
+    first failed check ("NODE: CHECK: DETAIL")."""
+    unfit = {}
+    for spare in added:
+        failed = [check for check in held if check.node == spare.label]
+        if failed:
+            unfit[spare] = held_by(failed[0])
+    return unfit
+
+
+def claim_of(seen: Supervision, change: Change) -> Supervision:
+    """Pure: the claim of ``change``'s generation over the record ``seen``: the next attempt,
+    on the new membership, with the lost nodes and the replacements added to the record's and
+    no restart used up."""
+    return replace(
+        seen,
+        supervisor=SupervisorState.RELAUNCHING,
+        attempt=seen.attempt + 1,
+        reason=change.reason,
+        generation=seen.generation + 1,
+        members=[host.label for host in change.members],
+        lost=[*seen.lost, *(host.label for host in change.lost)],
+        replaced=[*seen.replaced, *change.replaced],
+        last_restart_reason=reason_of_change(change),
+        waiting=None,
+        held=None,
+    )
+
+
+def fence(loop: Loop, record: Supervision) -> Supervision:
+    """This node was lost and the job moved on without it (``record``, a newer generation):
+    end what it still runs of the job here, keep the newer record here, and end; it is a spare
+    now."""
+    node = [loop.node]
+    loop.say(
+        f"generation {record.generation} does not include this node (it was lost and "
+        "replaced): ending what it runs of the job here; it is a spare now"
+    )
+    with contextlib.suppress(MeshkitError), loop.connect(node, RECONNECT) as own:
+        ask(own, loop.job, node, record=record, version=record.version)
+        ending = StopRequest(loop.job.id)
+        own.call_all("stop", lambda host: ending, StopReply, node)
+    return record
+
+
+def end_what_is_left(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[int | None]:
+    """The job cannot go on without its lost nodes: end it on the nodes that answer (its
+    ranks wait on their lost peers), keeping the codes they end with; each node's code."""
+    left = [host for host in hosts if host not in pool.failures]
+    ending = StopRequest(job.id, keep_exit=True)
+    pool.call_all("stop", lambda host: ending, StopReply, left)
+    return [row.exit_code for row in ops.status(pool, job, hosts, phase="")]
+
+
+def waiting_note(names: Sequence[str], until: float, replace_after: float | None) -> str:
+    """Pure: what the record says while the leader waits for the nodes ``names`` (status
+    shows it): until when (``until``: a wall-clock time), and what happens then."""
+    stamp = datetime.datetime.fromtimestamp(until, datetime.timezone.utc)
+    what = "lost then (--replace-after)"
+    if replace_after is None:
+        what = "given up then"
+    return f"{', '.join(names)} until {stamp:%H:%M:%S} UTC, {what}"
