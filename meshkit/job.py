@@ -84,10 +84,18 @@ class Job:
     restart_on_stall: bool = False  # train --restart-on-stall: a supervisor restarts a stall
     replace_after: float | None = REPLACE_AFTER  # seconds before a node that does not answer
     # is lost and a spare takes its rank (None: never; wait for it, then give up)
+    replaces_lost: bool = False  # train --replace-after D given (not off): supervised for lost
+    # nodes even with --restarts 0 (a replacement uses up no restart)
     min_nodes: int | None = None  # with no healthy spare, relaunch on the nodes left if >= this
     generation: int = 1  # the membership's: one on with each replacement or shrink
     members: tuple[str, ...] = ()  # each rank's node since a change of membership (as the
     # hostfile spells it); empty: the hostfile's nodes (after --include/--exclude)
+
+    @property
+    def supervised(self) -> bool:
+        """Whether a supervisor runs on every node: the job may be relaunched (``--restarts
+        N``) or may have a lost node's rank given to a spare (``--replace-after`` given)."""
+        return self.restarts > 0 or self.replaces_lost
 
     @property
     def id(self) -> str:

@@ -284,6 +284,18 @@ def test_train_takes_replace_after_and_min_nodes_up_to_the_jobs_node_count(spare
         train.plan(Config(), train_options(spare_hostfile, restarts=2, min_nodes=4))
 
 
+def test_replace_after_given_supervises_a_job_with_no_restarts(spare_hostfile):
+    """`--restarts 0 --replace-after D`: a supervisor runs for lost nodes alone; `--restarts 0`
+    alone, or with `--replace-after off`, runs none; `--restarts N` always does."""
+    job, _ = train.plan(Config(), train_options(spare_hostfile, restarts=0, replace_after="30s"))
+    assert (job.restarts, job.replace_after, job.supervised) == (0, 30.0, True)
+    job, _ = train.plan(Config(), train_options(spare_hostfile, restarts=0))
+    assert not job.supervised
+    off = train_options(spare_hostfile, restarts=0, replace_after="off")
+    assert not train.plan(Config(), off)[0].supervised
+    assert train.plan(Config(), train_options(spare_hostfile, restarts=2))[0].supervised
+
+
 def test_filters_that_keep_only_spares_leave_no_job_to_start(spare_hostfile):
     """`train --include SPARE` would start a job of no node; `mesh --include SPARE` meshes it."""
     with pytest.raises(HostfileError, match="leave only spare lines, which take no rank"):

@@ -411,9 +411,9 @@ def test_the_state_machine_a_stop_is_final_and_wins_whatever_the_versions():
         HOSTS[0]: p.SupervisorReply(1, 0.0, [], replace(claim, held="x: workdir: y")),
         HOSTS[1]: p.SupervisorReply(None, None, [], running),
     }
-    record = sup.stop_record(answers, 2, 1, 3)
+    record = sup.stop_record(sup.view(answers, HOSTS, 1, 3).record, 2)
     assert record == replace(claim, supervisor=SupervisorState.STOPPED, version=11)
-    assert sup.stop_record({}, 3, 1, 3) == Supervision(SupervisorState.STOPPED, 0, 3, version=1)
+    assert sup.stop_record(None, 3) == Supervision(SupervisorState.STOPPED, 0, 3, version=1)
 
 
 def test_a_stop_that_misses_a_node_is_remembered_and_its_supervisor_relaunches_nothing(
@@ -769,7 +769,7 @@ def test_status_top_and_stop_believe_what_a_supervisor_follows():
         HOSTS[0]: p.SupervisorReply(1, 0.0, [], known),
         HOSTS[1]: p.SupervisorReply(1, 0.0, [], absurd),
     }
-    stopped = sup.stop_record(answers, 2, 2, 3)
+    stopped = sup.stop_record(sup.view(answers, HOSTS, 2, 3).record, 2)
     assert (stopped.generation, stopped.members) == (2, ["a"])
     assert (stopped.supervisor, stopped.version) == (SupervisorState.STOPPED, 41)
 

@@ -23,7 +23,7 @@ from ..record import replace
 from .lookup import cluster_hosts
 from .membership import spares_of
 from .pool import NodePool, unanswered
-from .supervision import ask, end_supervisor, look, stop_record
+from .supervision import end_supervisor, look, stop_record
 from .supervision_status import SupervisionStatus, spare_rows, supervision_status
 from .verdicts import env_error
 
@@ -351,7 +351,7 @@ def job_status(pool: NodePool, job: Job, hosts: Sequence[Host]) -> JobStatus:
     """``meshkit status``: each node's row, and a supervised job's supervision: the believed
     record and its leader (``supervision.look``), and each spare's health."""
     rows = status(pool, job, hosts)
-    if not job.restarts:
+    if not job.supervised:
         return JobStatus(rows)
     cluster = cluster_hosts(job)
     seen = look(pool, job, hosts, len(cluster))
@@ -437,9 +437,9 @@ def stop_with_supervisors(pool: NodePool, job: Job, hosts: Sequence[Host]) -> St
     finds it when it reconnects, and relaunches nothing), then the job."""
     left = []
     then = UNREACHED
-    if job.restarts:
+    if job.supervised:
         nodes = len(cluster_hosts(job))
-        stopped = stop_record(ask(pool, job, hosts), job.restarts, job.generation, nodes)
+        stopped = stop_record(look(pool, job, hosts, nodes).record, job.restarts)
         left = end_supervisor(pool, job, hosts, stopped)
         then = UNREACHED_SUPERVISED
     rows = stop(pool, job, hosts)

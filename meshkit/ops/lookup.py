@@ -203,7 +203,7 @@ def on_saved(
     pool connects to the hostfile's nodes outside its membership too (status shows them)."""
     job, hosts = saved(conf, hostfile, session, workdir)
     nodes = list(hosts)
-    if spares and job.restarts:
+    if spares and job.supervised:
         nodes += [host for host in cluster_hosts(job) if host not in hosts]
     with connect(conf, job.hostfile, nodes, job.python, progress) as pool:
         return job, op(pool, job, hosts)

@@ -31,7 +31,7 @@ from .membership import members_of
 from .pool import NodePool
 from .relaunch import COME_BACK, Connect, Gate, Launcher, finish
 from .replacement import RECONNECT, end_what_is_left, fence, replace_lost, waiting_note
-from .supervision import Answers, ask, believed, far_ahead, live_ranks, write
+from .supervision import Answers, ask, far_ahead, view, write
 from .supervision_policy import (
     BACKOFF,
     Action,
@@ -345,17 +345,17 @@ class Supervisor:
         asked = time.monotonic()
         answers = ask(pool, self.job, self.hosts, timeout=POLL_TIMEOUT)
         self._hear(pool, answers, asked)
-        record = self._believed(answers)
-        moved = self.follow(record)
+        self._name_far_ahead(answers)
+        seen = view(answers, self.hosts, self.job.generation, len(self.cluster))
+        moved = self.follow(seen.record)
         if moved:
-            return Look({self.me}, record, len(answers), moved=True)
-        live = live_ranks(self.hosts, answers)
+            return Look({self.me}, seen.record, len(answers), moved=True)
         silent = [host for host in self.hosts if host not in answers]
-        return Look(live | {self.me}, record, len(answers), silent)
+        return Look(set(seen.live) | {self.me}, seen.record, len(answers), silent)
 
-    def _believed(self, answers: Answers) -> Supervision | None:
-        """The nodes' copies as ``believed`` takes them against the generation this supervisor
-        knows; a copy far ahead of it is named in the log (once)."""
+    def _name_far_ahead(self, answers: Answers) -> None:
+        """Name in the log (once) each copy far ahead of the generation this supervisor knows:
+        ``view`` leaves it out of what is believed."""
         for host, reply in answers.items():
             copy = reply.record
             if copy is None or not far_ahead(copy, self.job.generation, len(self.cluster)):
@@ -367,8 +367,6 @@ class Supervisor:
                     f"{copy.generation}, more than {len(self.cluster)} past generation "
                     f"{self.job.generation}: ignored, not followed"
                 )
-        copies = [reply.record for reply in answers.values()]
-        return believed(copies, self.job.generation, len(self.cluster))
 
     def follow(self, record: Supervision | None) -> bool:
         """Take ``record``'s membership as this supervisor's (its nodes, this node's rank, the
@@ -425,8 +423,6 @@ class Supervisor:
         """Give up, the nodes still running ended first. The other nodes usually fail on their
         own within seconds (torchrun notices a lost peer): they get a while, so status shows
         the codes they really ended with."""
-        # The other nodes usually fail on their own within seconds (torchrun notices a lost
-        # peer): give them a while, so status shows the codes they really ended with.
         job = self.job
         hosts = self.hosts
         still = [hosts[node.rank] for node in seen if node.state == JobState.RUNNING]

@@ -91,6 +91,11 @@ def believed(
     return replace(record, version=max(record.version, *left_out))
 
 
+def leader(live: Iterable[int]) -> int | None:
+    """The rank whose supervisor leads: the lowest live one (None: no live supervisor)."""
+    return min(live, default=None)
+
+
 @dataclass(frozen=True)
 class View:
     """A supervised job's supervision as the nodes' answers give it: the record believed
@@ -102,8 +107,8 @@ class View:
 
     @property
     def leader(self) -> int | None:
-        """The rank whose supervisor leads: the lowest live one (None: no live supervisor)."""
-        return min(self.live, default=None)
+        """The rank whose supervisor leads (``leader``)."""
+        return leader(self.live)
 
 
 def view(answers: Answers, hosts: Sequence[Host], generation: int, nodes: int) -> View:
@@ -128,10 +133,9 @@ def look(
     return view(answers, hosts, job.generation, nodes)
 
 
-def stop_record(answers: Answers, restarts: int, generation: int, nodes: int) -> Supervision:
-    """Pure: the record ``meshkit stop`` leaves on every node: the believed copy (``believed``),
+def stop_record(record: Supervision | None, restarts: int) -> Supervision:
+    """Pure: the record ``meshkit stop`` leaves on every node: the believed one (``View.record``),
     STOPPED and one version on (a job none of whose nodes keeps a copy gets a bare one)."""
-    record = believed((reply.record for reply in answers.values()), generation, nodes)
     if record is None:
         record = Supervision(SupervisorState.STOPPED, 0, restarts)
     return replace(

@@ -16,6 +16,7 @@ from ..hostfile import Host
 from ..protocol import JobState, RestartReason, Supervision, SupervisorState
 from ..record import StrEnum, replace
 from .jobs import StatusRow
+from .supervision import leader
 from .verdicts import Check
 
 MISSES = 2  # consecutive unanswered polls before a node counts as gone (one blip is no failure)
@@ -381,7 +382,6 @@ def next_step(me: int, live: set[int], record: Supervision | None) -> Step:
     relaunching = record.supervisor == SupervisorState.RELAUNCHING
     if relaunching and record.by in live:
         return Step.RESUME if record.by == me else Step.FOLLOW
-    leader = min(live | {me})
-    if leader != me:
+    if leader(live | {me}) != me:
         return Step.FOLLOW
     return Step.RESUME if relaunching else Step.WATCH

@@ -188,7 +188,7 @@ def supervisor_state(
     """A supervised job's supervision in ``supervisor_words``, as ``status`` says it, from the
     nodes ``asked`` (None: not supervised, or no record); ``nodes``: the hostfile's, spares
     included (``believed``)."""
-    if not job.restarts:
+    if not job.supervised:
         return None
     seen = look(pool, job, hosts, nodes, asked)
     return supervisor_words(supervision_status(seen))
@@ -223,7 +223,7 @@ class Watch:
         # a supervised job's hostfile nodes, spares included (``believed``'s bound): read here,
         # where a missing hostfile is an error before the view starts, not in the middle of it
         self.cluster_size = len(self.hosts)
-        if job is not None and job.restarts:
+        if job is not None and job.supervised:
             self.cluster_size = len(lookup.cluster_hosts(job))
 
     def request_for(self, host: Host) -> TopRequest:

@@ -73,7 +73,8 @@ def plan(conf: Config, options: Options) -> tuple[Job, list[Host]]:
         min_nodes=job.min_nodes if min_nodes is None else min_nodes,
     )
     if options.replace_after is not None:
-        job = replace(job, replace_after=parse_duration(options.replace_after, "--replace-after"))
+        after = parse_duration(options.replace_after, "--replace-after")
+        job = replace(job, replace_after=after, replaces_lost=after is not None)
     if options.spawn:
         check_spawn_cmd(job.cmd)
     if job.restart_on_stall and (not job.restarts or job.stall_after is None):
@@ -140,7 +141,7 @@ def train(
             synced=copied,
         )
         started = None
-        if launched.ok and not launched.dry_run and launched.job.restarts:
+        if launched.ok and not launched.dry_run and launched.job.supervised:
             started = start_supervisor(pool, launched.job, hosts)
     lacking_labels = [host.label for host in lacking]
     return TrainResult(launched.job, launched, lacking_labels, report, started)

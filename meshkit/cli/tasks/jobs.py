@@ -119,7 +119,7 @@ TRAIN_HELP = helps(
     restart_on_stall="with --restarts: a stall restarts the job (its diagnosis is saved first)",
     replace_after="with --restarts: a node that does not answer this long is lost and a spare "
     "(a hostfile line marked spare) takes its rank (90s, 5m; default 300s; off: wait, then give "
-    "up)",
+    "up); given with --restarts 0, the job is supervised for lost nodes alone",
     min_nodes="with --restarts: with no healthy spare, go on without the lost nodes while at "
     "least this many are left (ranks renumbered)",
     sync="copy the workdir to every node (default: when some node does not see it)",
