@@ -215,18 +215,31 @@ def loop(job: Job, pool: ScriptedPool, me: int = 0, gate=lambda *a: []):
             False,
         )
 
-    final = Supervisor(
+    final = scripted(
         lambda hosts, wait: nullcontext(pool),
         job,
-        HOSTS,
         me,
         lambda _m: None,
-        interval=0,
-        base_backoff=0,
         relaunch=relaunch,
         gate=gate,
     ).run()
     return final, launched
+
+
+def scripted(connect, job, me, say, relaunch, gate, cluster=()) -> Supervisor:
+    """A supervisor of ``HOSTS`` over scripted nodes: no wait between polls, no backoff."""
+    return Supervisor(
+        connect,
+        job,
+        HOSTS,
+        me,
+        say,
+        interval=0,
+        base_backoff=0,
+        relaunch=relaunch,
+        gate=gate,
+        cluster=cluster,
+    )
 
 
 def first_record(restarts: int) -> Supervision:
@@ -578,14 +591,11 @@ def test_a_lost_node_back_in_a_newer_generation_ends_its_part_and_relaunches_not
     pool.copies[HOSTS[1]] = newer.to_json()
     pool.copies[HOSTS[2]] = first_record(2).to_json()  # its own, from before
     launched: list[int] = []
-    final = Supervisor(
+    final = scripted(
         lambda hosts, wait: nullcontext(pool),
         job,
-        HOSTS,
         2,
         lambda _m: None,
-        interval=0,
-        base_backoff=0,
         relaunch=lambda pool_, job_, attempt: launched.append(attempt),  # type: ignore[func-returns-value]
         gate=lambda *a: [],
         cluster=[*HOSTS, spare],
@@ -717,14 +727,11 @@ def test_a_node_that_goes_silent_is_replaced_the_bound_after_its_first_unanswere
         return []
 
     with pytest.raises(Claimed):
-        Supervisor(
+        scripted(
             pool.connect,
             job,
-            HOSTS,
             0,
             said.append,
-            interval=0,
-            base_backoff=0,
             relaunch=relaunch,
             gate=gate,
             cluster=[*HOSTS, spare],
@@ -792,14 +799,11 @@ def test_a_node_whose_copy_claims_an_absurd_generation_is_ignored_and_its_copy_r
     )
     pool.copies[HOSTS[1]] = bad.to_json()
     said: list[str] = []
-    final = Supervisor(
+    final = scripted(
         lambda hosts, wait: nullcontext(pool),
         job,
-        HOSTS,
         0,
         said.append,
-        interval=0,
-        base_backoff=0,
         relaunch=launched_rows,
         gate=lambda *a: [],
     ).run()
@@ -835,14 +839,11 @@ def test_a_lost_node_goes_to_a_spare_with_no_restarts_left(monkeypatch):
         raise Claimed
 
     with pytest.raises(Claimed):
-        Supervisor(
+        scripted(
             pool.connect,
             job,
-            HOSTS,
             0,
             said.append,
-            interval=0,
-            base_backoff=0,
             relaunch=relaunch,
             gate=lambda *a: [],
             cluster=[*HOSTS, spare],
