@@ -696,6 +696,16 @@ class PoweredOff(ScriptedPool):
         return super().call_all(phase, request_for, expect, wanted, timeout)
 
 
+def powered_off(job: Job) -> tuple[PoweredOff, Host]:
+    """``HOSTS`` running the job, node 2 to be powered off (``PoweredOff``), a spare that
+    answers, and the job's first record on the two nodes that stay up."""
+    spare = Host("10.0.0.9", lineno=9, spare=True)
+    pool = PoweredOff([[st("running")] * 3], {0, 1})
+    pool.replies["stop"][spare] = p.StopReply(True, 4, [])
+    sup.write(pool, job, HOSTS[:2], first_record(job.restarts), 0)
+    return pool, spare
+
+
 def test_a_node_that_goes_silent_is_replaced_the_bound_after_its_first_unanswered_poll(
     monkeypatch,
 ):
@@ -710,10 +720,7 @@ def test_a_node_that_goes_silent_is_replaced_the_bound_after_its_first_unanswere
     monkeypatch.setattr(supervise, "RECONNECT", 0.5)
     bound = 1.0
     job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2, replace_after=bound)
-    spare = Host("10.0.0.9", lineno=9, spare=True)
-    pool = PoweredOff([[st("running")] * 3], {0, 1})
-    pool.replies["stop"][spare] = p.StopReply(True, 4, [])
-    sup.write(pool, job, HOSTS[:2], first_record(2), 0)
+    pool, spare = powered_off(job)
     said: list[str] = []
     claimed: list[float] = []
     gated: list[list[Host]] = []
@@ -828,11 +835,8 @@ def test_a_lost_node_goes_to_a_spare_with_no_restarts_left(monkeypatch):
     monkeypatch.setattr(supervise, "POLL_TIMEOUT", 0.2)
     monkeypatch.setattr(supervise, "RECONNECT", 0.2)
     job = Job("x", "/w", "s", "/h", "/p", 1, restarts=0, replace_after=0.5)
-    spare = Host("10.0.0.9", lineno=9, spare=True)
-    pool = PoweredOff([[st("running")] * 3], {0, 1})
+    pool, spare = powered_off(job)
     pool.CONNECT = 0.1
-    pool.replies["stop"][spare] = p.StopReply(True, 4, [])
-    sup.write(pool, job, HOSTS[:2], first_record(0), 0)
     said: list[str] = []
 
     def relaunch(pool_, job_, attempt):
