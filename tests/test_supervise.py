@@ -101,8 +101,10 @@ def test_one_missed_poll_is_not_a_failure():
 
 
 def test_nodes_not_answering_are_a_replacement_whatever_restarts_are_left():
-    """With --replace-after, nodes that do not answer (and nothing else) are REPLACE, restarts
-    left or not: a replacement uses up none. Anything else with them is a failure as before."""
+    """With --replace-after, nodes that do not answer are REPLACE, restarts left or not: a
+    replacement uses up none. So are they beside other nodes' failures (a lost master's peers
+    fail within seconds); a fatal code still gives up, and without --replace-after nothing
+    changed."""
     silent = nodes(("running", None), ("unreachable", None))
     for left in (0, 2):
         decision = decide(silent, STARTED, (), left, replaceable=True)
@@ -111,8 +113,17 @@ def test_nodes_not_answering_are_a_replacement_whatever_restarts_are_left():
     assert decide(silent, STARTED, (), 0).action == Action.GIVE_UP  # no --replace-after
     assert decide(silent, STARTED, (), 1).action == Action.RESTART
     mixed = nodes(("exited", 1), ("unreachable", None))
-    assert decide(mixed, STARTED, (), 0, replaceable=True).action == Action.GIVE_UP
-    assert decide(mixed, STARTED, (), 1, replaceable=True).action == Action.RESTART
+    for left in (0, 1):
+        decision = decide(mixed, STARTED, (), left, replaceable=True)
+        assert (decision.action, decision.cause) == (Action.REPLACE, "lost")
+        reason = "node 0 (10.0.0.1) exited with code 1; node 1 (10.0.0.2) is not answering"
+        assert decision.reason == reason
+    assert decide(mixed, STARTED, (), 0).action == Action.GIVE_UP
+    assert decide(mixed, STARTED, (), 1).action == Action.RESTART
+    rebooted = nodes(("absent", None), ("unreachable", None))
+    assert decide(rebooted, STARTED, (), 0, replaceable=True).action == Action.REPLACE
+    fatal = nodes(("exited", 3), ("unreachable", None))
+    assert decide(fatal, STARTED, (1,), 2, replaceable=True).action == Action.GIVE_UP
 
 
 def test_backoff_doubles_and_is_capped():
@@ -826,10 +837,12 @@ def test_a_node_whose_copy_claims_an_absurd_generation_is_ignored_and_its_copy_r
     assert not any("this node is rank" in line for line in said)
 
 
-def test_a_lost_node_goes_to_a_spare_with_no_restarts_left(monkeypatch):
+@pytest.mark.parametrize("peers", ["running", "failed"])
+def test_a_lost_node_goes_to_a_spare_with_no_restarts_left(monkeypatch, peers):
     """``--restarts 0 --replace-after``: a replacement uses up no restart, so a node lost with
-    none left still goes to the spare (the policy does not give up first), and the claim of the
-    new generation keeps ``restarts_left`` at 0."""
+    none left still goes to the spare (the policy does not give up first), also when the other
+    nodes' ranks failed meanwhile (as torchrun's do within seconds of losing the master), and
+    the claim of the new generation keeps ``restarts_left`` at 0."""
     from meshkit.ops import supervise
 
     monkeypatch.setattr(supervise, "POLL_TIMEOUT", 0.2)
@@ -837,6 +850,8 @@ def test_a_lost_node_goes_to_a_spare_with_no_restarts_left(monkeypatch):
     job = Job("x", "/w", "s", "/h", "/p", 1, restarts=0, replace_after=0.5)
     pool, spare = powered_off(job)
     pool.CONNECT = 0.1
+    if peers == "failed":  # every poll: nodes 0 and 1 exited 1 (node 2 is off)
+        pool.polls = [[st("exited", 1), st("exited", 1), st("running")]]
     said: list[str] = []
 
     def relaunch(pool_, job_, attempt):

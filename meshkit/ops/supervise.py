@@ -260,7 +260,7 @@ class Supervisor:
         """RESUME: the claimed attempt of a supervisor that is gone, finished by the leader:
         the same attempt, never a new one."""
         seen = call.record
-        return self._claim(seen, seen.last_restart_reason or "", None, call.nodes, takeover=True)
+        return self._claim(seen, seen.last_restart_reason or "", None, takeover=True)
 
     def _relaunch(self, call: Call, claim: Supervision | None) -> Outcome:
         """Back off, then claim the next attempt (``claim``; None: none is left) and make it.
@@ -273,14 +273,13 @@ class Supervisor:
         lost = self._lost()
         if lost and self.job.replace_after is not None:
             return replace_lost(self, replace(seen, last_restart_reason=why), lost, self._bound())
-        return self._claim(seen, why, claim, call.nodes, takeover=False)
+        return self._claim(seen, why, claim, takeover=False)
 
     def _claim(
         self,
         seen: Supervision,
         why: str,
         claim: Supervision | None,
-        nodes: list[NodeView],
         takeover: bool,
     ) -> Outcome:
         """Wait for every node to answer (those that do not: lost, to the replacement, or the
@@ -307,7 +306,10 @@ class Supervisor:
                 claim = replace(current, waiting=None)
             elif claim is None:  # they answer again, and no restart is left to relaunch them
                 given = f"no restarts left; last failure: {why}"
-                return self._end_and_give_up(pool, current, nodes, given)
+                # a fresh poll: the node that came back may run its part of the job still
+                rows = ops.status(pool, self.job, self.hosts, phase="", timeout=POLL_TIMEOUT)
+                now = views(rows, self.hosts, self.silence)
+                return self._end_and_give_up(pool, current, now, given)
             else:
                 claim = replace(claim, version=current.version, waiting=None)
             claimed = self._write(pool, claim, every=True)

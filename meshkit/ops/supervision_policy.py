@@ -49,10 +49,11 @@ class Action(StrEnum):
        ``WAIT``; ``DONE``; ``GIVE_UP``; ``RESTART`` (a failure, stall or reboot: back off, wait
        for every node, claim the next attempt, stop, hold while the health gate fails, launch,
        at most ``--restarts`` times); ``REPLACE`` (nodes that do not answer, with
-       ``--replace-after``: once lost, their ranks go to healthy spares, or the job shrinks
-       with ``--min-nodes``, in a new ``generation`` (``ops.membership``, ``ops.replacement``);
-       a replacement uses up no restart, so it is decided whatever ``restarts_left`` is; nodes
-       that answer again before they are lost are a restart, which needs one left).
+       ``--replace-after``, whatever the other nodes did meanwhile: once lost, their ranks go
+       to healthy spares, or the job shrinks with ``--min-nodes``, in a new ``generation``
+       (``ops.membership``, ``ops.replacement``); a replacement uses up no restart, so it is
+       decided whatever ``restarts_left`` is; nodes that answer again before they are lost
+       are a restart, which needs one left).
     2. ``RELAUNCHING``: rank ``by`` claimed the next attempt and makes it; if it is gone, the
        leader finishes the same attempt (``RESUME``), never a new one.
     3. ``DONE``, ``GAVE UP``: final; every supervisor ends (``Step.END``).
@@ -274,8 +275,10 @@ def decide(
     (as first seen): a different start time means the node ran something else since (a reboot
     and someone's relaunch, say). ``stalled``: why the job counts as stalled (--restart-on-stall),
     a failure like any other. ``replaceable``: a node that does not answer may be replaced
-    (--replace-after), which uses up no restart: nodes that do not answer, and nothing else,
-    are a REPLACE whatever ``restarts_left`` is."""
+    (--replace-after), which uses up no restart: nodes that do not answer are a REPLACE
+    whatever ``restarts_left`` is, also beside other nodes' failures (a lost node's peers fail
+    on their own within seconds: torchrun's, when the master goes). A fatal code still gives up
+    first."""
     if nodes and all(node.state == JobState.EXITED and node.exit_code == 0 for node in nodes):
         return Decision(Action.DONE, None, "every node exited 0")
     problems: list[str] = []
@@ -304,10 +307,10 @@ def decide(
     if stalled and not problems:
         problems.append(stalled)
         cause = Cause.STALL
+    elif silent and (replaceable or silent == len(problems)):
+        cause = Cause.LOST  # with --replace-after, whatever the other nodes did meanwhile
     elif rebooted:
         cause = Cause.REBOOT
-    elif problems and silent == len(problems):
-        cause = Cause.LOST
     told = restart_reason(nodes, stalled)
     if fatal:
         given = Cause.STALL if cause == Cause.STALL else Cause.FAILURE  # a stall among them
