@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from meshkit import sandbox
+from meshkit.errors import SandboxError
+from meshkit.sandbox import slurm as private_slurm
 
 MESHKIT = [sys.executable, "-m", "meshkit"]
 
@@ -103,10 +105,25 @@ def need_root() -> None:
 
 
 @contextmanager
-def fresh_sandbox(name: str, nodes: int, user: bool = False) -> Iterator[sandbox.Layout]:
+def fresh_sandbox(
+    name: str,
+    nodes: int,
+    user: bool = False,
+    slurm: bool = False,
+    networks: sandbox.NetworkOptions | None = None,
+) -> Iterator[sandbox.Layout]:
+    """A sandbox of its own, taken down after; ``slurm``: with the private SLURM (skipped where
+    its Debian packages are missing, which .ci/run fails under CI: it installs them)."""
     need_root()
+    if slurm:
+        try:
+            private_slurm.preflight()
+        except SandboxError as exc:
+            pytest.skip(f"sandbox SLURM: {exc}")
     subnet = sandbox.default_subnet("", name)
-    lay = sandbox.up(sandbox_dir(name), subnet, nodes, name, user=user)
+    lay = sandbox.up(
+        sandbox_dir(name), subnet, nodes, name, networks=networks, slurm=slurm, user=user
+    )
     try:
         yield lay
     finally:

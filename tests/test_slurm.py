@@ -13,10 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import need_root, sandbox_dir, sandbox_name
+from conftest import fresh_sandbox, sandbox_name
 
 from meshkit import sandbox
-from meshkit.errors import SandboxError
 from meshkit.sandbox import slurm
 
 NAME = sandbox_name(__name__)
@@ -43,21 +42,12 @@ dist.destroy_process_group()
 
 @pytest.fixture(scope="module")
 def lay() -> Iterator[sandbox.Layout]:
-    need_root()
-    try:
-        slurm.preflight()
-    except SandboxError as exc:  # CI installs them
-        pytest.skip(f"sandbox SLURM: {exc}")  # .ci/run fails a CI run with this skip
-    root = sandbox_dir(NAME)
-    layout = sandbox.up(root, sandbox.default_subnet("", NAME), NODES, NAME, slurm=True)
-    try:
+    with fresh_sandbox(NAME, NODES, slurm=True) as layout:
         yield layout
-    finally:
-        sandbox.down(root, NAME)
-        assert not any(
-            n.startswith(f"meshkit-{NAME}-")
-            for n in subprocess.check_output(["ip", "netns"], text=True).split()
-        )
+    assert not any(
+        n.startswith(f"meshkit-{NAME}-")
+        for n in subprocess.check_output(["ip", "netns"], text=True).split()
+    )
 
 
 def in_node(

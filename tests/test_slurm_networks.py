@@ -9,10 +9,9 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from conftest import need_root, sandbox_dir, sandbox_name
+from conftest import fresh_sandbox, sandbox_name
 
 from meshkit import sandbox
-from meshkit.errors import SandboxError
 from meshkit.sandbox import networks, slurm
 
 NAME = sandbox_name(__name__)
@@ -22,18 +21,9 @@ IFNAMES = ["eth0", "ens3", "eno1"]
 
 @pytest.fixture(scope="module")
 def lay() -> Iterator[sandbox.Layout]:
-    need_root()
-    try:
-        slurm.preflight()
-    except SandboxError as exc:  # CI installs them
-        pytest.skip(f"sandbox SLURM: {exc}")
-    root = sandbox_dir(NAME)
     opts = networks.NetworkOptions(ifnames=True, debian_hosts=True, second=True)
-    layout = sandbox.up(root, sandbox.default_subnet("", NAME), 3, NAME, networks=opts, slurm=True)
-    try:
+    with fresh_sandbox(NAME, 3, slurm=True, networks=opts) as layout:
         yield layout
-    finally:
-        sandbox.down(root, NAME)
 
 
 def test_srun_each_node_exports_the_interface_of_its_route_to_the_master(lay):
