@@ -148,7 +148,7 @@ class Cluster:
 
     def stop(self) -> jobs.Stopped:
         """``meshkit stop``: the supervisor, then the job's whole tree on every node; verified."""
-        return self._on_saved(jobs.stop_with_supervisors)
+        return self._on_saved(jobs.stop_with_supervisors, spares=True)
 
     def exec(
         self, cmd: str, *, nodes: str | None = None, timeout: float | None = None

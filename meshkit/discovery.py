@@ -88,9 +88,12 @@ def discover(
     include: str | None = None,
     exclude: str | None = None,
     environ: Mapping[str, str] | None = None,
+    launch: str | None = None,
 ) -> NodeEnv:
     """This node's ``NodeEnv``: the first launcher source present, else the hostfile matched against
-    this machine's addresses. The same inputs give the same answer on every node."""
+    this machine's addresses. The same inputs give the same answer on every node. ``launch``:
+    a train's (its preflight): a saved job of another launch, and its membership, are not
+    followed."""
     if environ is None:
         environ = os.environ
     env = dict(environ)
@@ -130,7 +133,7 @@ def discover(
             spare = topology.spare_match(spares, spare_addresses, local, this_host)
             if spare is None:
                 raise
-            job = membership_job(str(hostfile_path), session)
+            job = membership_job(str(hostfile_path), session, launch)
             if job is None or spare.label not in job.members:
                 raise TopologyError(
                     f"{hostfile_path}:{spare.lineno}: this machine ({this_host}) is a spare of "
@@ -142,7 +145,7 @@ def discover(
             return in_membership(job, session, master_port, nproc_per_node, env)
         # the job's membership changed (a node lost, the master moved, a shrink): its place
         # there, not its line's, is this node's rank
-        job = membership_job(str(hostfile_path), session)
+        job = membership_job(str(hostfile_path), session, launch)
         if job is not None:
             this = hosts[match.rank]
             if this.label not in job.members:
@@ -150,7 +153,8 @@ def discover(
                     f"{hostfile_path}:{this.lineno}: this machine ({this_host}) is not in the "
                     f"membership of session {session}'s job (generation {job.generation}): it "
                     "was lost and its rank went to a spare, or the job shrank without it; it is "
-                    "a spare of that job now (`meshkit status` shows the membership)"
+                    "a spare of that job now (`meshkit status` shows the membership; "
+                    "`meshkit train --cmd CMD` starts a new job on the hostfile's nodes)"
                 )
             return in_membership(job, session, master_port, nproc_per_node, env)
     if placement is not None and placement.verify_master and not hostfile_decides:
@@ -195,10 +199,11 @@ def in_membership(
     )
 
 
-def membership_job(hostfile_path: str, session: str) -> Job | None:
+def membership_job(hostfile_path: str, session: str, launch: str | None = None) -> Job | None:
     """The saved job of ``session`` beside this hostfile (through its index, as ``status`` finds
     it) when its membership changed since its launch; None when there is no such job, it does
-    not read, or its membership is the hostfile's."""
+    not read, its membership is the hostfile's, or it is not ``launch`` (a new train's
+    preflight: the earlier launch's membership is not the new one's)."""
     index = index_file(os.path.abspath(hostfile_path), session)
     index_text = _read_small(index)
     if index_text is None:
@@ -217,6 +222,8 @@ def membership_job(hostfile_path: str, session: str) -> Job | None:
     except (JobError, UsageError):
         return None
     if not job.members:
+        return None
+    if launch is not None and job.launch != launch:
         return None
     return job
 

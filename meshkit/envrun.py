@@ -55,8 +55,10 @@ def node_env(
     nproc_per_node: str | None = None,
     include: str | None = None,
     exclude: str | None = None,
+    launch: str | None = None,
 ) -> NodeEnv:
-    """This node's place, from the flags over ``conf``."""
+    """This node's place, from the flags over ``conf`` (``launch``: a train's preflight, which
+    follows only its own launch's membership, not an earlier one's)."""
     from .discovery import discover
 
     rank = None
@@ -72,6 +74,7 @@ def node_env(
         nproc_per_node=pick_int(conf, "nproc_per_node", nproc_per_node, allow_auto=True),
         include=pick(conf, "include", include),
         exclude=pick(conf, "exclude", exclude),
+        launch=launch,
     )
 
 

@@ -90,6 +90,8 @@ class Job:
     generation: int = 1  # the membership's: one on with each replacement or shrink
     members: tuple[str, ...] = ()  # each rank's node since a change of membership (as the
     # hostfile spells it); empty: the hostfile's nodes (after --include/--exclude)
+    launch: str = ""  # this train's id (``quorum.new_launch``): its discovery, supervision copies
+    # and stops are its own, apart from any earlier launch of the same workdir and session
 
     @property
     def supervised(self) -> bool:
@@ -211,6 +213,7 @@ class Job:
             nproc_per_node=self.nproc_per_node,
             include=None if self.members else self.include,  # a membership lists its nodes
             exclude=None if self.members else self.exclude,
+            launch=self.launch,
         )
 
     def to_json(self) -> str:

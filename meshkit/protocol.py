@@ -90,6 +90,7 @@ class EnvRequest(Request):
     nproc_per_node: int | None = None
     include: str | None = None
     exclude: str | None = None
+    launch: str | None = None  # the train's launch: only its own membership is followed
 
 
 @record
@@ -433,6 +434,8 @@ class Supervision:
     lost: list[str] = field(default_factory=list)  # nodes dropped from the membership for good
     replaced: list[str] = field(default_factory=list)  # "LOST -> SPARE", one per replacement
     waiting: str | None = None  # the lost node a relaunch waits for, and until when (UTC)
+    launch: str = ""  # the train that started the job (``quorum.new_launch``): copies and
+    # stops of another launch are not this job's
 
     def to_json(self) -> str:
         """The copy as a node stores it."""

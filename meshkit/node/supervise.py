@@ -19,7 +19,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..protocol import Supervision, SupervisorReply, SupervisorRequest, SupervisorState
+from ..protocol import Supervision, SupervisorReply, SupervisorRequest
+from ..quorum import keeps
 from ..record import build
 from . import procs, tmux
 from .files import (
@@ -161,14 +162,8 @@ def version_of(text: str | None) -> int:
 
 def accepts(stored: str | None, record: Supervision, version: int) -> bool:
     """Pure: whether a node whose copy is ``stored`` keeps ``record``, written by one who read
-    ``version``. A stop always lands; nothing else replaces a stop; otherwise compare-and-set:
-    only over a copy no newer than the writer read (an unreadable copy counts as version 0)."""
-    if record.supervisor == SupervisorState.STOPPED:
-        return True
-    copy = copy_of(stored)
-    if copy is not None and copy.supervisor == SupervisorState.STOPPED:
-        return False
-    return version_of(stored) <= version
+    ``version`` (``quorum.keeps``; an unreadable copy counts as none)."""
+    return keeps(copy_of(stored), record, version)
 
 
 def _store(request: SupervisorRequest, record: Supervision) -> bool:

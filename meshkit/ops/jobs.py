@@ -18,7 +18,7 @@ from ..errors import LaunchError, NodeFailed, ProtocolError
 from ..hostfile import Host, members_text
 from ..job import Job
 from ..outcome import Outcome
-from ..protocol import JobState
+from ..protocol import JobState, Supervision
 from ..record import replace
 from .lookup import cluster_hosts
 from .membership import spares_of
@@ -245,11 +245,15 @@ class StatusRow:
     def as_json(self, supervision: SupervisionStatus | None = None) -> dict[str, object]:
         """The ``--json`` shape of this node: with ``supervision`` (a supervised job's, the
         same for every node) its keys too. A node that answered with its own error is
-        ``error``, as the text table says; one that gave no answer stays ``absent``."""
+        ``error``, as the text table says; one that gave no answer is ``unreachable`` (whether
+        the job runs there is unknown: never ``absent``), its ``last_line`` what was last
+        known of it."""
         keys = ["node_rank", "host", "state", "exit_code", "started", "last_line", "stalled"]
         data = {key: getattr(self, key) for key in keys}
         if self.error and not self.silent:
             data["state"] = "error"
+        if self.error and self.silent:
+            data["state"] = UNREACHABLE
         if supervision is not None:
             data.update(supervision.record_json())
         data["idle_s"] = None if self.idle_s is None else round(self.idle_s, 1)
@@ -354,9 +358,24 @@ def job_status(pool: NodePool, job: Job, hosts: Sequence[Host]) -> JobStatus:
     if not job.supervised:
         return JobStatus(rows)
     cluster = cluster_hosts(job)
-    seen = look(pool, job, hosts, len(cluster))
+    seen = look(pool, job, hosts, cluster)
     spares = spare_rows(pool, job, hosts, spares_of(cluster, hosts))
+    rows = [last_known(row, seen.record) for row in rows]
     return JobStatus(rows, supervision_status(seen, spares))
+
+
+def last_known(row: StatusRow, record: Supervision | None) -> StatusRow:
+    """Pure: a row of a node that gave no answer, with what the supervision record last knew
+    of it (its generation, and the exit code its last attempt ended with) as its last line."""
+    if not (row.error and row.silent) or record is None:
+        return row
+    known = f"last known: rank {row.node_rank} of generation {record.generation}"
+    codes = record.exit_codes
+    if row.node_rank < len(codes) and codes[row.node_rank] is not None:
+        known += f", last exit code {codes[row.node_rank]}"
+    if row.host in record.lost:
+        known += ", lost"
+    return replace(row, last_line=known)
 
 
 @dataclass(frozen=True)
@@ -389,6 +408,8 @@ def stop(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[StopRow]:
             rows.append(StopRow(rank, host.label, reply.found, reply.signalled, reply.left, None))
     return rows
 
+
+UNREACHABLE = "unreachable"  # status's state of a node that gave no answer
 
 UNREACHED = "the job may still run there; `meshkit stop` again once it answers ends it"
 UNREACHED_SUPERVISED = (
@@ -438,9 +459,12 @@ def stop_with_supervisors(pool: NodePool, job: Job, hosts: Sequence[Host]) -> St
     left = []
     then = UNREACHED
     if job.supervised:
-        nodes = len(cluster_hosts(job))
-        stopped = stop_record(look(pool, job, hosts, nodes).record, job.restarts)
-        left = end_supervisor(pool, job, hosts, stopped)
+        cluster = cluster_hosts(job)
+        stopped = stop_record(look(pool, job, hosts, cluster).record, job)
+        # spares too: a supervisor cut off from the members may claim them for a new
+        # generation, and must find the stop there
+        every = [*hosts, *(host for host in cluster if host not in hosts)]
+        left = end_supervisor(pool, job, every, stopped)
         then = UNREACHED_SUPERVISED
     rows = stop(pool, job, hosts)
     unreached = [Unreached(row.node_rank, row.host, row.error, then) for row in rows if row.error]

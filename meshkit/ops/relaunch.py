@@ -88,7 +88,9 @@ def finish(loop: Loop, pool: NodePool, claimed: Supervision, checked: bool = Fal
             return loop.gave_up(pool, claimed, why)
         if claimed.held != held:
             say(f"attempt {attempt}: held by {held}")
-            renewed = write(pool, job, hosts, replace(claimed, held=held), loop.me)
+            renewed = write(
+                pool, job, hosts, replace(claimed, held=held), loop.me, False, loop.cluster
+            )
             if renewed is None:
                 return Then.WATCH
             claimed = renewed
@@ -96,7 +98,7 @@ def finish(loop: Loop, pool: NodePool, claimed: Supervision, checked: bool = Fal
         time.sleep(loop.interval)
     # The claim renewed right before the launch: a supervisor that hung while another
     # took this attempt over finds a newer copy here and launches nothing.
-    renewed = write(pool, job, hosts, replace(claimed, held=None), loop.me)
+    renewed = write(pool, job, hosts, replace(claimed, held=None), loop.me, False, loop.cluster)
     if renewed is None:
         say(f"attempt {attempt}: another supervisor took it over; following it")
         return Then.WATCH
@@ -105,7 +107,7 @@ def finish(loop: Loop, pool: NodePool, claimed: Supervision, checked: bool = Fal
     if failure is not None:  # a failed attempt: the next poll sees the nodes absent
         say(f"attempt {attempt} did not start: {failure}")
     running = replace(claimed, supervisor=SupervisorState.RUNNING, held=None)
-    if write(pool, job, hosts, running, loop.me) is None:
+    if write(pool, job, hosts, running, loop.me, False, loop.cluster) is None:
         return Then.WATCH
     say(f"attempt {attempt} started")
     start_all(pool, job, hosts)  # where none is live: a rebooted node's comes back

@@ -20,6 +20,7 @@ from ..errors import LaunchError, MeshkitError, RemoteError
 from ..hostfile import Host, members_text
 from ..job import Job
 from ..protocol import StopReply, StopRequest, Supervision, SupervisorState
+from ..quorum import majority
 from ..record import replace
 from . import jobs as ops
 from .membership import Change, plan, reason_of_change, spares_of
@@ -97,7 +98,8 @@ def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refus
     too)."""
     labels = tuple(host.label for host in change.members)
     job = replace(loop.job, members=labels, generation=seen.generation + 1)
-    with loop.connect(change.members, RECONNECT) as pool:
+    others = [host for host in loop.cluster if host not in change.members]
+    with loop.connect([*change.members, *others], RECONNECT) as pool:
         down = {host: pool.failures[host] for host in change.added if host in pool.failures}
         if down:
             return Refused(down)
@@ -118,14 +120,30 @@ def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refus
         if unfit:
             return Refused(unfit)
         rank = change.members.index(loop.node)
-        claimed = write(pool, job, change.members, claim_of(seen, change), rank, every=True)
+        claim = claim_of(seen, change)
+        claimed = write(pool, job, change.members, claim, rank, True, loop.cluster)
         if claimed is None:
-            loop.say("another supervisor moved on first; following it")
+            loop.say(unclaimed(pool, loop.cluster))
             return Then.WATCH
         loop.say(f"generation {claimed.generation}: {claimed.last_restart_reason}")
         loop.follow(claimed)
         # the checks just passed on every node of it: not run again before the launch
         return finish(loop, pool, claimed, checked=not held)
+
+
+def unclaimed(pool: NodePool, cluster: Sequence[Host]) -> str:
+    """Why a claim of a new generation did not stand: too few of the job's nodes answer for a
+    majority (a partition), or another supervisor moved on first."""
+    answering = [host for host in cluster if host not in pool.failures]
+    if len(answering) < majority(len(cluster)):
+        return (
+            f"no majority of the job's nodes answers ({len(answering)} of {len(cluster)}): "
+            "partitioned? launching nothing on this side"
+        )
+    return (
+        "another supervisor moved on first, or a majority of the job's nodes did not keep "
+        "the claim; following it"
+    )
 
 
 def unfit_spares(added: Sequence[Host], held: Sequence[Check]) -> dict[Host, str]:

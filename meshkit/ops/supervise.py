@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import JobError, UsageError
+from ..errors import JobError, MeshkitError, UsageError
 from ..hostfile import Host
 from ..job import Job
 from ..node.supervise import Heartbeat
@@ -31,7 +31,7 @@ from .membership import members_of
 from .pool import NodePool
 from .relaunch import COME_BACK, Connect, Gate, Launcher, finish
 from .replacement import RECONNECT, end_what_is_left, fence, replace_lost, waiting_note
-from .supervision import Answers, ask, far_ahead, view, write
+from .supervision import ask, view, write
 from .supervision_policy import (
     BACKOFF,
     Action,
@@ -71,6 +71,8 @@ class Look:
     answered: int
     silent: list[Host] = field(default_factory=list)
     moved: bool = False
+    settled: bool = True  # a majority of the job's nodes answered and carries ``record``
+    newer: bool = False  # some node holds a later launch's copy: this job was started anew
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,9 @@ class Supervisor:
             self.cluster = list(self.hosts)
         self.silence = Silence()  # the one tracker of the nodes that do not answer
         self.opened = time.monotonic()  # when the pool being looked through was opened
-        self.ignored: set[tuple[Host, int]] = set()  # copies far ahead, as the log named them
+        self.ignored: set[int] = set()  # generations no majority carries, as the log named them
+        self.majority_at = time.monotonic()  # when a look last found a majority of the nodes
+        self.fenced_alone = False  # this node's part ended for want of a majority
 
     def run(self) -> Supervision:
         """Watch, act on what a watch calls for, and again, until an action ends it all."""
@@ -140,7 +144,7 @@ class Supervisor:
             Action.RESUME: self._resume,
         }
         self.opened = time.monotonic()
-        with self.connect(self.hosts, 0.0) as pool:
+        with self.connect(self.nodes(), 0.0) as pool:
             watched = self._watch(pool)
             if isinstance(watched, Call) and watched.decision.action in ending:
                 return ending[watched.decision.action](pool, watched)
@@ -160,6 +164,14 @@ class Supervisor:
             record = look.record
             if not look.answered:
                 return Then.WATCH  # this node is cut off: a new connection in a while
+            if look.newer:
+                return Final(self._superseded(pool, look))
+            if not look.settled:
+                self._without_majority(look)
+                if time.monotonic() - since > RECONNECT:
+                    return Then.RECONNECT  # the nodes it misses may answer a new connection
+                time.sleep(self.interval)
+                continue
             if record is None:  # every copy is gone (a train dropped them to start anew)
                 why = "the supervision record is gone from every node"
                 return Final(Supervision(SupervisorState.GAVE_UP, 0, 0, why))
@@ -341,34 +353,90 @@ class Supervisor:
         if self.heart is not None:
             self.heart.moved()
 
+    def nodes(self) -> list[Host]:
+        """The nodes this supervisor connects to: the members in rank order, then the rest of
+        the hostfile (spares, lost nodes), whose copies count towards a majority."""
+        return [*self.hosts, *(host for host in self.cluster if host not in self.hosts)]
+
     def _look(self, pool: NodePool) -> Look:
-        """Look at every node's supervisor, and follow the newest record's membership."""
+        """Look at the supervisor and the record copy of every node of the job (spares
+        included), and follow the membership believed (``quorum.believe``)."""
         self.moved()
         asked = time.monotonic()
-        answers = ask(pool, self.job, self.hosts, timeout=POLL_TIMEOUT)
+        members = [host for host in self.nodes() if host in self.hosts]
+        answers = ask(pool, self.job, self.nodes(), timeout=POLL_TIMEOUT)
         self._hear(pool, answers, asked)
-        self._name_far_ahead(answers)
-        seen = view(answers, self.hosts, self.job.generation, len(self.cluster))
+        seen = view(answers, self.hosts, self.job, len(self.nodes()))
+        self._name_unproven(seen.belief.unproven)
+        silent = [host for host in members if host not in answers]
+        if seen.belief.quorum:
+            self.majority_at = time.monotonic()
+        if seen.belief.newer or not seen.belief.settled:
+            live = set(seen.live) | {self.me}
+            return Look(
+                live,
+                seen.record,
+                len(answers),
+                silent,
+                False,
+                seen.belief.settled,
+                seen.belief.newer,
+            )
         moved = self.follow(seen.record)
         if moved:
             return Look({self.me}, seen.record, len(answers), moved=True)
-        silent = [host for host in self.hosts if host not in answers]
         return Look(set(seen.live) | {self.me}, seen.record, len(answers), silent)
 
-    def _name_far_ahead(self, answers: Answers) -> None:
-        """Name in the log (once) each copy far ahead of the generation this supervisor knows:
-        ``view`` leaves it out of what is believed."""
-        for host, reply in answers.items():
-            copy = reply.record
-            if copy is None or not far_ahead(copy, self.job.generation, len(self.cluster)):
-                continue
-            if (host, copy.generation) not in self.ignored:
-                self.ignored.add((host, copy.generation))
+    def _name_unproven(self, generations: Sequence[int]) -> None:
+        """Name in the log (once) each generation some node claims and no majority carries:
+        ``view`` believes none of them (a claim that failed, a damaged copy, a bad node)."""
+        for generation in generations:
+            if generation not in self.ignored:
+                self.ignored.add(generation)
                 self.say(
-                    f"{host.label}: its supervision record says generation "
-                    f"{copy.generation}, more than {len(self.cluster)} past generation "
-                    f"{self.job.generation}: ignored, not followed"
+                    f"generation {generation} is claimed by fewer than a majority of the job's "
+                    f"{len(self.nodes())} nodes: not followed"
                 )
+
+    def _without_majority(self, look: Look) -> None:
+        """No majority of the job's nodes answers (a partition: this side is the smaller one,
+        or too many nodes are down): act on nothing. Should the job's membership be able to
+        change (spares, or --min-nodes, and --replace-after), the other side may give this
+        node's rank away once --replace-after passes: past half of it, this node's part of
+        the job ends here, so that two memberships never run at once."""
+        bound = self.job.replace_after
+        alone = time.monotonic() - self.majority_at
+        changes = len(self.nodes()) > len(self.hosts) or self.job.min_nodes is not None
+        if self.fenced_alone or bound is None or not changes or alone < bound / 2:
+            return
+        self.fenced_alone = True
+        self.say(
+            f"no majority of the job's {len(self.nodes())} nodes answers for {alone:.0f}s "
+            "(partitioned?): ending this node's part of the job; the nodes that have a majority "
+            "may give its rank to a spare"
+        )
+        self._end_here()
+
+    def _end_here(self) -> None:
+        """End what this node runs of the job (over a connection of its own)."""
+        node = [self.node]
+        with contextlib.suppress(MeshkitError), self.connect(node, RECONNECT) as own:
+            ending = StopRequest(self.job.id)
+            own.call_all("stop", lambda host: ending, StopReply, node)
+
+    def _superseded(self, pool: NodePool, look: Look) -> Supervision:
+        """A node holds a copy of a later launch of this job (a ``train`` since): this
+        supervisor's launch is over. Its node's part ends too, unless the new launch already
+        holds this node (then what runs here is the new launch's)."""
+        mine = ask(pool, self.job, [self.node]).get(self.node)
+        taken = (
+            mine is not None and mine.record is not None and mine.record.launch != self.job.launch
+        )
+        if not taken:
+            self._end_here()
+        why = "the job was started anew (a later train): this supervisor's launch is over"
+        self.say(why)
+        return Supervision(SupervisorState.GAVE_UP, 0, 0, why, launch=self.job.launch)
 
     def follow(self, record: Supervision | None) -> bool:
         """Take ``record``'s membership as this supervisor's (its nodes, this node's rank, the
@@ -395,7 +463,7 @@ class Supervisor:
     def _write(
         self, pool: NodePool, record: Supervision, every: bool = False
     ) -> Supervision | None:
-        return write(pool, self.job, self.hosts, record, self.me, every)
+        return write(pool, self.job, self.hosts, record, self.me, every, self.nodes())
 
     def _carry_stop(self, pool: NodePool, stopped: Supervision) -> Supervision:
         """The job was stopped, and this supervisor survived it (cut off from ``stop``): the
@@ -403,7 +471,7 @@ class Supervisor:
         did not reach them) leave the stop's record, then end the job there; relaunch
         nothing."""
         job = self.job
-        answers = ask(pool, job, self.hosts)
+        answers = ask(pool, job, self.nodes())
         behind = [
             host
             for host, reply in answers.items()
@@ -465,7 +533,7 @@ class Supervisor:
             # tries stop a try's length before the deadline instead of running past it
             wait = min(RECONNECT, max(0.0, deadline - now - RECONNECT))
             self.opened = now
-            with self.connect(self.hosts, wait) as pool:
+            with self.connect(self.nodes(), wait) as pool:
                 for host in self.hosts:
                     if host in pool.failures:
                         self.silence.unreachable(host, now)
@@ -504,7 +572,15 @@ class Supervisor:
         else:
             self.say(f"waiting for {waiting}")
         answering = [host for host in self.hosts if host not in silent]
-        noted = write(pool, self.job, answering, replace(record, waiting=waiting), self.me)
+        noted = write(
+            pool,
+            self.job,
+            answering,
+            replace(record, waiting=waiting),
+            self.me,
+            False,
+            self.nodes(),
+        )
         return noted or record
 
     def _lost(self) -> list[Host]:

@@ -13,6 +13,7 @@ from typing import Literal
 from ..hostfile import Host
 from ..job import Job
 from ..protocol import Supervision, SupervisorReply, SupervisorRequest, SupervisorState
+from ..quorum import Belief, Membership, believe, majority
 from ..record import replace
 from .pool import NodePool
 
@@ -61,36 +62,6 @@ def live_ranks(hosts: Sequence[Host], answers: Answers) -> set[int]:
     return {rank for rank, host in enumerate(hosts) if host in answers and alive(answers[host])}
 
 
-def far_ahead(record: Supervision, generation: int, nodes: int) -> bool:
-    """Pure: whether a node's copy claims a generation more than ``nodes`` (the hostfile's node
-    count) past ``generation`` (the newest this supervisor knows): so many changes of membership
-    while it looked on are not believable, and the newest generation wins, so one node sending
-    an absurd one (a damaged copy, a bad node) would pin the record and move the job to
-    whatever membership it names. Such a copy is ignored, not followed."""
-    return record.generation > generation + nodes
-
-
-def newest(copies: Iterable[Supervision | None]) -> Supervision | None:
-    """Pure: the copy that wins (None: no node has one): a stop, else the newest."""
-    records = [copy for copy in copies if copy is not None]
-    return max(records, key=Supervision.precedence, default=None)
-
-
-def believed(
-    copies: Iterable[Supervision | None], generation: int, nodes: int
-) -> Supervision | None:
-    """Pure: the copy that wins of those not ``far_ahead`` of ``generation`` (None: no node has
-    one), its version lifted past every copy left out, so that the next write replaces those
-    too. What a supervisor follows and what status, top and stop show and build on."""
-    records = [copy for copy in copies if copy is not None]
-    kept = [copy for copy in records if not far_ahead(copy, generation, nodes)]
-    left_out = [copy.version for copy in records if far_ahead(copy, generation, nodes)]
-    record = newest(kept)
-    if record is None or not left_out:
-        return record
-    return replace(record, version=max(record.version, *left_out))
-
-
 def leader(live: Iterable[int]) -> int | None:
     """The rank whose supervisor leads: the lowest live one (None: no live supervisor)."""
     return min(live, default=None)
@@ -98,12 +69,17 @@ def leader(live: Iterable[int]) -> int | None:
 
 @dataclass(frozen=True)
 class View:
-    """A supervised job's supervision as the nodes' answers give it: the record believed
-    (``believed``; None: no node that answered keeps a copy) and the ranks whose supervisors are
-    live (``live_ranks``)."""
+    """A supervised job's supervision as the nodes' answers give it: the record believed and
+    whether it may be acted on (``quorum.Belief``), and the ranks whose supervisors are live
+    (``live_ranks``)."""
 
-    record: Supervision | None
+    belief: Belief
     live: frozenset[int]
+
+    @property
+    def record(self) -> Supervision | None:
+        """The copy believed (``quorum.believe``; None: no node that answered keeps one)."""
+        return self.belief.record
 
     @property
     def leader(self) -> int | None:
@@ -111,35 +87,48 @@ class View:
         return leader(self.live)
 
 
-def view(answers: Answers, hosts: Sequence[Host], generation: int, nodes: int) -> View:
+def known(job: Job) -> Membership:
+    """The membership a reader of the saved ``job`` follows: its generation and members."""
+    return (job.generation, tuple(job.members))
+
+
+def view(answers: Answers, hosts: Sequence[Host], job: Job, nodes: int) -> View:
     """Pure: the record believed and the live supervisors, from the nodes' ``answers``
-    (``hosts``: the job's nodes in rank order; ``generation``: the newest the reader knows;
-    ``nodes``: the hostfile's node count, spares included, ``far_ahead``'s bound)."""
+    (``hosts``: the job's nodes in rank order; ``job``: the reader's, its launch and the
+    membership it follows; ``nodes``: the count of the job's hostfile nodes, spares included,
+    a majority of which must carry a new membership)."""
     copies = [reply.record for reply in answers.values()]
-    record = believed(copies, generation, nodes)
-    return View(record, frozenset(live_ranks(hosts, answers)))
+    belief = believe(copies, nodes, job.launch, known(job))
+    return View(belief, frozenset(live_ranks(hosts, answers)))
 
 
 def look(
     pool: NodePool,
     job: Job,
     hosts: Sequence[Host],
-    nodes: int,
+    cluster: Sequence[Host],
     asked: Sequence[Host] | None = None,
 ) -> View:
-    """``view`` of the answers of the nodes ``asked`` (None: all of ``hosts``), against the
-    saved job's generation: what ``status``, ``top`` and ``stop`` show and build on."""
-    answers = ask(pool, job, hosts if asked is None else asked)
-    return view(answers, hosts, job.generation, nodes)
+    """``view`` of the answers of the nodes ``asked`` (None: every node of ``cluster``, the
+    job's hostfile nodes, spares included, that the pool reaches), against the saved job: what
+    ``status``, ``top`` and ``stop`` show and build on."""
+    every = [*hosts, *(host for host in cluster if host not in hosts)]
+    answers = ask(pool, job, every if asked is None else asked)
+    return view(answers, hosts, job, len(every))
 
 
-def stop_record(record: Supervision | None, restarts: int) -> Supervision:
-    """Pure: the record ``meshkit stop`` leaves on every node: the believed one (``View.record``),
-    STOPPED and one version on (a job none of whose nodes keeps a copy gets a bare one)."""
+def stop_record(record: Supervision | None, job: Job) -> Supervision:
+    """Pure: the record ``meshkit stop`` leaves on every node of the job, spares included: the
+    believed one (``View.record``), STOPPED, one version on and of the job's launch (a job none of
+    whose nodes keeps a copy gets a bare one)."""
     if record is None:
-        record = Supervision(SupervisorState.STOPPED, 0, restarts)
+        record = Supervision(SupervisorState.STOPPED, 0, job.restarts)
     return replace(
-        record, supervisor=SupervisorState.STOPPED, version=record.version + 1, held=None
+        record,
+        supervisor=SupervisorState.STOPPED,
+        version=record.version + 1,
+        held=None,
+        launch=job.launch,
     )
 
 
@@ -150,20 +139,30 @@ def write(
     record: Supervision,
     by: int,
     every: bool = False,
+    cluster: Sequence[Host] = (),
 ) -> Supervision | None:
-    """Compare-and-set ``record`` (one version on, written by rank ``by``) on the nodes: the
-    lowest-ranked connected node first (it decides between two writers), then the rest at once.
-    None: a node holds a newer copy (another supervisor moved on), or (``every``) some node did
-    not answer."""
-    new = replace(record, version=record.version + 1, by=by)
+    """Compare-and-set ``record`` (one version on, written by rank ``by``, of the job's launch) on
+    the job's nodes: the lowest-ranked connected member first (it decides between two writers),
+    then the other members and the rest of ``cluster`` (the hostfile's other nodes: spares, lost
+    nodes) at once. None unless the first member, every member that answered (``every``: every
+    member) and a majority of the job's nodes (``cluster``, or with none the members) kept it:
+    a node holds a newer copy (another supervisor moved on, or a stop), or this side of a
+    partition is no majority (``quorum``)."""
+    new = replace(record, version=record.version + 1, by=by, launch=job.launch)
+    others = [host for host in cluster if host not in hosts]
     up = [host for host in hosts if host not in pool.failures]
     first = ask(pool, job, up[:1], record=new, version=record.version)
     if not first or not all(reply.written for reply in first.values()):
         return None
-    answers = first | ask(pool, job, up[1:], record=new, version=record.version)
-    if not all(reply.written for reply in answers.values()):
+    rest = up[1:] + [host for host in others if host not in pool.failures]
+    answers = first | ask(pool, job, rest, record=new, version=record.version)
+    members = [reply for host, reply in answers.items() if host in hosts]
+    if not all(reply.written for reply in members):
         return None
-    if every and len(answers) < len(hosts):
+    if every and len(members) < len(hosts):
+        return None
+    kept = sum(1 for reply in answers.values() if reply.written)
+    if kept < majority(len(hosts) + len(others)):
         return None
     return new
 

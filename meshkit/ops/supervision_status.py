@@ -33,6 +33,7 @@ class SpareRow:
     node: str
     healthy: bool
     why: str | None = None
+    running: bool = False  # it runs the job outside the membership (a partition's other side)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class SupervisionStatus:
     replaced: list[str] = field(default_factory=list)  # "LOST -> SPARE"
     waiting: str | None = None  # the nodes a relaunch waits for, and until when
     spares: list[SpareRow] = field(default_factory=list)  # the hostfile's nodes outside it
+    no_majority: str | None = None  # "2 of 5": too few of the job's nodes answer to settle it
 
     def record_json(self) -> dict[str, object]:
         """The record's and the membership's keys of every node's ``status --json`` object."""
@@ -67,6 +69,7 @@ class SupervisionStatus:
             "replaced": list(self.replaced),
             "waiting": self.waiting,
             "spares": [asdict(spare) for spare in self.spares],
+            "no_majority": self.no_majority,
         }
 
     def supervisor_json(self) -> dict[str, object]:
@@ -87,8 +90,12 @@ def supervision_status(seen: View, spares: Sequence[SpareRow] = ()) -> Supervisi
     and its spares: a record no live supervisor backs says "not responding", and an ended job
     has no leader (its supervisors are on their way out)."""
     record = seen.record
+    belief = seen.belief
+    no_majority = None
+    if not belief.quorum:
+        no_majority = f"{belief.answered} of {belief.nodes}"
     if record is None:
-        return SupervisionStatus(spares=list(spares))
+        return SupervisionStatus(spares=list(spares), no_majority=no_majority)
     state: SupervisorState | SupervisorShown = record.supervisor
     reason = record.last_restart_reason
     leader = seen.leader
@@ -110,6 +117,7 @@ def supervision_status(seen: View, spares: Sequence[SpareRow] = ()) -> Supervisi
         replaced=list(record.replaced),
         waiting=record.waiting,
         spares=list(spares),
+        no_majority=no_majority,
     )
 
 
@@ -143,6 +151,8 @@ def spare_rows(
     sent = time.time()
     replies = pool.call_all("facts", lambda host: request, p.FactsReply, [hosts[0], *spares])
     back = time.time()
+    asked = p.StatusRequest(job.id, "")
+    states = pool.call_all("status", lambda host: asked, p.StatusReply, spares)
     master = replies.get(hosts[0])
     reference = None
     if master is not None:
@@ -158,6 +168,11 @@ def spare_rows(
         else:
             timing = (sent, back)
             rows.append(spare_health(spare, outcome.value, reference, slots, timing, job.sync))
+        state = states.get(spare)
+        if state is not None and state.value is not None and state.value.state == "running":
+            # never a healthy spare: the other side of a partition, or a node not fenced yet
+            why = "runs the job outside the membership (partitioned? fenced once it reconnects)"
+            rows[-1] = SpareRow(spare.label, False, why, running=True)
     return rows
 
 

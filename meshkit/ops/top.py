@@ -183,14 +183,18 @@ def target(
 
 
 def supervisor_state(
-    pool: NodePool, job: Job, hosts: Sequence[Host], asked: Sequence[Host], nodes: int
+    pool: NodePool,
+    job: Job,
+    hosts: Sequence[Host],
+    asked: Sequence[Host],
+    cluster: Sequence[Host],
 ) -> str | None:
     """A supervised job's supervision in ``supervisor_words``, as ``status`` says it, from the
-    nodes ``asked`` (None: not supervised, or no record); ``nodes``: the hostfile's, spares
-    included (``believed``)."""
+    nodes ``asked`` (None: not supervised, or no record); ``cluster``: the hostfile's nodes,
+    spares included (a majority of which carries what is believed)."""
     if not job.supervised:
         return None
-    seen = look(pool, job, hosts, nodes, asked)
+    seen = look(pool, job, hosts, cluster, asked)
     return supervisor_words(supervision_status(seen))
 
 
@@ -220,11 +224,12 @@ class Watch:
         self.down_since: dict[Host, float] = {}
         self.reconnecting: set[Host] = set()
         self.lock = threading.Lock()
-        # a supervised job's hostfile nodes, spares included (``believed``'s bound): read here,
-        # where a missing hostfile is an error before the view starts, not in the middle of it
-        self.cluster_size = len(self.hosts)
+        # a supervised job's hostfile nodes, spares included (a majority of them carries what
+        # is believed): read here, where a missing hostfile is an error before the view
+        # starts, not in the middle of it
+        self.cluster: list[Host] = list(self.hosts)
         if job is not None and job.supervised:
-            self.cluster_size = len(lookup.cluster_hosts(job))
+            self.cluster = lookup.cluster_hosts(job)
 
     def request_for(self, host: Host) -> TopRequest:
         rank = self.hosts.index(host)
@@ -240,8 +245,8 @@ class Watch:
         )
         supervisor = None
         if self.job is not None:
-            nodes = self.cluster_size
-            supervisor = supervisor_state(self.pool, self.job, self.hosts, asked, nodes)
+            cluster = self.cluster
+            supervisor = supervisor_state(self.pool, self.job, self.hosts, asked, cluster)
         now = time.monotonic()
         views = []
         answered: list[tuple[str, TopReply]] = []

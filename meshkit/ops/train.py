@@ -14,11 +14,13 @@ from ..hostfile import Host
 from ..job import Job, parse_duration, parse_restart_on
 from ..outcome import ProgressFn
 from ..protocol import Supervision, SupervisorState
+from ..quorum import new_launch
 from ..record import replace
 from ..settings import Config
 from . import doctor
 from .jobs import Launch, env_round, launch
-from .lookup import Options, min_nodes_flag, new_job, restarts_flag, saved
+from .jobs import stop as ops_stop
+from .lookup import Options, cluster_hosts, min_nodes_flag, new_job, restarts_flag, saved
 from .pool import NodePool, connect
 from .supervision import end_supervisor, start_all, write
 from .sync import Facts, sync_workdir, unshared
@@ -59,9 +61,13 @@ def plan(conf: Config, options: Options) -> tuple[Job, list[Host]]:
     min_nodes = min_nodes_flag(options.min_nodes)
     if options.cmd is None:
         job, hosts = saved(conf, options.hostfile, options.session, options.workdir)
+        job = replace(job, launch=new_launch(job.launch))
     else:
         job, hosts = new_job(conf, options)
-        job = replace(job, generation=next_generation(conf, options, job))
+        previous = previous_job(conf, options, job)
+        generation = 1 if previous is None else previous.generation + 1
+        before = "" if previous is None else previous.launch
+        job = replace(job, generation=generation, launch=new_launch(before))
     # a flag given overrides the saved job's setting (a new job starts from the defaults)
     job = replace(
         job,
@@ -86,17 +92,19 @@ def plan(conf: Config, options: Options) -> tuple[Job, list[Host]]:
     return job, hosts
 
 
-def next_generation(conf: Config, options: Options, job: Job) -> int:
-    """A new job's generation: one past the saved job's of the same workdir and session, so
-    that a supervisor the old job left on a node outside the new one's (a spare that had taken a
-    rank, say) finds a newer generation without its node, and ends itself and its part."""
+def previous_job(conf: Config, options: Options, job: Job) -> Job | None:
+    """The saved job a new one of the same workdir and session replaces (None: none, or one that
+    no longer reads). The new one's generation is one past its, so that a supervisor the old job
+    left on a node outside the new one's (a spare that had taken a rank, say) finds a newer
+    generation without its node, and its launch id is later than its, so that every node keeps
+    the new job's supervision copies over the old one's."""
     try:
         previous, _ = saved(conf, options.hostfile, options.session, options.workdir)
     except MeshkitError:  # none, or one that no longer reads: nothing of it to fence
-        return 1
+        return None
     if previous.id != job.id:
-        return 1
-    return previous.generation + 1
+        return None
+    return previous
 
 
 def train(
@@ -143,8 +151,25 @@ def train(
         started = None
         if launched.ok and not launched.dry_run and launched.job.supervised:
             started = start_supervisor(pool, launched.job, hosts)
+    if started is not None:
+        clear_spares(conf, launched.job, hosts)
     lacking_labels = [host.label for host in lacking]
     return TrainResult(launched.job, launched, lacking_labels, report, started)
+
+
+def clear_spares(conf: Config, job: Job, hosts: list[Host]) -> None:
+    """On the hostfile's nodes outside the job (its spares, nodes an earlier launch lost), end
+    what an earlier launch left there: its supervisor, its record copy (a stale stop would end
+    this job the moment the spare took a rank), its part of the job. A spare that does not
+    answer keeps them, harmlessly: this launch's id is later, so every node keeps this launch's
+    copies over them, every reader ignores them, and a supervisor of the earlier launch that
+    meets this one's copies ends."""
+    spares = [host for host in cluster_hosts(job) if host not in hosts]
+    if not spares:
+        return
+    with connect(conf, job.hostfile, spares, job.python) as pool:
+        end_supervisor(pool, job, spares)
+        ops_stop(pool, job, spares)
 
 
 def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> SupervisorPlaces:
@@ -155,6 +180,7 @@ def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> SupervisorP
         job.restarts,
         generation=job.generation,
         members=list(job.members),
+        launch=job.launch,
     )
     stop = "`meshkit stop` ends the job"
     if write(pool, job, hosts, record, 0, every=True) is None:

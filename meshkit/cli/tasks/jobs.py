@@ -42,18 +42,30 @@ def supervisor_lines(shown: SupervisionStatus, job: Job) -> list[str]:
     from ...ops.supervision_status import supervisor_words
 
     words = supervisor_words(shown)
+    if words is None and shown.no_majority:
+        return [no_majority_line(shown.no_majority)]
     if words is None:
         return [f"supervisor: none (restarts {job.restarts})"]
     if shown.supervisor == SupervisorShown.NOT_RESPONDING:
         return [f"supervisor: {words}: {shown.last_restart_reason}"]
     last = f", last restart: {shown.last_restart_reason}" if shown.last_restart_reason else ""
     lines = [f"supervisor: {words}, restarts left {shown.restarts_left}{last}"]
+    if shown.no_majority:
+        lines.insert(0, no_majority_line(shown.no_majority))
     if shown.held:
         lines.append(f"relaunch held by {shown.held}")
     if shown.waiting:
         lines.append(f"waiting for {shown.waiting}")
     lines += membership_lines(shown)
     return lines
+
+
+def no_majority_line(answering: str) -> str:
+    """Status's word when too few of the job's nodes answer to know its membership."""
+    return (
+        f"no majority of the job's nodes answers ({answering}): partitioned? what follows is "
+        "this side's view, and this side launches nothing"
+    )
 
 
 def membership_lines(shown: SupervisionStatus) -> list[str]:
@@ -68,6 +80,9 @@ def membership_lines(shown: SupervisionStatus) -> list[str]:
         lines.append(f"  lost: {', '.join(shown.lost)}")
     for spare in shown.spares:
         health = "healthy" if spare.healthy else f"not healthy: {spare.why}"
+        if spare.running:
+            lines.append(f"  not a member, {spare.node}: {spare.why}")
+            continue
         lines.append(f"  spare {spare.node}: {health}")
     return lines
 
@@ -85,10 +100,9 @@ def render_status(status: ops.JobStatus, job: Job) -> str:
         last_line = (row.last_line or "")[:70]
         state: str = row.state
         if row.error and row.silent:
-            # not asked, or no reply: whether the job runs there is unknown (--json keeps the
-            # fixed name, absent)
-            state = "no answer"
-            last_line = "(the node does not answer: see below)"
+            # not asked, or no reply: whether the job runs there is unknown (never "absent")
+            state = "unreachable"
+            last_line = (row.last_line or "(the node does not answer: see below)")[:70]
             below.append(f"node {row.node_rank} ({row.host}) does not answer: {row.error}")
         elif row.error:
             state = "error"  # as --json says it
@@ -410,7 +424,7 @@ def stop(
 
     with reported():
         stopped = lookup.on_saved(
-            conf(), hostfile, session, workdir, ops.stop_with_supervisors, progress
+            conf(), hostfile, session, workdir, ops.stop_with_supervisors, progress, True
         )[1]
     if json:
         print(jsonlib.dumps(stopped.as_json()))
