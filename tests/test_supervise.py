@@ -21,7 +21,6 @@ from meshkit.node.supervise import accepts, copy_of
 from meshkit.ops import jobs as ops
 from meshkit.ops import supervision as sup
 from meshkit.ops.supervise import Supervisor
-from meshkit.ops.supervision import newest
 from meshkit.ops.supervision_policy import (
     Action,
     Heard,
@@ -38,6 +37,14 @@ from meshkit.ops.verdicts import Check
 from meshkit.outcome import Outcome
 from meshkit.protocol import Supervision, SupervisorState
 from meshkit.record import replace
+
+
+def newest(copies):
+    """The copy that wins of the nodes' own (None: none): a stop, else the newest generation,
+    then version (what ``quorum.believe`` takes when every copy is of one launch and
+    membership)."""
+    records = [copy for copy in copies if copy is not None]
+    return max(records, key=Supervision.precedence, default=None)
 
 
 def nodes(*states: tuple[str, int | None]) -> list[NodeView]:
