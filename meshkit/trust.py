@@ -71,14 +71,15 @@ def read_trusted(path: str, limit: int, what: str, check: bool = True) -> bytes 
         descriptor = os.open(path, OPEN_FLAGS)
     except FileNotFoundError:
         return None
+    named = os.path.abspath(path)  # the fix works from any directory
     try:
         info = os.fstat(descriptor)
         if not stat.S_ISREG(info.st_mode):
-            raise UntrustedFileError(f"{path}: {what} is not a regular file: name a file")
+            raise UntrustedFileError(f"{named}: {what} is not a regular file: name a file")
         if check and distrust(info, trusted_owners()) is not None:
-            raise refusal(path, info, what)
+            raise refusal(named, info, what)
         if info.st_size > limit:
-            raise UntrustedFileError(f"{path}: {what} larger than {limit} bytes; is it one?")
+            raise UntrustedFileError(f"{named}: {what} larger than {limit} bytes; is it one?")
         chunks = []
         size = 0
         while size <= limit:
@@ -88,7 +89,7 @@ def read_trusted(path: str, limit: int, what: str, check: bool = True) -> bytes 
             chunks.append(chunk)
             size += len(chunk)
         if size > limit:
-            raise UntrustedFileError(f"{path}: {what} larger than {limit} bytes; is it one?")
+            raise UntrustedFileError(f"{named}: {what} larger than {limit} bytes; is it one?")
         return b"".join(chunks)
     finally:
         os.close(descriptor)
