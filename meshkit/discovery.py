@@ -13,6 +13,7 @@ from .errors import HostfileError, JobError, SourceError, TopologyError, UsageEr
 from .hostfile import Host
 from .jobindex import index_file
 from .record import record, replace
+from .trust import ROOT, read_trusted
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 if TYPE_CHECKING:
@@ -55,18 +56,17 @@ def _read_hosts(
 ) -> _ResolvedHosts:
     # os.path, not pathlib: `meshkit env` runs on every node at every start
     path_text = os.fspath(path)
+    # Root obeys only a hostfile no other user could have written (trust.py): it names the
+    # machines root logs in to.
+    as_root = os.getuid() == ROOT
     try:
-        if os.stat(path_text).st_size > MAX_HOSTFILE_BYTES:
+        content = read_trusted(path_text, MAX_HOSTFILE_BYTES, "hostfile", check=as_root)
+        if content is None:
             raise HostfileError(
-                f"{path_text}: larger than {MAX_HOSTFILE_BYTES} bytes; is this a hostfile?"
+                f"{path_text}: no such hostfile; create it (one node per line: "
+                f"{hostfile.FORMAT}) or pass --hostfile"
             )
-        with open(path_text) as stream:
-            text = stream.read()
-    except FileNotFoundError:
-        raise HostfileError(
-            f"{path_text}: no such hostfile; create it (one node per line: {hostfile.FORMAT}) "
-            "or pass --hostfile"
-        ) from None
+        text = content.decode()
     except (OSError, UnicodeDecodeError) as exc:
         raise HostfileError(f"{path_text}: cannot read: {exc}") from None
     hosts = hostfile.select(hostfile.parse(text, path_text), include, exclude)

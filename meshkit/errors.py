@@ -58,6 +58,13 @@ class UnsafeFileError(MeshkitError):
     repaired into one it accepts."""
 
 
+class UntrustedFileError(MeshkitError):
+    """A configuration file, ssh_config or hostfile that another local user owns or can write:
+    refused as OpenSSH refuses such a config file, and nothing done (exit code 2)."""
+
+    exit_code = 2
+
+
 class JobError(MeshkitError):
     """A job description is missing or malformed, or clashes with another job."""
 

@@ -39,6 +39,9 @@ _PATTERNS = {
     "hostname": r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_-]{1,63})*\.?$",
     "user": r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$",
     "range": r"^[A-Za-z0-9_.,\[\]-]+$",
+    # an IPv6 zone (fe80::1%eth0): an interface name or number. Python's ipaddress takes any
+    # text after '%', and the host goes into ssh's and the nodes' commands.
+    "scope": r"^[A-Za-z0-9_.-]{1,64}$",
 }
 _compiled: dict[str, re.Pattern[str]] = {}
 
@@ -144,7 +147,14 @@ def _number(text: str, what: str, low: int, high: int) -> int:
 
 def _expand(host: str) -> list[str]:
     """One host token -> the hosts it names (ranges expanded, bounded)."""
-    if ip_of(host) is not None:
+    address = ip_of(host)
+    if address is not None:
+        scope = getattr(address, "scope_id", None)
+        if scope is not None and not _fits("scope", scope):
+            raise ValueError(
+                f"bad IPv6 scope id {scope[:40]!r} in {host[:80]!r}: expected an interface name "
+                "or number (letters, digits, '_', '.', '-')"
+            )
         return [host]
     if not _fits("range", host):
         raise ValueError(

@@ -19,6 +19,8 @@ from .errors import JobError, UsageError
 from .jobindex import index_file
 from .record import asdict, build, field, record
 
+JOB_FILE_MODE = 0o600  # job.json holds the config's `env`, where tokens go
+
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 
 if TYPE_CHECKING:

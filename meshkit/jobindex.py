@@ -9,6 +9,13 @@ from __future__ import annotations
 import os
 
 
+def index_root(hostfile: str) -> str:
+    """The directory below which the index is written without following a link (the
+    hostfile's own): ``.meshkit`` and ``jobs`` there may be planted links, the directory of
+    the hostfile the user named is taken where it leads."""
+    return os.path.dirname(hostfile)
+
+
 def index_file(hostfile: str, session: str) -> str:
     """The index of the job ``session`` on ``hostfile`` (as given: the callers make it
     absolute)."""

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from .errors import ConfigError, UsageError
 from .record import Invalid, asdict, build, field, fields, record
+from .trust import read_trusted
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 if TYPE_CHECKING:
@@ -91,15 +92,20 @@ class Setting:
 
 
 def _read_file(base: str) -> ConfigFile | None:
+    """The first file of a level that exists, read only when trusted as OpenSSH trusts its
+    configuration (``trust.read_trusted``): what it says runs as this user."""
     for suffix in SUFFIXES:
         path = os.path.expanduser(f"{base}.{suffix}")
-        if not os.path.isfile(path):
+        if os.path.isdir(path):
             continue
         try:
-            if os.stat(path).st_size > MAX_CONFIG_BYTES:
-                raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
-            with open(path) as stream:
-                text = stream.read()
+            content = read_trusted(path, MAX_CONFIG_BYTES, "configuration file")
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc}") from None
+        if content is None:
+            continue
+        try:
+            text = content.decode()
             if suffix == "json":
                 import json  # only here and for JSON variables
 

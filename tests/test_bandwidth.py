@@ -296,8 +296,10 @@ class Intruded:
     def failures(self) -> dict[Host, str]:
         return self.pool.failures
 
-    def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
-        self.pool.write_file(host, path, text, mode)
+    def write_file(
+        self, host: Host, path: str, text: str, mode: int = 0o644, root: str = ""
+    ) -> None:
+        self.pool.write_file(host, path, text, mode, root)
 
     def call_all(
         self,

@@ -181,3 +181,25 @@ def test_members_text_is_a_hostfile_of_exactly_the_members_in_rank_order():
     assert [host.label for host in again] == ["a", "[fd00::9]:22", "c"]
     assert [host.line() for host in again] == [host.line() for host in members]
     assert not any(host.spare for host in again)  # every member takes a rank
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "fe80::1%$(touch_x)",
+        "[fe80::1%a;b]:2222",
+        "fe80::1%a\x1bb",
+        "fe80::1%a'b",
+        "fe80::1%" + "a" * 65,
+    ],
+)
+def test_an_ipv6_scope_id_is_an_interface_name_or_number(line):
+    """Python's ipaddress takes any text after '%'; the host goes into ssh's and the nodes'
+    commands, so a zone is letters, digits, '_', '.' and '-' only."""
+    with pytest.raises(HostfileError, match="bad IPv6 scope id"):
+        parse(line + "\n")
+
+
+def test_ipv6_scope_ids_that_name_interfaces_are_kept():
+    hosts = parse("fe80::1%eth0\n[fe80::2%enp1s0.100]:2222\nfe80::3%3\n")
+    assert [host.host for host in hosts] == ["fe80::1%eth0", "fe80::2%enp1s0.100", "fe80::3%3"]

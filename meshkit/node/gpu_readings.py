@@ -11,12 +11,24 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 from dataclasses import dataclass, field
 
 from ..protocol import GpuSample
-from .gpus import GPU_PROBE_TIMEOUT, _on_path
+from .gpus import GPU_PROBE_TIMEOUT, _on_path, trusted_program
 
 NVML_LIBRARY = "libnvidia-ml.so.1"
+# Where NVIDIA's driver installs NVML (Debian/Ubuntu on x86-64 and arm64, RHEL/SUSE, other
+# distributions, the container toolkit, WSL). Loaded from these by absolute path, never through
+# the loader's search, which LD_LIBRARY_PATH (another user's directory, say) may lead elsewhere.
+NVML_DIRECTORIES = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/nvidia/lib64",
+    "/usr/lib/wsl/lib",
+)
 NVML_SUCCESS = 0
 NVML_TEMPERATURE_GPU = 0  # the sensor GetTemperature reads
 NVML_NOT_AVAILABLE = 0xFFFFFFFF  # what NVML writes for a value it has not got
@@ -172,8 +184,11 @@ def nvml() -> ctypes.CDLL | None:
     global _nvml
     if _nvml is not None:
         return _nvml
+    path = nvml_path()
+    if path is None:
+        return None
     try:
-        library = ctypes.CDLL(NVML_LIBRARY)
+        library = ctypes.CDLL(path)
     except OSError:
         return None
     code = library.nvmlInit_v2()
@@ -183,6 +198,16 @@ def nvml() -> ctypes.CDLL | None:
         raise NvmlError(f"nvmlInit_v2 returned {code}")
     _nvml = library
     return library
+
+
+def nvml_path() -> str | None:
+    """The driver's NVML by absolute path, the first of ``NVML_DIRECTORIES`` that holds one
+    ``trusted_program`` trusts (None: none)."""
+    for directory in NVML_DIRECTORIES:
+        path = os.path.join(directory, NVML_LIBRARY)
+        if os.path.exists(path) and trusted_program(path):
+            return os.path.realpath(path)
+    return None
 
 
 def _uint_answer(call: object, handle: ctypes.c_void_p, *args: object) -> NvmlAnswer:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
+
+from ..trust import distrust, trusted_owners
 
 GPU_PROBE_TIMEOUT = 5.0
 
@@ -33,9 +36,28 @@ def gpu_count() -> int:
 
 
 def _on_path(name: str) -> str | None:
-    """``shutil.which(name)`` for a plain name, without importing shutil (and its compressors)."""
+    """``shutil.which(name)`` for a plain name, without importing shutil (and its compressors),
+    taking only a program ``trusted_program`` trusts: PATH may name a directory another user
+    writes, and what is found there runs as this user (often root)."""
     for directory in os.environ.get("PATH", os.defpath).split(os.pathsep):
         path = os.path.join(directory or ".", name)
-        if os.path.isfile(path) and os.access(path, os.X_OK):
+        if os.path.isfile(path) and os.access(path, os.X_OK) and trusted_program(path):
             return path
     return None
+
+
+def trusted_program(path: str) -> bool:
+    """Whether the driver's program or library at ``path`` may be run or loaded: a regular
+    file that it and the directory holding it (where it could be swapped) are owned by this
+    user or root and not writable by group or others (``trust.distrust``). A link is judged
+    by the file it leads to."""
+    real = os.path.realpath(path)
+    try:
+        info = os.stat(real)
+        directory = os.stat(os.path.dirname(real))
+    except OSError:
+        return False
+    if not stat.S_ISREG(info.st_mode):
+        return False
+    owners = trusted_owners()
+    return distrust(info, owners) is None and distrust(directory, owners) is None

@@ -22,6 +22,7 @@ PR_SET_CHILD_SUBREAPER = 36
 TERM_GRACE = 5.0  # seconds the processes get after TERM, before KILL
 KILL_GRACE = 2.0  # seconds KILL is repeated to what is still alive
 POLL = 0.05  # seconds between looks
+PID_MAX = 1 << 22  # Linux's largest pid_max: a larger number in a pid file is no pid
 
 
 def become_subreaper() -> bool:
@@ -95,6 +96,20 @@ def alive(pid: int) -> bool:
     return _stat(pid)[:1] not in ("", "Z", "X")
 
 
+def owner(pid: int) -> int | None:
+    """The uid that owns the process ``pid`` (its /proc directory's; None: gone)."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def mine(pid: int) -> bool:
+    """Whether ``pid`` is a process of this user: a pid file names a number, and another
+    user's process (the pid reused) is never taken for ours, nor signalled as ours."""
+    return owner(pid) == os.getuid()
+
+
 def in_group(group: int) -> list[int]:
     """The live processes of process group ``group`` (zombies do not count: where init does not
     reap, an ended group's orphans stay zombies, and ``killpg(group, 0)`` still finds them)."""
@@ -109,13 +124,13 @@ def in_group(group: int) -> list[int]:
 
 
 def recorded(path: str, *marks: str) -> int | None:
-    """The live process (not this one) whose pid the file ``path`` holds, if each of ``marks``
-    is one of its command line's arguments: pids get reused."""
+    """The live process of this user (not this one) whose pid the file ``path`` holds, if each
+    of ``marks`` is one of its command line's arguments: pids get reused."""
     try:
         pid = int((read_text(path, 64) or "").strip())
     except ValueError:
         return None
-    if pid == os.getpid() or not alive(pid):
+    if not 0 < pid <= PID_MAX or pid == os.getpid() or not alive(pid) or not mine(pid):
         return None
     if not set(marks) <= set(cmdline(pid)):
         return None

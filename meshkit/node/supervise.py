@@ -90,12 +90,16 @@ class Heartbeat:
 
 
 def recorded_pid(text: str | None) -> int | None:
-    """Pure: the pid a supervisor's pid file holds (its first line; None: unreadable)."""
+    """Pure: the pid a supervisor's pid file holds (its first line; None: unreadable, or no
+    pid Linux gives)."""
     lines = (text or "").split()
     try:
-        return int(lines[0])
+        pid = int(lines[0])
     except (ValueError, IndexError):
         return None
+    if not 0 < pid <= procs.PID_MAX:
+        return None
+    return pid
 
 
 def recorded_beat(text: str | None) -> float | None:
@@ -125,9 +129,10 @@ def supervises(argv: list[str], session: str, workdir: str) -> bool:
 
 
 def supervisor_pid(request: SupervisorRequest) -> int | None:
-    """The live supervisor of the request's job on this node."""
+    """The live supervisor of the request's job on this node: a process of this user's (a pid
+    file outlives its process, and the pid may now be another user's)."""
     pid = recorded_pid(read_text(supervisor_pid_file(request.job_id), 128))
-    if pid is None or pid == os.getpid() or not procs.alive(pid):
+    if pid is None or pid == os.getpid() or not procs.alive(pid) or not procs.mine(pid):
         return None
     if not supervises(procs.cmdline(pid), request.session, request.workdir):
         return None

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from .. import protocol as p
 from ..errors import LaunchError, NodeFailed, ProtocolError
 from ..hostfile import Host, members_text
-from ..job import Job
+from ..job import JOB_FILE_MODE, Job
+from ..jobindex import index_root
 from ..outcome import Outcome
 from ..protocol import JobState, Supervision
 from ..record import replace
@@ -202,8 +203,10 @@ def launch(
     if dry_run:
         return Launch(job, [], checked.note, True, synced)
     for where in job.home_copies(hosts):
-        pool.write_file(where, str(job.file), job.to_json())
-        pool.write_file(where, str(job.index), job.index_json())
+        # job.json holds the config's `env`, where tokens go: the user's alone
+        pool.write_file(where, str(job.file), job.to_json(), JOB_FILE_MODE)
+        root = index_root(job.hostfile)
+        pool.write_file(where, job.index, job.index_json(), root=root)
     spec = job.node_job(attempt, reason, replacement, last)
     started = pool.call_all("start", lambda host: p.StartRequest(spec, replace), p.StartReply)
     rows = []

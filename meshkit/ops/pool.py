@@ -39,7 +39,12 @@ class NodePool(Protocol):
         timeout: float | None = None,
     ) -> dict[Host, Outcome[R]]: ...
 
-    def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None: ...
+    def write_file(
+        self, host: Host, path: str, text: str, mode: int = 0o644, root: str = ""
+    ) -> None:
+        """Write ``path`` on ``host``; below ``root`` no link is followed (empty: ``path``'s
+        own directory, taken where it leads)."""
+        ...
 
     def reconnect(self, host: Host) -> None:
         """Open ``host``'s connection and agent again, after it went down; raises while it is

@@ -216,7 +216,9 @@ class AgentPool:
         remote = self.group.reopen(host)
         self._agents[host] = Agent(remote, self.python)
 
-    def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
+    def write_file(
+        self, host: Host, path: str, text: str, mode: int = 0o644, root: str = ""
+    ) -> None:
         """Write a file on ``host`` through its agent (parents created, a temporary beside it,
         then renamed): no SFTP subsystem, which would start the user's shell once more. It
         goes in ``PUT_CHUNK`` pieces, so no line exceeds the protocol's limit whatever the
@@ -225,14 +227,14 @@ class AgentPool:
         if remote is None:
             raise RemoteError(f"{host.label}: not connected: {self.failures.get(host, '?')}")
         try:
-            self._put(remote, path, text.encode(), mode)
+            self._put(remote, path, text.encode(), mode, root)
         except MeshkitError:
             raise
         except Exception as exc:  # the link or the agent failed: the node's outcome
             why = describe(exc, host, self.settings)
             raise RemoteError(f"{host.label}: writing {path}: {why}") from None
 
-    def _put(self, remote: Remote, path: str, data: bytes, mode: int) -> None:
+    def _put(self, remote: Remote, path: str, data: bytes, mode: int, root: str) -> None:
         agent = self._agent(remote)
         whole = memoryview(data)
         stamp = time.time()
@@ -241,7 +243,7 @@ class AgentPool:
             piece = whole[offset : offset + PUT_CHUNK]
             last = offset + len(piece) >= len(whole)
             encoded = base64.b64encode(piece).decode()
-            agent.call(PutRequest(path, encoded, offset, last, mode, stamp), PutReply)
+            agent.call(PutRequest(path, encoded, offset, last, mode, stamp, root), PutReply)
             if last:
                 return
             offset += len(piece)

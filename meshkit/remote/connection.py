@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import io
 import logging
 import os
 import socket
@@ -22,8 +23,9 @@ from fabric import Config as FabricConfig
 from fabric import Connection
 from invoke.exceptions import CommandTimedOut
 
-from ..errors import PhaseTimeout
+from ..errors import PhaseTimeout, UsageError
 from ..hostfile import Host
+from ..trust import read_trusted
 
 # paramiko logs a connection's failure from its own thread (a banner never read, say): with no
 # handler, logging's last resort printed that traceback on stderr whenever the thread got there
@@ -116,13 +118,24 @@ class Settings:
     known_hosts_store: Path = field(default_factory=lambda: Path("~/.ssh/known_hosts").expanduser())
 
 
+MAX_SSH_CONFIG_BYTES = 1 << 20
+
+
 def ssh_config(paths: Sequence[str]) -> paramiko.SSHConfig:
-    """~/.ssh/config plus extra files, parsed like OpenSSH (first value found wins)."""
+    """~/.ssh/config plus extra files, parsed like OpenSSH (first value found wins). Each is
+    read only when trusted as OpenSSH trusts ~/.ssh/config (``trust.read_trusted``): its
+    ``ProxyCommand`` and ``Match exec`` run as this user."""
     config = paramiko.SSHConfig()
     for path in [str(Path("~/.ssh/config").expanduser()), *paths]:
-        if Path(path).is_file():
-            with open(path) as handle:
-                config.parse(handle)
+        if Path(path).is_dir():
+            continue
+        try:
+            content = read_trusted(path, MAX_SSH_CONFIG_BYTES, "ssh_config")
+        except OSError as exc:
+            raise UsageError(f"{path}: cannot read this ssh_config: {exc}") from None
+        if content is None:
+            continue
+        config.parse(io.StringIO(content.decode(errors="replace")))
     return config
 
 

@@ -29,6 +29,9 @@ class FakePool:
         self.failures = dict(failures or {})
         self.calls: list[tuple[str, Host, p.Request]] = []
         self.files: dict[tuple[Host, str], str] = {}
+        # each written file's mode, and the root below which no link is followed
+        self.modes: dict[tuple[Host, str], int] = {}
+        self.roots: dict[tuple[Host, str], str] = {}
         self.reconnected: list[Host] = []
 
     def call_all(
@@ -61,8 +64,12 @@ class FakePool:
                 out[host] = Outcome(answer)
         return out
 
-    def write_file(self, host: Host, path: str, text: str, mode: int = 0o644) -> None:
+    def write_file(
+        self, host: Host, path: str, text: str, mode: int = 0o644, root: str = ""
+    ) -> None:
         self.files[(host, path)] = text
+        self.modes[(host, path)] = mode
+        self.roots[(host, path)] = root
 
     def reconnect(self, host: Host) -> None:
         """Recorded: a down node stays as ``failures`` and ``replies`` say."""
