@@ -713,8 +713,16 @@ def decode_reply(op: str, line: str) -> Reply:
     """The reply to ``op``; a node's own error comes back as ``NodeFailure``."""
     data = _load(line)
     if data.get("ok") is False:
-        raise NodeFailure(str(data.get("error"))[:4000])
+        failure = build(Failure, data, "reply")
+        raise NodeFailure(failure.error[:4000])
     return build(OPS[op][1], data.get("result"), "result")
+
+
+@record
+class Failure:
+    """A reply saying the request failed on the node: its message, checked as any field is."""
+
+    error: str
 
 
 class NodeFailure(Exception):

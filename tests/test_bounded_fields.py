@@ -202,3 +202,93 @@ def test_a_supervision_copy_with_a_huge_version_or_a_lone_surrogate_is_unreadabl
         assert bad != text
         assert copy_of(bad) is None
         assert accepts(bad, good, 0)
+
+
+def test_a_failure_reply_with_a_lone_surrogate_is_a_protocol_violation() -> None:
+    line = json.dumps({"ok": False, "error": "ValueError: \ud800"})
+    with pytest.raises(protocol.ProtocolViolation, match=r"reply\.error: a lone surrogate"):
+        protocol.decode_reply("status", line)
+    with pytest.raises(protocol.NodeFailure, match="ValueError: bad"):
+        protocol.decode_reply("status", json.dumps({"ok": False, "error": "ValueError: bad"}))
+
+
+class Trickle:
+    """An agent's channel that sends ``data`` a piece at a time, ``every`` seconds apart (each
+    wait well within any timeout a channel sets)."""
+
+    def __init__(self, data: bytes, piece: int, every: float) -> None:
+        self.data = data
+        self.piece = piece
+        self.every = every
+        self.timeouts: list[float] = []
+
+    def settimeout(self, seconds: float) -> None:
+        self.timeouts.append(seconds)
+
+    def sendall(self, data: bytes) -> None:
+        pass
+
+    def recv(self, size: int) -> bytes:
+        import time
+
+        time.sleep(self.every)
+        piece = self.data[: min(size, self.piece)]
+        self.data = self.data[len(piece) :]
+        return piece
+
+
+def agent_on(channel: object) -> object:
+    from types import SimpleNamespace
+
+    from meshkit.remote.agent import Agent
+
+    agent = Agent.__new__(Agent)  # no node: the channel double answers
+    agent.remote = SimpleNamespace(settings=SimpleNamespace(command_timeout=5.0))
+    agent.channel = channel
+    agent.broken = None
+    agent._unread = b""
+    return agent
+
+
+def test_a_reply_sent_a_byte_now_and_then_ends_at_the_calls_deadline() -> None:
+    import time
+
+    from meshkit.errors import RemoteError
+
+    reply = protocol.encode_reply(protocol.JobsReply([])).encode()
+    assert len(reply) > 12  # more than a second's worth of its bytes
+    channel = Trickle(reply, piece=1, every=0.1)
+    agent = agent_on(channel)
+    started = time.monotonic()
+    with pytest.raises(RemoteError, match="did not answer JobsRequest within 1s"):
+        agent.call(protocol.JobsRequest(), protocol.JobsReply, timeout=1.0)  # type: ignore[attr-defined]
+    assert time.monotonic() - started < 1.5
+    assert max(channel.timeouts[1:]) <= 1.0  # each wait: what is left of the call's time
+
+
+def test_replies_read_whole_in_pieces_and_one_past_the_byte_bound_is_refused() -> None:
+    from meshkit.errors import ProtocolError
+
+    reply = protocol.encode_reply(protocol.JobsReply([protocol.RunningJob("j", "l")]))
+    agent = agent_on(Trickle(reply.encode() * 2, piece=7, every=0))
+    for _ in range(2):  # the second reply from what came past the first line
+        answer = agent.call(protocol.JobsRequest(), protocol.JobsReply)  # type: ignore[attr-defined]
+        assert answer == protocol.JobsReply([protocol.RunningJob("j", "l")])
+    endless = agent_on(Trickle(b" " * (protocol.MAX_LINE + 65536), piece=65536, every=0))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        endless.call(protocol.JobsRequest(), protocol.JobsReply)  # type: ignore[attr-defined]
+
+
+def test_a_listing_whose_pages_never_end_is_that_nodes_problem() -> None:
+    from helpers.fake_pool import HOSTS, FakePool
+
+    from meshkit.errors import LaunchError
+    from meshkit.ops import sync
+
+    endless = protocol.ManifestReply(True, [], more=True)
+    one = protocol.ManifestReply(True, [protocol.FileState("a", 1, 1.0, 0o644)])
+    pool = FakePool({"manifest": {HOSTS[0]: endless, HOSTS[1]: one}})
+    with pytest.raises(LaunchError) as raised:
+        sync.manifests(pool, "/w", [], HOSTS[:2])
+    assert "empty page of its listing" in str(raised.value)
+    assert len(pool.calls) == 2  # one page each: nothing asked again
