@@ -11,7 +11,22 @@ from __future__ import annotations
 
 import json
 
-from .record import Invalid, StrEnum, WallTime, asdict, build, field, record
+from .record import (
+    Bytes,
+    Count,
+    ExitCode,
+    FileMode,
+    Index,
+    Invalid,
+    Pid,
+    Port,
+    StrEnum,
+    WallTime,
+    asdict,
+    build,
+    field,
+    record,
+)
 
 TYPE_CHECKING = False  # no runtime `typing`: every agent imports this module (see record.py)
 if TYPE_CHECKING:
@@ -86,8 +101,8 @@ class EnvRequest(Request):
     cwd: str
     hostfile: str
     session: str
-    master_port: int
-    nproc_per_node: int | None = None
+    master_port: Port
+    nproc_per_node: Count | None = None
     include: str | None = None
     exclude: str | None = None
     launch: str | None = None  # the train's launch: only its own membership is followed
@@ -110,12 +125,12 @@ class PortsRequest(Request):
     """Which of ``ports`` a TCP listener could bind here; ``job_id``'s own job may hold one."""
 
     job_id: str
-    ports: list[int]
+    ports: list[Port]
 
 
 @record
 class PortState:
-    port: int
+    port: Port
     free: bool
 
 
@@ -188,7 +203,7 @@ class StatusRequest(Request):
 @record
 class StatusReply(Reply):
     state: JobState
-    exit_code: int | None
+    exit_code: ExitCode | None
     started: WallTime | None
     last_line: str | None
     idle: float | None = None  # seconds since the log was last written (the node's own clock)
@@ -203,8 +218,8 @@ class StopRequest(Request):
 @record
 class StopReply(Reply):
     found: bool  # the job had a keeper (or processes) here
-    signalled: int
-    left: list[int]  # processes of the job still alive after TERM and KILL (looked, not assumed)
+    signalled: Count
+    left: list[Pid]  # processes of the job still alive after TERM and KILL (looked, not assumed)
 
 
 @record
@@ -212,14 +227,14 @@ class LogsRequest(Request):
     """The last ``lines`` lines of ``path``, or (``offset`` given) what was appended since."""
 
     path: str
-    lines: int = 20
-    offset: int | None = None
+    lines: Count = 20
+    offset: Bytes | None = None
 
 
 @record
 class LogsReply(Reply):
     lines: list[str]
-    offset: int  # where the next `follow` read starts
+    offset: Bytes  # where the next `follow` read starts
     missing: bool = False
 
 
@@ -242,7 +257,7 @@ class FactsReply(Reply):
     torch: str | None
     cuda: str | None
     nccl: str | None
-    gpus: int
+    gpus: Count
     clock: WallTime  # time.time() on the node when it answered
     writable: str | None  # None: the workdir is writable; else why not
     marker: str  # "written" | "seen" | why not (the marker is how "is the workdir shared" is told)
@@ -256,7 +271,7 @@ class ListenRequest(Request):
     tested ones; never every address), to peers that present ``token`` first."""
 
     ifname: str | None
-    port: int
+    port: Port
     seconds: float
     bandwidth: bool = False
     addresses: list[str] = field(default_factory=list)
@@ -266,7 +281,7 @@ class ListenRequest(Request):
 @record
 class ListenReply(Reply):
     address: str
-    port: int
+    port: Port
     error: str | None  # why it could not listen (a busy port names its holder when known)
 
 
@@ -274,7 +289,7 @@ class ListenReply(Reply):
 class ProbeTarget:
     label: str  # the peer as the hostfile spells it
     host: str
-    port: int
+    port: Port
 
 
 @record
@@ -288,7 +303,7 @@ class ConnectRequest(Request):
 @record
 class ConnectResult:
     label: str
-    port: int
+    port: Port
     ok: bool
     detail: str
 
@@ -307,7 +322,7 @@ class DoneRequest(Request):
 
 @record
 class DoneReply(Reply):
-    closed: int
+    closed: Count
 
 
 @record
@@ -322,7 +337,7 @@ class ProbeRequest(Request):
 
 @record
 class ProbeReply(Reply):
-    code: int
+    code: ExitCode
     out: str
     err: str
 
@@ -339,8 +354,8 @@ class BandwidthRequest(Request):
 
     targets: list[BandwidthTarget]
     seconds: float
-    max_bytes: int
-    repeats: int
+    max_bytes: Bytes
+    repeats: Count
     token: str = ""  # the round's, which the targets' listeners ask for
 
 
@@ -375,12 +390,12 @@ class DiagnoseRequest(Request):
 
 @record
 class RankStack:
-    rank: int
-    pid: int
+    rank: Index
+    pid: Pid
     frames: list[str]  # the main thread, innermost last: "function (file:line)"
     threads: list[list[str]]  # the other threads' innermost frames
     error: str | None = None  # why the stack could not be read (and what to change)
-    seq: int | None = None  # flight recorder: the last collective it entered (0: none yet)
+    seq: Count | None = None  # flight recorder: the last collective it entered (0: none yet)
     collective: str | None = None  # ... and what it was: "gloo:all_reduce (scheduled)"
 
 
@@ -389,8 +404,8 @@ class RankError:
     """What a rank left when it raised (``errors/rank<R>.json``, in torchelastic's error-file
     shape)."""
 
-    rank: int
-    node_rank: int | None  # the node the rank ran on (shared storage: every node sees every file)
+    rank: Index
+    node_rank: Index | None  # the node the rank ran on (shared storage: every node sees every file)
     time: WallTime
     error: str  # the exception's last line
     traceback: list[str]
@@ -399,7 +414,7 @@ class RankError:
 @record
 class DiagnoseReply(Reply):
     state: JobState
-    exit_code: int | None
+    exit_code: ExitCode | None
     idle: float | None
     ranks: list[RankStack]
     errors: list[RankError]
@@ -419,16 +434,16 @@ class Supervision:
     lands and wins, and nothing but another stop replaces it (``precedence``)."""
 
     supervisor: SupervisorState
-    attempt: int
+    attempt: Count
     restarts_left: int
     last_restart_reason: str | None = None
-    exit_codes: list[int | None] = field(default_factory=list)  # the last attempt's, per rank
-    version: int = 0
-    by: int = 0  # the rank whose supervisor wrote it (of a RELAUNCHING record: the claimer)
+    exit_codes: list[ExitCode | None] = field(default_factory=list)  # the last attempt's, per rank
+    version: Count = 0
+    by: Index = 0  # the rank whose supervisor wrote it (of a RELAUNCHING record: the claimer)
     held: str | None = None  # what holds the relaunch: "NODE: CHECK: DETAIL"
     diagnosis: str | None = None  # `diagnose --json` saved before the last stall restart
     reason: RestartReason = RestartReason.START  # why the current attempt was launched
-    generation: int = 1  # one on with each change of membership: a lost node is fenced by it
+    generation: Count = 1  # one on with each change of membership: a lost node is fenced by it
     members: list[str] = field(default_factory=list)  # each rank's node (as the hostfile
     # spells it) since the last change of membership; empty: the job's nodes as launched
     lost: list[str] = field(default_factory=list)  # nodes dropped from the membership for good
@@ -464,16 +479,16 @@ class SupervisorRequest(Request):
     action: Literal["look", "start", "end"] = "look"
     argv: list[str] = field(default_factory=list)
     record: Supervision | None = None
-    version: int = 0
+    version: Count = 0
     session: str = ""
     workdir: str = ""
 
 
 @record
 class SupervisorReply(Reply):
-    pid: int | None  # the live supervisor here (found before an ``end``)
+    pid: Pid | None  # the live supervisor here (found before an ``end``)
     beat: float | None  # seconds since it last beat, on this node's clock (None: none here)
-    left: list[int]  # an ended supervisor's processes that survived TERM and KILL
+    left: list[Pid]  # an ended supervisor's processes that survived TERM and KILL
     record: Supervision | None  # this node's copy after the write (None: none or unreadable)
     written: bool = False
 
@@ -486,15 +501,15 @@ class ManifestRequest(Request):
 
     root: str
     exclude: list[str] = field(default_factory=list)
-    page: int = 0
+    page: Count = 0
 
 
 @record
 class FileState:
     path: str
-    size: int
+    size: Bytes
     mtime: float
-    mode: int
+    mode: FileMode
 
 
 @record
@@ -523,9 +538,9 @@ class PutRequest(Request):
 
     path: str
     data: str
-    offset: int
+    offset: Bytes
     last: bool
-    mode: int = 0o644
+    mode: FileMode = 0o644
     mtime: float = 0.0
     root: str = ""
 
@@ -536,7 +551,7 @@ class WholeFile:
 
     path: str
     data: str
-    mode: int
+    mode: FileMode
     mtime: float
 
 
@@ -551,7 +566,7 @@ class PutFilesRequest(Request):
 
 @record
 class PutReply(Reply):
-    written: int  # bytes
+    written: Bytes  # bytes
 
 
 @record
@@ -563,22 +578,22 @@ class ExecRequest(Request):
     ends the command's whole process group."""
 
     cmd: str
-    node_rank: int
-    nnodes: int
+    node_rank: Index
+    nnodes: Count
     master_addr: str
-    master_port: int
+    master_port: Port
     session: str
     timeout: float
-    nproc_per_node: int | None = None
+    nproc_per_node: Count | None = None
 
 
 @record
 class ExecReply(Reply):
-    exit_code: int | None  # None: it did not end by itself (timed out), or never started
+    exit_code: ExitCode | None  # None: it did not end by itself (timed out), or never started
     stdout: str  # the head and the tail, with a line saying how much was cut between them
     stderr: str
-    stdout_cut: int = 0  # bytes left out of the middle
-    stderr_cut: int = 0
+    stdout_cut: Bytes = 0  # bytes left out of the middle
+    stderr_cut: Bytes = 0
     error: str | None = None  # why there is no exit code
 
 
@@ -600,11 +615,11 @@ class TopRequest(Request):
 class GpuSample:
     """One GPU; a field the driver does not report is None."""
 
-    index: int
+    index: Index
     name: str
     utilization: float | None  # percent
-    memory_used: int | None  # bytes
-    memory_total: int | None  # bytes
+    memory_used: Bytes | None  # bytes
+    memory_total: Bytes | None  # bytes
     power: float | None  # watts
     power_limit: float | None  # watts
     temperature: float | None  # degrees Celsius
@@ -615,27 +630,27 @@ class PortRate:
     """A network interface or an InfiniBand port (``mlx5_0:1``): bytes so far and per second."""
 
     name: str
-    received: int
-    sent: int
+    received: Bytes
+    sent: Bytes
     receive_rate: float | None  # bytes/s since the previous sample (None: the first)
     send_rate: float | None
 
 
 @record
 class RankSample:
-    rank: int
-    pid: int
+    rank: Index
+    pid: Pid
     cpu: float | None  # percent of one core since the previous sample
-    rss: int  # resident memory, bytes
+    rss: Bytes  # resident memory, bytes
 
 
 @record
 class TopReply(Reply):
     hostname: str
-    cpus: int
+    cpus: Count
     cpu: float | None  # percent of all cores busy since the previous sample
-    memory_used: int  # bytes (total less available)
-    memory_total: int
+    memory_used: Bytes  # bytes (total less available)
+    memory_total: Bytes
     load: list[float]  # 1, 5 and 15 minutes
     interface: str | None  # the job's interface (its rates are ``ports[0]``'s), when found
     ports: list[PortRate]  # the job's interface first, then InfiniBand ports
@@ -701,8 +716,16 @@ def decode_reply(op: str, line: str) -> Reply:
     """The reply to ``op``; a node's own error comes back as ``NodeFailure``."""
     data = _load(line)
     if data.get("ok") is False:
-        raise NodeFailure(str(data.get("error"))[:4000])
+        failure = build(Failure, data, "reply")
+        raise NodeFailure(failure.error[:4000])
     return build(OPS[op][1], data.get("result"), "result")
+
+
+@record
+class Failure:
+    """A reply saying the request failed on the node: its message, checked as any field is."""
+
+    error: str
 
 
 class NodeFailure(Exception):

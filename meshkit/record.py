@@ -29,7 +29,15 @@ else:
 
 
 __all__ = [
+    "INT_RANGES",
+    "Bytes",
+    "Count",
+    "ExitCode",
+    "FileMode",
+    "Index",
     "Invalid",
+    "Pid",
+    "Port",
     "StrEnum",
     "WallTime",
     "asdict",
@@ -47,6 +55,29 @@ __all__ = [
 WallTime = float
 EARLIEST_TIME = 0.0
 LATEST_TIME = 253_402_214_400.0
+
+# Every int a record gets is held to a range: a plain ``int`` to what a double holds exactly
+# (what JSON carries between any two programs), a field annotated with one of the names below to
+# its narrower one. So no reader meets a number it cannot add to, format or store: Python refuses
+# to write an int of over 4,300 digits (a version of that size once blocked every supervision
+# write, ``stop`` included, and ended ``top``). Each name is ``int`` to the type checker.
+Count = int  # how many of something, a version, a generation, an offset, a page
+Index = int  # a rank, a node's rank, a GPU's index
+Bytes = int  # a size, memory, a byte counter (a network port's counts 64 bits)
+Port = int  # a TCP port (0: any)
+Pid = int  # a process id: the kernel's PID_MAX_LIMIT is 2**22
+ExitCode = int  # an exit code, or minus the signal that ended the process (Python's returncode)
+FileMode = int  # permission bits
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "int": (-(2**53), 2**53),
+    "Count": (0, 2**53),
+    "Index": (0, 2**31 - 1),
+    "Bytes": (0, 2**64 - 1),
+    "Port": (0, 65535),
+    "Pid": (1, 2**22),
+    "ExitCode": (-255, 255),
+    "FileMode": (0, 0o7777),
+}
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(field,))
@@ -131,17 +162,27 @@ class _Shape:
     """An annotation, parsed once. ``tag``: a scalar type's name, ``list``, ``tuple``, ``dict``,
     ``literal`` (its strings in ``values``), ``enum`` (the class in ``cls``, its members'
     strings in ``values``), ``union``, ``record`` (the class in ``cls``) or ``time`` (a
-    ``WallTime``)."""
+    ``WallTime``). An ``int``'s range (``INT_RANGES``) is in ``lowest`` and ``highest``."""
 
     tag: str
     args: tuple[_Shape, ...] = ()
     cls: type | None = None
     values: tuple[str, ...] = ()
+    lowest: int = 0
+    highest: int = 0
 
 
 _SHAPES: dict[type, tuple[tuple[Field[object], _Shape], ...]] = {}
 _SCALARS = ("str", "int", "float", "bool", "None")
-_PLAIN = {"str": str, "bool": bool}  # scalars whose type alone decides
+_PLAIN = {"bool": bool}  # scalars whose type alone decides
+# a JSON value's type -> the shapes that take that type (a union says why the one it fits refused)
+_KINDS: dict[type, tuple[str, ...]] = {
+    int: ("int", "float", "time"),
+    float: ("int", "float", "time"),
+    str: ("str", "literal", "enum"),
+    dict: ("record", "dict"),
+    list: ("list", "tuple"),
+}
 
 
 def _fields_of(cls: type) -> tuple[tuple[Field[object], _Shape], ...]:
@@ -158,8 +199,8 @@ def _fields_of(cls: type) -> tuple[tuple[Field[object], _Shape], ...]:
 def _shape(text: str, names: dict[str, object]) -> _Shape:
     """The shape of an annotation string: ``list[int]``, ``tuple[str, ...]``, ``str | None``,
     ``dict[str, str]``, ``Literal['a', 'b']``, or a record class or string enum of the module
-    that uses it, or ``WallTime``. The tree's records use nothing else (a test parses them
-    all)."""
+    that uses it, or ``WallTime``, or an int's name in ``INT_RANGES``. The tree's records use
+    nothing else (a test parses them all)."""
     options = split(text, "|")
     if len(options) > 1:
         return _Shape("union", tuple(_shape(option, names) for option in options))
@@ -174,6 +215,9 @@ def _shape(text: str, names: dict[str, object]) -> _Shape:
         args = tuple(_shape(arg, names) for arg in parts)
         if (head, len(args)) in (("list", 1), ("dict", 2)):
             return _Shape(head, args)
+    elif text in INT_RANGES:
+        lowest, highest = INT_RANGES[text]
+        return _Shape("int", lowest=lowest, highest=highest)
     elif text in _SCALARS:
         return _Shape(text)
     elif text == "WallTime":
@@ -204,15 +248,17 @@ def split(text: str, sep: str) -> list[str]:
 def _check(shape: _Shape, value: object, where: str) -> object:
     tag = shape.tag
     if tag == "union":
-        number_refused = None  # a number's own reason (not finite, not a time) says more
+        # the refusal of the option of the value's own kind (a number out of range, a record's
+        # field, a string's surrogate) says more than "unexpected"
+        refused = None
         for option in shape.args:
             try:
                 return _check(option, value, where)
             except Invalid as exc:
-                if option.tag in ("float", "time") and isinstance(value, (int, float)):
-                    number_refused = exc
-        if number_refused is not None and not isinstance(value, bool):
-            raise number_refused
+                if option.tag in _KINDS.get(type(value), ()):
+                    refused = exc
+        if refused is not None:
+            raise refused
         raise Invalid(f"{where}: unexpected {type(value).__name__}")
     if tag == "None":
         if value is None:
@@ -250,7 +296,35 @@ def _check(shape: _Shape, value: object, where: str) -> object:
             return number
     elif tag == "int":
         if isinstance(value, int) and not isinstance(value, bool):
+            if shape.lowest <= value <= shape.highest:
+                return value
+            bounds = f"{shape.lowest}..{shape.highest}"
+            raise Invalid(f"{where}: {_shown(value)} is not within {bounds}")
+    elif tag == "str":
+        if isinstance(value, str):
+            _check_text(value, where)
             return value
     elif tag in _PLAIN and isinstance(value, _PLAIN[tag]):
         return value
     raise Invalid(f"{where}: unexpected {type(value).__name__}")
+
+
+def _check_text(value: str, where: str) -> None:
+    """A string is refused, not mended, when it holds a lone surrogate (``\\ud800``): JSON's
+    escapes can carry one, but no UTF-8 does, so printing it, writing it to a file or encoding it
+    raises. No honest sender makes one (the agent decodes bytes with replacement), and mending
+    would change the data a record stands for (a file's path) behind its reader's back."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        shown = ascii(value[max(0, exc.start - 20) : exc.start + 20])
+        raise Invalid(f"{where}: a lone surrogate at character {exc.start} of {shown}") from None
+
+
+def _shown(number: int) -> str:
+    """An int for a message: whole when short, else how long it is (Python will not write one of
+    over 4,300 digits, and nobody reads one of 40)."""
+    if abs(number) < 10**24:
+        return str(number)
+    digits = int(abs(number).bit_length() * math.log10(2)) + 1
+    return f"a number of about {digits} digits"

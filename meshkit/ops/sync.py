@@ -31,6 +31,9 @@ ALWAYS_EXCLUDED = (".meshkit",)  # each node's logs and job state live there: ne
 DEFAULT_EXCLUDE = (".git", "__pycache__")
 FILE_FIELDS = 100  # bytes of a small file's encoded entry besides its data and path
 MTIME_SLACK = 0.002  # seconds: filesystems keep mtimes at different resolutions
+# seconds for every page of a node's listing together (each page has its call's own deadline
+# too): a node that sent a page now and then would otherwise hold train for as long as it liked
+LISTING_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -201,11 +204,16 @@ def manifests(
     problems = []
     page = 0
     waiting = list(hosts)
+    deadline = time.monotonic() + LISTING_SECONDS
 
     def manifest_request(host: Host) -> protocol.ManifestRequest:
         return protocol.ManifestRequest(root, exclude, page)
 
     while waiting:
+        if time.monotonic() > deadline:
+            late = f"its listing of {root} did not end within {LISTING_SECONDS:.0f}s"
+            problems += [f"{host.label}: {late}" for host in waiting]
+            break
         replies = pool.call_all("manifest", manifest_request, protocol.ManifestReply, waiting)
         more = []
         for host in waiting:
@@ -214,16 +222,31 @@ def manifests(
                 problems.append(f"{host.label}: {unanswered(outcome, host, pool.failures)}")
                 continue
             listing = found[host]
-            listing.exists = outcome.value.exists
-            listing.files += outcome.value.files
-            listing.blockers += outcome.value.blockers
-            if outcome.value.more:
+            reply = outcome.value
+            listing.exists = reply.exists
+            listing.files += reply.files
+            listing.blockers += reply.blockers
+            refused = _refused_page(reply, listing)
+            if refused is not None:
+                problems.append(f"{host.label}: {refused}")
+            elif reply.more:
                 more.append(host)
         waiting = more
         page += 1
     if problems:
         raise LaunchError([*problems, "train: cannot sync the workdir; nothing was started"])
     return found
+
+
+def _refused_page(reply: protocol.ManifestReply, listing: Manifest) -> str | None:
+    """Why a node's page is not taken (None: it is): an agent lists at most ``MAX_FILES``
+    entries, and a page it says more follows holds some, so a listing ends after at most that
+    many pages, whatever a node sends."""
+    if len(listing.files) + len(listing.blockers) > MAX_FILES:
+        return f"its listing holds more than {MAX_FILES} entries, which no agent sends"
+    if reply.more and not reply.files and not reply.blockers:
+        return "it sent an empty page of its listing and said more would follow"
+    return None
 
 
 class Sender:

@@ -113,7 +113,7 @@ def env_checks(hosts: Sequence[Host], views: dict[Host, p.EnvReply]) -> list[Che
 def rank_check(host: Host, rank: int, view: p.EnvReply) -> Check:
     said = view.variables.get("NODE_RANK", "")
     number = None
-    if said.isascii() and said.isdigit():
+    if said.isascii() and said.isdigit() and len(said) <= 9:  # a rank, not a node's 5,000 digits
         number = int(said)
     detail = f"NODE_RANK={number} (hostfile line {host.lineno} is rank {rank})"
     fix = "list this node in the hostfile as it sees itself (an address of one of its interfaces)"

@@ -25,6 +25,8 @@ from .group import SshGroup
 R = TypeVar("R", bound=Reply)
 T = TypeVar("T")
 
+GONE_WAIT = 5.0  # seconds for a gone agent's stderr and exit status
+
 
 class Agent:
     """One node agent; ``call`` sends a request and returns its typed reply."""
@@ -40,7 +42,7 @@ class Agent:
         self.channel: paramiko.Channel = transport.open_session(timeout=settings.connect_timeout)
         self.channel.settimeout(settings.command_timeout)
         self.channel.exec_command(shlex.join([python, "-m", "meshkit.node", "serve"]))
-        self._out = self.channel.makefile("rb")
+        self._unread = b""  # what the agent sent past the last reply line read
 
     def call(self, request: Request, expect: type[R], timeout: float | None = None) -> R:
         """The reply to ``request`` (``RemoteError`` if the node says it failed, the agent is
@@ -62,6 +64,7 @@ class Agent:
     def _call(self, request: Request, expect: type[R], timeout: float | None) -> R:
         op = type(request).__name__
         limit = timeout or self.remote.settings.command_timeout
+        deadline = time.monotonic() + limit
         self.channel.settimeout(limit)
         try:
             line = protocol.encode_request(request)
@@ -72,7 +75,7 @@ class Agent:
             # sendall, not a buffered stdin file: paramiko's file objects flush again when they
             # are garbage-collected and print a traceback if the agent is already gone.
             self.channel.sendall(line.encode())
-            raw = self._out.readline(MAX_LINE + 2)
+            raw = self._read_line(deadline)
         except (socket.timeout, TimeoutError):
             raise RemoteError(f"the node agent did not answer {op} within {limit:.0f}s") from None
         except OSError:
@@ -81,9 +84,61 @@ class Agent:
             if not self.channel.exit_status_ready():
                 raise
         if not raw:
-            err = self.channel.makefile_stderr("rb").read(65536).decode(errors="replace")
-            raise AgentGone(self.channel.recv_exit_status(), self._explain(err))
+            # its last words and exit status come right after its stdout closed: a few seconds
+            # of their own, so that an agent gone at the call's deadline still says why
+            gone = time.monotonic() + GONE_WAIT
+            err = self._read_stderr(gone).decode(errors="replace")
+            raise AgentGone(self._exit_status(gone), self._explain(err))
         return read_reply(request, raw, expect)
+
+    def _read_line(self, deadline: float) -> bytes:
+        """The agent's next line, newline included, read by ``deadline`` (``time.monotonic``)
+        in all: a channel's timeout bounds each wait alone, so a node that sent a byte now and
+        then would hold the call for as long as it liked. At most ``MAX_LINE`` + 1 bytes are
+        kept: a longer line comes back cut, without its newline (``read_reply`` refuses it);
+        the end of the stream returns what came before it (nothing: the agent is gone)."""
+        pending = bytearray(self._unread)
+        end = pending.find(b"\n")
+        while end < 0 and len(pending) <= MAX_LINE:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self.channel.settimeout(left)
+            chunk = self.channel.recv(65536)
+            if not chunk:
+                break
+            searched = len(pending)
+            pending += chunk
+            end = pending.find(b"\n", searched)
+        if end < 0:
+            self._unread = b""
+            return bytes(pending[: MAX_LINE + 1])
+        self._unread = bytes(pending[end + 1 :])
+        return bytes(pending[: end + 1])
+
+    def _read_stderr(self, deadline: float) -> bytes:
+        """What the gone agent wrote on stderr: at most 64 KiB, by ``deadline``."""
+        err = b""
+        while len(err) < 65536:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.channel.settimeout(left)
+            try:
+                chunk = self.channel.recv_stderr(65536 - len(err))
+            except (socket.timeout, TimeoutError):
+                break
+            if not chunk:
+                break
+            err += chunk
+        return err
+
+    def _exit_status(self, deadline: float) -> int:
+        """The gone agent's exit status, or -1 when none came by ``deadline``."""
+        left = max(0.0, deadline - time.monotonic())
+        if not self.channel.status_event.wait(left):
+            return -1
+        return self.channel.recv_exit_status()
 
     def _explain(self, err: str) -> str:
         """Why the agent is gone, as the fix: mostly a missing interpreter or meshkit."""
