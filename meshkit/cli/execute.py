@@ -16,7 +16,6 @@ from ..flagparse import Fallback, parse
 from ..ops.execute import NodeResult, execute, gather
 from ..record import build, fields, record
 from ..settings import Config, load
-from ..terminal import visible
 from .printing import relay, say
 
 
@@ -103,7 +102,7 @@ def main(argv: Sequence[str]) -> bool:
         failure = run(load(), str(flags.cmd), flags)
     except MeshkitError as exc:
         sys.stdout.flush()
-        print(visible(f"meshkit: {exc}"), file=sys.stderr)
+        say(f"meshkit: {exc}", sys.stderr)
         raise SystemExit(exc.exit_code) from None
     if failure is not None:
         print(failure, file=sys.stderr)
