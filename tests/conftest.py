@@ -49,6 +49,7 @@ SECONDS = {
     "test_top": 70,
     "test_exec": 16,
     "test_untrusted_replies": 60,
+    "test_terminal_safety": 20,  # its author's run alone: 17 s
     # the spare scenarios: a module each, split for the workers (each takes minutes)
     "test_spares_shrink": 330,
     "test_spares_master": 290,

@@ -157,9 +157,9 @@ def test_each_node_has_its_own_rank_and_json_has_its_fixed_keys(cluster):
     out = run_exec(cluster, "--json", "--cmd", 'echo $NODE_RANK; echo "$NNODES" >&2')
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
-    assert [set(row) for row in rows] == [
-        {"node", "rank", "exit_code", "stdout", "stderr", "error"}
-    ] * SANDBOX_NODES
+    keys = {"node", "rank", "exit_code", "stdout", "stderr", "error"}
+    keys |= {"stdout_cut_bytes", "stderr_cut_bytes"}  # issue 43: how many bytes each cut
+    assert [set(row) for row in rows] == [keys] * SANDBOX_NODES
     assert [(row["node"], row["rank"], row["exit_code"]) for row in rows] == [
         (node.address, node.index, 0) for node in cluster.nodes
     ]

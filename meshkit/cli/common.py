@@ -1,5 +1,5 @@
 """What every task shares: flag help, flags over configuration, errors as exit codes, tables and
-progress. The only place (with the task modules) that prints or exits."""
+progress. The only place (with the task modules and ``printing``) that prints or exits."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from invoke.tasks import task as invoke_task
 from .. import settings
 from ..errors import MeshkitError, UsageError
 from ..record import fields
+from ..terminal import visible
 
 if TYPE_CHECKING:
     from ..outcome import PhaseEvent
@@ -85,7 +86,8 @@ def reported() -> Iterator[None]:
         yield
     except MeshkitError as exc:
         sys.stdout.flush()
-        raise Exit(f"meshkit: {exc}", exc.exit_code) from None
+        # the message may quote a node (its error, its stderr): control characters made visible
+        raise Exit(visible(f"meshkit: {exc}"), exc.exit_code) from None
     except KeyboardInterrupt:
         sys.stdout.flush()
         raise Exit("meshkit: interrupted", 130) from None
@@ -105,10 +107,11 @@ def rate(text: str, flag: str) -> float:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A plain aligned text table."""
-    lines = [[str(header) for header in headers]]
+    """A plain aligned text table; its cells' control characters made visible first, so that
+    the columns stay aligned when a node's text had some."""
+    lines = [[visible(str(header)) for header in headers]]
     for row in rows:
-        lines.append(["" if value is None else str(value) for value in row])
+        lines.append(["" if value is None else visible(str(value)) for value in row])
     widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
     text = []
     for line in lines:

@@ -16,6 +16,7 @@ from ..flagparse import Fallback, parse
 from ..ops.execute import NodeResult, execute, gather
 from ..record import build, fields, record
 from ..settings import Config, load
+from .printing import relay, say
 
 
 @record
@@ -81,7 +82,7 @@ def run(conf: Config, cmd: str, flags: ExecFlags) -> str | None:
     sys.stdout.flush()
     failed = [result for result in results if not result.ok]
     for result in failed:
-        print(f"meshkit exec: {result.node} (rank {result.rank}): {result.why}", file=sys.stderr)
+        say(f"meshkit exec: {result.node} (rank {result.rank}): {result.why}", sys.stderr)
     if failed:
         return f"meshkit exec: {len(failed)} of {len(results)} nodes failed"
     return None
@@ -101,7 +102,7 @@ def main(argv: Sequence[str]) -> bool:
         failure = run(load(), str(flags.cmd), flags)
     except MeshkitError as exc:
         sys.stdout.flush()
-        print(f"meshkit: {exc}", file=sys.stderr)
+        say(f"meshkit: {exc}", sys.stderr)
         raise SystemExit(exc.exit_code) from None
     if failure is not None:
         print(failure, file=sys.stderr)
@@ -110,6 +111,8 @@ def main(argv: Sequence[str]) -> bool:
 
 
 def as_json(result: NodeResult) -> dict[str, object]:
+    """One node's object of ``exec --json`` (json escapes its control characters); the
+    ``*_cut_bytes``: how many bytes the node left out of the middle of each stream."""
     return {
         "node": result.node,
         "rank": result.rank,
@@ -117,29 +120,32 @@ def as_json(result: NodeResult) -> dict[str, object]:
         "stdout": result.stdout,
         "stderr": result.stderr,
         "error": result.error,
+        "stdout_cut_bytes": result.stdout_cut,
+        "stderr_cut_bytes": result.stderr_cut,
     }
 
 
 def print_groups(results: Sequence[NodeResult]) -> None:
-    """Standard output as ``clush -b`` shows it; standard error per node, on stderr."""
+    """Standard output as ``clush -b`` shows it; standard error per node, on stderr. The nodes'
+    output goes through ``relay``: visible on a terminal, as sent into a pipe or a file."""
     for group in gather(results):
         header = f"{group.nodes} ({len(group.results)})"
         rule = "-" * len(header)
-        print(f"{rule}\n{header}\n{rule}")
-        print(group.stdout, end="" if group.stdout.endswith("\n") else "\n")
+        say(f"{rule}\n{header}\n{rule}")
+        relay(group.stdout, end="" if group.stdout.endswith("\n") else "\n")
     sys.stdout.flush()
     for result in results:
         for line in result.stderr.splitlines():
-            print(f"{result.node}: {line}", file=sys.stderr)
+            relay(f"{result.node}: {line}", sys.stderr)
 
 
 def print_lines(results: Sequence[NodeResult]) -> None:
     """Every line prefixed with its node, as pdsh prints (stdout's on stdout, stderr's on
-    stderr), node by node in rank order."""
+    stderr), node by node in rank order; through ``relay``, as ``print_groups``."""
     for result in results:
         for line in result.stdout.splitlines():
-            print(f"{result.node}: {line}")
+            relay(f"{result.node}: {line}")
     sys.stdout.flush()
     for result in results:
         for line in result.stderr.splitlines():
-            print(f"{result.node}: {line}", file=sys.stderr)
+            relay(f"{result.node}: {line}", sys.stderr)

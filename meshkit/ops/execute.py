@@ -26,8 +26,8 @@ ANSWER_GRACE_S = 15.0
 @dataclass(frozen=True)
 class NodeResult:
     """One node's run: its exit code (None when it has none: ``error`` says why: the node did
-    not answer, the command timed out), and its output (head and tail, ``cut`` bytes left out
-    between them, said by a line in the text)."""
+    not answer, the command timed out), and its output (head and tail, ``stdout_cut`` and
+    ``stderr_cut`` bytes left out between them, said by a line in the text)."""
 
     node: str  # as the hostfile spells it
     rank: int
@@ -35,7 +35,13 @@ class NodeResult:
     stdout: str
     stderr: str
     error: str | None = None
-    cut: int = 0
+    stdout_cut: int = 0
+    stderr_cut: int = 0
+
+    @property
+    def cut(self) -> int:
+        """Bytes left out of both streams."""
+        return self.stdout_cut + self.stderr_cut
 
     @property
     def ok(self) -> bool:
@@ -144,10 +150,16 @@ def run(
             results.append(NodeResult(host.label, rank, None, "", "", why))
             continue
         reply = outcome.value
-        cut = reply.stdout_cut + reply.stderr_cut
         results.append(
             NodeResult(
-                host.label, rank, reply.exit_code, reply.stdout, reply.stderr, reply.error, cut
+                host.label,
+                rank,
+                reply.exit_code,
+                reply.stdout,
+                reply.stderr,
+                reply.error,
+                reply.stdout_cut,
+                reply.stderr_cut,
             )
         )
     return results

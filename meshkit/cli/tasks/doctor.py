@@ -12,6 +12,7 @@ from invoke.exceptions import Exit
 
 from ...errors import UsageError
 from ..common import conf, helps, progress, rate, reported, table, task
+from ..printing import say
 
 if TYPE_CHECKING:
     from ...ops.bandwidth import Bandwidth
@@ -159,21 +160,21 @@ def doctor(
     if json:
         print(jsonlib.dumps(report.as_json()))
     else:
-        print(f"doctor: {len(hosts)} nodes, {source}, master port {job.master_port}")
-        print(render(report))
+        say(f"doctor: {len(hosts)} nodes, {source}, master port {job.master_port}")
+        say(render(report))
         failures = report.failures
         measured = report.bandwidth
         if measured is not None:
-            print(f"\n{matrix(measured, report.nodes)}\n")
+            say(f"\n{matrix(measured, report.nodes)}\n")
             medians = f"median (of the nodes' medians) {rate_text(measured.median)}"
             if measured.busbw:
                 medians += f"; all_reduce busbw {rate_text(measured.busbw)}"
-            print(medians)
+            say(medians)
             for failure in failures:
                 if failure.check == "bandwidth" and failure.peer:
-                    print(f"slow pair: {failure.node} <-> {failure.peer}")
+                    say(f"slow pair: {failure.node} <-> {failure.peer}")
             for node in measured.slow_nodes:
-                print(f"slow node: {node} (every one of its pairs)")
-        print(f"\n{len(report.checks) - len(failures)}/{len(report.checks)} checks passed")
+                say(f"slow node: {node} (every one of its pairs)")
+        say(f"\n{len(report.checks) - len(failures)}/{len(report.checks)} checks passed")
     if not report.ok:
         raise Exit(code=1)

@@ -22,7 +22,8 @@ EXEC_HELP = helps(
     timeout="seconds each node's command may take; then its process group is killed "
     "(default: config command_timeout, 120)",
     lines="each output line prefixed with its node, instead of identical outputs grouped",
-    json='print [{"node", "rank", "exit_code", "stdout", "stderr", "error"}] instead',
+    json='print [{"node", "rank", "exit_code", "stdout", "stderr", "error", "stdout_cut_bytes", '
+    '"stderr_cut_bytes"}] instead (bytes each node cut from the middle of each stream)',
 )
 
 
@@ -32,8 +33,10 @@ def exec_(context: Context, **given: str | bool | None) -> None:
 
     Identical outputs are shown once under the nodes that printed them (node[0-3,5]), as
     clush -b does; stderr lines go to stderr, each prefixed with its node. Each node keeps the
-    first and last 32 KiB of each stream and says how much it cut. Exit 1 when any node failed
-    or did not answer (each named, with why); Ctrl-C ends the command on every node.
+    first and last 32 KiB of each stream and says how much it cut. On a terminal, control
+    characters are shown (ESC as \x1b), never obeyed; into a pipe, output is passed on as sent.
+    Exit 1 when any node failed or did not answer (each named, with why); Ctrl-C ends the
+    command on every node.
     """
     flags = build(ExecFlags, given, "exec")
     with reported():

@@ -17,6 +17,7 @@ from ...ops import lookup
 from ...ops.pool import NodePool, connect
 from ...protocol import JobState, SupervisorShown
 from ..common import HELP, conf, helps, progress, reported, table, task
+from ..printing import relay, say
 
 if TYPE_CHECKING:  # every command builds the task list; only these tasks load their ops
     from contextlib import AbstractContextManager
@@ -33,7 +34,7 @@ def _print_start(launch: ops.Launch) -> None:
     cells = []
     for row in launch.rows:
         cells.append((row.node_rank, row.host, row.state, ", ".join(row.replaced), row.error))
-    print(table(["rank", "host", "state", "replaced", "error"], cells))
+    say(table(["rank", "host", "state", "replaced", "error"], cells))
 
 
 def supervisor_lines(shown: SupervisionStatus, job: Job) -> list[str]:
@@ -206,32 +207,32 @@ def train(
         lookup.check_options(options)
         job, hosts = op.plan(conf(), options)
         if cmd is None:
-            print(f"relaunching saved job {job.label}: {job.cmd}")
+            say(f"relaunching saved job {job.label}: {job.cmd}")
         result = op.train(conf(), job, hosts, options, progress)
         if result.lacking:
             lacking = ", ".join(result.lacking)
-            print(f"workdir {job.workdir} is not shared with {lacking}: syncing it")
+            say(f"workdir {job.workdir} is not shared with {lacking}: syncing it")
         if result.doctor is not None:
             if not result.doctor.ok:
-                print(render(result.doctor))
+                say(render(result.doctor))
                 lines = []
                 for failure in result.doctor.failures:
                     peer = f" -> {failure.peer}" if failure.peer else ""
                     check = f"{failure.check}: {failure.detail}; fix: {failure.fix}"
                     lines.append(f"{failure.node}{peer}: {check}")
                 raise LaunchError([*lines, "train --doctor: checks failed; nothing was started"])
-            print(f"doctor: {len(result.doctor.checks)} quick checks passed")
+            say(f"doctor: {len(result.doctor.checks)} quick checks passed")
         launch = result.launch
         assert launch is not None  # only None when the doctor failed, above
         for host, count in (launch.synced or {}).items():
-            print(f"synced {count} changed files to {host}")
+            say(f"synced {count} changed files to {host}")
         if launch.note:
-            print(launch.note)
+            say(launch.note)
         if launch.dry_run:
             spec = launch.job.node_job()
             label = f"{launch.job.label} on {len(hosts)} nodes"
-            print(f"would start {label} (tmux {spec.tmux_session}):")
-            print("  " + " ".join(spec.argv))
+            say(f"would start {label} (tmux {spec.tmux_session}):")
+            say("  " + " ".join(spec.argv))
             return
         _print_start(launch)
         if not launch.ok:
@@ -239,9 +240,9 @@ def train(
             raise LaunchError(f"train: {why}")
         if result.supervisor is not None:
             sup = result.supervisor
-            print(f"supervisors: tmux session {sup.tmux_session} on every node, logs {sup.log}")
+            say(f"supervisors: tmux session {sup.tmux_session} on every node, logs {sup.log}")
         where = f"--hostfile {launch.job.hostfile} --session {launch.job.session}"
-        print(f"\nstatus: meshkit status {where}   logs: meshkit logs {where}")
+        say(f"\nstatus: meshkit status {where}   logs: meshkit logs {where}")
 
 
 @task(help=helps(*JOB_FLAGS, log="append output to this file", rank="this node's rank"))
@@ -302,7 +303,7 @@ def status(
     if json:
         print(jsonlib.dumps(found.as_json()))
     else:
-        print(render_status(found, job))
+        say(render_status(found, job))
     if any(row.error for row in found.rows):
         raise Exit(code=1)
 
@@ -324,7 +325,7 @@ def diagnose(
     if json:
         print(jsonlib.dumps(found.as_json()))
     else:
-        print(render_diagnosis(found, job))
+        say(render_diagnosis(found, job))
     if not found.ok:
         raise Exit(code=1)
 
@@ -398,10 +399,10 @@ def logs(
             for batch in ops.follow(pool, job, hosts, ranks, int(lines)):
                 for chunk in batch:
                     for line in chunk.lines:
-                        print(f"[{chunk.rank}] {line}")
+                        relay(f"[{chunk.rank}] {line}")
                     if chunk.error:
                         failed = True
-                        print(f"[{chunk.rank}] (no log: {chunk.error})", file=sys.stderr)
+                        say(f"[{chunk.rank}] (no log: {chunk.error})", sys.stderr)
                 sys.stdout.flush()
                 if not follow:
                     break
@@ -430,8 +431,8 @@ def stop(
         print(jsonlib.dumps(stopped.as_json()))
     else:
         for problem in stopped.supervisor_left:
-            print(f"meshkit: {problem}", file=sys.stderr)
-        print(render_stop(stopped))
+            say(f"meshkit: {problem}", sys.stderr)
+        say(render_stop(stopped))
     bad = [row.host for row in stopped.rows if not row.ok]
     if stopped.supervisor_left:
         raise Exit("meshkit: the job's supervisor could not be ended (see above)", 1)
@@ -483,18 +484,18 @@ def demo(context: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: flo
 
     with reported():
         settings = conf().sandbox
-        print(f"== sandbox.up --nodes {nodes}")
+        say(f"== sandbox.up --nodes {nodes}")
         layout = sandbox.up(settings.dir, settings.subnet, int(nodes))
         addresses = [(node.name, node.address) for node in layout.nodes]
-        print(table(["node", "address"], addresses))
-        print(f"\n== mesh --hostfile {layout.hostfile}")
+        say(table(["node", "address"], addresses))
+        say(f"\n== mesh --hostfile {layout.hostfile}")
         mesh(context, hostfile=str(layout.hostfile))
         workdir = layout.shared / "demo"
         workdir.mkdir(parents=True, exist_ok=True)
         templates.copy_to("example_train.py", workdir)
         cmd = "torchrun example_train.py"
         example = f"{cmd}, {nproc_per_node} per node, gloo"
-        print(f"\n== train ({example}) in {workdir}")
+        say(f"\n== train ({example}) in {workdir}")
         flags = lookup.Options(
             cmd=cmd,
             workdir=str(workdir),
@@ -509,15 +510,15 @@ def demo(context: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: flo
             if not launch.ok:
                 raise LaunchError("demo: the example did not start on every node")
             rows = ops.wait_done(pool, launch.job, hosts, float(timeout))
-        print("\n== results (one line per rank, from each node's log)")
+        say("\n== results (one line per rank, from each node's log)")
         results = []
         for rank in range(len(hosts)):
             text = Path(launch.job.log(rank)).read_text(errors="replace")
             results += [line for line in text.splitlines() if line.startswith("meshkit-example")]
         for line in sorted(results, key=rank_of):
-            print(line)
-        print("\n== status")
-        print(render_status(ops.JobStatus(rows), launch.job))
+            say(line)
+        say("\n== status")
+        say(render_status(ops.JobStatus(rows), launch.job))
         expected = len(hosts) * int(nproc_per_node)
         correct = [line for line in results if "ok=True" in line]
         every_rank_correct = len(correct) == len(results) == expected
@@ -526,6 +527,6 @@ def demo(context: Context, nodes: int = 3, nproc_per_node: int = 2, timeout: flo
             why = "not every rank reported a correct all_reduce (see above)"
             raise Exit(f"meshkit: demo failed: {why}", 1)
         ranks = f"{len(results)} ranks on {len(hosts)} nodes"
-        print(f"\ndemo ok: {ranks} agreed on the all_reduce sum.")
+        say(f"\ndemo ok: {ranks} agreed on the all_reduce sum.")
         watch = f"meshkit status --hostfile {layout.hostfile} --session demo"
-        print(f"explore: ssh -F {layout.ssh_config} node1 | {watch} | meshkit sandbox.down")
+        say(f"explore: ssh -F {layout.ssh_config} node1 | {watch} | meshkit sandbox.down")

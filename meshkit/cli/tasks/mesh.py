@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ...verifyplan import VerifyResult
 
 from ..common import conf, helps, progress, reported, table, task
+from ..printing import say
 
 HOST_FLAGS = ("hostfile", "include", "exclude")
 SHOWN_FAILURES = 50  # pairs listed under the matrix; the matrix shows them all
@@ -59,15 +60,15 @@ def _verify_report(result: VerifyResult) -> int:
     hosts = result.hosts
     failures = result.failures
     pairs = len(hosts) ** 2
-    print(
+    say(
         f"verify: {result.ok_pairs}/{pairs} pairs log in by hostfile name (BatchMode, "
         "StrictHostKeyChecking=yes) and pass the host-key check by hostname (key exchange only, "
         "PreferredAuthentications=none)"
     )
     if failures:
-        print(matrix(hosts, failures))
+        say(matrix(hosts, failures))
         for failure in failures[:SHOWN_FAILURES]:
-            print(f"  {failure.source.label} -> {failure.target.label}: {failure.error}")
+            say(f"  {failure.source.label} -> {failure.target.label}: {failure.error}")
     return len(failures)
 
 
@@ -108,7 +109,7 @@ def mesh(
         hosts, path = _hosts(hostfile, include, exclude)
         settings = ssh_settings(conf(), path, identity, password, accept_new_host_keys)
         dry = " (dry run)" if dry_run else ""
-        print(f"mesh: {len(hosts)} nodes from {path}{dry}")
+        say(f"mesh: {len(hosts)} nodes from {path}{dry}")
         report = ops.mesh(
             hosts,
             settings,
@@ -143,30 +144,30 @@ def _show(report: MeshReport) -> None:
         known = _added(node.plan.known)
         index = report.hosts.index(node.host)
         rows.append((index, node.host.label, node.user_key, authorized, known, node.result))
-    print(table(["#", "node", "user key", "authorized_keys", "known_hosts", "result"], rows))
+    say(table(["#", "node", "user key", "authorized_keys", "known_hosts", "result"], rows))
     shared = "~N: lines shared with another mesh"
-    print(f"  mesh id {report.mesh_id} (tagged on every line it adds; {shared})")
+    say(f"  mesh id {report.mesh_id} (tagged on every line it adds; {shared})")
     for note in report.notes:
-        print(f"  note: {note}")
+        say(f"  note: {note}")
     nodes_by_how: dict[str, list[str]] = {}
     for host, how in report.host_keys_by.items():
         nodes_by_how.setdefault(how, []).append(host.label)
     for how, labels in nodes_by_how.items():
-        print(f"  host keys {how}: {', '.join(labels)}")
+        say(f"  host keys {how}: {', '.join(labels)}")
     for host, names in report.names.items():
         spelled = ", ".join(f"{name} ({why})" for name, why in names)
-        print(f"  {host.label} answers to: {spelled}")
+        say(f"  {host.label} answers to: {spelled}")
     for node in report.nodes:
         label = node.host.label
         for note in node.notes:
-            print(f"  {label}: note: {note}")
+            say(f"  {label}: note: {note}")
         if node.cleaned:
-            print(f"  {label}: removed {node.cleaned} stale meshkit temp file(s)")
+            say(f"  {label}: removed {node.cleaned} stale meshkit temp file(s)")
         if report.dry_run:
             for line in node.plan.authorized.added + node.plan.known.added:
-                print(f"  {label}: would add: {line[:SHOWN_LINE]}")
+                say(f"  {label}: would add: {line[:SHOWN_LINE]}")
     for host, error in report.left_out.items():
-        print(f"  {host.label}: left out: {error}")
+        say(f"  {host.label}: left out: {error}")
 
 
 @task(help=helps(*HOST_FLAGS, "json", identity=SSH_HELP["identity"]))
@@ -243,9 +244,9 @@ def unmesh(
             known = f"-{plan.known_removed}"
             rows.append((node.host.label, authorized, known, plan.remove_key or "-", node.result))
         key = "would remove key" if dry_run else "key removed"
-        print(table(["node", "authorized_keys", "known_hosts", key, "result"], rows))
+        say(table(["node", "authorized_keys", "known_hosts", key, "result"], rows))
         for node in report.nodes:
             if node.plan.kept_key:
-                print(f"  {node.host.label}: {node.plan.kept_key}")
+                say(f"  {node.host.label}: {node.plan.kept_key}")
         if report.failed:
             raise MeshkitError([f"  {node.host.label}: {node.error}" for node in report.failed])

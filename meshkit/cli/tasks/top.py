@@ -15,10 +15,13 @@ from invoke.context import Context
 from invoke.exceptions import Exit
 
 from ...errors import UsageError
+from ...terminal import visible
 from ..common import conf, helps, reported, table, task
+from ..printing import relay, say
 
 if TYPE_CHECKING:
     from rich.console import Group
+    from rich.text import Text
 
     from ...ops.top import NodeLine, Snapshot, Watch
 
@@ -220,11 +223,19 @@ def plain(snapshot: Snapshot, per_gpu: bool) -> str:
     return "\n".join(out)
 
 
+def shown(text: str, style: str = "") -> Text:
+    """Text for rich as it is, never read as markup (a GPU named ``[/bold]`` is shown so, not
+    obeyed), its control characters made visible."""
+    from rich.text import Text
+
+    return Text(visible(text), style=style)
+
+
 def live_view(snapshot: Snapshot, per_gpu: bool) -> Group:
-    """The snapshot as rich renderables: down nodes in red, odd ones in yellow."""
+    """The snapshot as rich renderables: down nodes in red, odd ones in yellow. Every string
+    goes in through ``shown``: rich reads a plain ``str`` cell as markup."""
     from rich.console import Group
     from rich.table import Table
-    from rich.text import Text
 
     odd_nodes = {odd.node for odd in snapshot.odd}
     nodes = Table(box=None, header_style="bold", pad_edge=False)
@@ -237,17 +248,17 @@ def live_view(snapshot: Snapshot, per_gpu: bool) -> Group:
             style = "red"
         elif view.node in odd_nodes:
             style = "yellow"
-        nodes.add_row(*row, style=style)
-    parts: list[object] = [Text(header(snapshot), style="bold"), nodes]
+        nodes.add_row(*[shown(cell) for cell in row], style=style)
+    parts: list[object] = [shown(header(snapshot), "bold"), nodes]
     if per_gpu:
         gpus = Table(box=None, header_style="bold", pad_edge=False)
         for name in GPU_HEADERS:
             gpus.add_column(name, no_wrap=True)
         for row in gpu_rows(snapshot):
-            gpus.add_row(*row)
-        parts.append(gpus if gpus.row_count else Text("no GPUs"))
+            gpus.add_row(*[shown(cell) for cell in row])
+        parts.append(gpus if gpus.row_count else shown("no GPUs"))
     for line in footer(snapshot):
-        parts.append(Text(line, style="yellow" if line.startswith("odd") else "red"))
+        parts.append(shown(line, "yellow" if line.startswith("odd") else "red"))
     return Group(*parts)  # type: ignore[arg-type]
 
 
@@ -266,7 +277,8 @@ def watch_plain(watch: Watch, per_gpu: bool) -> None:
     """Off a terminal: one plain snapshot after another (as ``top -b``), until Ctrl-C."""
     while True:
         started = time.monotonic()
-        print(plain(watch.snapshot(), per_gpu) + "\n", flush=True)
+        say(plain(watch.snapshot(), per_gpu) + "\n")
+        sys.stdout.flush()
         time.sleep(max(0.0, watch.interval - (time.monotonic() - started)))
 
 
@@ -318,12 +330,12 @@ def top(
         if json or format == "json":
             print(jsonlib.dumps(snapshot.as_json()))
         elif format == "prometheus":
-            print(prometheus(snapshot), end="")
+            relay(prometheus(snapshot), end="")  # labels quote nodes: visible on a terminal
         elif sys.stdout.isatty():
             from rich.console import Console
 
             Console().print(live_view(snapshot, gpus))
         else:
-            print(plain(snapshot, gpus))
+            say(plain(snapshot, gpus))
     if not all(view.up for view in snapshot.nodes):
         raise Exit(code=1)
