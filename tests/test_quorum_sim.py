@@ -43,11 +43,13 @@ Each step of a schedule is one of:
 
 Time. Each step is one tick of model time. The timing assumption, which "never two memberships
 running at once" rests on: every live supervisor looks at least once per tick for a majority
-(``Supervisor._without_majority``), so a supervisor that has not seen a majority of the job's
+(``Supervisor._without_majority``) and counts the members it hears (``Supervisor._hear``), so
+a supervisor that has not seen a majority of the job's
 nodes for ``H`` ticks ends its node's part; a leader declares a member lost only once it has
 been silent for ``2 * H`` ticks (``--replace-after`` against half of it), counted from the
 leader's first look that missed it, which is never before the partition or loss began. The
-check for a majority is therefore applied to every supervisor after every step, while the rest of
+check for a majority and the count of silence are therefore applied to every supervisor after
+every step, while the rest of
 a supervisor's work happens only on its own ``look`` steps. A supervisor's step is atomic: no
 other step falls between its claim and its launch.
 
@@ -355,9 +357,16 @@ class Cluster:
         self.watchers[node] = Watcher(known, self.tick)
 
     def fence_alone(self) -> None:
-        """Each tick, every supervisor's check for a majority (``_without_majority``): one that
-        has not seen a majority of the nodes for ``H`` ticks ends its node's part, once."""
+        """Each tick, every supervisor's look: the members it hears and misses counted
+        (``Silence``), and its check for a majority (``_without_majority``): one that has not
+        seen a majority of the nodes for ``H`` ticks ends its node's part, once."""
         for node, watcher in self.watchers.items():
+            # every look counts the members heard and silent (``Supervisor._hear``)
+            for label in watcher.known[1]:
+                if self.reaches(node, label):
+                    watcher.silent_since.pop(label, None)
+                else:
+                    watcher.silent_since.setdefault(label, self.tick)
             answered = len(self.reachable(node))
             if answered >= majority(len(self.labels)):
                 watcher.majority_at = self.tick
