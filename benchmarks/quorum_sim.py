@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TEST = "tests/test_quorum_sim.py::test_random_schedules_keep_them_once_the_self_fence_rearms"
+TEST = "tests/test_quorum_sim.py::test_random_schedules_keep_the_four_properties"
 
 
 def main() -> int:

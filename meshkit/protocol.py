@@ -173,6 +173,8 @@ class RunningJob:
 class StartRequest(Request):
     job: NodeJob
     replace: bool = False  # end other meshkit jobs running here (never without the user's say)
+    launch: str = ""  # a supervised job's: its launch and generation, which this node refuses
+    generation: Count = 0  # to start once its record copy holds their stop or a newer one
 
 
 @record

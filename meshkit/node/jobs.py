@@ -167,11 +167,39 @@ def flight_files_left() -> list[str]:
     return gone
 
 
+def fenced_here(request: protocol.StartRequest) -> str | None:
+    """Why this node refuses to start a supervised job's attempt (None: it does not): its copy
+    of the supervision record holds the stop of that launch, a newer generation of it, or a
+    later launch. A stop kept by this node beats a relaunch that read the record before it."""
+    if not request.launch:
+        return None
+    from .supervise import MAX_COPY, copy_of
+
+    copy = copy_of(files.read_text(files.supervision_copy(request.job.job_id), MAX_COPY))
+    if copy is None:
+        return None
+    if copy.launch > request.launch:
+        return "the job was started anew here (a later train): this attempt is not started"
+    if copy.launch != request.launch:
+        return None
+    if copy.supervisor == protocol.SupervisorState.STOPPED:
+        return "the job was stopped (meshkit stop): this attempt is not started"
+    if copy.generation > request.generation:
+        return (
+            f"generation {copy.generation} holds this node: an attempt of generation "
+            f"{request.generation} is not started"
+        )
+    return None
+
+
 def start(request: protocol.StartRequest) -> protocol.StartReply:
     """Start the job here unless another meshkit job runs (and ``replace`` was not given);
     the same job's old run is replaced. Then look: is its keeper up (or has it already exited)?"""
     job = request.job
     files.check_state()
+    fenced = fenced_here(request)
+    if fenced is not None:
+        return protocol.StartReply(False, protocol.JobState.ABSENT, [], [], fenced)
     others = [running for running in running_jobs() if running.job_id != job.job_id]
     if others and not request.replace:
         conflict = "another meshkit job is running here"

@@ -182,7 +182,7 @@ def _store(request: SupervisorRequest, record: Supervision) -> bool:
     descriptor = os.open(supervision_lock(request.job_id), lock_flags, 0o600)
     with os.fdopen(descriptor, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time on this node
-        if not accepts(read_text(copy), record, request.version):
+        if not accepts(read_text(copy, MAX_COPY), record, request.version):
             return False
         write_atomic(copy, text)
         return True
@@ -208,7 +208,7 @@ def supervisor(request: SupervisorRequest) -> SupervisorReply:
             for path in dropped:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-        return SupervisorReply(pid, None, left, copy_of(read_text(copy)))
+        return SupervisorReply(pid, None, left, copy_of(read_text(copy, MAX_COPY)))
     if request.action == "start" and pid is None:
         tmux.kill_session(request.tmux_session)
         tmux.new_session(request.tmux_session, request.argv)
@@ -216,4 +216,4 @@ def supervisor(request: SupervisorRequest) -> SupervisorReply:
     if request.record is not None:
         written = _store(request, request.record)
     beat = beat_age(request.job_id) if pid is not None else None
-    return SupervisorReply(pid, beat, [], copy_of(read_text(copy)), written)
+    return SupervisorReply(pid, beat, [], copy_of(read_text(copy, MAX_COPY)), written)

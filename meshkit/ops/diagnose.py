@@ -122,7 +122,7 @@ def diagnose(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Diagnosis:
         sent[host] = time.time()  # as the doctor's facts round does: see clock_offsets
         return DiagnoseRequest(job.id, str(job.home), job.log(hosts.index(host)), SECONDS)
 
-    replies = pool.call_all("diagnose", request, DiagnoseReply, timeout=SECONDS + 30)
+    replies = pool.call_all("diagnose", request, DiagnoseReply, hosts, SECONDS + 30)
     return build(job, hosts, replies, pool.failures, sent)
 
 

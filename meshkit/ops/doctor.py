@@ -121,7 +121,7 @@ def run(
     if verify is not None:
         checks += ssh_checks(hosts, verify())
     if envs is None:
-        envs = env_round(pool, job)
+        envs = env_round(pool, job, hosts)
     views = {host: read_env(envs.get(host), pool.failures.get(host)) for host in hosts}
     checks += env_checks(hosts, views)
     # facts: the master writes the shared-workdir marker, then the others look for it (unless
@@ -141,7 +141,7 @@ def run(
     try:
         checks += network_checks(pool, job, hosts, views, port_may_move)
     finally:
-        pool.call_all("", done, p.DoneReply)
+        pool.call_all("", done, p.DoneReply, hosts)
     if verify is not None:
         networked = ("master port", "reach", "rank")
         blocked = any(not check.ok for check in checks if check.check in networked)
@@ -175,7 +175,7 @@ def collective_round(
     argv = job.meshkit_argv("run", "--cmd", shlex.join([job.python, *probe]))
     request = p.ProbeRequest(job.workdir, argv, seconds + 30)
     wait = seconds + 60
-    replies = pool.call_all("collective", lambda host: request, p.ProbeReply, timeout=wait)
+    replies = pool.call_all("collective", lambda host: request, p.ProbeReply, hosts, wait)
     return collective_checks(hosts, replies, pool.failures, seconds)
 
 
@@ -234,7 +234,7 @@ def measure(
 ) -> Report:
     """``doctor --bandwidth``: every pair's throughput both ways, on every network the pair
     shares, measured by the agents in rounds of disjoint pairs; then one timed all_reduce."""
-    envs = env_round(pool, job)
+    envs = env_round(pool, job, hosts)
     views = {host: read_env(envs.get(host), pool.failures.get(host)) for host in hosts}
     # of the env checks, those the bandwidth needs: the interfaces, and what failed
     checks = []

@@ -40,10 +40,11 @@ class Preflight:
     note: str | None
 
 
-def env_round(pool: NodePool, job: Job, phase: str = "env") -> Envs:
-    """Rank discovery on every node, as the job's ``meshkit run`` will do it there."""
+def env_round(pool: NodePool, job: Job, hosts: Sequence[Host], phase: str = "env") -> Envs:
+    """Rank discovery on every node of ``hosts``, as the job's ``meshkit run`` will do it
+    there."""
     request = job.env_request()
-    return pool.call_all(phase, lambda host: request, p.EnvReply)
+    return pool.call_all(phase, lambda host: request, p.EnvReply, hosts)
 
 
 def env_verdicts(
@@ -195,7 +196,7 @@ def launch(
         for where in job.home_copies(hosts):
             pool.write_file(where, job.node_hostfile, members_text(hosts))
     if envs is None:
-        envs = env_round(pool, job)
+        envs = env_round(pool, job, hosts)
     checked = preflight(pool, job, hosts, envs, replace)
     if checked.problems:
         raise LaunchError([*checked.problems, "train: preflight failed; nothing was started"])
@@ -208,7 +209,9 @@ def launch(
         root = index_root(job.hostfile)
         pool.write_file(where, job.index, job.index_json(), root=root)
     spec = job.node_job(attempt, reason, replacement, last)
-    started = pool.call_all("start", lambda host: p.StartRequest(spec, replace), p.StartReply)
+    # the job's nodes only: a supervisor's pool reaches the hostfile's spares too
+    request = p.StartRequest(spec, replace, job.launch, job.generation)
+    started = pool.call_all("start", lambda host: request, p.StartReply, hosts)
     rows = []
     for rank, host in enumerate(hosts):
         outcome = started.get(host)

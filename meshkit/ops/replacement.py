@@ -66,10 +66,15 @@ def replace_lost(loop: Loop, seen: Supervision, lost: list[Host], bound: float) 
             with loop.connect(loop.hosts, 0.0) as pool:
                 codes = end_what_is_left(pool, loop.job, loop.hosts)
                 return loop.gave_up(pool, replace(seen, exit_codes=codes), why)
-        with loop.connect(loop.hosts, RECONNECT) as pool:
-            if not pool.failures:
+        every = [*loop.hosts, *(host for host in loop.cluster if host not in loop.hosts)]
+        with loop.connect(every, RECONNECT) as pool:
+            if not any(host in pool.failures for host in loop.hosts):
                 loop.say("every node answers again; back to watching")
                 return Then.WATCH
+            answering = [host for host in every if host not in pool.failures]
+            if len(answering) < majority(len(every)):
+                loop.say(unclaimed(pool, every))
+                return Then.WATCH  # the watch acts on nothing without a majority
         refused.clear()  # a spare refused a while ago may be healthy now
         time.sleep(loop.interval)
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import JobError, MeshkitError, UsageError
 from ..hostfile import Host
 from ..job import Job
 from ..node.supervise import Heartbeat
 from ..protocol import JobState, StopReply, StopRequest, Supervision, SupervisorState
+from ..quorum import majority
 from ..record import replace
 from . import jobs as ops
 from .diagnose import save_diagnosis
@@ -35,9 +36,12 @@ from .supervision import ask, view, write
 from .supervision_policy import (
     BACKOFF,
     Action,
+    Call,
     Cause,
     Decision,
     Final,
+    Look,
+    Majority,
     NodeView,
     Outcome,
     Silence,
@@ -57,34 +61,6 @@ POLL_TIMEOUT = 15.0  # seconds a node gets to answer a poll: a powered-off node'
 # bound a node is lost after counts from the poll's start: ``Silence``)
 FOLLOWER_POLLS = 3  # a follower polls every 3rd interval: all at every one is N² requests
 GIVE_UP_GRACE = 30.0  # seconds the nodes still running get to end by themselves after a give-up
-
-
-@dataclass(frozen=True)
-class Look:
-    """One look at every node's supervisor: the ranks with a live one (this one included), the
-    newest record, and how many nodes answered (``silent``: the nodes that did not). ``moved``:
-    the record's membership is not the one asked (the supervisor now follows it, over a new
-    connection)."""
-
-    live: set[int]
-    record: Supervision | None
-    answered: int
-    silent: list[Host] = field(default_factory=list)
-    moved: bool = False
-    settled: bool = True  # a majority of the job's nodes answered and carries ``record``
-    newer: bool = False  # some node holds a later launch's copy: this job was started anew
-
-
-@dataclass(frozen=True)
-class Call:
-    """A poll's decision to act on: the ``record`` as the nodes held it, ``kept``, the record
-    with the poll's exit codes and diagnosis (what a claim, DONE or GAVE UP writes over it),
-    and the poll's ``nodes``."""
-
-    decision: Decision
-    record: Supervision
-    kept: Supervision
-    nodes: list[NodeView] = field(default_factory=list)
 
 
 def health(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[Check]:
@@ -121,8 +97,7 @@ class Supervisor:
         self.silence = Silence()  # the one tracker of the nodes that do not answer
         self.opened = time.monotonic()  # when the pool being looked through was opened
         self.ignored: set[int] = set()  # generations no majority carries, as the log named them
-        self.majority_at = time.monotonic()  # when a look last found a majority of the nodes
-        self.fenced_alone = False  # this node's part ended for want of a majority
+        self.majority = Majority(time.monotonic())  # whether this side has a majority
 
     def run(self) -> Supervision:
         """Watch, act on what a watch calls for, and again, until an action ends it all."""
@@ -162,8 +137,6 @@ class Supervisor:
         while True:
             look = self._look(pool)
             record = look.record
-            if not look.answered:
-                return Then.WATCH  # this node is cut off: a new connection in a while
             if look.newer:
                 return Final(self._superseded(pool, look))
             if not look.settled:
@@ -301,6 +274,8 @@ class Supervisor:
         with self._every_node(self._bound()) as pool:
             look = self._look(pool)
             current = look.record
+            if not look.settled or look.newer:
+                return Then.WATCH  # no majority on this side: the watch says so, and waits
             if current is None or look.moved or not waited_only(seen, current):
                 return Then.WATCH
             if next_step(self.me, look.live, current) not in (Step.WATCH, Step.RESUME):
@@ -369,8 +344,7 @@ class Supervisor:
         seen = view(answers, self.hosts, self.job, len(self.nodes()))
         self._name_unproven(seen.belief.unproven)
         silent = [host for host in members if host not in answers]
-        if seen.belief.quorum:
-            self.majority_at = time.monotonic()
+        self.majority.looked(seen.belief.quorum, time.monotonic())
         if seen.belief.newer or not seen.belief.settled:
             live = set(seen.live) | {self.me}
             return Look(
@@ -378,9 +352,8 @@ class Supervisor:
                 seen.record,
                 len(answers),
                 silent,
-                False,
-                seen.belief.settled,
-                seen.belief.newer,
+                settled=seen.belief.settled,
+                newer=seen.belief.newer,
             )
         moved = self.follow(seen.record)
         if moved:
@@ -400,16 +373,13 @@ class Supervisor:
 
     def _without_majority(self, look: Look) -> None:
         """No majority of the job's nodes answers (a partition: this side is the smaller one,
-        or too many nodes are down): act on nothing. Should the job's membership be able to
-        change (spares, or --min-nodes, and --replace-after), the other side may give this
-        node's rank away once --replace-after passes: past half of it, this node's part of
-        the job ends here, so that two memberships never run at once."""
-        bound = self.job.replace_after
-        alone = time.monotonic() - self.majority_at
+        or too many nodes are down): act on nothing, and past half of --replace-after end this
+        node's part of the job (``Majority``)."""
+        now = time.monotonic()
         changes = len(self.nodes()) > len(self.hosts) or self.job.min_nodes is not None
-        if self.fenced_alone or bound is None or not changes or alone < bound / 2:
+        if not self.majority.fence_now(now, self.job.replace_after, changes):
             return
-        self.fenced_alone = True
+        alone = now - self.majority.seen_at
         self.say(
             f"no majority of the job's {len(self.nodes())} nodes answers for {alone:.0f}s "
             "(partitioned?): ending this node's part of the job; the nodes that have a majority "
@@ -540,6 +510,10 @@ class Supervisor:
                     else:
                         self.silence.heard(host)
                 missing = [host for host in self.hosts if host in pool.failures]
+                answering = [host for host in self.nodes() if host not in pool.failures]
+                if len(answering) < majority(len(self.nodes())):
+                    yield pool  # no majority on this side: nothing to wait for here
+                    return
                 if missing:
                     self._announce(pool, missing)
                 deadline = self.silence.until(missing, bound, now)

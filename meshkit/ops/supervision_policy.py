@@ -157,6 +157,65 @@ class NodeView:
     started: float | None = None
 
 
+@dataclass(frozen=True)
+class Look:
+    """One look at every node's supervisor: the ranks with a live one (this one included), the
+    newest record, and how many nodes answered (``silent``: the nodes that did not). ``moved``:
+    the record's membership is not the one asked (the supervisor now follows it, over a new
+    connection)."""
+
+    live: set[int]
+    record: Supervision | None
+    answered: int
+    silent: list[Host] = field(default_factory=list)
+    moved: bool = False
+    settled: bool = True  # a majority of the job's nodes answered and carries ``record``
+    newer: bool = False  # some node holds a later launch's copy: this job was started anew
+
+
+@dataclass(frozen=True)
+class Call:
+    """A poll's decision to act on: the ``record`` as the nodes held it, ``kept``, the record
+    with the poll's exit codes and diagnosis (what a claim, DONE or GAVE UP writes over it),
+    and the poll's ``nodes``."""
+
+    decision: Decision
+    record: Supervision
+    kept: Supervision
+    nodes: list[NodeView] = field(default_factory=list)
+
+
+@dataclass
+class Majority:
+    """Whether this supervisor's node is on the side of a partition that has a majority of the
+    job's nodes, and when it last was (monotonic times the caller gives; pure). A side without
+    a majority acts on nothing; should the job's membership be able to change, the other side
+    gives this node's rank away once --replace-after passes from the first silence, so past half
+    of it this node ends its part of the job (``fence_now``), once per time it is cut off: two
+    memberships never run at once."""
+
+    seen_at: float
+    fenced: bool = False
+
+    def looked(self, quorum: bool, now: float) -> None:
+        """A look found a majority of the job's nodes answering (``quorum``), or not."""
+        if quorum:
+            self.seen_at = now
+            self.fenced = False  # cut off again later: fenced again
+
+    def fence_now(self, now: float, bound: float | None, changes: bool) -> bool:
+        """Whether to end this node's part now: without a majority for half of ``bound``
+        (--replace-after; None: off, no membership ever changes), when the membership can
+        change (``changes``: spares, or --min-nodes), and not done since the majority was
+        lost."""
+        if self.fenced or bound is None or not changes:
+            return False
+        if now - self.seen_at < bound / 2:
+            return False
+        self.fenced = True
+        return True
+
+
 @dataclass
 class Silence:
     """The one tracker of the nodes that do not answer: since when each has not (the start of

@@ -131,7 +131,7 @@ def train(
         if job.sync and not options.dry_run:
             # before the env round: discovery runs in the workdir on every node
             copied = sync_workdir(pool, job, hosts, lacking if facts is not None else None)
-        envs = env_round(pool, job)
+        envs = env_round(pool, job, hosts)
         report = None
         if options.doctor:
             # a copy made since the facts round changed what it saw: the doctor looks again
