@@ -178,6 +178,14 @@ def believe(
     return Belief(record, quorum, answered, nodes, newer, tuple(unproven))
 
 
+def past_unproven(belief: Belief) -> int:
+    """The generation a claim must go past (0: its own next one will do): the highest some
+    node claims and no majority carries. Such a copy (a claim a partition's smaller side made,
+    a damaged copy) holds its node to that generation's membership, so a claim of that
+    generation or below would be refused there; one past it is kept."""
+    return max(belief.unproven, default=0)
+
+
 def version_of(record: Supervision) -> int:
     return record.version
 

@@ -21,6 +21,7 @@ from meshkit.ops import supervision_status as shown
 from meshkit.ops.supervision import View, view
 from meshkit.outcome import Outcome
 from meshkit.protocol import Supervision, SupervisorState
+from meshkit.quorum import Belief
 from meshkit.record import replace
 
 
@@ -168,7 +169,8 @@ def supervised(
     """What ``job_status`` shows of a supervised job whose nodes believe ``record`` and whose
     live supervisors are ``leader``'s alone (None: none live)."""
     live = frozenset() if leader is None else frozenset({leader})
-    return shown.supervision_status(View(record, live), spares or [])
+    belief = Belief(record, True, 3, 3)  # every node answered, a majority carries it
+    return shown.supervision_status(View(belief, live), spares or [])
 
 
 def first_json(rows: list[ops.StatusRow], supervision: shown.SupervisionStatus | None) -> dict:
@@ -213,8 +215,9 @@ def test_status_names_the_leader_and_a_held_relaunch_and_an_unbacked_record():
 
 
 def test_one_view_gives_the_believed_record_and_the_leader():
-    """``supervision.view``: the record believed of the nodes' copies (a copy far ahead left
-    out, its version counted) and the live supervisors, the lowest of them leading."""
+    """``supervision.view``: the record believed of the nodes' copies (a copy no majority
+    carries left out) and the live supervisors, the lowest of them leading."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
     old = Supervision(SupervisorState.RUNNING, 1, 2, version=3)
     new = replace(old, version=4)
     absurd = replace(old, version=9, generation=10**9)
@@ -223,12 +226,15 @@ def test_one_view_gives_the_believed_record_and_the_leader():
         HOSTS[1]: p.SupervisorReply(11, 0.0, [], absurd),
         HOSTS[2]: p.SupervisorReply(12, 1.0, [], new),
     }
-    seen = view(answers, HOSTS, 1, 3)
-    assert seen.record == replace(new, version=9)
+    seen = view(answers, HOSTS, job, 3)
+    assert seen.record == new
     assert (seen.live, seen.leader) == ({1, 2}, 1)
     stale = {HOSTS[2]: p.SupervisorReply(12, 600.0, [], new)}  # its heartbeat long gone
-    assert (view(stale, HOSTS, 1, 3).record, view(stale, HOSTS, 1, 3).leader) == (new, None)
-    assert view({}, HOSTS, 1, 3) == View(None, frozenset())
+    alone = view(stale, HOSTS, job, 3)
+    assert (alone.record, alone.leader) == (new, None)
+    assert not alone.belief.settled  # one node of three answered: shown, not acted on
+    nobody = view({}, HOSTS, job, 3)
+    assert (nobody.record, nobody.live, nobody.belief.quorum) == (None, frozenset(), False)
 
 
 def test_status_and_top_say_the_supervision_in_the_same_words():
@@ -292,8 +298,8 @@ def test_status_json_carries_the_membership_for_a_supervised_job_only():
     assert out["replaced"] == ["10.0.0.2 -> 10.0.0.9"]
     assert out["waiting"] == record.waiting
     assert out["spares"] == [
-        {"node": "10.0.0.2", "healthy": False, "why": "not answering: timed out"},
-        {"node": "s2", "healthy": True, "why": None},
+        {"node": "10.0.0.2", "healthy": False, "why": "not answering: timed out", "running": False},
+        {"node": "s2", "healthy": True, "why": None, "running": False},
     ]
     json.dumps(out)  # every value is plain JSON
     # no record yet (or after a stop): the keys are there, empty
@@ -331,6 +337,8 @@ def test_a_spare_is_healthy_when_its_facts_match_the_master_and_else_says_why():
             old: facts(torch="2.4.0", gpus=1, clock=now),
         }
     }
+    absent = p.StatusReply(p.JobState.ABSENT, None, None, None)
+    replies["status"] = {spare: absent, silent: absent, old: absent}
     pool = FakePool(replies, failures={down: "connection timed out"})
     job = Job("x", "/w", "s", "/h", "/p", 1, restarts=1)
     rows = shown.spare_rows(pool, job, [master], [spare, down, silent, old])
@@ -398,11 +406,12 @@ def test_status_says_a_node_that_does_not_answer_does_not_and_why_whole():
     down = "no answer within 10s on port 22: is the node up and reachable?"
     status = ops.job_status(FakePool(healthy(), failures={HOSTS[2]: down}), job, HOSTS)
     rows = status.rows
-    assert rows[2].state == "absent"  # the fixed name, as --json shows it
-    assert status.as_json()[2]["state"] == "absent"
+    assert rows[2].state == "absent"  # not seen there: to the supervisor, as before
+    # whether the job runs there is unknown: never "absent" (issue 43)
+    assert status.as_json()[2]["state"] == "unreachable"
     text = render_status(status, job)
     line = next(line for line in text.splitlines() if line.startswith("2 "))
-    assert "no answer" in line
+    assert "unreachable" in line
     assert "absent" not in line
     assert "(the node does not answer: see below)" in line
     assert text.endswith(f"\nnode 2 (10.0.0.3) does not answer: unreachable: {down}")

@@ -36,6 +36,7 @@ from meshkit.ops.supervision_policy import (
 from meshkit.ops.verdicts import Check
 from meshkit.outcome import Outcome
 from meshkit.protocol import Supervision, SupervisorState
+from meshkit.quorum import believe
 from meshkit.record import replace
 
 
@@ -442,9 +443,10 @@ def test_the_state_machine_a_stop_is_final_and_wins_whatever_the_versions():
         HOSTS[0]: p.SupervisorReply(1, 0.0, [], replace(claim, held="x: workdir: y")),
         HOSTS[1]: p.SupervisorReply(None, None, [], running),
     }
-    record = sup.stop_record(sup.view(answers, HOSTS, 1, 3).record, 2)
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=3)
+    record = sup.stop_record(sup.view(answers, HOSTS, job, 3).record, job)
     assert record == replace(claim, supervisor=SupervisorState.STOPPED, version=11)
-    assert sup.stop_record(None, 3) == Supervision(SupervisorState.STOPPED, 0, 3, version=1)
+    assert sup.stop_record(None, job) == Supervision(SupervisorState.STOPPED, 0, 3, version=1)
 
 
 def test_a_stop_that_misses_a_node_is_remembered_and_its_supervisor_relaunches_nothing(
@@ -607,6 +609,7 @@ def test_a_lost_node_back_in_a_newer_generation_ends_its_part_and_relaunches_not
     pool = ScriptedPool([[st("running")] * 3], {0, 1, 2})
     pool.copies[HOSTS[0]] = newer.to_json()
     pool.copies[HOSTS[1]] = newer.to_json()
+    pool.copies[spare] = newer.to_json()  # the claim: on a majority of the 4 nodes
     pool.copies[HOSTS[2]] = first_record(2).to_json()  # its own, from before
     launched: list[int] = []
     final = scripted(
@@ -778,39 +781,47 @@ def test_a_node_that_goes_silent_is_replaced_the_bound_after_its_first_unanswere
     assert gated == [[HOSTS[0], HOSTS[1], spare]]
 
 
-# ---- a copy with an absurd generation: ignored, not followed ---------------------------------
+# ---- a copy no majority carries: not believed, not followed -------------------------------
 
 
-def test_a_generation_more_than_the_node_count_ahead_is_not_believable():
-    record = Supervision(SupervisorState.RUNNING, 1, 2, generation=7)
-    assert not sup.far_ahead(record, 4, 3)  # 3 changes while this one looked on: may be
-    assert sup.far_ahead(record, 3, 3)
-    assert sup.far_ahead(replace(record, generation=10**18), 1, 4096)
+def test_a_copy_ahead_that_no_majority_carries_is_not_believable():
+    """``quorum.believe``: one copy a generation ahead (or far ahead, or naming a node twice) is
+    not what the job is at; the copies of the membership a majority carries are."""
+    record = Supervision(SupervisorState.RUNNING, 1, 2, generation=2, members=["a", "b", "c"])
+    known = (2, ("a", "b", "c"))
+    for ahead in (
+        replace(record, generation=3, members=["a", "b", "d"]),
+        replace(record, generation=10**9, members=["d"]),
+        replace(record, generation=3, members=["a", "a", "b"]),
+    ):
+        belief = believe([record, record, ahead], 3, "", known)
+        assert belief.record == record
+        assert belief.settled
 
 
 def test_status_top_and_stop_believe_what_a_supervisor_follows():
-    """``believed``: a copy far ahead is left out of what status and top show and of what stop
-    writes (which would otherwise carry its membership), its version still counted."""
+    """``view``: a copy no majority carries is left out of what status and top show and of what
+    stop writes (which would otherwise carry its membership); the stop lands all the same."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2, generation=2, members=("a",))
     known = Supervision(SupervisorState.RUNNING, 1, 2, version=4, generation=2, members=["a"])
     absurd = replace(known, version=40, generation=10**9, members=["b"])
-    assert sup.believed([known, None, absurd], 2, 3) == replace(known, version=40)
-    assert sup.believed([known, replace(known, version=5)], 2, 3) == replace(known, version=5)
-    assert sup.believed([absurd], 2, 3) is None
-    assert sup.believed([], 1, 3) is None
     answers = {
         HOSTS[0]: p.SupervisorReply(1, 0.0, [], known),
         HOSTS[1]: p.SupervisorReply(1, 0.0, [], absurd),
     }
-    stopped = sup.stop_record(sup.view(answers, HOSTS, 2, 3).record, 2)
+    seen = sup.view(answers, HOSTS, job, 3)
+    assert seen.record == known
+    assert seen.belief.unproven == (10**9,)
+    stopped = sup.stop_record(seen.record, job)
     assert (stopped.generation, stopped.members) == (2, ["a"])
-    assert (stopped.supervisor, stopped.version) == (SupervisorState.STOPPED, 41)
+    assert (stopped.supervisor, stopped.version) == (SupervisorState.STOPPED, 5)
+    assert accepts(absurd.to_json(), stopped, 0)  # a stop of the launch lands over it
 
 
-def test_a_node_whose_copy_claims_an_absurd_generation_is_ignored_and_its_copy_replaced():
-    """Node 1's copy says generation 10^9, with a membership that leaves node 1 out: the
-    newest generation wins, so followed it would pin the record there and fence a healthy
-    node. The leader names it in the log once, follows nothing, and its next write replaces
-    the copy (its version lifted past that one's)."""
+def test_a_node_whose_copy_claims_an_absurd_generation_is_ignored():
+    """Node 1's copy says generation 10^9, with a membership that leaves node 1 out: believed,
+    it would move the job there and fence a healthy node. The leader names it in the log once,
+    follows nothing, and the job ends DONE on the majority that keeps its writes."""
     job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
     pool = ScriptedPool([[st("running")] * 3, [st("exited", 0, 2.0)] * 3], {0, 1, 2})
     sup.write(pool, job, HOSTS, first_record(2), 0, every=True)
@@ -834,14 +845,30 @@ def test_a_node_whose_copy_claims_an_absurd_generation_is_ignored_and_its_copy_r
     ).run()
     assert final.supervisor == SupervisorState.DONE
     assert (final.generation, final.members) == (1, [])
-    assert final.version == 41
-    assert pool.records() == [final] * 3  # node 1's copy replaced too
-    ignored = [line for line in said if "ignored, not followed" in line]
+    assert pool.records() == [final, bad, final]  # node 1 keeps its own: a newer generation
+    ignored = [line for line in said if "not followed" in line]
     assert ignored == [
-        "10.0.0.2: its supervision record says generation 1000000000, more than 3 past "
-        "generation 1: ignored, not followed"
+        "generation 1000000000 is claimed by fewer than a majority of the job's 3 nodes: "
+        "not followed"
     ]
     assert not any("this node is rank" in line for line in said)
+
+
+def test_a_restart_claim_goes_past_a_generation_no_majority_carries():
+    """A restart while node 1 holds a claim no majority took (generation 5): node 1 would
+    refuse a claim of generation 1, so the claim is of generation 6, same members; the job is
+    relaunched on every node, node 1 included."""
+    job = Job("x", "/w", "s", "/h", "/p", 1, restarts=2)
+    failed = [st("exited", 1, 2.0), st("running"), st("running")]
+    pool = ScriptedPool([failed, [st("exited", 0, 3.0)] * 3], {0, 1, 2})
+    sup.write(pool, job, HOSTS, first_record(2), 0, every=True)
+    stray = Supervision(SupervisorState.RELAUNCHING, 2, 1, version=3, generation=5, by=1)
+    pool.copies[HOSTS[1]] = replace(stray, members=[HOSTS[1].label]).to_json()
+    final, launched = loop(job, pool)
+    assert launched == [2]
+    assert final.supervisor == SupervisorState.DONE
+    assert final.generation == 6
+    assert pool.records() == [final] * 3
 
 
 @pytest.mark.parametrize("peers", ["running", "failed"])

@@ -247,6 +247,7 @@ class StatusRow:
     silent: bool = False  # with an error: the node gave no reply at all (not its own failure)
     idle_s: float | None = None  # seconds since the node's log was last written
     stalled: bool = False  # the job's: running, and no node has written output for stall_after
+    last_known: str | None = None  # of a node that gave no answer: what the record last knew
 
     def as_json(self, supervision: SupervisionStatus | None = None) -> dict[str, object]:
         """The ``--json`` shape of this node: with ``supervision`` (a supervised job's, the
@@ -260,6 +261,7 @@ class StatusRow:
             data["state"] = "error"
         if self.error and self.silent:
             data["state"] = UNREACHABLE
+            data["last_known"] = self.last_known
         if supervision is not None:
             data.update(supervision.record_json())
         data["idle_s"] = None if self.idle_s is None else round(self.idle_s, 1)
@@ -372,16 +374,16 @@ def job_status(pool: NodePool, job: Job, hosts: Sequence[Host]) -> JobStatus:
 
 def last_known(row: StatusRow, record: Supervision | None) -> StatusRow:
     """Pure: a row of a node that gave no answer, with what the supervision record last knew
-    of it (its generation, and the exit code its last attempt ended with) as its last line."""
+    of it (its rank and generation, and the exit code it last ended with)."""
     if not (row.error and row.silent) or record is None:
         return row
-    known = f"last known: rank {row.node_rank} of generation {record.generation}"
+    known = f"rank {row.node_rank} of generation {record.generation}"
     codes = record.exit_codes
     if row.node_rank < len(codes) and codes[row.node_rank] is not None:
         known += f", last exit code {codes[row.node_rank]}"
     if row.host in record.lost:
         known += ", lost"
-    return replace(row, last_line=known)
+    return replace(row, last_known=known)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,13 @@ Gate = Callable[[NodePool, Job, Sequence[Host]], list[Check]]  # the failed chec
 Launcher = Callable[[NodePool, Job, int], ops.Launch]
 
 
+def health(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[Check]:
+    """The health gate: the doctor's quick checks on every node, the failed ones."""
+    from .doctor import quick
+
+    return quick(pool, job, hosts).failures
+
+
 class Loop(Protocol):
     """What a relaunch and a replacement take from the supervisor's loop: its connections, its
     job and membership (this node's rank ``me``), its health gate and launcher, and its steps."""
@@ -53,6 +60,10 @@ class Loop(Protocol):
     def relaunch(self) -> Launcher | None: ...
     @property
     def interval(self) -> float: ...
+    @property
+    def above(self) -> int:
+        """The highest generation some node claims and no majority carries (0: none): a claim
+        goes past it, since a node keeps one membership per generation."""
 
     def say(self, message: str) -> None: ...
 

@@ -73,7 +73,7 @@ def replace_lost(loop: Loop, seen: Supervision, lost: list[Host], bound: float) 
                 return Then.WATCH
             answering = [host for host in every if host not in pool.failures]
             if len(answering) < majority(len(every)):
-                loop.say(unclaimed(pool, every))
+                loop.say(unclaimed(pool, every, []))
                 return Then.WATCH  # the watch acts on nothing without a majority
         refused.clear()  # a spare refused a while ago may be healthy now
         time.sleep(loop.interval)
@@ -103,7 +103,10 @@ def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refus
     too)."""
     labels = tuple(host.label for host in change.members)
     job = replace(loop.job, members=labels, generation=seen.generation + 1)
-    others = [host for host in loop.cluster if host not in change.members]
+    # the lost nodes count against the majority, but are not waited for once more
+    others = [
+        host for host in loop.cluster if host not in change.members and host not in change.lost
+    ]
     with loop.connect([*change.members, *others], RECONNECT) as pool:
         down = {host: pool.failures[host] for host in change.added if host in pool.failures}
         if down:
@@ -125,10 +128,10 @@ def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refus
         if unfit:
             return Refused(unfit)
         rank = change.members.index(loop.node)
-        claim = claim_of(seen, change)
-        claimed = write(pool, job, change.members, claim, rank, True, loop.cluster)
+        claim = claim_of(seen, change, loop.above)
+        claimed = write(pool, job, change.members, claim, rank, True, loop.cluster, change.lost)
         if claimed is None:
-            loop.say(unclaimed(pool, loop.cluster))
+            loop.say(unclaimed(pool, loop.cluster, change.lost))
             return Then.WATCH
         loop.say(f"generation {claimed.generation}: {claimed.last_restart_reason}")
         loop.follow(claimed)
@@ -136,10 +139,10 @@ def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refus
         return finish(loop, pool, claimed, checked=not held)
 
 
-def unclaimed(pool: NodePool, cluster: Sequence[Host]) -> str:
+def unclaimed(pool: NodePool, cluster: Sequence[Host], lost: Sequence[Host]) -> str:
     """Why a claim of a new generation did not stand: too few of the job's nodes answer for a
-    majority (a partition), or another supervisor moved on first."""
-    answering = [host for host in cluster if host not in pool.failures]
+    majority (a partition; ``lost``: not asked), or another supervisor moved on first."""
+    answering = [host for host in cluster if host not in pool.failures and host not in lost]
     if len(answering) < majority(len(cluster)):
         return (
             f"no majority of the job's nodes answers ({len(answering)} of {len(cluster)}): "
@@ -162,16 +165,16 @@ def unfit_spares(added: Sequence[Host], held: Sequence[Check]) -> dict[Host, str
     return unfit
 
 
-def claim_of(seen: Supervision, change: Change) -> Supervision:
+def claim_of(seen: Supervision, change: Change, above: int = 0) -> Supervision:
     """Pure: the claim of ``change``'s generation over the record ``seen``: the next attempt,
     on the new membership, with the lost nodes and the replacements added to the record's and
-    no restart used up."""
+    no restart used up. Its generation is past ``above`` too (``quorum.past_unproven``)."""
     return replace(
         seen,
         supervisor=SupervisorState.RELAUNCHING,
         attempt=seen.attempt + 1,
         reason=change.reason,
-        generation=seen.generation + 1,
+        generation=max(seen.generation, above) + 1,
         members=[host.label for host in change.members],
         lost=[*seen.lost, *(host.label for host in change.lost)],
         replaced=[*seen.replaced, *change.replaced],

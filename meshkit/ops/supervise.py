@@ -24,13 +24,13 @@ from ..hostfile import Host
 from ..job import Job
 from ..node.supervise import Heartbeat
 from ..protocol import JobState, StopReply, StopRequest, Supervision, SupervisorState
-from ..quorum import majority
+from ..quorum import majority, past_unproven
 from ..record import replace
 from . import jobs as ops
 from .diagnose import save_diagnosis
 from .membership import members_of
 from .pool import NodePool
-from .relaunch import COME_BACK, Connect, Gate, Launcher, finish
+from .relaunch import COME_BACK, Connect, Gate, Launcher, finish, health
 from .replacement import RECONNECT, end_what_is_left, fence, replace_lost, waiting_note
 from .supervision import ask, view, write
 from .supervision_policy import (
@@ -53,7 +53,6 @@ from .supervision_policy import (
     views,
     waited_only,
 )
-from .verdicts import Check
 
 POLL_INTERVAL = 2.0  # seconds between polls of every node
 POLL_TIMEOUT = 15.0  # seconds a node gets to answer a poll: a powered-off node's connection
@@ -61,13 +60,6 @@ POLL_TIMEOUT = 15.0  # seconds a node gets to answer a poll: a powered-off node'
 # bound a node is lost after counts from the poll's start: ``Silence``)
 FOLLOWER_POLLS = 3  # a follower polls every 3rd interval: all at every one is N² requests
 GIVE_UP_GRACE = 30.0  # seconds the nodes still running get to end by themselves after a give-up
-
-
-def health(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[Check]:
-    """The health gate: the doctor's quick checks on every node, the failed ones."""
-    from .doctor import quick
-
-    return quick(pool, job, hosts).failures
 
 
 @dataclass
@@ -98,6 +90,8 @@ class Supervisor:
         self.opened = time.monotonic()  # when the pool being looked through was opened
         self.ignored: set[int] = set()  # generations no majority carries, as the log named them
         self.majority = Majority(time.monotonic())  # whether this side has a majority
+        self.unanswered: list[Host] = []  # the nodes the last look heard nothing from
+        self.above = 0  # the highest generation a node claims and no majority carries
 
     def run(self) -> Supervision:
         """Watch, act on what a watch calls for, and again, until an action ends it all."""
@@ -162,7 +156,7 @@ class Supervisor:
             # a node that did not answer (never connected, or its channel died with a reboot)
             # may be back by now: look through a new connection
             late = time.monotonic() - since > RECONNECT
-            if look.answered < len(self.hosts) and late:
+            if look.silent and late:
                 return Then.RECONNECT
             if step == Step.RESUME:
                 return Call(Decision(Action.RESUME), record, record)
@@ -299,10 +293,13 @@ class Supervisor:
                 return self._end_and_give_up(pool, current, now, given)
             else:
                 claim = replace(claim, version=current.version, waiting=None)
+                if self.above:  # past claims no majority took: no node refuses this one
+                    claim = replace(claim, generation=self.above + 1)
             claimed = self._write(pool, claim, every=True)
             if claimed is None:
                 self.say("another supervisor moved on first; following it")
                 return Then.WATCH
+            self.follow(claimed)  # a generation past unproven claims: its launch says so
             return finish(self, pool, claimed)
 
     def _bound(self) -> float:
@@ -344,6 +341,8 @@ class Supervisor:
         seen = view(answers, self.hosts, self.job, len(self.nodes()))
         self._name_unproven(seen.belief.unproven)
         silent = [host for host in members if host not in answers]
+        self.unanswered = [host for host in self.nodes() if host not in answers]
+        self.above = past_unproven(seen.belief)
         self.majority.looked(seen.belief.quorum, time.monotonic())
         if seen.belief.newer or not seen.belief.settled:
             live = set(seen.live) | {self.me}
@@ -433,7 +432,9 @@ class Supervisor:
     def _write(
         self, pool: NodePool, record: Supervision, every: bool = False
     ) -> Supervision | None:
-        return write(pool, self.job, self.hosts, record, self.me, every, self.nodes())
+        return write(
+            pool, self.job, self.hosts, record, self.me, every, self.nodes(), self.unanswered
+        )
 
     def _carry_stop(self, pool: NodePool, stopped: Supervision) -> Supervision:
         """The job was stopped, and this supervisor survived it (cut off from ``stop``): the
@@ -554,6 +555,7 @@ class Supervisor:
             self.me,
             False,
             self.nodes(),
+            self.unanswered,
         )
         return noted or record
 

@@ -140,29 +140,31 @@ def write(
     by: int,
     every: bool = False,
     cluster: Sequence[Host] = (),
+    silent: Sequence[Host] = (),
 ) -> Supervision | None:
     """Compare-and-set ``record`` (one version on, written by rank ``by``, of the job's launch) on
     the job's nodes: the lowest-ranked connected member first (it decides between two writers),
     then the other members and the rest of ``cluster`` (the hostfile's other nodes: spares, lost
-    nodes) at once. None unless the first member, every member that answered (``every``: every
-    member) and a majority of the job's nodes (``cluster``, or with none the members) kept it:
+    nodes) at once. None unless the first member (``every``: every member) and a majority of
+    the job's nodes (``cluster``, or with none the members) kept it:
     a node holds a newer copy (another supervisor moved on, or a stop), or this side of a
-    partition is no majority (``quorum``)."""
+    partition is no majority (``quorum``). ``silent``: nodes not written to (they left a poll
+    unanswered: a write would wait its whole timeout), counted all the same."""
     new = replace(record, version=record.version + 1, by=by, launch=job.launch)
     others = [host for host in cluster if host not in hosts]
-    up = [host for host in hosts if host not in pool.failures]
+    count = len(hosts) + len(others)
+    skipped = set(silent) | set(pool.failures)
+    up = [host for host in hosts if host not in skipped]
     first = ask(pool, job, up[:1], record=new, version=record.version)
     if not first or not all(reply.written for reply in first.values()):
         return None
-    rest = up[1:] + [host for host in others if host not in pool.failures]
+    rest = up[1:] + [host for host in others if host not in skipped]
     answers = first | ask(pool, job, rest, record=new, version=record.version)
     members = [reply for host, reply in answers.items() if host in hosts]
-    if not all(reply.written for reply in members):
-        return None
-    if every and len(members) < len(hosts):
+    if every and (len(members) < len(hosts) or not all(reply.written for reply in members)):
         return None
     kept = sum(1 for reply in answers.values() if reply.written)
-    if kept < majority(len(hosts) + len(others)):
+    if kept < majority(count):
         return None
     return new
 

@@ -103,7 +103,9 @@ def render_status(status: ops.JobStatus, job: Job) -> str:
         if row.error and row.silent:
             # not asked, or no reply: whether the job runs there is unknown (never "absent")
             state = "unreachable"
-            last_line = (row.last_line or "(the node does not answer: see below)")[:70]
+            last_line = "(the node does not answer: see below)"
+            if row.last_known:
+                last_line = f"(last known: {row.last_known})"[:70]
             below.append(f"node {row.node_rank} ({row.host}) does not answer: {row.error}")
         elif row.error:
             state = "error"  # as --json says it
