@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from .errors import ConfigError, UsageError
 from .record import Invalid, asdict, build, field, fields, record
-from .trust import read_trusted
+from .trust import read_config
 
 TYPE_CHECKING = False  # no runtime `typing` on the env path (see meshkit/__init__.py)
 if TYPE_CHECKING:
@@ -96,10 +96,8 @@ def _read_file(base: str) -> ConfigFile | None:
     configuration (``trust.read_trusted``): what it says runs as this user."""
     for suffix in SUFFIXES:
         path = os.path.expanduser(f"{base}.{suffix}")
-        if os.path.isdir(path):
-            continue
         try:
-            content = read_trusted(path, MAX_CONFIG_BYTES, "configuration file")
+            content = read_config(path, MAX_CONFIG_BYTES, "configuration file")
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc}") from None
         if content is None:

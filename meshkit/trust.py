@@ -58,6 +58,14 @@ def refusal(path: str, info: os.stat_result, what: str) -> UntrustedFileError:
     )
 
 
+def read_config(path: str, limit: int, what: str) -> bytes | None:
+    """A configuration file's bytes, read as ``read_trusted`` reads them; None when there is
+    none, or the name is a directory (a level of configuration that is not a file: skipped)."""
+    if os.path.isdir(path):
+        return None
+    return read_trusted(path, limit, what)
+
+
 def read_trusted(path: str, limit: int, what: str, check: bool = True) -> bytes | None:
     """``path``'s bytes (at most ``limit``; more is an ``UntrustedFileError`` too), when it is
     a regular file owned by this user or root and not writable by group or others. None when

@@ -25,7 +25,7 @@ from invoke.exceptions import CommandTimedOut
 
 from ..errors import PhaseTimeout, UsageError
 from ..hostfile import Host
-from ..trust import read_trusted
+from ..trust import read_config
 
 # paramiko logs a connection's failure from its own thread (a banner never read, say): with no
 # handler, logging's last resort printed that traceback on stderr whenever the thread got there
@@ -127,10 +127,8 @@ def ssh_config(paths: Sequence[str]) -> paramiko.SSHConfig:
     ``ProxyCommand`` and ``Match exec`` run as this user."""
     config = paramiko.SSHConfig()
     for path in [str(Path("~/.ssh/config").expanduser()), *paths]:
-        if Path(path).is_dir():
-            continue
         try:
-            content = read_trusted(path, MAX_SSH_CONFIG_BYTES, "ssh_config")
+            content = read_config(path, MAX_SSH_CONFIG_BYTES, "ssh_config")
         except OSError as exc:
             raise UsageError(f"{path}: cannot read this ssh_config: {exc}") from None
         if content is None:
