@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MESHKIT, meshkit
-from helpers.sandbox_jobs import wait_for
+from helpers.sandbox_jobs import script_job, wait_for
 from invoke.exceptions import Exit
 
 from meshkit import sandbox
@@ -222,17 +222,9 @@ FAKE_SMI = (
 @pytest.fixture(scope="module")
 def hostile(cluster):
     """The mesh, and a job whose every rank prints escape sequences and markup."""
-    hostfile = str(cluster.hostfile)
-    out = meshkit("mesh", "--hostfile", hostfile, "--no-verify")
-    assert out.returncode == 0, out.stdout + out.stderr
-    workdir = cluster.shared / "hostile"
-    workdir.mkdir()
-    (workdir / "hostile.py").write_text(HOSTILE_JOB)
-    job = "python hostile.py; sleep 600"
-    out = meshkit("train", "--hostfile", hostfile, "--cmd", job, cwd=workdir)
-    assert out.returncode == 0, out.stdout + out.stderr
+    workdir = script_job(cluster, "hostile", HOSTILE_JOB, "python hostile.py; sleep 600")
     yield cluster, workdir
-    meshkit("stop", "--hostfile", hostfile, cwd=workdir)
+    meshkit("stop", "--hostfile", str(cluster.hostfile), cwd=workdir)
 
 
 @pytest.mark.sandbox

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MESHKIT, meshkit
-from helpers.sandbox_jobs import wait_for
+from helpers.sandbox_jobs import script_job, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshkit import sandbox
@@ -64,17 +64,10 @@ while time.monotonic() < deadline:
 @pytest.fixture(scope="module")
 def busy_job(cluster):
     """The mesh, and a job of 2 ranks per node of which rank 3 (on node 1) busy-loops."""
-    hostfile = str(cluster.hostfile)
-    out = meshkit("mesh", "--hostfile", hostfile, "--no-verify")
-    assert out.returncode == 0, out.stdout + out.stderr
-    workdir = cluster.shared / "top"
-    workdir.mkdir()
-    (workdir / "busy.py").write_text(BUSY)
-    flags = ["--hostfile", hostfile, "--spawn", "--nproc-per-node", "2"]
-    out = meshkit("train", *flags, "--cmd", "python busy.py", cwd=workdir)
-    assert out.returncode == 0, out.stdout + out.stderr
+    flags = ["--spawn", "--nproc-per-node", "2"]
+    workdir = script_job(cluster, "busy", BUSY, "python busy.py", *flags)
     yield cluster, workdir
-    meshkit("stop", "--hostfile", hostfile, cwd=workdir)
+    meshkit("stop", "--hostfile", str(cluster.hostfile), cwd=workdir)
 
 
 def top_json(cluster, workdir: Path) -> dict:

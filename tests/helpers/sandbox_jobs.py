@@ -45,6 +45,20 @@ def meshed(cluster):
     return cluster, example_workdir(cluster)
 
 
+def script_job(cluster, name: str, script: str, cmd: str, *flags: str) -> Path:
+    """The module's sandbox meshed, a shared workdir ``name`` holding ``script`` as
+    ``name.py``, and ``train --cmd CMD`` started there from the controller; the workdir."""
+    hostfile = str(cluster.hostfile)
+    out = meshkit("mesh", "--hostfile", hostfile, "--no-verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+    workdir = cluster.shared / name
+    workdir.mkdir()
+    (workdir / f"{name}.py").write_text(script)
+    out = meshkit("train", "--hostfile", hostfile, *flags, "--cmd", cmd, cwd=workdir)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return workdir
+
+
 def on_node(lay, index: int, workdir: Path, *args: str, env: str = "", timeout: float = 240):
     """meshkit run *inside* a node, as a user logged in there would."""
     command = shlex.join([sys.executable, "-m", "meshkit", *args])
