@@ -4,11 +4,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from meshkit.job import Job
+from meshkit.node.supervise import accepts
+from meshkit.ops.supervision import stop_record
 from meshkit.protocol import Supervision, SupervisorState
 from meshkit.quorum import believe, keeps, majority, new_launch
-from meshkit.record import replace
+from meshkit.record import INT_RANGES, build, replace
 
 OLD = "0000000000000001-00000000"
 NOW = "0000000000000002-00000000"
@@ -128,3 +133,14 @@ def test_a_stop_beats_a_later_claim_of_its_launch() -> None:
     stop = copy(state=STOPPED, version=2)
     claim = replace(GEN2, supervisor=SupervisorState.RELAUNCHING)
     assert not keeps(stop, claim, stop.version)
+
+
+def test_a_copy_at_the_top_of_the_version_range_leaves_a_stop_writable() -> None:
+    """A stop over a copy whose version is the highest a node accepts stays within the range
+    (``supervision.next_version``), and the node keeps it."""
+    top = INT_RANGES["Count"][1]
+    copy = Supervision(SupervisorState.RUNNING, 1, 2, version=top)
+    stop = stop_record(copy, Job("x", "/w", "s", "/h", "/p", 1, restarts=2))
+    assert stop.version == top
+    assert build(Supervision, json.loads(stop.to_json()), "stop") == stop
+    assert accepts(copy.to_json(), stop, top)

@@ -14,7 +14,7 @@ from ..hostfile import Host
 from ..job import Job
 from ..protocol import Supervision, SupervisorReply, SupervisorRequest, SupervisorState
 from ..quorum import Belief, Membership, believe, majority
-from ..record import replace
+from ..record import INT_RANGES, replace
 from .pool import NodePool
 
 STALE = 60.0  # a supervisor whose heartbeat is older is gone (a thread of its own beats every
@@ -126,10 +126,17 @@ def stop_record(record: Supervision | None, job: Job) -> Supervision:
     return replace(
         record,
         supervisor=SupervisorState.STOPPED,
-        version=record.version + 1,
+        version=next_version(record),
         held=None,
         launch=job.launch,
     )
+
+
+def next_version(record: Supervision) -> int:
+    """Pure: the version a write of ``record`` carries: one on, but never past the range a
+    node accepts (a copy at its top, damaged or a bad node's, must not make a stop unwritable:
+    compare-and-set still keeps a write of the same version)."""
+    return min(record.version + 1, INT_RANGES["Count"][1])
 
 
 def write(
@@ -150,7 +157,7 @@ def write(
     a node holds a newer copy (another supervisor moved on, or a stop), or this side of a
     partition is no majority (``quorum``). ``silent``: nodes not written to (they left a poll
     unanswered: a write would wait its whole timeout), counted all the same."""
-    new = replace(record, version=record.version + 1, by=by, launch=job.launch)
+    new = replace(record, version=next_version(record), by=by, launch=job.launch)
     others = [host for host in cluster if host not in hosts]
     count = len(hosts) + len(others)
     skipped = set(silent) | set(pool.failures)
