@@ -122,3 +122,53 @@ def test_a_split_leaves_one_side_running_and_one_membership_once_healed(meshed):
             (2, 2, 1, "node3"),
             (2, 2, 2, "node4"),
         ]
+
+
+def test_a_stop_that_reaches_the_spares_but_not_a_cut_off_member_ends_everything(meshed):
+    """A is cut off from B and C, not from the spares; ``stop`` from B reaches B, C, S1 and S2.
+    A's supervisor, past --replace-after, would give B's and C's ranks to the spares: they hold
+    the stop, so no majority keeps its claim. Healed, nothing of the job runs anywhere, no
+    supervisor is left, and no attempt was launched after the stop."""
+    lay, work, hostfile = meshed
+    session = "cutstop"
+    with membership.logs_if_failed(work, session):
+        a, b, c = ACTIVE
+        everyone = [*ACTIVE, *SPARES]
+        membership.train(lay, work, hostfile, session)
+        started(lay, work, session)
+        split(lay, [a], [b, c])
+        try:
+            out = on_node(lay, b, work, "stop", "--session", session, "--hostfile", str(hostfile))
+            assert out.returncode == 1, out.stdout + out.stderr
+            assert f"node 0 ({lay.nodes[a].address}) could not be asked: " in out.stdout
+            for index in (b, c, *SPARES):
+                assert running(lay, index, session) == []
+                assert supervising(lay, index, session) == []
+            # A's supervisor, alone with the spares, finds the stop or fails to claim
+            stopped = "the job was stopped (meshkit stop)"
+            said = [stopped, "no majority", "did not keep the claim"]
+            wait_for(
+                lambda: any(text in membership.supervisor_logs(work, session) for text in said),
+                timeout=90,
+            )
+        finally:
+            heal(lay, [a], [b, c])
+        wait_for(
+            lambda: not any(supervising(lay, index, session) for index in everyone), timeout=120
+        )
+        for index in everyone:
+            assert running(lay, index, session) == [], index
+            sessions = membership.tmux_sessions(lay, index)
+            assert [name for name in sessions if name.startswith(f"{session}-")] == [], index
+        assert launches(work, session) == [
+            (1, 1, 0, "node0"),
+            (1, 1, 1, "node1"),
+            (1, 1, 2, "node2"),
+        ]
+        logs = membership.supervisor_logs(work, session)
+        assert "the job was stopped (meshkit stop) without reaching " in logs
+        assert "relaunching" not in logs
+        assert "generation 2" not in logs
+        for rank in ACTIVE:
+            log = (work / ".meshkit" / session / f"node{rank}.log").read_text()
+            assert "===== meshkit: attempt" not in log
