@@ -18,15 +18,16 @@ from meshkit import sandbox
 
 REPLACE_AFTER = "8s"  # short: a lost node is replaced within seconds
 SCRIPT = "membership_job.sh"
-# Each launch says where it ran, in which generation and attempt; then it waits for
-# SESSION.finish in the shared workdir and exits 0.
+# Each launch says which job it is (its name: the session, or another where one session runs
+# two jobs), where it ran, in which generation and attempt; then it waits for NAME.finish in
+# the shared workdir and exits 0.
 JOB = """\
-echo "launched generation=$MESHKIT_GENERATION attempt=$((MESHKIT_RESTART_COUNT + 1))\
+echo "launched as=$1 generation=$MESHKIT_GENERATION attempt=$((MESHKIT_RESTART_COUNT + 1))\
  rank=$NODE_RANK host=$(hostname)"
 while [ ! -e "$1.finish" ]; do sleep 0.5; done
 echo "finished on $(hostname)"
 """
-LAUNCHED = re.compile(r"launched generation=(\d+) attempt=(\d+) rank=(\d+) host=(\S+)")
+LAUNCHED = re.compile(r"launched as=(\S+) generation=(\d+) attempt=(\d+) rank=(\d+) host=(\S+)")
 
 
 def mesh(lay, name: str, active: list[int], spares: list[int]) -> Path:
@@ -48,12 +49,13 @@ def workdir(lay) -> Path:
     return work
 
 
-def train(lay, work: Path, hostfile: Path, session: str, *args: str, node: int = 0):
-    """``train`` of the plain job inside node ``node``, supervised: 2 restarts, a short
-    --replace-after; returns what it printed (it must succeed)."""
+def train(lay, work: Path, hostfile: Path, session: str, *args: str, node: int = 0, name: str = ""):
+    """``train`` of the plain job (named ``name``, else the session) inside node ``node``,
+    supervised: 2 restarts, a short --replace-after; returns what it printed (it must
+    succeed)."""
     flags = ["--hostfile", str(hostfile), "--session", session, "--restarts", "2"]
     flags += ["--replace-after", REPLACE_AFTER, *args]
-    out = on_node(lay, node, work, "train", *flags, "--cmd", f"bash {SCRIPT} {session}")
+    out = on_node(lay, node, work, "train", *flags, "--cmd", f"bash {SCRIPT} {name or session}")
     assert out.returncode == 0, out.stdout + out.stderr
     return out
 
@@ -62,19 +64,21 @@ def finish(work: Path, session: str) -> None:
     (work / f"{session}.finish").write_text("")
 
 
-def launches(work: Path, session: str) -> list[tuple[int, int, int, str]]:
-    """Every launch of the job any rank's log holds: (generation, attempt, rank, host)."""
+def launches(work: Path, session: str, name: str = "") -> list[tuple[int, int, int, str]]:
+    """Every launch of the job ``name`` (else the session's) any rank's log of ``session``
+    holds: (generation, attempt, rank, host)."""
     found = []
     for log in sorted((work / ".meshkit" / session).glob("node*.log")):
         for match in LAUNCHED.finditer(log.read_text()):
-            generation, attempt, rank, host = match.groups()
-            found.append((int(generation), int(attempt), int(rank), host))
+            launched, generation, attempt, rank, host = match.groups()
+            if launched == (name or session):
+                found.append((int(generation), int(attempt), int(rank), host))
     return sorted(found)
 
 
-def running(lay, index: int, session: str) -> list[str]:
-    """The job's processes on node ``index`` (its script's, this session's)."""
-    out = sandbox.node_exec(lay.nodes[index], ["pgrep", "-af", f"{SCRIPT} {session}$"])
+def running(lay, index: int, name: str) -> list[str]:
+    """The job's processes on node ``index`` (its script's, the job ``name``'s)."""
+    out = sandbox.node_exec(lay.nodes[index], ["pgrep", "-af", f"{SCRIPT} {name}$"])
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
 
 
