@@ -51,8 +51,12 @@ def env_verdicts(
     job: Job, hosts: Sequence[Host], envs: Envs, failures: dict[Host, str]
 ) -> list[str]:
     """Pure: every node must discover exactly its hostfile rank, and all must agree on the node
-    count, master and port."""
-    problems = [f"{host.label}: cannot connect: {why}" for host, why in failures.items()]
+    count, master and port. Only the failures of ``hosts`` count: a supervisor's pool reaches
+    the rest of the hostfile too (spares, lost nodes), and a lost node that does not answer
+    must not hold up the launch of the membership that replaced it."""
+    problems = [
+        f"{host.label}: cannot connect: {why}" for host, why in failures.items() if host in hosts
+    ]
     seen: dict[tuple[str, str, str], list[str]] = {}
     for rank, host in enumerate(hosts):
         if host not in envs:

@@ -100,7 +100,11 @@ def unshared(pool: NodePool, workdir: str, hosts: Sequence[Host]) -> tuple[list[
     facts = facts_round(pool, workdir, hosts, None)
     # The first request to each node's agent: one that cannot answer (a missing interpreter,
     # say) stops the launch here, with the agent's own reason, as preflight would.
-    problems = [f"{host.label}: cannot connect: {error}" for host, error in pool.failures.items()]
+    # Only ``hosts``' failures: a supervisor's pool reaches lost nodes too.
+    failures = pool.failures.items()
+    problems = [
+        f"{host.label}: cannot connect: {error}" for host, error in failures if host in hosts
+    ]
     for host, outcome in facts.replies.items():
         if outcome.error:
             problems.append(f"{host.label}: {outcome.error}")

@@ -47,12 +47,15 @@ def supervisor_lines(shown: SupervisionStatus, job: Job) -> list[str]:
         return [no_majority_line(shown.no_majority)]
     if words is None:
         return [f"supervisor: none (restarts {job.restarts})"]
-    if shown.supervisor == SupervisorShown.NOT_RESPONDING:
-        return [f"supervisor: {words}: {shown.last_restart_reason}"]
-    last = f", last restart: {shown.last_restart_reason}" if shown.last_restart_reason else ""
-    lines = [f"supervisor: {words}, restarts left {shown.restarts_left}{last}"]
+    # without a majority, that first: the rest is only this side's view
+    lines = []
     if shown.no_majority:
-        lines.insert(0, no_majority_line(shown.no_majority))
+        lines.append(no_majority_line(shown.no_majority))
+    if shown.supervisor == SupervisorShown.NOT_RESPONDING:
+        lines.append(f"supervisor: {words}: {shown.last_restart_reason}")
+        return lines
+    last = f", last restart: {shown.last_restart_reason}" if shown.last_restart_reason else ""
+    lines.append(f"supervisor: {words}, restarts left {shown.restarts_left}{last}")
     if shown.held:
         lines.append(f"relaunch held by {shown.held}")
     if shown.waiting:
