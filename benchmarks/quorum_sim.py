@@ -3,8 +3,7 @@ schedules, many more of them than CI runs.
 
 ``python -m benchmarks.quorum_sim [EXAMPLES]`` (default 20000; no root, no sandbox) runs the
 simulation's property test with ``MESHKIT_SIM_EXAMPLES=EXAMPLES`` and prints the count of
-schedules and the time taken. The test whose model has the supervisor's self-fence armed again
-is the one run (see the test module's docstring and its strict xfails).
+schedules and the time taken (the test module's docstring says what one schedule is).
 """
 
 from __future__ import annotations

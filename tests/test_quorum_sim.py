@@ -44,7 +44,7 @@ Each step of a schedule is one of:
 
 Time. Each step is one tick of model time. The timing assumption, which "never two memberships
 running at once" rests on: every live supervisor looks at least once per tick for a majority
-(``Supervisor._without_majority``) and counts the members it hears (``Supervisor._hear``), so
+(``fencing.alone``) and counts the members it hears (``Supervisor._hear``), so
 a supervisor that has not seen a majority of the job's
 nodes for ``H`` ticks ends its node's part; a leader declares a member lost only once it has
 been silent for ``2 * H`` ticks (``--replace-after`` against half of it), counted from the

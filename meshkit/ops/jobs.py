@@ -22,7 +22,7 @@ from ..outcome import Outcome
 from ..protocol import JobState, Supervision
 from ..record import replace
 from .lookup import cluster_hosts
-from .membership import spares_of
+from .membership import can_change, spares_of
 from .pool import NodePool, unanswered
 from .supervision import end_supervisor, look, stop_record
 from .supervision_status import SupervisionStatus, spare_rows, supervision_status
@@ -373,7 +373,8 @@ def job_status(pool: NodePool, job: Job, hosts: Sequence[Host]) -> JobStatus:
     seen = look(pool, job, hosts, cluster)
     spares = spare_rows(pool, job, hosts, spares_of(cluster, hosts))
     rows = [last_known(row, seen.record) for row in rows]
-    return JobStatus(rows, supervision_status(seen, spares))
+    changes = can_change(job, hosts, cluster)
+    return JobStatus(rows, supervision_status(seen, spares, changes))
 
 
 def last_known(row: StatusRow, record: Supervision | None) -> StatusRow:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ..errors import JobError
 from ..hostfile import Host
+from ..job import Job
 from ..protocol import RestartReason, Supervision
 
 
@@ -54,6 +55,17 @@ def resolve(labels: Sequence[str], known: Sequence[Host], where: str = "") -> li
             "them back, or start the job anew with --cmd"
         )
     return [by_label[label] for label in labels]
+
+
+def can_change(job: Job, members: Sequence[Host], cluster: Sequence[Host]) -> bool:
+    """Pure: whether the job's membership can change: --replace-after is on, and the hostfile has
+    nodes outside the membership (spares, lost nodes back) or --min-nodes lets it shrink. Only
+    then can two sides of a partition each make a membership of their own, so only then does
+    acting take a majority of the job's nodes (a job that cannot change acts as before: a
+    relaunch needs every member, and a stop on any member holds it)."""
+    if job.replace_after is None:
+        return False
+    return any(host not in members for host in cluster) or job.min_nodes is not None
 
 
 def spares_of(cluster: Sequence[Host], members: Sequence[Host]) -> list[Host]:

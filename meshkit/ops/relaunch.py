@@ -61,6 +61,11 @@ class Loop(Protocol):
     @property
     def interval(self) -> float: ...
     @property
+    def quorum(self) -> Sequence[Host]:
+        """The nodes a write must have a majority of (none: the membership cannot change,
+        ``supervision_policy.can_change``)."""
+
+    @property
     def above(self) -> int:
         """The highest generation some node claims and no majority carries (0: none): a claim
         goes past it, since a node keeps one membership per generation."""
@@ -109,7 +114,7 @@ def finish(loop: Loop, pool: NodePool, claimed: Supervision, checked: bool = Fal
         time.sleep(loop.interval)
     # The claim renewed right before the launch: a supervisor that hung while another
     # took this attempt over finds a newer copy here and launches nothing.
-    renewed = write(pool, job, hosts, replace(claimed, held=None), loop.me, False, loop.cluster)
+    renewed = write(pool, job, hosts, replace(claimed, held=None), loop.me, False, loop.quorum)
     if renewed is None:
         say(f"attempt {attempt}: another supervisor took it over; following it")
         return Then.WATCH
@@ -118,7 +123,7 @@ def finish(loop: Loop, pool: NodePool, claimed: Supervision, checked: bool = Fal
     if failure is not None:  # a failed attempt: the next poll sees the nodes absent
         say(f"attempt {attempt} did not start: {failure}")
     running = replace(claimed, supervisor=SupervisorState.RUNNING, held=None)
-    if write(pool, job, hosts, running, loop.me, False, loop.cluster) is None:
+    if write(pool, job, hosts, running, loop.me, False, loop.quorum) is None:
         return Then.WATCH
     say(f"attempt {attempt} started")
     start_all(pool, job, hosts)  # where none is live: a rebooted node's comes back

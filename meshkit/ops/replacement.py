@@ -2,21 +2,21 @@
 action once nodes are lost: each lost rank to the first spare that answers, gets the workdir (a
 synced job) and passes the doctor's quick checks, or with too few such spares and
 ``--min-nodes`` the job shrunk (``ops.membership.plan``); the new generation claimed on every node
-of it, then made as any claimed attempt is (``ops.relaunch.finish``). With neither possible, it
-waits up to ``--replace-after`` more for the nodes or a spare, then gives up saying why. Also
-the note the record carries while the leader waits for nodes (``waiting_note``), and the fencing
-of a lost node that comes back (``fence``). A replacement uses up no restart.
+of it and on a majority of the job's nodes (``quorum``), then made as any claimed attempt is
+(``ops.relaunch.finish``). With neither possible, it waits up to ``--replace-after`` more for the
+nodes or a spare, then gives up saying why. Also the note the record carries while the leader
+waits for nodes (``waiting_note``). A lost node that comes back is fenced (``ops.fencing``). A
+replacement uses up no restart.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import LaunchError, MeshkitError, RemoteError
+from ..errors import LaunchError, RemoteError
 from ..hostfile import Host, members_text
 from ..job import Job
 from ..protocol import StopReply, StopRequest, Supervision, SupervisorState
@@ -26,7 +26,7 @@ from . import jobs as ops
 from .membership import Change, plan, reason_of_change, spares_of
 from .pool import NodePool
 from .relaunch import Loop, finish
-from .supervision import ask, write
+from .supervision import write
 from .supervision_policy import Outcome, Then, held_by
 from .verdicts import Check
 
@@ -72,7 +72,7 @@ def replace_lost(loop: Loop, seen: Supervision, lost: list[Host], bound: float) 
                 loop.say("every node answers again; back to watching")
                 return Then.WATCH
             answering = [host for host in every if host not in pool.failures]
-            if len(answering) < majority(len(every)):
+            if loop.quorum and len(answering) < majority(len(every)):
                 loop.say(unclaimed(pool, every, []))
                 return Then.WATCH  # the watch acts on nothing without a majority
         refused.clear()  # a spare refused a while ago may be healthy now
@@ -182,22 +182,6 @@ def claim_of(seen: Supervision, change: Change, above: int = 0) -> Supervision:
         waiting=None,
         held=None,
     )
-
-
-def fence(loop: Loop, record: Supervision) -> Supervision:
-    """This node was lost and the job moved on without it (``record``, a newer generation):
-    end what it still runs of the job here, keep the newer record here, and end; it is a spare
-    now."""
-    node = [loop.node]
-    loop.say(
-        f"generation {record.generation} does not include this node (it was lost and "
-        "replaced): ending what it runs of the job here; it is a spare now"
-    )
-    with contextlib.suppress(MeshkitError), loop.connect(node, RECONNECT) as own:
-        ask(own, loop.job, node, record=record, version=record.version)
-        ending = StopRequest(loop.job.id)
-        own.call_all("stop", lambda host: ending, StopReply, node)
-    return record
 
 
 def end_what_is_left(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[int | None]:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..errors import JobError, MeshkitError, UsageError
+from ..errors import JobError, UsageError
 from ..hostfile import Host
 from ..job import Job
 from ..node.supervise import Heartbeat
@@ -28,10 +28,11 @@ from ..quorum import majority, past_unproven
 from ..record import replace
 from . import jobs as ops
 from .diagnose import save_diagnosis
-from .membership import members_of
+from .fencing import alone, fence, superseded
+from .membership import can_change, members_of
 from .pool import NodePool
 from .relaunch import COME_BACK, Connect, Gate, Launcher, finish, health
-from .replacement import RECONNECT, end_what_is_left, fence, replace_lost, waiting_note
+from .replacement import RECONNECT, end_what_is_left, replace_lost, waiting_note
 from .supervision import ask, view, write
 from .supervision_policy import (
     BACKOFF,
@@ -132,13 +133,15 @@ class Supervisor:
             look = self._look(pool)
             record = look.record
             if look.newer:
-                return Final(self._superseded(pool, look))
-            if not look.settled:
-                self._without_majority(look)
+                return Final(superseded(self, pool))
+            if not look.settled:  # only where the membership can change: ``quorum``
+                alone(self, self.majority, len(self.nodes()))
                 if time.monotonic() - since > RECONNECT:
                     return Then.RECONNECT  # the nodes it misses may answer a new connection
                 time.sleep(self.interval)
                 continue
+            if not look.answered:
+                return Then.WATCH  # this node is cut off: a new connection in a while
             if record is None:  # every copy is gone (a train dropped them to start anew)
                 why = "the supervision record is gone from every node"
                 return Final(Supervision(SupervisorState.GAVE_UP, 0, 0, why))
@@ -325,6 +328,15 @@ class Supervisor:
         if self.heart is not None:
             self.heart.moved()
 
+    @property
+    def quorum(self) -> list[Host]:
+        """The nodes a majority is counted over: every node of the job, where its membership
+        can change (``can_change``); else none, and the supervisor acts as one that needs every
+        member does."""
+        if not can_change(self.job, self.hosts, self.cluster):
+            return []
+        return self.nodes()
+
     def nodes(self) -> list[Host]:
         """The nodes this supervisor connects to: the members in rank order, then the rest of
         the hostfile (spares, lost nodes), whose copies count towards a majority."""
@@ -344,14 +356,15 @@ class Supervisor:
         self.unanswered = [host for host in self.nodes() if host not in answers]
         self.above = past_unproven(seen.belief)
         self.majority.looked(seen.belief.quorum, time.monotonic())
-        if seen.belief.newer or not seen.belief.settled:
+        settled = seen.belief.settled or not self.quorum
+        if seen.belief.newer or not settled:
             live = set(seen.live) | {self.me}
             return Look(
                 live,
                 seen.record,
                 len(answers),
                 silent,
-                settled=seen.belief.settled,
+                settled=settled,
                 newer=seen.belief.newer,
             )
         moved = self.follow(seen.record)
@@ -369,43 +382,6 @@ class Supervisor:
                     f"generation {generation} is claimed by fewer than a majority of the job's "
                     f"{len(self.nodes())} nodes: not followed"
                 )
-
-    def _without_majority(self, look: Look) -> None:
-        """No majority of the job's nodes answers (a partition: this side is the smaller one,
-        or too many nodes are down): act on nothing, and past half of --replace-after end this
-        node's part of the job (``Majority``)."""
-        now = time.monotonic()
-        changes = len(self.nodes()) > len(self.hosts) or self.job.min_nodes is not None
-        if not self.majority.fence_now(now, self.job.replace_after, changes):
-            return
-        alone = now - self.majority.seen_at
-        self.say(
-            f"no majority of the job's {len(self.nodes())} nodes answers for {alone:.0f}s "
-            "(partitioned?): ending this node's part of the job; the nodes that have a majority "
-            "may give its rank to a spare"
-        )
-        self._end_here()
-
-    def _end_here(self) -> None:
-        """End what this node runs of the job (over a connection of its own)."""
-        node = [self.node]
-        with contextlib.suppress(MeshkitError), self.connect(node, RECONNECT) as own:
-            ending = StopRequest(self.job.id)
-            own.call_all("stop", lambda host: ending, StopReply, node)
-
-    def _superseded(self, pool: NodePool, look: Look) -> Supervision:
-        """A node holds a copy of a later launch of this job (a ``train`` since): this
-        supervisor's launch is over. Its node's part ends too, unless the new launch already
-        holds this node (then what runs here is the new launch's)."""
-        mine = ask(pool, self.job, [self.node]).get(self.node)
-        taken = (
-            mine is not None and mine.record is not None and mine.record.launch != self.job.launch
-        )
-        if not taken:
-            self._end_here()
-        why = "the job was started anew (a later train): this supervisor's launch is over"
-        self.say(why)
-        return Supervision(SupervisorState.GAVE_UP, 0, 0, why, launch=self.job.launch)
 
     def follow(self, record: Supervision | None) -> bool:
         """Take ``record``'s membership as this supervisor's (its nodes, this node's rank, the
@@ -433,7 +409,7 @@ class Supervisor:
         self, pool: NodePool, record: Supervision, every: bool = False
     ) -> Supervision | None:
         return write(
-            pool, self.job, self.hosts, record, self.me, every, self.nodes(), self.unanswered
+            pool, self.job, self.hosts, record, self.me, every, self.quorum, self.unanswered
         )
 
     def _carry_stop(self, pool: NodePool, stopped: Supervision) -> Supervision:
@@ -512,7 +488,7 @@ class Supervisor:
                         self.silence.heard(host)
                 missing = [host for host in self.hosts if host in pool.failures]
                 answering = [host for host in self.nodes() if host not in pool.failures]
-                if len(answering) < majority(len(self.nodes())):
+                if self.quorum and len(answering) < majority(len(self.nodes())):
                     yield pool  # no majority on this side: nothing to wait for here
                     return
                 if missing:
@@ -554,7 +530,7 @@ class Supervisor:
             replace(record, waiting=waiting),
             self.me,
             False,
-            self.nodes(),
+            self.quorum,
             self.unanswered,
         )
         return noted or record

@@ -85,14 +85,16 @@ class SupervisionStatus:
         return {"supervisor": supervisor, "relaunching": relaunching}
 
 
-def supervision_status(seen: View, spares: Sequence[SpareRow] = ()) -> SupervisionStatus:
+def supervision_status(
+    seen: View, spares: Sequence[SpareRow] = (), changes: bool = True
+) -> SupervisionStatus:
     """Pure: what status shows of a supervised job's supervision (``seen``: ``supervision.view``)
     and its spares: a record no live supervisor backs says "not responding", and an ended job
     has no leader (its supervisors are on their way out)."""
     record = seen.record
     belief = seen.belief
     no_majority = None
-    if not belief.quorum:
+    if changes and not belief.quorum:  # a job that cannot change needs no majority
         no_majority = f"{belief.answered} of {belief.nodes}"
     if record is None:
         return SupervisionStatus(spares=list(spares), no_majority=no_majority)
