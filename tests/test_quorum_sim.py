@@ -357,14 +357,15 @@ class Cluster:
         (``Silence``), and its check for a majority (``_without_majority``): one that has not
         seen a majority of the nodes for ``H`` ticks ends its node's part, once."""
         for node, watcher in self.watchers.items():
+            answered = len(self.reachable(node))
+            if watcher.majority.looked(answered >= majority(len(self.labels)), self.tick):
+                watcher.silent_since.clear()  # a majority again: ``Silence.restart``
             # every look counts the members heard and silent (``Supervisor._hear``)
             for label in watcher.known[1]:
                 if self.reaches(node, label):
                     watcher.silent_since.pop(label, None)
                 else:
                     watcher.silent_since.setdefault(label, self.tick)
-            answered = len(self.reachable(node))
-            watcher.majority.looked(answered >= majority(len(self.labels)), self.tick)
             changes = len(self.labels) > len(watcher.known[1]) or self.min_nodes is not None
             # --replace-after is LOST_AFTER ticks: the fence comes at half of it, H
             if watcher.majority.fence_now(self.tick, LOST_AFTER, changes):
@@ -518,6 +519,38 @@ def test_a_second_cut_fences_again() -> None:
     gives its rank to a spare while it still runs the old membership (the simulation found
     this: the loop's self-fence was never armed again once a majority was seen)."""
     simulate(3, 1, None, ALONE_TWICE)
+
+
+# The long run's find (20,000 schedules): n1 and n2 were cut off from n0 by a first split in which
+# n0's side had the majority and theirs had none; a second split left n0 alone. n1, leading the
+# new majority, had counted n0 silent since the first split and gave its rank away at once, while
+# n0 had only just lost its majority and still ran its part. Silence now counts anew once a
+# supervisor finds a majority again (``Majority.looked``, ``Silence.restart``).
+TWO_SPLITS = [
+    ("look", 3600),
+    ("round", 406),
+    ("round", 38),
+    ("back", 999),
+    ("round", 277),
+    ("back", 2409),
+    ("look", 81),
+    ("round", 1150),
+    ("round", 38),
+    ("round", 122),
+    ("round", 2754),
+    ("split", 121),  # {n0, n3, n4, n5} (a majority of 6) | {n1, n2}
+    ("round", 3311),
+    ("round", 686),
+    ("back", 283),
+    ("round", 33),
+    ("round", 1864),
+    ("split", 1),  # {n0} | the rest
+    ("look", 91),
+]
+
+
+def test_silence_counts_anew_once_a_side_has_a_majority_again() -> None:
+    simulate(4, 2, 8, TWO_SPLITS)
 
 
 def test_the_leader_is_the_lowest_live_rank() -> None:

@@ -349,13 +349,14 @@ class Supervisor:
         asked = time.monotonic()
         members = [host for host in self.nodes() if host in self.hosts]
         answers = ask(pool, self.job, self.nodes(), timeout=POLL_TIMEOUT)
-        self._hear(pool, answers, asked)
         seen = view(answers, self.hosts, self.job, len(self.nodes()))
+        if self.majority.looked(seen.belief.quorum, time.monotonic()):
+            self.silence.restart()  # a majority again: silence counts from now (``Majority``)
+        self._hear(pool, answers, asked)
         self._name_unproven(seen.belief.unproven)
         silent = [host for host in members if host not in answers]
         self.unanswered = [host for host in self.nodes() if host not in answers]
         self.above = past_unproven(seen.belief)
-        self.majority.looked(seen.belief.quorum, time.monotonic())
         settled = seen.belief.settled or not self.quorum
         if seen.belief.newer or not settled:
             live = set(seen.live) | {self.me}

@@ -197,11 +197,21 @@ class Majority:
     seen_at: float
     fenced: bool = False
 
-    def looked(self, quorum: bool, now: float) -> None:
-        """A look found a majority of the job's nodes answering (``quorum``), or not."""
+    seen_now: bool = True  # the last look found a majority
+
+    def looked(self, quorum: bool, now: float) -> bool:
+        """A look found a majority of the job's nodes answering (``quorum``), or not. Returns
+        whether it found one again after looks that did not: then the silence of the nodes it
+        misses counts anew (``Silence.restart``). A node silent to this side while this side
+        had no majority may have had a majority of its own; it knows itself cut off only once
+        this side has one, and ends its part half of --replace-after after that: counted from
+        then, --replace-after passes only after it did."""
+        regained = quorum and not self.seen_now
+        self.seen_now = quorum
         if quorum:
             self.seen_at = now
             self.fenced = False  # cut off again later: fenced again
+        return regained
 
     def fence_now(self, now: float, bound: float | None, changes: bool) -> bool:
         """Whether to end this node's part now: without a majority for half of ``bound``
@@ -308,6 +318,12 @@ class Silence:
     def first(self, hosts: Sequence[Host], now: float) -> float:
         """When the first of ``hosts`` stopped answering (``now``: none did)."""
         return min((self.since[host] for host in self.silent(hosts)), default=now)
+
+    def restart(self) -> None:
+        """Every node's silence counts anew, from its next unanswered poll (``Majority``)."""
+        self.since.clear()
+        self.refused.clear()
+        self.misses.clear()
 
     def forget(self, keep: Sequence[Host]) -> None:
         """Only ``keep`` is watched from now on (a new membership): the others' silence goes."""
