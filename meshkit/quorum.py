@@ -168,8 +168,9 @@ def believe(
         best = None
     if best is None:
         # nothing believable: with no copy of this launch at all, a majority saying so is a
-        # fact (the copies were dropped); else the reader's own generation, shown, not acted on
-        fallback = [copy for copy in mine if copy.generation <= known[0]]
+        # fact (the copies were dropped); else the newest copy before the reader's generation,
+        # shown, not acted on (a claim of that generation no majority took is no history)
+        fallback = [copy for copy in mine if copy.generation < known[0]]
         shown = max(fallback, key=precedence, default=None)
         unproven = sorted({key[0] for key in groups if key[0] > known[0]})
         return Belief(shown, quorum and not mine, answered, nodes, newer, tuple(unproven))

@@ -86,7 +86,7 @@ def test_a_split_leaves_one_side_running_and_one_membership_once_healed(meshed):
             for index in (a, s1, s2):
                 if address[index] in by_host:
                     assert by_host[address[index]]["state"] == "unreachable"
-                    assert "last known: " in str(by_host[address[index]]["last_line"])
+                    assert "of generation" in str(by_host[address[index]]["last_known"])
             assert all(row["state"] != "absent" for row in rows)
             # B and C ended their part: listed (the shared job file names generation 2), they
             # run nothing of the job, and are never a healthy spare that runs it

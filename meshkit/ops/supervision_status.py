@@ -103,7 +103,8 @@ def supervision_status(
     leader = seen.leader
     if state not in RUNNING:
         leader = None
-    elif leader is None:
+    elif leader is None and no_majority is None:
+        # (with no majority in reach, the supervisors that lead may be out of reach too)
         state = SupervisorShown.NOT_RESPONDING
         reason = NOT_BACKED
     return SupervisionStatus(
