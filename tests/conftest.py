@@ -7,6 +7,7 @@ longest modules run first (``SECONDS``), so that no long one starts last."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -95,9 +96,15 @@ def named(base: str) -> str:
 
 
 def sandbox_name(module: str) -> str:
-    """``tests/test_mesh.py`` -> ``tmesh``: a valid sandbox name per test module."""
+    """``tests/test_mesh.py`` -> ``tmesh``: a valid sandbox name per test module. A stem too
+    long for the 8 characters ends in 2 hex digits of its whole (``test_untrusted`` and
+    ``test_untrusted_replies`` ran in parallel as one sandbox, each taking the other down)."""
     stem = module.rsplit(".", 1)[-1].removeprefix("test_")
-    return named(re.sub(r"[^a-z0-9]", "", stem.lower()))
+    base = re.sub(r"[^a-z0-9]", "", stem.lower())
+    if len(PREFIX + base) <= 8:
+        return named(base)
+    digest = hashlib.sha256(base.encode()).hexdigest()[:2]
+    return named(base[: 8 - len(PREFIX) - 2] + digest)
 
 
 def sandbox_dir(name: str) -> str:

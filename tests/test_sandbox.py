@@ -7,9 +7,10 @@ import ipaddress
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import meshkit, named, need_root, sandbox_dir, ssh
+from conftest import meshkit, named, need_root, sandbox_dir, sandbox_name, ssh
 
 from meshkit import sandbox
 from meshkit.sandbox import networks
@@ -322,3 +323,12 @@ def test_two_sandboxes_whose_names_pick_the_same_subnet_both_come_up():
     finally:
         for name in pair:
             sandbox.down(sandbox_dir(name), name)
+
+
+def test_every_test_module_has_a_sandbox_name_of_its_own() -> None:
+    """Modules that run in parallel must not share a sandbox: one would take the other's down."""
+    modules = sorted(path.stem for path in Path(__file__).parent.glob("test_*.py"))
+    names = [sandbox_name(module) for module in modules]
+    shared = {name for name in names if names.count(name) > 1}
+    assert not shared, [module for module in modules if sandbox_name(module) in shared]
+    assert all(len(name) <= 8 for name in names)
