@@ -429,11 +429,11 @@ class DiagnoseReply(Reply):
 
 @record
 class Supervision:
-    """A supervised job's supervision record, as status shows it; every node keeps a copy.
-    Every write bumps ``version``; a node keeps a write only over a copy no newer than the one
-    the writer read (compare-and-set), and readers take the newest copy, so a node that was
-    down (its copy gone with its /tmp) costs nothing. A STOPPED record (``meshkit stop``) always
-    lands and wins, and nothing but another stop replaces it (``precedence``)."""
+    """A supervised job's supervision record, as status shows it; every node of the job's
+    hostfile keeps a copy. Every write bumps ``version``; which write a node keeps and which
+    copy readers believe are ``quorum.keeps`` and ``quorum.believe`` (compare-and-set within a
+    generation, a majority for a new one; a STOPPED record of the launch always lands, and
+    nothing but another stop replaces it)."""
 
     supervisor: SupervisorState
     attempt: Count
@@ -457,14 +457,6 @@ class Supervision:
     def to_json(self) -> str:
         """The copy as a node stores it."""
         return json.dumps(asdict(self), sort_keys=True) + "\n"
-
-    def precedence(self) -> tuple[bool, int, int]:
-        """Which of two copies wins: a STOPPED one over any other, whatever the versions (a
-        supervisor cut off from ``stop`` may have counted further on its side), else the newer
-        generation (a lost node's supervisor may have counted further on its own), else the
-        newer."""
-        stopped = self.supervisor == SupervisorState.STOPPED
-        return (stopped, self.generation, self.version)
 
 
 @record

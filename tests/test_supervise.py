@@ -45,7 +45,11 @@ def newest(copies):
     then version (what ``quorum.believe`` takes when every copy is of one launch and
     membership)."""
     records = [copy for copy in copies if copy is not None]
-    return max(records, key=Supervision.precedence, default=None)
+
+    def precedence(copy: Supervision) -> tuple[bool, int, int]:
+        return (copy.supervisor == SupervisorState.STOPPED, copy.generation, copy.version)
+
+    return max(records, key=precedence, default=None)
 
 
 def nodes(*states: tuple[str, int | None]) -> list[NodeView]:

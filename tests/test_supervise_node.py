@@ -124,8 +124,8 @@ def test_the_record_copy_is_compare_and_set_on_its_version(tmp_path, monkeypatch
     assert put_(record(2, by=1), 1)
     assert not put_(record(2, by=2), 1)
     assert nsup.supervisor(SupervisorRequest(job_id, "")).record == record(2, by=1)
-    assert nsup.version_of("not json") == 0
-    assert nsup.version_of(None) == 0
+    assert nsup.copy_of("not json") is None  # unreadable: counts as no copy (keeps any write)
+    assert nsup.copy_of(None) is None
     Path(files.supervision_copy(job_id)).write_text("garbage")
     assert put_(record(3), 0)
     with pytest.raises(ValueError, match="bad job id"):

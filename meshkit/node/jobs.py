@@ -173,12 +173,13 @@ def fenced_here(request: protocol.StartRequest) -> str | None:
     later launch. A stop kept by this node beats a relaunch that read the record before it."""
     if not request.launch:
         return None
+    from ..quorum import newer_launch
     from .supervise import MAX_COPY, copy_of
 
     copy = copy_of(files.read_text(files.supervision_copy(request.job.job_id), MAX_COPY))
     if copy is None:
         return None
-    if copy.launch > request.launch:
+    if newer_launch(copy.launch, request.launch):
         return "the job was started anew here (a later train): this attempt is not started"
     if copy.launch != request.launch:
         return None

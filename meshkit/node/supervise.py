@@ -159,12 +159,6 @@ def copy_of(text: str | None) -> Supervision | None:
         return None
 
 
-def version_of(text: str | None) -> int:
-    """Pure: a stored copy's version (0: none, or unreadable: any writer may replace it)."""
-    copy = copy_of(text)
-    return 0 if copy is None else copy.version
-
-
 def accepts(stored: str | None, record: Supervision, version: int) -> bool:
     """Pure: whether a node whose copy is ``stored`` keeps ``record``, written by one who read
     ``version`` (``quorum.keeps``; an unreadable copy counts as none)."""

@@ -63,7 +63,7 @@ class Loop(Protocol):
     @property
     def quorum(self) -> Sequence[Host]:
         """The nodes a write must have a majority of (none: the membership cannot change,
-        ``supervision_policy.can_change``)."""
+        ``membership.can_change``)."""
 
     @property
     def above(self) -> int:
@@ -105,7 +105,7 @@ def finish(loop: Loop, pool: NodePool, claimed: Supervision, checked: bool = Fal
         if claimed.held != held:
             say(f"attempt {attempt}: held by {held}")
             renewed = write(
-                pool, job, hosts, replace(claimed, held=held), loop.me, False, loop.cluster
+                pool, job, hosts, replace(claimed, held=held), loop.me, False, loop.quorum
             )
             if renewed is None:
                 return Then.WATCH

@@ -102,7 +102,8 @@ def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refus
     use; ``Then.WATCH``: back to watching (another supervisor moved on, or a member is down
     too)."""
     labels = tuple(host.label for host in change.members)
-    job = replace(loop.job, members=labels, generation=seen.generation + 1)
+    claim = claim_of(seen, change, loop.above)
+    job = replace(loop.job, members=labels, generation=claim.generation)
     # the lost nodes count against the majority, but are not waited for once more
     others = [
         host for host in loop.cluster if host not in change.members and host not in change.lost
@@ -128,7 +129,6 @@ def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refus
         if unfit:
             return Refused(unfit)
         rank = change.members.index(loop.node)
-        claim = claim_of(seen, change, loop.above)
         claimed = write(pool, job, change.members, claim, rank, True, loop.cluster, change.lost)
         if claimed is None:
             loop.say(unclaimed(pool, loop.cluster, change.lost))

@@ -153,9 +153,8 @@ def write(
     the job's nodes: the lowest-ranked connected member first (it decides between two writers),
     then the other members and the rest of ``cluster`` (the hostfile's other nodes: spares, lost
     nodes) at once. None unless the first member (``every``: every member) and a majority of
-    the job's nodes (``cluster``; none: no majority is asked, ``supervision_policy.can_change``)
-    kept it:
-    a node holds a newer copy (another supervisor moved on, or a stop), or this side of a
+    the job's nodes (``cluster``; none: no majority is asked, ``membership.can_change``) kept
+    it: a node holds a newer copy (another supervisor moved on, or a stop), or this side of a
     partition is no majority (``quorum``). ``silent``: nodes not written to (they left a poll
     unanswered: a write would wait its whole timeout), counted all the same."""
     new = replace(record, version=next_version(record), by=by, launch=job.launch)

@@ -57,14 +57,16 @@ class Action(StrEnum):
     2. ``RELAUNCHING``: rank ``by`` claimed the next attempt and makes it; if it is gone, the
        leader finishes the same attempt (``RESUME``), never a new one.
     3. ``DONE``, ``GAVE UP``: final; every supervisor ends (``Step.END``).
-    4. ``STOPPED``: final, and it wins over every other record whatever the versions
-       (``Supervision.precedence``; a node replaces it with nothing but another stop), so a
+    4. ``STOPPED``: final, and it wins over every other record of its launch whatever the
+       versions (``quorum.keeps``, ``quorum.believe``: a node replaces it with nothing but
+       another stop), so a
        supervisor that ``stop`` could not reach (a partition) and that counted versions on its
        own side still finds it once it reconnects. It relaunches nothing: a stop ends the whole
        job, so it ends the job on the nodes whose copy does not say stopped yet (the ones the
        stop did not reach), leaves the record there, and ends (``Step.STOP``).
-    5. Every supervisor follows the newest generation; one whose node is in none is fenced: it
-       ends what its node runs of the job, and its node is a spare from then on.
+    5. Every supervisor follows the newest generation a majority of the job's nodes carries;
+       one whose node is in none is fenced: it ends what its node runs of the job, and its
+       node is a spare from then on (``ops.fencing``).
     """
 
     WAIT = "wait"

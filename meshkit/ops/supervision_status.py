@@ -172,7 +172,11 @@ def spare_rows(
             timing = (sent, back)
             rows.append(spare_health(spare, outcome.value, reference, slots, timing, job.sync))
         state = states.get(spare)
-        if state is not None and state.value is not None and state.value.state == "running":
+        if (
+            state is not None
+            and state.value is not None
+            and state.value.state == p.JobState.RUNNING
+        ):
             # never a healthy spare: the other side of a partition, or a node not fenced yet
             why = "runs the job outside the membership (partitioned? fenced once it reconnects)"
             rows[-1] = SpareRow(spare.label, False, why, running=True)
