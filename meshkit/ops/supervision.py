@@ -20,6 +20,9 @@ from .pool import NodePool
 STALE = 60.0  # a supervisor whose heartbeat is older is gone (a thread of its own beats every
 # few seconds, whatever its loop does: only a frozen, dead or hung supervisor goes quiet)
 
+WRITE_TIMEOUT = 15.0  # seconds a node gets to keep a write: a node that went silent since the
+# last look (a partition, a node powered off) must not hold the writer for the command timeout
+
 Answers = dict[Host, SupervisorReply]
 
 
@@ -162,11 +165,13 @@ def write(
     count = len(hosts) + len(others)
     skipped = set(silent) | set(pool.failures)
     up = [host for host in hosts if host not in skipped]
-    first = ask(pool, job, up[:1], record=new, version=record.version)
+    first = ask(pool, job, up[:1], record=new, version=record.version, timeout=WRITE_TIMEOUT)
     if not first or not all(reply.written for reply in first.values()):
         return None
     rest = up[1:] + [host for host in others if host not in skipped]
-    answers = first | ask(pool, job, rest, record=new, version=record.version)
+    answers = first | ask(
+        pool, job, rest, record=new, version=record.version, timeout=WRITE_TIMEOUT
+    )
     members = [reply for host, reply in answers.items() if host in hosts]
     if every and (len(members) < len(hosts) or not all(reply.written for reply in members)):
         return None
