@@ -94,6 +94,12 @@ class Cluster:
         doctor: bool = False,
         dry_run: bool = False,
         wait: float = 0.0,
+        evict: str | None = None,
+        evict_after: int | None = None,
+        max_failed_starts: int | None = None,
+        notify: str | None = None,
+        notify_on: str | None = None,
+        readmit: str | None = None,
     ) -> train_op.TrainResult:
         """``meshkit train``: start ``cmd`` on every node (None: relaunch the saved job)."""
         options = lookup.Options(
@@ -115,6 +121,12 @@ class Cluster:
             doctor=doctor,
             dry_run=dry_run,
             wait=wait,
+            evict=evict,
+            evict_after=evict_after,
+            max_failed_starts=max_failed_starts,
+            notify=notify,
+            notify_on=notify_on,
+            readmit=readmit,
         )
         lookup.check_options(options)
         job, hosts = train_op.plan(self.conf, options)

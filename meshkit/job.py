@@ -16,6 +16,8 @@ from pathlib import PurePosixPath
 
 from .digest import sha256_hex
 from .errors import JobError, UsageError
+from .events import NOTIFY_DEFAULT
+from .health import HealthLimits
 from .jobindex import index_file
 from .record import asdict, build, field, record
 
@@ -35,6 +37,10 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 MAX_ENV_VALUE = 65536
 SUPERVISOR_LOG = "supervisor-node{rank}.log"  # a node's supervisor's output, in the job home
 REPLACE_AFTER = 300.0  # seconds a supervised relaunch waits for a node before it is lost
+EVICT_AFTER = 2  # failures attributed to one node that make it a lemon (train --evict-after)
+MAX_FAILED_STARTS = 3  # attempts in a row failing within --crash-window end supervision
+CRASH_WINDOW = 300.0  # seconds: an attempt failing sooner "failed to start" (config crash_window)
+NOTIFY_TIMEOUT = 30.0  # seconds the --notify command gets per event (config notify_timeout)
 
 
 def check_session(name: str) -> str:
@@ -94,6 +100,14 @@ class Job:
     # hostfile spells it); empty: the hostfile's nodes (after --include/--exclude)
     launch: str = ""  # this train's id (``quorum.new_launch``): its discovery, supervision copies
     # and stops are its own, apart from any earlier launch of the same workdir and session
+    evict: str = "unhealthy"  # train --evict: the health that puts a node out (or "degraded")
+    evict_after: int = EVICT_AFTER  # failures attributed to one node that evict it (0: never)
+    max_failed_starts: int = MAX_FAILED_STARTS  # failed starts in a row that end it (0: never)
+    crash_window: float = CRASH_WINDOW  # an attempt failing sooner (s) failed to start
+    notify: str | None = None  # train --notify: run under bash with each event as JSON on stdin
+    notify_on: tuple[str, ...] = tuple(str(kind) for kind in NOTIFY_DEFAULT)  # the kinds told
+    notify_timeout: float = NOTIFY_TIMEOUT
+    health: HealthLimits = field(default_factory=HealthLimits)  # the thresholds health is read with
 
     @property
     def supervised(self) -> bool:

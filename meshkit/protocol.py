@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+from .events import Event
+from .health import HealthLimits, NodeHealth
 from .record import (
     Bytes,
     Count,
@@ -74,6 +76,7 @@ class RestartReason(StrEnum):
     REBOOT = "reboot"  # the job was gone from a node (rebooted, or ended outside meshkit)
     REPLACED = "replaced"  # a lost node's rank given to a spare
     SHRUNK = "shrunk"  # the lost nodes dropped (--min-nodes), ranks renumbered
+    EVICTED = "evicted"  # an unhealthy node (or a lemon) put out, a spare took its rank
 
 
 class SupervisorShown(StrEnum):
@@ -197,9 +200,29 @@ class JobsReply(Reply):
 
 
 @record
+class HealthRequest(Request):
+    """This node's health (``meshkit.health``), read for a job's ``workdir`` (its file
+    system's free space) and ``job_id`` (its processes' out-of-memory kills, its counters'
+    baseline): ``gpus`` the node must have (the hostfile's slots, or as many as the job started
+    with; None: no expectation), under ``limits``. Asked alone (op ``health``: train's
+    preflight) or inside ``status``, ``doctor_facts`` and ``top``."""
+
+    workdir: str
+    job_id: str = ""
+    gpus: Count | None = None
+    limits: HealthLimits = field(default_factory=HealthLimits)
+
+
+@record
+class HealthReply(Reply):
+    health: NodeHealth
+
+
+@record
 class StatusRequest(Request):
     job_id: str
     log: str
+    health: HealthRequest | None = None  # read the node's health too (the supervisor's polls)
 
 
 @record
@@ -209,6 +232,8 @@ class StatusReply(Reply):
     started: WallTime | None
     last_line: str | None
     idle: float | None = None  # seconds since the log was last written (the node's own clock)
+    health: NodeHealth | None = None  # when asked
+    ended: WallTime | None = None  # when the job's exit record was written (exited only)
 
 
 @record
@@ -249,6 +274,7 @@ class FactsRequest(Request):
     marker: str
     token: str
     write_marker: bool
+    health: HealthRequest | None = None
 
 
 @record
@@ -263,6 +289,7 @@ class FactsReply(Reply):
     clock: WallTime  # time.time() on the node when it answered
     writable: str | None  # None: the workdir is writable; else why not
     marker: str  # "written" | "seen" | why not (the marker is how "is the workdir shared" is told)
+    health: NodeHealth | None = None  # when asked
 
 
 @record
@@ -453,6 +480,13 @@ class Supervision:
     waiting: str | None = None  # the lost node a relaunch waits for, and until when (UTC)
     launch: str = ""  # the train that started the job (``quorum.new_launch``): copies and
     # stops of another launch are not this job's
+    evicted: list[str] = field(default_factory=list)  # "NODE: why", kept out of this job (never
+    # its spare) until `train --readmit NODE`
+    blamed: list[str] = field(default_factory=list)  # the node of each attributed failure (lemons)
+    quick: list[str] = field(default_factory=list)  # the causes of the failed starts in a row
+    # (attempts that failed within --crash-window): --max-failed-starts of them end supervision
+    unhealthy: list[str] = field(default_factory=list)  # "NODE: why": members that are unhealthy
+    # and that no spare could replace (the job runs on them; status and the events say so)
 
     def to_json(self) -> str:
         """The copy as a node stores it."""
@@ -603,6 +637,7 @@ class TopRequest(Request):
     job_id: str = ""
     log: str = ""
     settle: float = 0.5
+    health: HealthRequest | None = None
 
 
 @record
@@ -655,6 +690,26 @@ class TopReply(Reply):
     idle: float | None = None  # seconds since the job's log was last written
     gpu_error: str | None = None  # why GPUs could not be read although a driver is there
     job_error: str | None = None  # why the job could not be looked at
+    health: NodeHealth | None = None  # when asked
+
+
+@record
+class EventsRequest(Request):
+    """A job's history on this node (``meshkit.events``), kept in ``home`` (the job's home on
+    this node): ``add`` these events to it, then return those at or after ``since`` (None:
+    return nothing), oldest first, at most ``limit`` (``more``: there were more)."""
+
+    job_id: str
+    home: str
+    add: list[Event] = field(default_factory=list)
+    since: WallTime | None = None
+    limit: Count = 1000
+
+
+@record
+class EventsReply(Reply):
+    events: list[Event]
+    more: bool = False
 
 
 # op -> (request, reply, handler): the handler is "module.function" of meshkit.node, imported on
@@ -680,6 +735,8 @@ OPS: dict[str, tuple[type[Request], type[Reply], str]] = {
     "put_files": (PutFilesRequest, PutReply, "sync.put_files"),
     "exec": (ExecRequest, ExecReply, "execute.execute"),
     "top": (TopRequest, TopReply, "top.sample"),
+    "health": (HealthRequest, HealthReply, "health.health"),
+    "events": (EventsRequest, EventsReply, "events.events"),
 }
 _OP_OF = {request: op for op, (request, _, _) in OPS.items()}
 

@@ -81,6 +81,7 @@ def test_every_wall_clock_field_is_held_to_times_and_any_float_to_finite_numbers
     assert reply.started == 1700000000.5
     assert protocol.decode_reply("status", status_line("0")).started == 0.0
     clocks = {"StatusReply.started", "FactsReply.clock", "RankError.time", "DiagnoseReply.clock"}
+    clocks |= {"StatusReply.ended", "Event.time", "EventsRequest.since"}
     assert wall_clock_fields() == clocks
     error = {"rank": 0, "node_rank": 0, "time": -5, "error": "x", "traceback": []}
     with pytest.raises(record.Invalid, match=r"errors\[\]\.time: -5.0 is not a time"):

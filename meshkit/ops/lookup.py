@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..errors import JobError, UsageError
+from ..events import EventKind
+from ..health import HealthLimits
 from ..hostfile import Host, active
 from ..job import (
     Job,
@@ -61,6 +63,12 @@ class Options:
     doctor: bool = False  # the doctor's quick checks first (any failure starts nothing)
     dry_run: bool = False
     wait: float = 0.0  # seconds to wait for unreachable (rebooting) nodes
+    evict: str | None = None  # "unhealthy" (default) or "degraded": the health that evicts
+    evict_after: str | int | None = None  # failures attributed to a node before it is evicted
+    max_failed_starts: str | int | None = None  # failed starts in a row that end supervision
+    notify: str | None = None  # a command told each event (JSON on stdin); "" or "off": none
+    notify_on: str | None = None  # comma list of event kinds (default: NOTIFY_DEFAULT)
+    readmit: str | None = None  # a node evicted from the saved job, let back in
 
 
 def restarts_flag(flag: str | int | None) -> int | None:
@@ -85,6 +93,37 @@ def min_nodes_flag(flag: str | int | None) -> int | None:
     return int(text)
 
 
+def count_flag(flag: str | int | None, name: str, limit: int = 1000) -> int | None:
+    """A whole-number flag 0..``limit`` (None: not given)."""
+    if flag is None:
+        return None
+    text = str(flag).strip()
+    if not whole(text) or not 0 <= int(text) <= limit:
+        raise UsageError(f"{name} {str(flag)[:40]!r}: expected a whole number 0..{limit}")
+    return int(text)
+
+
+def evict_flag(flag: str | None) -> str | None:
+    """``--evict``: the health that puts a node out of the job (None: not given)."""
+    if flag is None:
+        return None
+    if flag not in ("unhealthy", "degraded"):
+        raise UsageError(f"--evict {flag[:40]!r}: expected unhealthy or degraded")
+    return flag
+
+
+def notify_on_flag(flag: str | None) -> tuple[str, ...] | None:
+    """``--notify-on``: a comma list of event kinds (None: not given)."""
+    if flag is None:
+        return None
+    kinds = [kind.strip() for kind in flag.split(",") if kind.strip()]
+    known = [str(kind) for kind in EventKind]
+    unknown = [kind for kind in kinds if kind not in known]
+    if unknown or not kinds:
+        raise UsageError(f"--notify-on {flag[:80]!r}: expected a comma list of {', '.join(known)}")
+    return tuple(kinds)
+
+
 def check_options(options: Options) -> None:
     """The ranges of a job's flags, for ``meshkit train`` and ``Cluster.train`` alike (the
     messages name the CLI's flags): checked before anything is read from a node."""
@@ -92,6 +131,10 @@ def check_options(options: Options) -> None:
         raise UsageError(f"--wait {options.wait}: expected seconds between 0 and 86400")
     restarts_flag(options.restarts)
     min_nodes_flag(options.min_nodes)
+    evict_flag(options.evict)
+    count_flag(options.evict_after, "--evict-after")
+    count_flag(options.max_failed_starts, "--max-failed-starts")
+    notify_on_flag(options.notify_on)
     if options.replace_after is not None:
         parse_duration(options.replace_after, "--replace-after")
 
@@ -242,8 +285,28 @@ def new_job(conf: Config, options: Options) -> tuple[Job, list[Host]]:
         env=check_env(dict(conf.env)),
         sync_exclude=tuple(conf.sync_exclude),
         stall_after=parse_duration(conf.stall_after, "config stall_after"),
+        crash_window=config_seconds(conf.crash_window, "config crash_window"),
+        notify_timeout=config_seconds(conf.notify_timeout, "config notify_timeout"),
+        health=HealthLimits(
+            min_free_mib=config_count(conf.health_min_free_mib, "config health_min_free_mib"),
+            xid_window=config_seconds(conf.health_xid_window, "config health_xid_window"),
+        ),
     )
     return job, hosts
+
+
+def config_seconds(text: str, where: str) -> float:
+    """A duration of the configuration that cannot be off ("5m", "30s")."""
+    seconds = parse_duration(text, where)
+    if seconds is None:
+        raise UsageError(f"{where}: expected a duration such as 30s or 5m, not off")
+    return seconds
+
+
+def config_count(value: int, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 30:
+        raise UsageError(f"{where}: expected a whole number 0..{1 << 30}")
+    return value
 
 
 def saved_or_new(

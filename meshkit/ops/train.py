@@ -20,7 +20,17 @@ from ..settings import Config
 from . import doctor
 from .jobs import Launch, env_round, launch
 from .jobs import stop as ops_stop
-from .lookup import Options, cluster_hosts, min_nodes_flag, new_job, restarts_flag, saved
+from .lookup import (
+    Options,
+    cluster_hosts,
+    count_flag,
+    evict_flag,
+    min_nodes_flag,
+    new_job,
+    notify_on_flag,
+    restarts_flag,
+    saved,
+)
 from .pool import NodePool, connect
 from .supervision import end_supervisor, start_all, write
 from .sync import Facts, sync_workdir, unshared
@@ -77,6 +87,21 @@ def plan(conf: Config, options: Options) -> tuple[Job, list[Host]]:
         stall_after=job.stall_after if options.stall_after is None else stall,
         restart_on_stall=job.restart_on_stall if stall_flag is None else stall_flag,
         min_nodes=job.min_nodes if min_nodes is None else min_nodes,
+    )
+    evict = evict_flag(options.evict)
+    evict_after = count_flag(options.evict_after, "--evict-after")
+    failed_starts = count_flag(options.max_failed_starts, "--max-failed-starts")
+    notify_on = notify_on_flag(options.notify_on)
+    notify = job.notify if options.notify is None else options.notify
+    if notify is not None and notify.strip() in ("", "off"):
+        notify = None
+    job = replace(
+        job,
+        evict=job.evict if evict is None else evict,
+        evict_after=job.evict_after if evict_after is None else evict_after,
+        max_failed_starts=job.max_failed_starts if failed_starts is None else failed_starts,
+        notify=notify,
+        notify_on=job.notify_on if notify_on is None else notify_on,
     )
     if options.replace_after is not None:
         after = parse_duration(options.replace_after, "--replace-after")

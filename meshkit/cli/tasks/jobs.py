@@ -148,6 +148,17 @@ TRAIN_HELP = helps(
     dry_run="run the preflight and show what would start; start nothing",
     doctor="also run the doctor's quick checks (interfaces, master port, node-to-node TCP, "
     "versions, workdir, clocks) in preflight; any failure starts nothing",
+    evict="supervised: the health that puts a node out of the job, a spare taking its rank "
+    "(unhealthy, the default; degraded: that too)",
+    evict_after="supervised: failures of the job attributed to one node before it is evicted as "
+    "a lemon (default 2; 0: never)",
+    max_failed_starts="supervised: attempts in a row failing within config crash_window (5m) "
+    "that end supervision (default 3; 0: never)",
+    notify="supervised: run this command under bash for each event (--notify-on), the event as "
+    "JSON on stdin (off: none)",
+    notify_on="the event kinds --notify is told of (comma list; default failure, eviction, "
+    "replacement, shrink, give-up, done)",
+    readmit="let NODE, evicted from the saved job, be one of its nodes again (a bare train)",
 )
 
 
@@ -174,6 +185,12 @@ def train(
     restart_on_stall: bool = False,
     replace_after: str | None = None,
     min_nodes: str | None = None,
+    evict: str | None = None,
+    evict_after: str | None = None,
+    max_failed_starts: str | None = None,
+    notify: str | None = None,
+    notify_on: str | None = None,
+    readmit: str | None = None,
 ) -> None:
     """Start CMD detached in tmux on every node, each with its rank variables; or relaunch the
     saved job.
@@ -208,6 +225,12 @@ def train(
             doctor=doctor,
             dry_run=dry_run,
             wait=float(wait),
+            evict=evict,
+            evict_after=evict_after,
+            max_failed_starts=max_failed_starts,
+            notify=notify,
+            notify_on=notify_on,
+            readmit=readmit,
         )
         lookup.check_options(options)
         job, hosts = op.plan(conf(), options)
