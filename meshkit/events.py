@@ -12,32 +12,33 @@ from .record import Count, ExitCode, Index, StrEnum, WallTime, field, record
 
 
 class EventKind(StrEnum):
-    """What happened. ``train --notify-on`` names these."""
+    """What happened (the names ``events --json`` and ``train --notify-on`` use)."""
 
-    LAUNCH = "launch"  # train started the job (attempt 1)
-    ATTEMPT = "attempt"  # an attempt started on every node
-    FAILURE = "failure"  # an attempt failed: its ``blame`` says where and why
-    RESTART = "restart"  # the supervisor relaunches (a restart used)
-    STALL = "stall"  # no output (or no step) for --stall-after
-    HEALTH = "health"  # a node's health changed (ok, degraded, unhealthy)
+    LAUNCHED = "launched"  # train started the job (attempt 1)
+    ATTEMPT = "attempt"  # a relaunched attempt started on every node
+    FAILED = "failed"  # an attempt failed: its ``blame`` says where and why
+    RESTARTED = "restarted"  # the supervisor relaunches (a restart used)
+    STALLED = "stalled"  # no output (or no step) for --stall-after
+    HEALTH = "health"  # a node's health changed (ok, degraded, unhealthy, unknown)
     LOST = "lost"  # a node did not answer within --replace-after
-    REPLACEMENT = "replacement"  # a spare took a rank
-    EVICTION = "eviction"  # a node put out of the job: unhealthy, degraded, or a lemon
-    SHRINK = "shrink"  # the job goes on with fewer nodes (--min-nodes)
-    READMISSION = "readmission"  # train --readmit NODE
-    NO_SPARE = "no spare"  # an unhealthy node that no spare can replace: the job runs on it
-    GIVE_UP = "give-up"  # the supervision gave up
+    REPLACED = "replaced"  # a spare took a rank
+    EVICTED = "evicted"  # a node put out of the job: unhealthy, degraded, or a lemon
+    SHRUNK = "shrunk"  # the job goes on with fewer nodes (--min-nodes)
+    READMITTED = "readmitted"  # train --readmit NODE
+    NO_SPARE = "no_spare"  # an unhealthy node no spare can replace: the job runs on it
+    STRAGGLER = "straggler"  # a node slower than the others (progress)
+    GAVE_UP = "gave_up"  # the supervision gave up ("restarting is not helping", ...)
     DONE = "done"  # every node exited 0
-    STOP = "stop"  # meshkit stop
-    NOTIFY_FAILED = "notify failed"  # the --notify command failed or timed out
+    STOPPED = "stopped"  # meshkit stop
+    NOTIFY_FAILED = "notify_failed"  # the --notify command failed or timed out
 
 
 NOTIFY_DEFAULT = (
-    EventKind.FAILURE,
-    EventKind.EVICTION,
-    EventKind.REPLACEMENT,
-    EventKind.SHRINK,
-    EventKind.GIVE_UP,
+    EventKind.FAILED,
+    EventKind.EVICTED,
+    EventKind.REPLACED,
+    EventKind.SHRUNK,
+    EventKind.GAVE_UP,
     EventKind.DONE,
 )
 
@@ -81,9 +82,27 @@ class Event:
     by: str = ""  # who wrote it: "supervisor of node 0", "train", "stop"
 
     def as_json(self) -> dict[str, object]:
+        """``events --json``'s object (and what ``--notify`` reads on stdin): ``time`` in ISO
+        8601 UTC, ``detail`` the line people read, ``cause`` the blame (null: none)."""
+        import datetime
+
         from .record import asdict
 
-        return asdict(self)
+        stamp = datetime.datetime.fromtimestamp(self.time, datetime.timezone.utc)
+        cause = None if self.blame is None else asdict(self.blame)
+        return {
+            "time": stamp.isoformat(timespec="seconds").replace("+00:00", "Z"),
+            "kind": str(self.kind),
+            "node": self.node,
+            "rank": self.rank,
+            "generation": self.generation,
+            "attempt": self.attempt,
+            "cause": cause,
+            "detail": self.text,
+            "launch": self.launch,
+            "by": self.by,
+            "id": self.id,
+        }
 
 
 def new_id() -> str:

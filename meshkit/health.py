@@ -30,14 +30,21 @@ from .record import Count, StrEnum, WallTime, field, record
 
 
 class HealthState(StrEnum):
-    """A node's verdict, worst last: ``ok`` < ``degraded`` < ``unhealthy``."""
+    """A node's verdict: ``ok``; ``unknown`` (nothing wrong was found, but some source could
+    not be read: never counted as healthy, never evicted for); ``degraded``; ``unhealthy``."""
 
     OK = "ok"
+    UNKNOWN = "unknown"
     DEGRADED = "degraded"
     UNHEALTHY = "unhealthy"
 
 
-SEVERITY = {HealthState.OK: 0, HealthState.DEGRADED: 1, HealthState.UNHEALTHY: 2}
+SEVERITY = {
+    HealthState.OK: 0,
+    HealthState.UNKNOWN: 1,
+    HealthState.DEGRADED: 2,
+    HealthState.UNHEALTHY: 3,
+}
 
 XID_FATAL = frozenset({48, 61, 62, 74, 79, 95, 109, 119, 120, 140, 143, 144, 145, 146, 147, 148})
 XID_DEGRADING = frozenset({63, 64, 92, 94})
@@ -129,29 +136,33 @@ class NodeHealth:
 
     @property
     def reasons(self) -> list[str]:
-        """What made the node degraded or unhealthy, one line each ("kernel: XID 79 ...")."""
-        return [
+        """What made the node degraded or unhealthy, one line each ("kernel: XID 79 ..."),
+        then each source that could not be read ("kernel: not read: ...")."""
+        found = [
             f"{finding.source}: {finding.what}"
             for finding in self.findings
             if finding.state != HealthState.OK
         ]
+        return found + [f"{read.source}: not read: {read.error}" for read in self.unread_sources]
 
     @property
-    def unread(self) -> list[str]:
-        """The sources that could not be read, each with why."""
-        return [f"{read.source}: {read.error}" for read in self.sources if read.error is not None]
+    def unread_sources(self) -> list[SourceRead]:
+        return [read for read in self.sources if read.error is not None]
 
     def as_json(self) -> dict[str, object]:
-        """``status --json``'s ``health``: the state, the reasons, and what was not read."""
-        return {"state": str(self.state), "reasons": self.reasons, "unread": self.unread}
+        """``status --json``'s, ``top --json``'s ``health``: the state and the reasons."""
+        return {"state": str(self.state), "reasons": self.reasons}
 
 
 def judge(findings: list[Finding], sources: list[SourceRead]) -> NodeHealth:
-    """The node's verdict: its worst finding's state (no finding: ``ok``)."""
+    """The node's verdict: its worst finding's state; with nothing wrong found, ``unknown``
+    when some source could not be read, else ``ok``."""
     worst = HealthState.OK
     for finding in findings:
         if SEVERITY[finding.state] > SEVERITY[worst]:
             worst = finding.state
+    if worst == HealthState.OK and any(read.error is not None for read in sources):
+        worst = HealthState.UNKNOWN
     return NodeHealth(worst, list(findings), list(sources))
 
 
@@ -161,12 +172,10 @@ def at_least(health: NodeHealth, state: HealthState) -> bool:
 
 
 def words(health: NodeHealth) -> str:
-    """One line for a table: "unhealthy: kernel: XID 79 ...", "ok", "ok (kernel log unread)"."""
+    """One line for a table: "unhealthy: kernel: XID 79 ...", "ok", "unknown: kernel: not
+    read: ..."."""
     text = str(health.state)
     reasons = health.reasons
     if reasons:
         text += ": " + "; ".join(reasons)
-    unread = [read.source for read in health.sources if read.error is not None]
-    if unread:
-        text += f" ({', '.join(unread)} unread)"
     return text

@@ -156,8 +156,8 @@ TRAIN_HELP = helps(
     "that end supervision (default 3; 0: never)",
     notify="supervised: run this command under bash for each event (--notify-on), the event as "
     "JSON on stdin (off: none)",
-    notify_on="the event kinds --notify is told of (comma list; default failure, eviction, "
-    "replacement, shrink, give-up, done)",
+    notify_on="the event kinds --notify is told of (comma list; default failed, evicted, "
+    "replaced, shrunk, gave_up, done)",
     readmit="let NODE, evicted from the saved job, be one of its nodes again (a bare train)",
 )
 
