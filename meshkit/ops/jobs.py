@@ -15,12 +15,14 @@ from dataclasses import asdict, dataclass, field
 
 from .. import protocol as p
 from ..errors import LaunchError, NodeFailed, ProtocolError
+from ..events import EventKind
 from ..hostfile import Host, members_text
 from ..job import JOB_FILE_MODE, Job
 from ..jobindex import index_root
 from ..outcome import Outcome
 from ..protocol import JobState, Supervision
 from ..record import replace
+from .events import new_event, tell
 from .lookup import cluster_hosts
 from .membership import can_change, spares_of
 from .pool import NodePool, unanswered
@@ -471,6 +473,7 @@ def stop_with_supervisors(pool: NodePool, job: Job, hosts: Sequence[Host]) -> St
     finds it when it reconnects, and relaunches nothing), then the job."""
     left = []
     then = UNREACHED
+    every = list(hosts)
     if job.supervised:
         cluster = cluster_hosts(job)
         stopped = stop_record(look(pool, job, hosts, cluster).record, job)
@@ -481,6 +484,10 @@ def stop_with_supervisors(pool: NodePool, job: Job, hosts: Sequence[Host]) -> St
         then = UNREACHED_SUPERVISED
     rows = stop(pool, job, hosts)
     unreached = [Unreached(row.node_rank, row.host, row.error, then) for row in rows if row.error]
+    said = (
+        "meshkit stop ended the job" if not unreached else "meshkit stop (not every node answered)"
+    )
+    tell(pool, job, every, [new_event(job, EventKind.STOPPED, said, by="stop")])
     return Stopped(rows, left, unreached)
 
 

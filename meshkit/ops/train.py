@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..envrun import check_spawn_cmd
 from ..errors import LaunchError, MeshkitError, UsageError
+from ..events import Event, EventKind
 from ..hostfile import Host
 from ..job import Job, parse_duration, parse_restart_on
 from ..outcome import ProgressFn
@@ -18,6 +19,7 @@ from ..quorum import new_launch
 from ..record import replace
 from ..settings import Config
 from . import doctor
+from .events import new_event, tell
 from .jobs import Launch, env_round, launch
 from .jobs import stop as ops_stop
 from .lookup import (
@@ -174,27 +176,41 @@ def train(
             synced=copied,
         )
         started = None
+        said = None
+        if launched.ok and not launched.dry_run:
+            said = launched_event(launched.job, hosts)
+            tell(pool, launched.job, hosts, [said])
         if launched.ok and not launched.dry_run and launched.job.supervised:
             started = start_supervisor(pool, launched.job, hosts)
     if started is not None:
-        clear_spares(conf, launched.job, hosts)
+        clear_spares(conf, launched.job, hosts, said)
     lacking_labels = [host.label for host in lacking]
     return TrainResult(launched.job, launched, lacking_labels, report, started)
 
 
-def clear_spares(conf: Config, job: Job, hosts: list[Host]) -> None:
+def launched_event(job: Job, hosts: list[Host]) -> Event:
+    """The history's first event of this launch (``meshkit events``)."""
+    spares = len([host for host in cluster_hosts(job) if host not in hosts])
+    where = f"{len(hosts)} nodes" + (f" and {spares} spares" if spares and job.supervised else "")
+    return new_event(job, EventKind.LAUNCHED, f"train started {job.label} on {where}", by="train")
+
+
+def clear_spares(conf: Config, job: Job, hosts: list[Host], said: Event | None = None) -> None:
     """On the hostfile's nodes outside the job (its spares, nodes an earlier launch lost), end
     what an earlier launch left there: its supervisor, its record copy (a stale stop would end
     this job the moment the spare took a rank), its part of the job. A spare that does not
     answer keeps them, harmlessly: this launch's id is later, so every node keeps this launch's
     copies over them, every reader ignores them, and a supervisor of the earlier launch that
-    meets this one's copies ends."""
+    meets this one's copies ends. ``said``: the launch's event, kept there too (the history
+    is on every node of the job)."""
     spares = [host for host in cluster_hosts(job) if host not in hosts]
     if not spares:
         return
     with connect(conf, job.hostfile, spares, job.python) as pool:
         end_supervisor(pool, job, spares)
         ops_stop(pool, job, spares)
+        if said is not None:
+            tell(pool, job, spares, [said])
 
 
 def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> SupervisorPlaces:

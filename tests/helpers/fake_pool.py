@@ -86,5 +86,6 @@ def healthy(**override: dict[Host, object]) -> dict[str, dict[Host, object]]:
         "start": {host: p.StartReply(True, "running", [], []) for host in HOSTS},
         "status": {host: p.StatusReply("running", None, 1.7e9, "step 3") for host in HOSTS},
         "stop": {host: p.StopReply(True, 4, []) for host in HOSTS},
+        "events": {host: p.EventsReply([]) for host in HOSTS},
     }
     return base | override
