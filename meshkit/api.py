@@ -20,10 +20,12 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from . import settings
+from .events import Event
 from .hostfile import Host
 from .job import Job
 from .ops import diagnose as diagnose_op
 from .ops import doctor as doctor_op
+from .ops import events as events_op
 from .ops import execute as execute_op
 from .ops import jobs, lookup
 from .ops import mesh as mesh_op
@@ -143,6 +145,14 @@ class Cluster:
         fields, its leader, its spares' health; None: not supervised). ``.as_json()``: the
         ``status --json`` objects."""
         return self._on_saved(jobs.job_status, spares=True)
+
+    def events(self, since: float | None = None) -> list[Event]:
+        """``meshkit events --json``: the job's history, read from every node of its hostfile
+        (spares included) and merged, oldest first; ``since``: only the events at or after
+        this wall-clock time (``time.time()`` seconds). ``Event.as_json()``: the ``--json``
+        object. Nodes that could not be read are left out (their events are on the others)."""
+        _, history = events_op.read(self.conf, self.hostfile, self.session, self.workdir, since)
+        return history.events
 
     def diagnose(self) -> diagnose_op.Diagnosis:
         """``meshkit diagnose``: every rank's live stack, grouped; the outliers; the first

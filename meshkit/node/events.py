@@ -35,7 +35,7 @@ TOTAL_BYTES = 32 << 20  # read of all the files at most, for one request
 MAX_FILES = 512  # files read at most (two a node: a cluster of 256 nodes on one share)
 REPLY_BYTES = MAX_LINE // 2  # the reply's events at most, encoded: well under a line
 BELOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW  # a directory, never through a link
-APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
 READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO planted at a name never blocks
 UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -89,7 +89,11 @@ def append(home: str, added: list[Event]) -> None:
         name = this_node()
         file = open_locked(directory, name)
         try:
-            os.write(file, "".join(lines).encode())
+            data = "".join(lines).encode()
+            size = os.fstat(file).st_size
+            if size and os.pread(file, 1, size - 1) != b"\n":
+                data = b"\n" + data  # a line left cut (a crash): the next ones start anew
+            os.write(file, data)
         finally:
             os.close(file)
     finally:

@@ -45,7 +45,8 @@ class Notifier:
         self.timeout = timeout
         self.failed = failed
         self._queue: queue.Queue[Event] = queue.Queue(QUEUE)
-        self._closed = threading.Event()
+        self._closed = threading.Event()  # no more events are taken
+        self._abandoned = threading.Event()  # close's wait is over: none more is run
         self._dropped = 0  # events the full queue could not take, reported by the worker
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
@@ -71,6 +72,7 @@ class Notifier:
         self._closed.set()
         self._worker.join(max(0.0, wait))
         if self._worker.is_alive():
+            self._abandoned.set()  # what is still queued is not run
             with self._lock:
                 process = self._process
             if process is not None:
@@ -85,6 +87,8 @@ class Notifier:
                 if self._closed.is_set():
                     return
                 continue
+            if self._abandoned.is_set():
+                return
             why = self.run(event)
             if why is not None:
                 self._report(event, f"--notify failed for a {event.kind} event: {why}")

@@ -12,7 +12,7 @@ from invoke.context import Context
 from ...envrun import DISCOVERY_FLAGS
 from ...errors import UsageError
 from ..common import conf, helps, reported, task
-from . import doctor, execute, jobs, mesh, sandbox, top
+from . import doctor, events, execute, jobs, mesh, sandbox, top
 
 
 @task(help=helps(*DISCOVERY_FLAGS, "json"))
@@ -96,3 +96,4 @@ ns.add_collection(sandbox.ns)
 for job_task in (jobs.status, jobs.diagnose, jobs.logs, jobs.stop, jobs.supervise, jobs.demo):
     ns.add_task(job_task)
 ns.add_task(top.top)
+ns.add_task(events.events)
