@@ -347,3 +347,18 @@ def test_the_table_shows_node_text_safely_and_since_is_checked():
     assert cli_events.since_flag(None) is None
     with pytest.raises(UsageError, match="--since"):
         cli_events.since_flag("yesterday")
+
+
+def test_follow_shows_each_event_once_as_it_comes(tmp_path, monkeypatch):
+    job = job_in(tmp_path)
+    pool = StorePool(tmp_path / "nodes", monkeypatch)
+    monkeypatch.setattr(ops, "POLL", 0.0)
+    first = ops.new_event(job, EventKind.LAUNCHED, "train started")
+    ops.tell(pool, job, HOSTS, [first])  # type: ignore[arg-type]
+    rounds = ops.follow(pool, job, HOSTS)  # type: ignore[arg-type]
+    assert next(rounds).events == [first]
+    assert next(rounds).events == []
+    late = replace(ops.new_event(job, EventKind.DONE, "done"), time=first.time - 10)
+    ops.tell(pool, job, HOSTS[1:], [late])  # type: ignore[arg-type]
+    assert next(rounds).events == [late]  # written late, with a clock behind: still shown
+    assert next(rounds).events == []
