@@ -221,9 +221,12 @@ def test_healthy_cluster_passes_every_check(meshed):
     assert all(set(c) == {"check", "node", "peer", "ok", "detail", "fix"} for c in checks)
     kinds = {c["check"] for c in checks}
     assert kinds == {
-        "ssh", "rank", "interface", "versions", "gpus", "workdir", "clock", "master port",
-        "reach", "collective",
+        "ssh", "rank", "interface", "versions", "gpus", "workdir", "clock", "health",
+        "master port", "reach", "collective",
     }  # fmt: skip
+    # issue 44: each node's health, read through its own sources (the sandbox's kernel log)
+    health = [c["detail"] for c in checks if c["check"] == "health"]
+    assert len(health) == len(lay.nodes)
     interfaces = [c["detail"].split()[0] for c in checks if c["check"] == "interface"]
     assert interfaces == ["eth0", "ens3", "eno1"]  # each node its own name
     probes = [c["detail"] for c in checks if c["check"] == "collective"]
@@ -351,3 +354,42 @@ def test_a_connect_probe_started_after_its_deadline_still_tries_once():
     assert not closed.ok
     assert "no attempt" not in closed.detail
     assert "refused" in closed.detail
+
+
+def test_health_check_fails_on_unhealthy_and_passes_with_its_words_otherwise():
+    """Issue 44: a check named "health" per node from its facts' health (when asked)."""
+    from meshkit.health import Finding, HealthState, SourceRead, judge
+    from meshkit.ops.supervision_status import spare_health
+
+    disk = Finding("disk", HealthState.UNHEALTHY, "disk:full", "/w: 3 MiB free, below 1024 MiB")
+    pcie = Finding("gpu", HealthState.DEGRADED, "pcie:width", "GPU 0: PCIe link x8 of x16")
+    unread = SourceRead("kernel", "/dev/kmsg", "not readable by this user")
+    replies = {
+        HOSTS[0]: Outcome(facts(health=judge([], []))),
+        HOSTS[1]: Outcome(facts(health=judge([disk], []))),
+        HOSTS[2]: Outcome(facts(health=judge([pcie], [unread]))),
+    }
+    timing = {h: (1000.0, 1000.0) for h in HOSTS}
+    checks = verdicts.fact_checks(HOSTS, Facts(replies, timing, "/w/.meshkit/x"), {})
+    health = {c.node: c for c in checks if c.check == "health"}
+    assert [(c.ok, c.detail) for c in health.values()] == [
+        (True, "ok"),
+        (False, "unhealthy: disk: /w: 3 MiB free, below 1024 MiB"),
+        (
+            True,
+            "degraded: gpu: GPU 0: PCIe link x8 of x16; "
+            "kernel: not read: not readable by this user",
+        ),
+    ]
+    assert "--exclude" in health["10.0.0.2"].fix
+    # not asked (an older caller): no row
+    plain = {HOSTS[0]: Outcome(facts())}
+    assert not [
+        c
+        for c in verdicts.fact_checks(HOSTS[:1], Facts(plain, timing, ""), {})
+        if c.check == "health"
+    ]
+    # a spare that is unhealthy is not a healthy spare (status, the supervisor's choice)
+    row = spare_health(HOSTS[1], replies[HOSTS[1]].value, None, None, (1000.0, 1000.0), False)
+    assert not row.healthy
+    assert "health: unhealthy: disk" in row.why

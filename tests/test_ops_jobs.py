@@ -433,3 +433,45 @@ def test_status_tells_a_node_that_answered_with_its_error_from_one_that_did_not_
     assert line.split()[2] == "error"
     assert "no answer" not in text
     assert text.endswith(f"\nnode 1 (10.0.0.2) answered with an error: {damaged}")
+
+
+def _unhealthy() -> p.NodeHealth:
+    from meshkit.health import Finding, HealthState, SourceRead, judge
+
+    xid = Finding("kernel", HealthState.UNHEALTHY, "xid:79", "XID 79 on PCI:0000:3b:00: off")
+    return judge([xid], [SourceRead("kernel", "/dev/kmsg")])
+
+
+def test_status_asks_each_node_its_health_and_shows_it():
+    """Issue 44: status reads each node's health (its job's workdir, id, limits and slots);
+    the table has a health column and an unhealthy node's reasons below; --json rows carry
+    {"state", "reasons"} (null for a node that did not answer)."""
+    from meshkit.cli.tasks.jobs import render_status
+    from meshkit.health import judge
+
+    job = Job("x", "/w", "s", "/h", "/p", 1)
+    hosts = [replace(HOSTS[0], slots=2), HOSTS[1], HOSTS[2]]
+    running = p.StatusReply("running", None, 1.7e9, "step 1", health=judge([], []))
+    sick = replace(running, health=_unhealthy())
+    replies = {"status": {hosts[0]: running, hosts[1]: sick}}
+    pool = FakePool(replies, failures={hosts[2]: "no answer"})
+    status = ops.job_status(pool, job, hosts)
+    asked = [request for op, _, request in pool.calls if op == "status"]
+    assert asked[0].health == p.HealthRequest("/w", job.id, 2, job.health)
+    assert asked[1].health.gpus is None
+    data = status.as_json()
+    assert data[0]["health"] == {"state": "ok", "reasons": []}
+    assert data[1]["health"] == {
+        "state": "unhealthy",
+        "reasons": ["kernel: XID 79 on PCI:0000:3b:00: off"],
+    }
+    assert data[2]["health"] is None
+    text = render_status(status, job)
+    assert "health" in text.splitlines()[1]
+    line = next(line for line in text.splitlines() if line.startswith("1 "))
+    assert "unhealthy: kernel: XID 79 on PCI:0000..." in line
+    assert "node 1 (10.0.0.2) is unhealthy: kernel: XID 79 on PCI:0000:3b:00: off" in text
+    # the supervisor's polls ask only when they say so
+    pool.calls.clear()
+    ops.status(pool, job, hosts)
+    assert all(request.health is None for _, _, request in pool.calls)

@@ -244,6 +244,7 @@ NODE_KEYS = {
     "idle_s",
     "stalled",
     "history",
+    "health",
 }
 GPU_KEYS = {
     "index",
@@ -375,3 +376,33 @@ def test_the_plain_screen_shows_gpus_infiniband_and_a_down_node() -> None:
     assert "down: unreachable: connection refused on port 22" in lines[4]
     gpu_rows = [line for line in lines if line.startswith("10.0.0.1  ")]
     assert len(gpu_rows) == 2
+
+
+def test_an_unhealthy_node_is_marked_and_every_node_carries_its_health() -> None:
+    """Issue 44: top asks each node's health; --json nodes carry {"state", "reasons"}; an
+    unhealthy node is marked as the odd one out is, and said so below the table."""
+    from meshkit.cli.tasks.top import footer, node_table
+    from meshkit.health import Finding, HealthState, judge
+
+    xid = Finding("kernel", HealthState.UNHEALTHY, "xid:79", "XID 79 on PCI:0000:3b:00: off")
+    well = replace(node_sample(), health=judge([], []))
+    sick = replace(node_sample(), health=judge([xid], []))
+    hosts = [replace(HOSTS[0], slots=4), HOSTS[1], HOSTS[2]]
+    pool = FakePool({"top": {hosts[0]: well, hosts[1]: sick, hosts[2]: node_sample()}})
+    snapshot = op.snapshot(pool, hosts, None)
+    asked = [request for _, _, request in pool.calls]
+    assert asked[0].health is not None
+    assert asked[0].health.gpus == 4
+    data = json.loads(json.dumps(snapshot.as_json()))
+    assert [node["health"] for node in data["nodes"]] == [
+        {"state": "ok", "reasons": []},
+        {"state": "unhealthy", "reasons": ["kernel: XID 79 on PCI:0000:3b:00: off"]},
+        None,
+    ]
+    assert data["nodes"][1]["odd"] == [
+        "10.0.0.2 is unhealthy: kernel: XID 79 on PCI:0000:3b:00: off"
+    ]
+    headers, rows = node_table(snapshot)
+    column = headers.index("health")
+    assert [row[column] for row in rows] == ["ok", "unhealthy", "-"]
+    assert "10.0.0.2 is unhealthy: kernel: XID 79 on PCI:0000:3b:00: off" in footer(snapshot)

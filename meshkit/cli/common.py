@@ -136,3 +136,13 @@ def progress(event: PhaseEvent) -> None:
         line = "\r" + line
     out.write(line)
     out.flush()
+
+
+HEALTH_WIDTH = 40  # a node's health in a table (status, top): the rest is said below it
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, an ellipsis saying it was."""
+    if len(text) <= width:
+        return text
+    return text[: width - 3] + "..."

@@ -19,8 +19,10 @@ import threading
 import time
 
 from .. import protocol as p
+from ..health import NodeHealth
 from . import listeners, throughput
 from .gpus import gpu_count
+from .infiniband import INFINIBAND, ports
 from .listeners import MAX_SECONDS, SIOCGIFNETMASK, interface_address
 
 # torch/version.py's line ``cuda = '12.1'`` (or ``cuda: Optional[str] = None``: no CUDA build)
@@ -150,8 +152,17 @@ def facts(request: p.FactsRequest) -> p.FactsReply:
         gpus=gpu_count(),
         writable=writable,
         marker=marker,
+        health=_health(request),
         clock=time.time(),  # last: the controller compares it with the round trip's middle
     )
+
+
+def _health(request: p.FactsRequest) -> NodeHealth | None:
+    if request.health is None:
+        return None
+    from .health import read_health
+
+    return read_health(request.health)
 
 
 def done(request: p.DoneRequest) -> p.DoneReply:
@@ -227,17 +238,9 @@ def networks() -> list[str]:
     return found
 
 
-def infiniband(root: str = "/sys/class/infiniband") -> list[str]:
+def infiniband(root: str = INFINIBAND) -> list[str]:
     """Each InfiniBand/RoCE device port and its state (``mlx5_0:1 ACTIVE``)."""
-    found = []
-    with contextlib.suppress(OSError):
-        for device in sorted(os.listdir(root)):
-            for port in sorted(os.listdir(f"{root}/{device}/ports")):
-                state_file = f"{root}/{device}/ports/{port}/state"
-                with contextlib.suppress(OSError), open(state_file) as handle:
-                    state = handle.read().rpartition(":")[2].strip()  # "4: ACTIVE"
-                    found.append(f"{device}:{port} {state}")
-    return found
+    return [f"{port.name} {port.state}" for port in ports(root, counters=False)]
 
 
 def bandwidth(request: p.BandwidthRequest) -> p.BandwidthReply:

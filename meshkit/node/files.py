@@ -158,6 +158,20 @@ def error_file(directory: str) -> str:
     return f"{directory}/error"
 
 
+# ---- health: what a job's node first saw, which later reads are compared with
+
+
+def health_root() -> str:
+    return f"{state_root()}/health"
+
+
+def health_baseline(job_id: str) -> str:
+    """The GPU count and InfiniBand error counters this node first read for the job
+    (``node.health``): fewer GPUs, or counters risen since, are findings."""
+    check_job_id(job_id)
+    return f"{health_root()}/{job_id}.json"
+
+
 # ---- the supervisors: one per job per node
 
 

@@ -250,7 +250,27 @@ def status(request: protocol.StatusRequest) -> protocol.StatusReply:
     if state != protocol.JobState.ABSENT:
         started = started_at(request.job_id)
     last = last_line(request.log)
-    return protocol.StatusReply(state, code, started, last, idle(request.log, started))
+    ended = None
+    if state == protocol.JobState.EXITED:
+        ended = ended_at(request.job_id)
+    health = None
+    if request.health is not None:
+        from .health import read_health  # only when asked: the supervisor's polls
+
+        health = read_health(request.health)
+    since = idle(request.log, started)
+    return protocol.StatusReply(state, code, started, last, since, health=health, ended=ended)
+
+
+def ended_at(job_id: str) -> float | None:
+    """When the job's exit record was written (its mtime, this node's clock)."""
+    try:
+        ended = os.stat(files.exit_file(files.job_dir(job_id))).st_mtime
+    except OSError:
+        return None
+    if EARLIEST_TIME <= ended <= LATEST_TIME:
+        return ended
+    return None
 
 
 def idle(path: str, started: float | None) -> float | None:

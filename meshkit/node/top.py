@@ -220,6 +220,12 @@ def sample(request: TopRequest) -> TopReply:
         ranks=ranks,
         gpu_error=gpus.error,
     )
+    if request.health is not None:
+        from dataclasses import replace
+
+        from .health import read_health
+
+        reply = replace(reply, health=read_health(request.health))
     if not request.job_id:
         return reply
     return _with_job(reply, request)

@@ -128,7 +128,7 @@ def run(
     # the caller's round did: train's, with the marker written by the machine it runs on)
     marker = None
     if facts is None:
-        facts = facts_round(pool, job.workdir, hosts, hosts[0])
+        facts = facts_round(pool, job.workdir, hosts, hosts[0], job)
         marker = facts.marker
     checks += fact_checks(hosts, facts, pool.failures, job.sync)
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from .. import protocol as p
 from ..errors import LaunchError, NodeFailed, ProtocolError
 from ..events import EventKind
+from ..health import NodeHealth
 from ..hostfile import Host, members_text
 from ..job import JOB_FILE_MODE, Job
 from ..jobindex import index_root
@@ -23,6 +24,7 @@ from ..outcome import Outcome
 from ..protocol import JobState, Supervision
 from ..record import replace
 from .events import new_event, tell
+from .health import health_request
 from .lookup import cluster_hosts
 from .membership import can_change, spares_of
 from .pool import NodePool, unanswered
@@ -254,6 +256,7 @@ class StatusRow:
     idle_s: float | None = None  # seconds since the node's log was last written
     stalled: bool = False  # the job's: running, and no node has written output for stall_after
     last_known: str | None = None  # of a node that gave no answer: what the record last knew
+    health: NodeHealth | None = None  # when asked, of a node that answered
 
     def as_json(self, supervision: SupervisionStatus | None = None) -> dict[str, object]:
         """The ``--json`` shape of this node: with ``supervision`` (a supervised job's, the
@@ -271,6 +274,7 @@ class StatusRow:
         if supervision is not None:
             data.update(supervision.record_json())
         data["idle_s"] = None if self.idle_s is None else round(self.idle_s, 1)
+        data["health"] = None if self.health is None else self.health.as_json()
         if supervision is not None:
             data.update(supervision.supervisor_json())
         return data
@@ -305,12 +309,19 @@ def status(
     hosts: Sequence[Host],
     phase: str = "status",
     timeout: float | None = None,
+    health: bool = False,
 ) -> list[StatusRow]:
     """One row per node; a node that cannot be asked (within ``timeout`` s; None: the command
-    timeout) is ``absent`` with the reason. Every row says whether the job is stalled."""
+    timeout) is ``absent`` with the reason. Every row says whether the job is stalled; with
+    ``health``, each answering node's health (``StatusRow.health``)."""
+
+    def request(host: Host) -> p.StatusRequest:
+        asked = health_request(job, host) if health else None
+        return p.StatusRequest(job.id, job.log(hosts.index(host)), asked)
+
     replies = pool.call_all(
         phase,
-        lambda host: p.StatusRequest(job.id, job.log(hosts.index(host))),
+        request,
         p.StatusReply,
         hosts,
         timeout=timeout,
@@ -347,6 +358,7 @@ def status(
             started,
             reply.last_line,
             idle_s=reply.idle,
+            health=reply.health,
         )
         rows.append(row)
     answered = [(row.state, row.idle_s) for row in rows if not row.error]
@@ -367,8 +379,9 @@ def wait_done(pool: NodePool, job: Job, hosts: Sequence[Host], timeout: float) -
 
 def job_status(pool: NodePool, job: Job, hosts: Sequence[Host]) -> JobStatus:
     """``meshkit status``: each node's row, and a supervised job's supervision: the believed
-    record and its leader (``supervision.look``), and each spare's health."""
-    rows = status(pool, job, hosts)
+    record and its leader (``supervision.look``), and each spare's health; each node's
+    health (``meshkit.health``) in its row."""
+    rows = status(pool, job, hosts, health=True)
     if not job.supervised:
         return JobStatus(rows)
     cluster = cluster_hosts(job)

@@ -14,9 +14,10 @@ from .. import protocol as p
 from ..hostfile import Host
 from ..job import Job
 from ..protocol import SupervisorShown, SupervisorState
+from .health import health_request
 from .pool import NodePool, unanswered
 from .supervision import View
-from .verdicts import clock_check, gpus_check, versions_check
+from .verdicts import clock_check, gpus_check, health_check, versions_check
 
 RUNNING = (SupervisorState.RUNNING, SupervisorState.RELAUNCHING)  # a supervisor is at work
 NOT_BACKED = (
@@ -145,14 +146,19 @@ def spare_rows(
 ) -> list[SpareRow]:
     """Each spare's health, by the part of the supervisor's gate (the doctor's quick checks) that
     one node's facts decide without writing anything of the job's: it answers, its versions
-    are the master's, it has a GPU for each of the master's slots, its clock is close, and the
-    workdir is there and writable (a synced job's is made by the sync). The gate's network
-    checks run when a spare is chosen. (``status`` connects to a supervised job's spares.)"""
+    are the master's, it has a GPU for each of the master's slots, its clock is close, it is
+    not unhealthy (``meshkit.health``), and the workdir is there and writable (a synced
+    job's is made by the sync). The gate's network checks run when a spare is chosen.
+    (``status`` connects to a supervised job's spares.)"""
     if not spares:
         return []
-    request = p.FactsRequest(job.workdir, "", "", False)
+
+    def request(host: Host) -> p.FactsRequest:
+        health = None if host == hosts[0] else health_request(job, host)  # the spares'
+        return p.FactsRequest(job.workdir, "", "", False, health)
+
     sent = time.time()
-    replies = pool.call_all("facts", lambda host: request, p.FactsReply, [hosts[0], *spares])
+    replies = pool.call_all("facts", request, p.FactsReply, [hosts[0], *spares])
     back = time.time()
     asked = p.StatusRequest(job.id, "")
     states = pool.call_all("status", lambda host: asked, p.StatusReply, spares)
@@ -194,6 +200,8 @@ def spare_health(
     """Pure: ``spare_rows``' verdict on one spare's facts."""
     checks = [versions_check(spare, reply, master), gpus_check(spare, reply, slots)]
     checks.append(clock_check(spare, reply, timing))
+    if reply.health is not None:
+        checks.append(health_check(spare, reply.health))
     problems = [f"{check.check}: {check.detail}" for check in checks if not check.ok]
     missing = reply.writable is not None and reply.writable.endswith(": missing")
     if reply.writable is not None and not (synced and missing):

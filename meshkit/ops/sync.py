@@ -24,6 +24,7 @@ from ..hostfile import Host
 from ..job import Job
 from ..node.sync import MAX_FILES, refusal, walk
 from ..outcome import Outcome
+from .health import health_request
 from .lookup import read_local
 from .pool import NodePool, unanswered
 
@@ -53,8 +54,15 @@ class Facts:
         return outcome.value.marker == "seen"
 
 
-def facts_round(pool: NodePool, workdir: str, hosts: Sequence[Host], writer: Host | None) -> Facts:
-    """Versions, GPUs, clocks and the workdir of every node, with a marker in the workdir: written
+def facts_round(
+    pool: NodePool,
+    workdir: str,
+    hosts: Sequence[Host],
+    writer: Host | None,
+    job: Job | None = None,
+) -> Facts:
+    """Versions, GPUs, clocks and the workdir of every node (with ``job``, each node's health
+    for it too: the doctor's ``health`` check), with a marker in the workdir: written
     by ``writer``'s agent first (the doctor's: the master), or by this machine (``None``: the
     workdir here is what train would copy); every other node then looks for it. The marker is
     removed afterwards only when this machine wrote it; the doctor's ``DoneRequest`` removes the
@@ -79,7 +87,8 @@ def facts_round(pool: NodePool, workdir: str, hosts: Sequence[Host], writer: Hos
 
     def request(host: Host) -> protocol.FactsRequest:
         sent[host] = time.time()
-        return protocol.FactsRequest(workdir, marker, token, host == writer)
+        health = None if job is None else health_request(job, host)
+        return protocol.FactsRequest(workdir, marker, token, host == writer, health)
 
     try:
         for chosen in rounds:
@@ -94,10 +103,13 @@ def facts_round(pool: NodePool, workdir: str, hosts: Sequence[Host], writer: Hos
     return Facts(replies, timing, marker)
 
 
-def unshared(pool: NodePool, workdir: str, hosts: Sequence[Host]) -> tuple[list[Host], Facts]:
-    """The nodes that do not see this machine's ``workdir``, and the facts round that told;
-    ``LaunchError`` when a node cannot be asked."""
-    facts = facts_round(pool, workdir, hosts, None)
+def unshared(
+    pool: NodePool, workdir: str, hosts: Sequence[Host], job: Job | None = None
+) -> tuple[list[Host], Facts]:
+    """The nodes that do not see this machine's ``workdir``, and the facts round that told
+    (with ``job``, each node's health for it too); ``LaunchError`` when a node cannot be
+    asked."""
+    facts = facts_round(pool, workdir, hosts, None, job)
     # The first request to each node's agent: one that cannot answer (a missing interpreter,
     # say) stops the launch here, with the agent's own reason, as preflight would.
     # Only ``hosts``' failures: a supervisor's pool reaches lost nodes too.

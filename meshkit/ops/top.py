@@ -16,11 +16,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import JobError
+from ..health import HealthState
 from ..hostfile import Host
 from ..job import Job
-from ..protocol import GpuSample, JobState, RankSample, TopReply, TopRequest
+from ..protocol import GpuSample, HealthRequest, JobState, RankSample, TopReply, TopRequest
 from ..settings import Config
 from . import lookup
+from .health import health_request
 from .jobs import is_stalled
 from .odd_one_out import Odd, job_port, mark
 from .pool import NodePool, unanswered
@@ -133,9 +135,20 @@ def node_json(view: NodeLine, odd: Sequence[Odd]) -> dict[str, object]:
             "idle_s": _rounded(sample.idle) if sample else None,
             "stalled": view.stalled,
             "history": [round(each, 1) for each in view.history],
+            "health": sample.health.as_json() if sample and sample.health else None,
         }
     )
     return data
+
+
+def unhealthy_marks(answered: Sequence[tuple[str, TopReply]]) -> list[Odd]:
+    """Pure: each unhealthy node marked as top marks the odd one out, its reasons the mark's."""
+    marks = []
+    for node, sample in answered:
+        if sample.health is not None and sample.health.state == HealthState.UNHEALTHY:
+            reason = f"{node} is unhealthy: {'; '.join(sample.health.reasons)}"
+            marks.append(Odd("node", node, node, reason))
+    return marks
 
 
 def busy_figure(sample: TopReply) -> float | None:
@@ -234,8 +247,12 @@ class Watch:
     def request_for(self, host: Host) -> TopRequest:
         rank = self.hosts.index(host)
         if self.job is None:
-            return TopRequest(host.host, settle=self.settle)
-        return TopRequest(host.host, self.job.id, self.job.log(rank), self.settle)
+            # no job: the GPUs the hostfile gives the node, the state directory's free space
+            health = HealthRequest("", gpus=host.slots)
+            return TopRequest(host.host, settle=self.settle, health=health)
+        health = health_request(self.job, host)
+        log = self.job.log(rank)
+        return TopRequest(host.host, self.job.id, log, self.settle, health=health)
 
     def snapshot(self) -> Snapshot:
         with self.lock:
@@ -278,9 +295,8 @@ class Watch:
                 marked.append(replace(view, stalled=running))
             views = marked
         label = self.job.label if self.job else None
-        return Snapshot(
-            time.time(), self.interval, views, mark(answered), label, supervisor, stalled
-        )
+        odd = unhealthy_marks(answered) + mark(answered)
+        return Snapshot(time.time(), self.interval, views, odd, label, supervisor, stalled)
 
     def remember(self, host: Host, sample: TopReply) -> list[float]:
         kept = self.history.setdefault(host, deque())

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .. import protocol as p
+from ..health import HealthState, NodeHealth, words
 from ..hostfile import Host
 from ..outcome import Outcome
 from .pool import unanswered
@@ -21,7 +22,7 @@ if TYPE_CHECKING:  # annotations only: status imports the verdicts, and neither 
 
 # the order of the table: what a training job hits first comes first (a stable sort keeps nodes
 # in rank order within each check)
-ORDER = ["ssh", "rank", "interface", "facts", "versions", "gpus", "workdir", "clock"]
+ORDER = ["ssh", "rank", "interface", "facts", "versions", "gpus", "workdir", "clock", "health"]
 ORDER += ["master port", "reach", "bandwidth", "networks", "infiniband", "collective"]
 CLOCK_SKEW = 2.0  # seconds of clock difference tolerated (on top of the round trip)
 IMPORT = re.compile(r"\bimport=(\d+(?:\.\d+)?)s\b")  # the probe's seconds to import torch
@@ -172,7 +173,22 @@ def fact_checks(
         checks.append(gpus_check(host, reply, slots))
         checks.append(workdir_check(host, reply, synced))
         checks.append(clock_check(host, reply, round_.timing.get(host)))
+        if reply.health is not None:
+            checks.append(health_check(host, reply.health))
     return checks
+
+
+HEALTH_FIX = (
+    "fix the node (the reasons above; `meshkit doctor` again shows it mended), or leave it "
+    "out (--exclude) or give the job a spare (hostfile `spare`, train --restarts)"
+)
+
+
+def health_check(host: Host, health: NodeHealth) -> Check:
+    """The node's health (``meshkit.health``): fails on ``unhealthy``; ``degraded`` and
+    ``unknown`` pass, with their reasons in the detail."""
+    ok = health.state != HealthState.UNHEALTHY
+    return verdict("health", host, ok, words(health), HEALTH_FIX)
 
 
 def versions_check(host: Host, reply: p.FactsReply, master: p.FactsReply | None) -> Check:

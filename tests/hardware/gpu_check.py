@@ -1,7 +1,8 @@
 """meshkit on a real NVIDIA GPU node (not part of the suite: CI has no GPU). Run on a GPU
 machine from the repository root: ``python3 tests/hardware/gpu_check.py``. Checks GPU counting
 (each way ``gpu_count`` can learn it), ``top``'s GPU readings (NVML and nvidia-smi), the doctor's
-CUDA and NCCL versions, ``meshkit env --nproc-per-node auto``, and ``init_distributed``'s nccl
+CUDA and NCCL versions, the node's health readers (NVML's health fields, nvidia-smi's health query,
+the kernel log), ``meshkit env --nproc-per-node auto``, and ``init_distributed``'s nccl
 path under torchrun, without it, and under ``meshkit run --spawn``, all started by ``meshkit
 run``; then the example job (under torchrun and spawned), the doctor's collective probe, and
 ``diagnose`` on GPU ranks (their stacks through py-spy and the last NCCL collective from torch's
@@ -125,6 +126,8 @@ def main() -> int:
               all((gpu.memory_total or 0) > 0 and 0 <= (gpu.utilization or 0) <= 100
                   and (gpu.power or 0) > 0 for gpu in readings), readings)  # fmt: skip
 
+    check_health(cuda)
+
     # --- the doctor's versions, read from dist-info without importing torch
     check("doctor torch_cuda() == torch.version.cuda", doctor.torch_cuda() == torch.version.cuda,
           doctor.torch_cuda())  # fmt: skip
@@ -190,6 +193,37 @@ def main() -> int:
 
 # A rank that enters three NCCL all_reduces, then waits in time.sleep (line 9): diagnose must
 # read its stack there and its flight recorder's last collective.
+def check_health(cuda: int) -> None:
+    """Issue 44: the node's health readers on a real GPU host: NVML's health fields (and
+    nvidia-smi's, with the fixed query), and the kernel log as root."""
+    from meshkit.node import gpu_health, kernel_log
+    from meshkit.node.health import read_health
+    from meshkit.protocol import HealthRequest
+
+    with tempfile.TemporaryDirectory() as work:
+        verdict = read_health(HealthRequest(work, gpus=cuda))
+    sources = {read.source: read for read in verdict.sources}
+    gpu = sources["gpu"]
+    check("health: GPUs read through NVML, no error", (gpu.via, gpu.error) == ("nvml", None),
+          gpu)  # fmt: skip
+    read = gpu_health.read_gpu_health()
+    check("health: NVML reads every GPU's health fields", len(read.gpus) == cuda > 0
+          and all(item.width is not None and item.width_max is not None for item in read.gpus),
+          read.gpus)  # fmt: skip
+    by_smi = gpu_health.read_smi_health() or []
+    check("health: nvidia-smi answers SMI_HEALTH_QUERY for every GPU", len(by_smi) == cuda,
+          by_smi)  # fmt: skip
+    kernel = sources["kernel"]
+    as_root = os.getuid() == 0
+    check("health: the kernel log (/dev/kmsg) read as root, no error",
+          not as_root or kernel.error is None, kernel)  # fmt: skip
+    lines = kernel_log.read_kernel_log()
+    check("health: /dev/kmsg gives records", not as_root or
+          len(kernel_log.parse_records(lines.lines)) > 0, len(lines.lines))  # fmt: skip
+    check("health: no GPU fault found on this host", verdict.state != "unhealthy",
+          verdict.as_json())  # fmt: skip
+
+
 HANG = """import sys, time
 import torch
 import torch.distributed as dist

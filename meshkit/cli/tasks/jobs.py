@@ -12,11 +12,12 @@ from invoke.context import Context
 from invoke.exceptions import Exit
 
 from ...errors import LaunchError
+from ...health import HealthState, words
 from ...job import Job
 from ...ops import lookup
 from ...ops.pool import NodePool, connect
 from ...protocol import JobState, SupervisorShown
-from ..common import HELP, conf, helps, progress, reported, table, task
+from ..common import HEALTH_WIDTH, HELP, conf, helps, progress, reported, shorten, table, task
 from ..printing import relay, say
 
 if TYPE_CHECKING:  # every command builds the task list; only these tasks load their ops
@@ -114,8 +115,17 @@ def render_status(status: ops.JobStatus, job: Job) -> str:
             state = "error"  # as --json says it
             last_line = "(the node's error: see below)"
             below.append(f"node {row.node_rank} ({row.host}) answered with an error: {row.error}")
-        cells.append((row.node_rank, row.host, state, row.exit_code, started, quiet, last_line))
-    out.append(table(["rank", "host", "state", "exit", "started", "stalled", "last line"], cells))
+        health = ""
+        if row.health is not None:
+            health = shorten(words(row.health), HEALTH_WIDTH)
+            if row.health.state == HealthState.UNHEALTHY:
+                reasons = "; ".join(row.health.reasons)
+                below.append(f"node {row.node_rank} ({row.host}) is unhealthy: {reasons}")
+        cells.append(
+            (row.node_rank, row.host, state, row.exit_code, started, quiet, health, last_line)
+        )
+    header = ["rank", "host", "state", "exit", "started", "stalled", "health", "last line"]
+    out.append(table(header, cells))
     out += below
     if shown is not None and shown.diagnosis:
         out.append(f"diagnosis saved before the stall restart: {shown.diagnosis}")

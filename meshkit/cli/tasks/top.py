@@ -77,6 +77,7 @@ NODE_HEADERS = [
     "ranks (cpu)",
     "rss",
     "idle",
+    "health",
     "last minute",
 ]
 
@@ -89,7 +90,7 @@ def node_cells(view: NodeLine) -> list[str]:
     if sample is None:
         since = f" {view.down_for:.0f}s" if view.down_for else ""
         why = (view.error or "no answer").splitlines()[0][:90]
-        return [str(view.node_rank), view.node, f"down{since}: {why}"] + [""] * 13
+        return [str(view.node_rank), view.node, f"down{since}: {why}"] + [""] * 14
     port = job_port(sample)
     gpus = sample.gpus
     gpu_util = "-"
@@ -134,6 +135,7 @@ def node_cells(view: NodeLine) -> list[str]:
         ranks or ("-" if sample.job_state is None else str(sample.job_state)),
         rss,
         idle,
+        "-" if sample.health is None else str(sample.health.state),  # why: in the marks below
         spark(view.history),
     ]
 
@@ -201,9 +203,26 @@ def header(snapshot: Snapshot) -> str:
     return line
 
 
+def unhealthy(snapshot: Snapshot) -> set[str]:
+    """The nodes that answered unhealthy (``meshkit.health``)."""
+    found = set()
+    for view in snapshot.nodes:
+        health = view.sample.health if view.sample else None
+        if health is not None and str(health.state) == "unhealthy":
+            found.add(view.node)
+    return found
+
+
 def footer(snapshot: Snapshot) -> list[str]:
-    """One line per odd one out, and the nodes whose GPUs could not be read."""
-    lines = [f"odd one out: {odd.reason}" for odd in snapshot.odd]
+    """One line per unhealthy node and per odd one out, and the nodes whose GPUs could not be
+    read."""
+    sick = unhealthy(snapshot)
+    lines = []
+    for odd in snapshot.odd:
+        if odd.kind == "node" and odd.node in sick:
+            lines.append(odd.reason)  # "NODE is unhealthy: ..."
+        else:
+            lines.append(f"odd one out: {odd.reason}")
     for view in snapshot.nodes:
         if view.sample and view.sample.gpu_error:
             lines.append(f"{view.node}: GPUs not read: {view.sample.gpu_error}")
@@ -238,13 +257,14 @@ def live_view(snapshot: Snapshot, per_gpu: bool) -> Group:
     from rich.table import Table
 
     odd_nodes = {odd.node for odd in snapshot.odd}
+    sick = unhealthy(snapshot)
     nodes = Table(box=None, header_style="bold", pad_edge=False)
     headers, rows = node_table(snapshot)
     for name in headers:
         nodes.add_column(name, no_wrap=True)
     for view, row in zip(snapshot.nodes, rows):
         style = ""
-        if not view.up:
+        if not view.up or view.node in sick:
             style = "red"
         elif view.node in odd_nodes:
             style = "yellow"
@@ -258,7 +278,7 @@ def live_view(snapshot: Snapshot, per_gpu: bool) -> Group:
             gpus.add_row(*[shown(cell) for cell in row])
         parts.append(gpus if gpus.row_count else shown("no GPUs"))
     for line in footer(snapshot):
-        parts.append(shown(line, "yellow" if line.startswith("odd") else "red"))
+        parts.append(shown(line, "yellow" if line.startswith("odd one out") else "red"))
     return Group(*parts)  # type: ignore[arg-type]
 
 
