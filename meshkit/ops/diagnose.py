@@ -10,7 +10,7 @@ import contextlib
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from ..errors import MeshkitError
@@ -103,6 +103,7 @@ class Diagnosis:
     nodes: list[NodeRow]
     stall_after: float | None
     flight: str | None = None  # what torch's flight recorder says, where it is on
+    errors: list[Failure] = field(default_factory=list)  # each rank's error, earliest first
 
     @property
     def ok(self) -> bool:
@@ -191,11 +192,29 @@ def build(
     state = job_state(job, answered)
     groups, outliers = group(ranks)
     failure = None
+    offsets = clock_offsets(hosts, replies, sent or {})
     if state == "failed" or errors:
-        offsets = clock_offsets(hosts, replies, sent or {})
         failure = first_failure(hosts, nodes, errors, replies, offsets)
+    raised = rank_errors(nodes, errors, offsets)
     stall_after = job.stall_after
-    return Diagnosis(state, failure, ranks, outliers, groups, nodes, stall_after, flight(ranks))
+    return Diagnosis(
+        state, failure, ranks, outliers, groups, nodes, stall_after, flight(ranks), raised
+    )
+
+
+def rank_errors(nodes: Sequence[NodeRow], errors: Errors, offsets: Offsets) -> list[Failure]:
+    """Pure: each rank's error file as a ``Failure`` on its node, at its time on this machine's
+    clock (``offsets``), earliest first."""
+    found = []
+    for reported in errors.values():
+        node = nodes[ran_on(reported, len(nodes))]
+        when = reported.error.time - offsets.get(ran_on(reported, len(nodes)), 0.0)
+        error = reported.error
+        found.append(
+            Failure(error.rank, node.host, node.exit_code, error.error, error.traceback, when)
+        )
+    found.sort(key=lambda failure: failure.time or 0.0)
+    return found
 
 
 def job_state(job: Job, answered: Sequence[NodeRow]) -> State:

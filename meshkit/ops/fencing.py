@@ -1,7 +1,8 @@
 """A supervisor ending its own node's part of the job, and why: its node is in no membership of
 a newer generation (``fence``: it was lost and replaced, or the job shrank without it), its side
 of a partition has had no majority of the job's nodes for half of --replace-after (``alone``:
-the other side may give its rank away then), or a later launch of the job started (``superseded``).
+the other side may give its rank away then), or a later launch of the job started (``superseded``);
+or the job was stopped and the stop did not reach every node (``carry_stop``: carried there).
 Each ends only what runs on its own node, over a connection of its own: the rest of the job is
 the membership's, which this node is no longer in, or cannot reach.
 """
@@ -73,3 +74,26 @@ def superseded(loop: Loop, pool: NodePool) -> Supervision:
     why = "the job was started anew (a later train): this supervisor's launch is over"
     loop.say(why)
     return Supervision(SupervisorState.GAVE_UP, 0, 0, why, launch=loop.job.launch)
+
+
+def carry_stop(loop: Loop, pool: NodePool, stopped: Supervision) -> Supervision:
+    """The job was stopped, and this supervisor survived it (cut off from ``stop``): the
+    stop ends the whole job, so on the nodes whose copy does not say stopped yet (the stop
+    did not reach them) leave the stop's record, then end the job there; relaunch
+    nothing."""
+    job = loop.job
+    answers = ask(pool, job, loop.nodes())
+    behind = [
+        host
+        for host, reply in answers.items()
+        if reply.record is None or reply.record.supervisor != SupervisorState.STOPPED
+    ]
+    if not behind:
+        loop.say("the job was stopped (meshkit stop); relaunching nothing")
+        return stopped
+    where = ", ".join(host.label for host in behind)
+    loop.say(f"the job was stopped (meshkit stop) without reaching {where}: ending it there")
+    ask(pool, job, behind, record=stopped, version=stopped.version)
+    ending = StopRequest(job.id)
+    pool.call_all("stop", lambda host: ending, StopReply, behind)
+    return stopped

@@ -257,6 +257,7 @@ class StatusRow:
     stalled: bool = False  # the job's: running, and no node has written output for stall_after
     last_known: str | None = None  # of a node that gave no answer: what the record last knew
     health: NodeHealth | None = None  # when asked, of a node that answered
+    ended: float | None = None  # when its part exited (a wall time, the node's clock)
 
     def as_json(self, supervision: SupervisionStatus | None = None) -> dict[str, object]:
         """The ``--json`` shape of this node: with ``supervision`` (a supervised job's, the
@@ -359,6 +360,7 @@ def status(
             reply.last_line,
             idle_s=reply.idle,
             health=reply.health,
+            ended=reply.ended,
         )
         rows.append(row)
     answered = [(row.state, row.idle_s) for row in rows if not row.error]
@@ -386,7 +388,8 @@ def job_status(pool: NodePool, job: Job, hosts: Sequence[Host]) -> JobStatus:
         return JobStatus(rows)
     cluster = cluster_hosts(job)
     seen = look(pool, job, hosts, cluster)
-    spares = spare_rows(pool, job, hosts, spares_of(cluster, hosts))
+    evicted = [] if seen.record is None else seen.record.evicted
+    spares = spare_rows(pool, job, hosts, spares_of(cluster, hosts, evicted))
     rows = [last_known(row, seen.record) for row in rows]
     changes = can_change(job, hosts, cluster)
     return JobStatus(rows, supervision_status(seen, spares, changes))

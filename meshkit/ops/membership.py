@@ -11,7 +11,7 @@ a change is ``ops.supervise``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import JobError
 from ..hostfile import Host
@@ -31,6 +31,7 @@ class Change:
     added: list[Host] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)
     dropped: list[Host] = field(default_factory=list)  # lost nodes no spare took the rank of
+    evicted: dict[Host, str] = field(default_factory=dict)  # nodes put out (they answer): why
 
 
 def members_of(
@@ -68,10 +69,39 @@ def can_change(job: Job, members: Sequence[Host], cluster: Sequence[Host]) -> bo
     return any(host not in members for host in cluster) or job.min_nodes is not None
 
 
-def spares_of(cluster: Sequence[Host], members: Sequence[Host]) -> list[Host]:
+def spares_of(
+    cluster: Sequence[Host], members: Sequence[Host], evicted: Sequence[str] = ()
+) -> list[Host]:
     """The nodes that may take a lost node's rank, in hostfile order: every node of the hostfile
-    that is not a member (its spare lines, and lost nodes that came back)."""
-    return [host for host in cluster if host not in members]
+    that is not a member (its spare lines, and lost nodes that came back), but those evicted
+    from the job (``evicted``: the record's "NODE: why" lines), until readmitted."""
+    out = evicted_labels(evicted)
+    return [host for host in cluster if host not in members and host.label not in out]
+
+
+def evicted_labels(evicted: Sequence[str]) -> set[str]:
+    """The nodes the record's ``evicted`` lines ("NODE: why") name."""
+    return {line.split(": ", 1)[0] for line in evicted}
+
+
+def evict(
+    members: Sequence[Host],
+    out: dict[Host, str],
+    spares: Sequence[Host],
+    cluster: Sequence[Host],
+    min_nodes: int | None,
+) -> Change | None:
+    """Pure: the membership with the nodes ``out`` (each with why) put out of the job: as if
+    lost (``plan``), their ranks to ``spares`` or the job shrunk, but they answer, so the change
+    ends their part and keeps them out (``evicted``) instead of counting them lost. None when
+    neither a spare nor a shrink can take their ranks."""
+    change = plan(members, list(out), spares, cluster, min_nodes)
+    if change is None:
+        return None
+    reason = change.reason
+    if reason == RestartReason.REPLACED:
+        reason = RestartReason.EVICTED
+    return replace(change, reason=reason, evicted=dict(out))
 
 
 def plan(
@@ -120,6 +150,12 @@ def plan(
 def reason_of_change(change: Change) -> str:
     """The record's ``last_restart_reason`` for a change."""
     lost = ", ".join(host.label for host in change.lost)
+    if change.evicted:
+        why = "; ".join(f"{host.label}: {text}" for host, text in change.evicted.items())
+        if change.reason == RestartReason.EVICTED:
+            return f"evicted: {'; '.join(change.replaced)} ({why})"
+        ranks = len(change.members)
+        return f"evicted and shrunk: {why}; running on {ranks} nodes"
     if change.reason == RestartReason.REPLACED:
         return f"replaced: {'; '.join(change.replaced)} ({lost} lost)"
     ranks = len(change.members)

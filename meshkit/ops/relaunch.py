@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 from ..errors import LaunchError, RemoteError
+from ..events import Blame, EventKind
 from ..hostfile import Host
 from ..job import Job
 from ..protocol import Supervision, SupervisorState
@@ -72,6 +73,19 @@ class Loop(Protocol):
 
     def say(self, message: str) -> None: ...
 
+    def nodes(self) -> list[Host]:
+        """Every node of the job: the members in rank order, then the rest of the hostfile."""
+
+    def tell(
+        self,
+        kind: EventKind,
+        text: str,
+        node: str | None = None,
+        rank: int | None = None,
+        blame: Blame | None = None,
+    ) -> None:
+        """Record an event of the job (every node's history, and --notify)."""
+
     def moved(self) -> None:
         """The loop took a step (its heartbeat goes on)."""
 
@@ -126,6 +140,7 @@ def finish(loop: Loop, pool: NodePool, claimed: Supervision, checked: bool = Fal
     if write(pool, job, hosts, running, loop.me, False, loop.quorum) is None:
         return Then.WATCH
     say(f"attempt {attempt} started")
+    loop.tell(EventKind.ATTEMPT, f"attempt {attempt} started ({claimed.reason})")
     start_all(pool, job, hosts)  # where none is live: a rebooted node's comes back
     return Then.WATCH
 

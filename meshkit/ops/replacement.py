@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import LaunchError, RemoteError
+from ..events import EventKind
 from ..hostfile import Host, members_text
 from ..job import Job
-from ..protocol import StopReply, StopRequest, Supervision, SupervisorState
+from ..protocol import RestartReason, StopReply, StopRequest, Supervision, SupervisorState
 from ..quorum import majority
 from ..record import replace
 from . import jobs as ops
@@ -47,11 +48,15 @@ def replace_lost(loop: Loop, seen: Supervision, lost: list[Host], bound: float) 
     saying why; back to watching should every node answer again meanwhile."""
     names = ", ".join(host.label for host in lost)
     loop.say(f"lost: {names} (no answer within {bound:.0f}s, --replace-after)")
+    for host in lost:
+        text = f"{host.label} lost: no answer within {bound:.0f}s (--replace-after)"
+        loop.tell(EventKind.LOST, text, host.label, loop.hosts.index(host))
     deadline = time.monotonic() + bound
     refused: dict[Host, str] = {}
     while True:
         loop.moved()
-        candidates = [host for host in spares_of(loop.cluster, loop.hosts) if host not in refused]
+        spares = spares_of(loop.cluster, loop.hosts, seen.evicted)
+        candidates = [host for host in spares if host not in refused]
         change = plan(loop.hosts, lost, candidates, loop.cluster, loop.job.min_nodes)
         if change is not None:
             tried = try_change(loop, seen, change)
@@ -88,7 +93,7 @@ def unreplaced(
     if refused:
         spares = "; ".join(f"{host.label}: {text}" for host, text in refused.items())
         why += f" (spares: {spares})"
-    elif not spares_of(loop.cluster, loop.hosts):
+    elif not spares_of(loop.cluster, loop.hosts, seen.evicted):
         why += " (the hostfile has no spare line)"
     if loop.job.min_nodes is not None:
         why += f", and fewer than --min-nodes {loop.job.min_nodes} nodes are left"
@@ -98,16 +103,16 @@ def unreplaced(
 def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refused:
     """Make ``change`` over the nodes of the new membership: each spare taking a rank must
     answer, get the workdir (a synced job) and pass the doctor's quick checks; then the new
-    generation is claimed on every node of it and launched. ``Refused``: spares it could not
-    use; ``Then.WATCH``: back to watching (another supervisor moved on, or a member is down
-    too)."""
+    generation is claimed on every node of it and launched (an evicted node's part ended
+    first). ``Refused``: spares it could not use; ``Then.WATCH``: back to watching (another
+    supervisor moved on, or a member is down too)."""
     labels = tuple(host.label for host in change.members)
     claim = claim_of(seen, change, loop.above)
     job = replace(loop.job, members=labels, generation=claim.generation)
-    # the lost nodes count against the majority, but are not waited for once more
-    others = [
-        host for host in loop.cluster if host not in change.members and host not in change.lost
-    ]
+    # the lost nodes count against the majority, but are not waited for once more (an evicted
+    # node answers: it is asked, and its part of the job ended)
+    gone = [host for host in change.lost if host not in change.evicted]
+    others = [host for host in loop.cluster if host not in change.members and host not in gone]
     with loop.connect([*change.members, *others], RECONNECT) as pool:
         down = {host: pool.failures[host] for host in change.added if host in pool.failures}
         if down:
@@ -129,14 +134,31 @@ def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refus
         if unfit:
             return Refused(unfit)
         rank = change.members.index(loop.node)
-        claimed = write(pool, job, change.members, claim, rank, True, loop.cluster, change.lost)
+        claimed = write(pool, job, change.members, claim, rank, True, loop.cluster, gone)
         if claimed is None:
-            loop.say(unclaimed(pool, loop.cluster, change.lost))
+            loop.say(unclaimed(pool, loop.cluster, gone))
             return Then.WATCH
         loop.say(f"generation {claimed.generation}: {claimed.last_restart_reason}")
+        tell_change(loop, change, claimed)
+        out = [host for host in change.evicted if host not in pool.failures]
+        if out:  # its supervisor is fenced by the new generation; its part ends now
+            ending = StopRequest(loop.job.id)
+            pool.call_all("stop", lambda host: ending, StopReply, out)
         loop.follow(claimed)
         # the checks just passed on every node of it: not run again before the launch
         return finish(loop, pool, claimed, checked=not held)
+
+
+def tell_change(loop: Loop, change: Change, claimed: Supervision) -> None:
+    """The events of a change of membership that stands: each replacement, a shrink."""
+    for line in change.replaced:
+        lost, _, spare = line.partition(" -> ")
+        rank = [host.label for host in change.members].index(spare)
+        text = f"{spare} takes rank {rank} of {lost} (generation {claimed.generation})"
+        loop.tell(EventKind.REPLACED, text, spare, rank)
+    if change.reason == RestartReason.SHRUNK:
+        text = f"shrunk to {len(change.members)} nodes (generation {claimed.generation}): "
+        loop.tell(EventKind.SHRUNK, text + str(claimed.last_restart_reason))
 
 
 def unclaimed(pool: NodePool, cluster: Sequence[Host], lost: Sequence[Host]) -> str:
@@ -168,7 +190,12 @@ def unfit_spares(added: Sequence[Host], held: Sequence[Check]) -> dict[Host, str
 def claim_of(seen: Supervision, change: Change, above: int = 0) -> Supervision:
     """Pure: the claim of ``change``'s generation over the record ``seen``: the next attempt,
     on the new membership, with the lost nodes and the replacements added to the record's and
-    no restart used up. Its generation is past ``above`` too (``quorum.past_unproven``)."""
+    no restart used up. Its generation is past ``above`` too (``quorum.past_unproven``). An
+    evicted node is kept out (``evicted``), not lost, and no longer unhealthy-without-a-spare."""
+    lost = [host.label for host in change.lost if host not in change.evicted]
+    out = [f"{host.label}: {why}" for host, why in change.evicted.items()]
+    named = {host.label for host in change.evicted}
+    unhealthy = [line for line in seen.unhealthy if line.split(": ", 1)[0] not in named]
     return replace(
         seen,
         supervisor=SupervisorState.RELAUNCHING,
@@ -176,7 +203,10 @@ def claim_of(seen: Supervision, change: Change, above: int = 0) -> Supervision:
         reason=change.reason,
         generation=max(seen.generation, above) + 1,
         members=[host.label for host in change.members],
-        lost=[*seen.lost, *(host.label for host in change.lost)],
+        lost=[*seen.lost, *lost],
+        evicted=[*seen.evicted, *out],
+        unhealthy=unhealthy,
+        quick=[] if out else seen.quick,  # an eviction ends the failed starts' run
         replaced=[*seen.replaced, *change.replaced],
         last_restart_reason=reason_of_change(change),
         waiting=None,

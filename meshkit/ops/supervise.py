@@ -20,6 +20,8 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..errors import JobError, UsageError
+from ..events import Blame, EventKind
+from ..health import HealthState
 from ..hostfile import Host
 from ..job import Job
 from ..node.supervise import Heartbeat
@@ -28,7 +30,9 @@ from ..quorum import majority, past_unproven
 from ..record import replace
 from . import jobs as ops
 from .diagnose import save_diagnosis
-from .fencing import alone, fence, superseded
+from .event_log import History
+from .eviction import evict_nodes, health_changes, judge
+from .fencing import alone, carry_stop, fence, superseded
 from .membership import can_change, members_of
 from .pool import NodePool
 from .relaunch import COME_BACK, Connect, Gate, Launcher, finish, health
@@ -93,12 +97,17 @@ class Supervisor:
         self.majority = Majority(time.monotonic())  # whether this side has a majority
         self.unanswered: list[Host] = []  # the nodes the last look heard nothing from
         self.above = 0  # the highest generation a node claims and no majority carries
+        self.history = History(self.job, self.say)  # the job's events, written at each look
+        self.healths: dict[str, HealthState] = {}  # each node's health as last polled
 
     def run(self) -> Supervision:
         """Watch, act on what a watch calls for, and again, until an action ends it all."""
         while True:
             outcome = self._round()
             if isinstance(outcome, Final):
+                with self.connect(self.nodes(), 0.0) as pool:
+                    self.history.flush(pool, self.job, self.nodes())
+                self.history.close()
                 return outcome.record
             if outcome == Then.WATCH:
                 time.sleep(self.interval)
@@ -111,6 +120,7 @@ class Supervisor:
         relaunching = {
             Action.RESTART: self._restart,
             Action.REPLACE: self._replace,
+            Action.EVICT: self._evict,
             Action.RESUME: self._resume,
         }
         self.opened = time.monotonic()
@@ -151,7 +161,7 @@ class Supervisor:
                 return Then.RECONNECT
             step = next_step(self.me, look.live, record)
             if step == Step.STOP:
-                return Final(self._carry_stop(pool, record))
+                return Final(carry_stop(self, pool, record))
             if step == Step.END:
                 return Final(record)
             if step == Step.WATCH:
@@ -180,7 +190,8 @@ class Supervisor:
         """One poll of the job on every node, and the policy's decision on it. A stall's
         diagnosis is saved before anything is stopped, and named in the decision's reason."""
         job = self.job
-        rows = ops.status(pool, job, self.hosts, phase="", timeout=POLL_TIMEOUT)
+        rows = ops.status(pool, job, self.hosts, phase="", timeout=POLL_TIMEOUT, health=True)
+        health_changes(self, self.healths, rows)
         seen = views(rows, self.hosts, self.silence)
         for node in seen:
             if node.started is not None:
@@ -199,8 +210,9 @@ class Supervisor:
             reason = f"{decision.reason}; outliers: {saved.outliers} (diagnosis: {saved.path})"
             decision = replace(decision, reason=reason)
             self.say(f"saved the diagnosis: {saved.path}")
+            self.tell(EventKind.STALLED, reason)
         kept = replace(record, exit_codes=codes, diagnosis=diagnosis)
-        return Call(decision, record, kept, seen)
+        return judge(self, pool, Call(decision, record, kept, seen), rows, started)
 
     # ---- the actions: DONE and GIVE_UP on the watch's connection, the relaunches after it
 
@@ -211,6 +223,7 @@ class Supervisor:
         if final is None:
             return Then.RECONNECT
         self.say("done: every node exited 0")
+        self.tell(EventKind.DONE, f"done: every node exited 0 (attempt {final.attempt})")
         return Final(final)
 
     def _give_up(self, pool: NodePool, call: Call) -> Outcome:
@@ -228,7 +241,13 @@ class Supervisor:
             restarts_left=call.record.restarts_left - 1,
             reason=call.decision.told,
         )
+        left = call.record.restarts_left - 1
+        self.tell(EventKind.RESTARTED, f"restarting ({left} left): {call.decision.reason}")
         return self._relaunch(call, claim)
+
+    def _evict(self, call: Call) -> Outcome:
+        """EVICT: members put out of the job (``ops.eviction``); no restart used."""
+        return evict_nodes(self, call)
 
     def _replace(self, call: Call) -> Outcome:
         """REPLACE: nodes that do not answer. Once lost (``Silence``), their ranks go to
@@ -323,6 +342,18 @@ class Supervisor:
             else:
                 self.silence.missed(host, asked)
 
+    def tell(
+        self,
+        kind: EventKind,
+        text: str,
+        node: str | None = None,
+        rank: int | None = None,
+        blame: Blame | None = None,
+    ) -> None:
+        """Record an event: written on every node at the next look, and --notify told."""
+        by = f"supervisor of node {self.me} ({self.node.label})"
+        self.history.add(self.job, kind, text, node, rank, blame, by)
+
     def moved(self) -> None:
         """The loop took a step: its heartbeat goes on."""
         if self.heart is not None:
@@ -349,7 +380,10 @@ class Supervisor:
         asked = time.monotonic()
         members = [host for host in self.nodes() if host in self.hosts]
         answers = ask(pool, self.job, self.nodes(), timeout=POLL_TIMEOUT)
+        self.history.flush(pool, self.job, [host for host in self.nodes() if host in answers])
         seen = view(answers, self.hosts, self.job, len(self.nodes()))
+        if seen.record is not None:
+            self.history.attempt = seen.record.attempt
         if self.majority.looked(seen.belief.quorum, time.monotonic()):
             self.silence.restart()  # a majority again: silence counts from now (``Majority``)
         self._hear(pool, answers, asked)
@@ -413,28 +447,6 @@ class Supervisor:
             pool, self.job, self.hosts, record, self.me, every, self.quorum, self.unanswered
         )
 
-    def _carry_stop(self, pool: NodePool, stopped: Supervision) -> Supervision:
-        """The job was stopped, and this supervisor survived it (cut off from ``stop``): the
-        stop ends the whole job, so on the nodes whose copy does not say stopped yet (the stop
-        did not reach them) leave the stop's record, then end the job there; relaunch
-        nothing."""
-        job = self.job
-        answers = ask(pool, job, self.nodes())
-        behind = [
-            host
-            for host, reply in answers.items()
-            if reply.record is None or reply.record.supervisor != SupervisorState.STOPPED
-        ]
-        if not behind:
-            self.say("the job was stopped (meshkit stop); relaunching nothing")
-            return stopped
-        where = ", ".join(host.label for host in behind)
-        self.say(f"the job was stopped (meshkit stop) without reaching {where}: ending it there")
-        ask(pool, job, behind, record=stopped, version=stopped.version)
-        ending = StopRequest(job.id)
-        pool.call_all("stop", lambda host: ending, StopReply, behind)
-        return stopped
-
     def _end_and_give_up(
         self, pool: NodePool, record: Supervision, seen: list[NodeView], why: str
     ) -> Final:
@@ -462,6 +474,7 @@ class Supervisor:
     def gave_up(self, pool: NodePool, record: Supervision, why: str) -> Final:
         """Write GAVE UP, saying ``why``: the supervision is over."""
         self.say(f"gave up: {why}")
+        self.tell(EventKind.GAVE_UP, f"gave up: {why}")
         given = replace(
             record, supervisor=SupervisorState.GAVE_UP, last_restart_reason=why, waiting=None
         )

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
+from ..health import HealthState, NodeHealth, at_least
 from ..hostfile import Host
 from ..protocol import JobState, RestartReason, Supervision, SupervisorState
 from ..record import StrEnum, replace
@@ -38,7 +39,9 @@ class Action(StrEnum):
              |     REPLACE: claim generation + 1          |                  (attempt + 1)
              |     (a spare takes each lost rank,         |
              |      or the job shrinks)                   +-- RESUME: the leader finishes
-             |                                            |   a gone claimer's attempt
+             |     EVICT: claim generation + 1            |   a gone claimer's attempt
+             |     (an unhealthy node or a lemon out,     |
+             |      a spare takes its rank, or shrink)    |
              +-- DONE: every node exited 0 --> DONE       |
              +-- GIVE_UP: a fatal code, or no restart     +-- nodes gone, or held past
                  left for a failure --> GAVE UP               300 s --> GAVE UP
@@ -53,7 +56,13 @@ class Action(StrEnum):
        to healthy spares, or the job shrinks with ``--min-nodes``, in a new ``generation``
        (``ops.membership``, ``ops.replacement``); a replacement uses up no restart, so it is
        decided whatever ``restarts_left`` is; nodes that answer again before they are lost
-       are a restart, which needs one left).
+       are a restart, which needs one left); ``EVICT`` (a member whose health is unhealthy, or
+       degraded with --evict degraded, or a lemon: --evict-after failures attributed to it,
+       ``ops.attribution``): the job ended, the node kept out of the job (``evicted``), its
+       rank to a healthy spare or the job shrunk with --min-nodes, in a new generation
+       (``ops.eviction``); no restart is used. With neither, the node is noted ``unhealthy``
+       in the record and the job goes on (or restarts) on it. A crash loop ends: failed
+       starts in a row (``crashed``) give up, "restarting is not helping".
     2. ``RELAUNCHING``: rank ``by`` claimed the next attempt and makes it; if it is gone, the
        leader finishes the same attempt (``RESUME``), never a new one.
     3. ``DONE``, ``GAVE UP``: final; every supervisor ends (``Step.END``).
@@ -72,6 +81,7 @@ class Action(StrEnum):
     WAIT = "wait"
     RESTART = "restart"
     REPLACE = "replace"
+    EVICT = "evict"
     RESUME = "resume"
     DONE = "done"
     GIVE_UP = "gave up"
@@ -81,12 +91,15 @@ class Cause(StrEnum):
     """Why a decision was taken: a node that exited with a failing code or whose job was
     restarted outside the supervisor (FAILURE), the job's stall (STALL, --restart-on-stall: its
     diagnosis is saved first), a job gone from a node (REBOOT), or nodes that do not answer
-    (LOST: lost once ``Silence`` says so)."""
+    (LOST: lost once ``Silence`` says so), a member's health (HEALTH) or the failures counted
+    against it (LEMON), which evict it."""
 
     FAILURE = "failure"
     STALL = "stall"
     REBOOT = "reboot"
     LOST = "lost"
+    HEALTH = "health"  # a member's health evicts it
+    LEMON = "lemon"  # --evict-after failures attributed to one node
 
 
 @dataclass(frozen=True)
@@ -185,6 +198,8 @@ class Call:
     record: Supervision
     kept: Supervision
     nodes: list[NodeView] = field(default_factory=list)
+    evict: dict[str, str] = field(default_factory=dict)  # EVICT's nodes (as the hostfile spells
+    # them), each with why
 
 
 @dataclass
@@ -465,3 +480,35 @@ def next_step(me: int, live: set[int], record: Supervision | None) -> Step:
     if leader(live | {me}) != me:
         return Step.FOLLOW
     return Step.RESUME if relaunching else Step.WATCH
+
+
+def evictable(
+    nodes: Sequence[NodeView],
+    health: dict[int, NodeHealth | None],
+    level: str,
+    noted: Sequence[str],
+) -> dict[str, str]:
+    """Pure: the members whose health evicts them (``unhealthy``, or with ``level`` "degraded"
+    that too; ``unknown`` never), each with why, but those ``noted`` ("NODE: why": no spare
+    could take their rank, the job runs on them)."""
+    worst = HealthState.DEGRADED if level == "degraded" else HealthState.UNHEALTHY
+    skip = {line.split(": ", 1)[0] for line in noted}
+    found = {}
+    for view in nodes:
+        reading = health.get(view.rank)
+        if reading is None or view.host in skip:
+            continue
+        if reading.state != HealthState.UNKNOWN and at_least(reading, worst):
+            found[view.host] = f"{reading.state}: {'; '.join(reading.reasons)}"
+    return found
+
+
+def failed_start(started: float | None, failed: float, window: float) -> bool:
+    """Pure: an attempt that started at ``started`` (wall time; None: not known) and failed at
+    ``failed`` failed within ``window`` seconds: it failed to start."""
+    return started is not None and failed - started < window
+
+
+def crashed(quick: Sequence[str], limit: int) -> bool:
+    """Pure: ``limit`` failed starts in a row (``quick``; 0: never) end supervision."""
+    return limit > 0 and len(quick) >= limit

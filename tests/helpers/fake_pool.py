@@ -87,5 +87,8 @@ def healthy(**override: dict[Host, object]) -> dict[str, dict[Host, object]]:
         "status": {host: p.StatusReply("running", None, 1.7e9, "step 3") for host in HOSTS},
         "stop": {host: p.StopReply(True, 4, []) for host in HOSTS},
         "events": {host: p.EventsReply([]) for host in HOSTS},
+        # a failure's cause record (the supervisor's): no rank left an error file, an empty log
+        "diagnose": {host: p.DiagnoseReply("exited", 1, None, [], [], []) for host in HOSTS},
+        "logs": {host: p.LogsReply([], 0) for host in HOSTS},
     }
     return base | override
