@@ -55,6 +55,8 @@ class SupervisionStatus:
     waiting: str | None = None  # the nodes a relaunch waits for, and until when
     spares: list[SpareRow] = field(default_factory=list)  # the hostfile's nodes outside it
     no_majority: str | None = None  # "2 of 5": too few of the job's nodes answer to settle it
+    evicted: list[str] = field(default_factory=list)  # "NODE: why": kept out of the job
+    unhealthy: list[str] = field(default_factory=list)  # "NODE: why": members no spare replaced
 
     def record_json(self) -> dict[str, object]:
         """The record's and the membership's keys of every node's ``status --json`` object."""
@@ -71,6 +73,8 @@ class SupervisionStatus:
             "waiting": self.waiting,
             "spares": [asdict(spare) for spare in self.spares],
             "no_majority": self.no_majority,
+            "evicted": list(self.evicted),
+            "unhealthy": list(self.unhealthy),
         }
 
     def supervisor_json(self) -> dict[str, object]:
@@ -122,6 +126,8 @@ def supervision_status(
         waiting=record.waiting,
         spares=list(spares),
         no_majority=no_majority,
+        evicted=list(record.evicted),
+        unhealthy=list(record.unhealthy),
     )
 
 

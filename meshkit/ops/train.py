@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..envrun import check_spawn_cmd
 from ..errors import LaunchError, MeshkitError, UsageError
 from ..events import Event, EventKind
-from ..hostfile import Host
+from ..hostfile import Host, members_text
 from ..job import Job, parse_duration, parse_restart_on
 from ..outcome import ProgressFn
 from ..protocol import Supervision, SupervisorState
@@ -19,7 +19,9 @@ from ..quorum import new_launch
 from ..record import replace
 from ..settings import Config
 from . import doctor
+from .admission import Admitted, admit, evicted_before
 from .events import new_event, tell
+from .health import health_round
 from .jobs import Launch, env_round, launch
 from .jobs import stop as ops_stop
 from .lookup import (
@@ -145,7 +147,17 @@ def train(
     connection and agent per node."""
     lacking: list[Host] = []
     facts: Facts | None = None
-    with connect(conf, job.hostfile, hosts, job.python, progress, options.wait) as pool:
+    spares: list[Host] = []
+    if job.supervised:  # a spare may take an unhealthy node's rank from the start
+        spares = [host for host in cluster_hosts(job) if host not in hosts]
+    every = [*hosts, *spares]
+    with connect(conf, job.hostfile, every, job.python, progress, options.wait) as pool:
+        health = health_round(pool, job, every)
+        evicted = evicted_before(pool, job, every) if job.supervised else []
+        admitted = admit(job, hosts, spares, health, evicted, options.readmit)
+        if admitted.hosts != hosts:
+            hosts = admitted.hosts
+            job = replace(job, members=tuple(host.label for host in hosts))
         if options.cmd is not None and not job.sync and not options.dry_run:
             lacking, facts = unshared(pool, job.workdir, hosts)
         if options.sync or lacking:
@@ -158,6 +170,9 @@ def train(
         if job.sync and not options.dry_run:
             # before the env round: discovery runs in the workdir on every node
             copied = sync_workdir(pool, job, hosts, lacking if facts is not None else None)
+        if admitted.swapped and not options.dry_run:
+            for where in job.home_copies(hosts):  # the membership's own hostfile, as a change's
+                pool.write_file(where, job.node_hostfile, members_text(hosts))
         envs = env_round(pool, job, hosts)
         report = None
         if options.doctor:
@@ -176,16 +191,30 @@ def train(
             synced=copied,
         )
         started = None
-        said = None
         if launched.ok and not launched.dry_run:
-            said = launched_event(launched.job, hosts)
-            tell(pool, launched.job, hosts, [said])
+            said = [launched_event(launched.job, hosts), *admission(launched.job, admitted)]
+            tell(pool, launched.job, [host for host in every if host not in pool.failures], said)
         if launched.ok and not launched.dry_run and launched.job.supervised:
-            started = start_supervisor(pool, launched.job, hosts)
+            started = start_supervisor(pool, launched.job, hosts, admitted.evicted)
     if started is not None:
-        clear_spares(conf, launched.job, hosts, said)
+        clear_spares(conf, launched.job, hosts)
     lacking_labels = [host.label for host in lacking]
     return TrainResult(launched.job, launched, lacking_labels, report, started)
+
+
+def clear_spares(conf: Config, job: Job, hosts: list[Host]) -> None:
+    """On the hostfile's nodes outside the job (its spares, nodes an earlier launch lost), end
+    what an earlier launch left there: its supervisor, its record copy (a stale stop would end
+    this job the moment the spare took a rank), its part of the job. A spare that does not
+    answer keeps them, harmlessly: this launch's id is later, so every node keeps this launch's
+    copies over them, every reader ignores them, and a supervisor of the earlier launch that
+    meets this one's copies ends."""
+    spares = [host for host in cluster_hosts(job) if host not in hosts]
+    if not spares:
+        return
+    with connect(conf, job.hostfile, spares, job.python) as pool:
+        end_supervisor(pool, job, spares)
+        ops_stop(pool, job, spares)
 
 
 def launched_event(job: Job, hosts: list[Host]) -> Event:
@@ -195,26 +224,27 @@ def launched_event(job: Job, hosts: list[Host]) -> Event:
     return new_event(job, EventKind.LAUNCHED, f"train started {job.label} on {where}", by="train")
 
 
-def clear_spares(conf: Config, job: Job, hosts: list[Host], said: Event | None = None) -> None:
-    """On the hostfile's nodes outside the job (its spares, nodes an earlier launch lost), end
-    what an earlier launch left there: its supervisor, its record copy (a stale stop would end
-    this job the moment the spare took a rank), its part of the job. A spare that does not
-    answer keeps them, harmlessly: this launch's id is later, so every node keeps this launch's
-    copies over them, every reader ignores them, and a supervisor of the earlier launch that
-    meets this one's copies ends. ``said``: the launch's event, kept there too (the history
-    is on every node of the job)."""
-    spares = [host for host in cluster_hosts(job) if host not in hosts]
-    if not spares:
-        return
-    with connect(conf, job.hostfile, spares, job.python) as pool:
-        end_supervisor(pool, job, spares)
-        ops_stop(pool, job, spares)
-        if said is not None:
-            tell(pool, job, spares, [said])
+def admission(job: Job, admitted: Admitted) -> list[Event]:
+    """The launch's events of whom it admitted: each node kept out for a spare, a readmission."""
+    events = []
+    for line in admitted.swapped:
+        node, _, spare = line.partition(" -> ")
+        why = next((text for text in admitted.evicted if text.startswith(f"{node}: ")), node)
+        text = f"{why}; {spare} takes its rank from the start"
+        events.append(new_event(job, EventKind.EVICTED, text, node=node, by="train"))
+    if admitted.readmitted is not None:
+        text = f"{admitted.readmitted} readmitted (train --readmit): it may take a rank again"
+        events.append(
+            new_event(job, EventKind.READMITTED, text, node=admitted.readmitted, by="train")
+        )
+    return events
 
 
-def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> SupervisorPlaces:
-    """A supervisor in tmux on every node, after the first record is on every node."""
+def start_supervisor(
+    pool: NodePool, job: Job, hosts: list[Host], evicted: list[str] | None = None
+) -> SupervisorPlaces:
+    """A supervisor in tmux on every node, after the first record is on every node (with the
+    nodes kept out of the job, ``evicted``)."""
     record = Supervision(
         SupervisorState.RUNNING,
         1,
@@ -222,6 +252,7 @@ def start_supervisor(pool: NodePool, job: Job, hosts: list[Host]) -> SupervisorP
         generation=job.generation,
         members=list(job.members),
         launch=job.launch,
+        evicted=list(evicted or []),
     )
     stop = "`meshkit stop` ends the job"
     if write(pool, job, hosts, record, 0, every=True) is None:

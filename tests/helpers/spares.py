@@ -83,16 +83,21 @@ def train(
     api: bool = False,
     restarts: int = 2,
     cmd: str | None = None,
+    env: str = "",
+    check: bool = True,
 ):
-    """``train`` of the example job (``cmd``: another command line) inside node ``node``."""
+    """``train`` of the example job (``cmd``: another command line) inside node ``node``
+    (``env``: variables set before it, "A=1 B=2"; ``check``: it must succeed)."""
     if api:  # the same job, from a script: Cluster.train(restarts=, replace_after=, ...)
         return train_by_api(lay, workdir, hostfile, session, node, spawn, replace_after, *args)
     flags = ["--hostfile", str(hostfile), "--session", session, "--nproc-per-node", str(NPROC)]
     flags += ["--restarts", str(restarts), "--replace-after", replace_after, *args]
     if spawn:
         flags.append("--spawn")
-    out = on_node(lay, node, workdir, "train", *flags, "--cmd", cmd or job_cmd(session, spawn))
-    assert out.returncode == 0, out.stdout + out.stderr
+    command = cmd or job_cmd(session, spawn)
+    out = on_node(lay, node, workdir, "train", *flags, "--cmd", command, env=env)
+    if check:
+        assert out.returncode == 0, out.stdout + out.stderr
     return out
 
 

@@ -83,6 +83,10 @@ def membership_lines(shown: SupervisionStatus) -> list[str]:
         lines.append(f"  replaced {line}")
     if shown.lost:
         lines.append(f"  lost: {', '.join(shown.lost)}")
+    for line in shown.evicted:
+        lines.append(f"  evicted {line} (train --readmit NODE lets it back)")
+    for line in shown.unhealthy:
+        lines.append(f"  runs on {line}: no healthy spare could take its rank")
     for spare in shown.spares:
         health = "healthy" if spare.healthy else f"not healthy: {spare.why}"
         if spare.running:
