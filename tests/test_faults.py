@@ -286,8 +286,25 @@ def test_the_task_prints_the_nodes_faults_and_refuses_bad_input(clean):
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)
     assert shown["node"] == "node1" and "Xid (PCI:0000:18:00): 48" in shown["kernel_log"][0]
-    for bad in (["--node", "1"], ["--node", "x", "--oom"], ["--node", "1", "--gpus", "-2"]):
+    for bad in (
+        ["--node", "1"],
+        ["--node", "x", "--oom"],
+        ["--node", "1", "--gpus", "-2"],
+        ["--node", "1", "--xid", "79", "--pci", "0000:3b:00\n4,9,9,-;forged"],
+        ["--node", "1", "--disk-full", "relative/path"],
+    ):
         refused = task(*bad)
         assert refused.returncode != 0
         assert "Traceback" not in refused.stderr and refused.stderr.strip()
     assert on(lay, 1, "cat /dev/kmsg").stdout.count("\n") == 1  # nothing more written
+
+
+def test_a_node_that_is_off_is_refused_and_booted_again_with_its_faults(clean):
+    lay = clean
+    sandbox.fault(lay, 1, gpus=1, xid=79)
+    sandbox.poweroff(lay, 1)
+    with pytest.raises(SandboxError, match="poweron"):
+        sandbox.fault(lay, 1, oom=True)
+    sandbox.poweron(lay, 1)
+    assert on(lay, 1, "cat /dev/kmsg").stdout == ""
+    assert len(on(lay, 1, "nvidia-smi -L").stdout.splitlines()) == 1

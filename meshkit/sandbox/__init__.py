@@ -15,7 +15,8 @@ hostfile, ssh_config) in the sandbox's ``user/``, which nodes do not see. ``down
 account when a sandbox created it and no other sandbox is running.
 
 This module is the sandbox's life (``up``, ``down``, ``load``, ``reboot``, ``poweroff``,
-``poweron``) and its state file; the parts live beside it: ``layout`` (names and addresses),
+``poweron``, ``fault``) and its state file; the parts live beside it: ``layout`` (names and
+addresses), ``faults`` (a node made unhealthy through its own sources: ``kmsg``, ``fake_smi``),
 ``host_setup`` (what this machine needs), ``node_files`` (the files nodes boot from), ``bashrc``
 (the nodes' ~/.bashrc), ``nodes`` (booting, killing and entering a node), ``networks``
 (real-world network features, and the silence of a node that is off), ``slurm`` (a private SLURM
@@ -262,8 +263,10 @@ def load(root: str | os.PathLike[str]) -> Layout:
 
 
 def reboot(sandbox: Layout, index: int) -> Node:
-    """What a reboot looks like to meshkit: every process of the node dies, its /tmp is emptied,
-    and sshd comes back (with fresh namespaces). A powered-off node is powered on."""
+    """What a reboot looks like to meshkit: every process of the node dies, its /tmp and its
+    kernel log are emptied, and sshd comes back (with fresh namespaces; the faults that are the
+    machine's, ``fault``'s GPUs, port and full disks, mounted again). A powered-off node is
+    powered on."""
     node = sandbox.node(index)
     kill_node(node.netns)
     _boot(sandbox, node)

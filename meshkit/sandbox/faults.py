@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import asdict, dataclass, field
@@ -56,6 +57,7 @@ DISK_FREE_KIB = 1024  # what a full disk keeps free: below any sane health thres
 DISK_COPY_MAX_KIB = 256 * 1024  # a full disk holds a copy of the path's files, in memory
 PROCESS = "python"  # the process an XID or OOM kill names
 DEFAULT_PID = 4242
+PCI = re.compile(r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(\.[0-7])?")
 
 
 @dataclass(frozen=True)
@@ -208,6 +210,8 @@ def _check(sandbox: Layout, node: Node, change: Fault) -> None:
         raise SandboxError(f"--gpus {change.gpus}: at most 64")
     if change.gpus is not None:
         _check_program_dir()
+    if change.pci is not None and not PCI.fullmatch(change.pci):
+        raise SandboxError(f"--pci {change.pci[:40]!r}: give a PCI address, e.g. 0000:3b:00")
     if change.disk_full is not None and not change.disk_full.startswith("/"):
         raise SandboxError(f"--disk-full {change.disk_full}: give an absolute path in the node")
 
@@ -409,5 +413,14 @@ def restore(sandbox: Layout, node: Node) -> None:
         _mount_gpus(sandbox, node)
     if faults.ib_state is not None:
         _mount_ib(sandbox, node)
+    kept = []
     for path in faults.disk_full:
-        _fill(node, path)
+        # A path gone meanwhile (a workdir removed) is no longer full; the reboot goes on.
+        try:
+            _fill(node, path)
+        except SandboxError:
+            continue
+        kept.append(path)
+    if kept != faults.disk_full:
+        faults.disk_full = kept
+        _save(sandbox, node, faults)
