@@ -234,6 +234,10 @@ def test_an_infiniband_port_down_and_erroring_on_one_node(clean):
     assert on(lay, 1, f"cat {PORT}/state").stdout == "1: DOWN\n"
     assert on(lay, 1, f"cat {PORT}/counters/port_rcv_errors").stdout == "7\n"
     assert on(lay, 1, f"cat {PORT}/counters/link_downed").stdout == "8\n"
+    # What the node's own readers make of it.
+    code = "from meshkit.node.doctor import infiniband; print(infiniband())"
+    assert python_on(lay, 1, code) == "['mlx5_0:1 DOWN']"
+    assert python_on(lay, 0, code) == "[]"
     # The rest of /sys/class is as it was; node 0 has no InfiniBand.
     assert on(lay, 1, "ls /sys/class/net").stdout == nets_before
     assert on(lay, 1, "ls /sys/class/block").returncode == 0

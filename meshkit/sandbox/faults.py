@@ -52,6 +52,7 @@ IB_COUNTERS = (
     "local_link_integrity_errors",
     "excessive_buffer_overrun_errors",
 )
+IB_DATA_COUNTERS = ("port_rcv_data", "port_xmit_data")
 IB_STATES = {"ACTIVE": ("4: ACTIVE", "5: LinkUp"), "DOWN": ("1: DOWN", "3: Disabled")}
 DISK_FREE_KIB = 1024  # what a full disk keeps free: below any sane health threshold
 DISK_COPY_MAX_KIB = 256 * 1024  # a full disk holds a copy of the path's files, in memory
@@ -340,6 +341,8 @@ def _write_ib(sandbox: Layout, node: Node, faults: NodeFaults) -> None:
     _replace(port / "rate", "400 Gb/sec (4X NDR)\n", 0o444)
     for name in IB_COUNTERS:
         _replace(port / "counters" / name, f"{faults.ib_counters.get(name, 0)}\n", 0o444)
+    for name in IB_DATA_COUNTERS:  # top's rates: an idle port
+        _replace(port / "counters" / name, "0\n", 0o444)
 
 
 # A tmpfs sized to the path's files plus FREE KiB, a copy of them in it, moved over the path.
