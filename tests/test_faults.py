@@ -259,7 +259,8 @@ def test_a_full_disk_on_one_node_keeps_the_files(clean):
     assert on(lay, 1, f"cat {work}/checkpoint.txt").stdout == "step 5\n"
     assert free_kib(lay, 0, str(work)) > 1024 * 1024
     with pytest.raises(SandboxError, match="no such directory"):
-        sandbox.fault(lay, 1, disk_full="/no/such/place")
+        sandbox.fault(lay, 1, xid=79, disk_full="/no/such/place")
+    assert on(lay, 1, "cat /dev/kmsg").stdout == ""  # refused before anything was done
     sandbox.fault(lay, 1, clear=True)
     assert free_kib(lay, 1, str(work)) > 1024 * 1024
 

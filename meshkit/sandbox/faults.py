@@ -215,6 +215,8 @@ def _check(sandbox: Layout, node: Node, change: Fault) -> None:
         raise SandboxError(f"--pci {change.pci[:40]!r}: give a PCI address, e.g. 0000:3b:00")
     if change.disk_full is not None and not change.disk_full.startswith("/"):
         raise SandboxError(f"--disk-full {change.disk_full}: give an absolute path in the node")
+    if change.disk_full is not None:
+        _in_node(node, IS_DIRECTORY, change.disk_full)
 
 
 def _check_program_dir() -> None:
@@ -343,6 +345,11 @@ def _write_ib(sandbox: Layout, node: Node, faults: NodeFaults) -> None:
         _replace(port / "counters" / name, f"{faults.ib_counters.get(name, 0)}\n", 0o444)
     for name in IB_DATA_COUNTERS:  # top's rates: an idle port
         _replace(port / "counters" / name, "0\n", 0o444)
+
+
+IS_DIRECTORY = r"""
+[ -d "$1" ] || { echo "--disk-full $1: no such directory on this node" >&2; exit 1; }
+"""
 
 
 # A tmpfs sized to the path's files plus FREE KiB, a copy of them in it, moved over the path.
