@@ -136,6 +136,9 @@ PRINTS_OR_EXITS = {
     "meshkit.node): its usage line",
     ("meshkit.node.__main__", "raise SystemExit"): "the node agent's own command line: its exit "
     "code",
+    ("meshkit.sandbox.fake_smi", "raise SystemExit"): "a fake nvidia-smi that sandbox nodes run "
+    "as a program of their own (sandbox.fault --gpus), not meshkit's code: its exit code is "
+    "nvidia-smi's",
     ("meshkit.templates.collective_probe", "sys.exit"): "a user script (the doctor runs it under "
     "torchrun on every node), not meshkit's code: its exit code is the probe's verdict",
 }

@@ -15,7 +15,8 @@ hostfile, ssh_config) in the sandbox's ``user/``, which nodes do not see. ``down
 account when a sandbox created it and no other sandbox is running.
 
 This module is the sandbox's life (``up``, ``down``, ``load``, ``reboot``, ``poweroff``,
-``poweron``) and its state file; the parts live beside it: ``layout`` (names and addresses),
+``poweron``, ``fault``) and its state file; the parts live beside it: ``layout`` (names and
+addresses), ``faults`` (a node made unhealthy through its own sources: ``kmsg``, ``fake_smi``),
 ``host_setup`` (what this machine needs), ``node_files`` (the files nodes boot from), ``bashrc``
 (the nodes' ~/.bashrc), ``nodes`` (booting, killing and entering a node), ``networks``
 (real-world network features, and the silence of a node that is off), ``slurm`` (a private SLURM
@@ -32,9 +33,11 @@ import shutil
 from pathlib import Path
 
 from ..errors import SandboxError
+from . import faults
 from . import slurm as slurm_cluster
 from . import user as sandbox_user
 from .bashrc import CONDA_BASHRC, NODE_BASHRC, SHELLS_FILE, reset_shells, shells
+from .faults import Fault, NodeFaults
 from .host_setup import (
     PROGRAMS,
     check_subnet,
@@ -89,9 +92,11 @@ __all__ = [
     "SHELLS_FILE",
     "SSHD",
     "USER",
+    "Fault",
     "Layout",
     "NetworkOptions",
     "Node",
+    "NodeFaults",
     "NodeStatus",
     "check_name",
     "check_subnet",
@@ -233,6 +238,8 @@ def _create(sandbox: Layout, slurm: bool) -> None:
     write(sandbox.root / "state.json", json.dumps(state))
     try:
         prepare_files(sandbox)
+        for node in sandbox.nodes:
+            faults.prepare(sandbox, node)
         if sandbox.user:
             sandbox_user.write_files(sandbox)
         create_network(sandbox)
@@ -256,8 +263,10 @@ def load(root: str | os.PathLike[str]) -> Layout:
 
 
 def reboot(sandbox: Layout, index: int) -> Node:
-    """What a reboot looks like to meshkit: every process of the node dies, its /tmp is emptied,
-    and sshd comes back (with fresh namespaces). A powered-off node is powered on."""
+    """What a reboot looks like to meshkit: every process of the node dies, its /tmp and its
+    kernel log are emptied, and sshd comes back (with fresh namespaces; the faults that are the
+    machine's, ``fault``'s GPUs, port and full disks, mounted again). A powered-off node is
+    powered on."""
     node = sandbox.node(index)
     kill_node(node.netns)
     _boot(sandbox, node)
@@ -286,6 +295,41 @@ def poweron(sandbox: Layout, index: int) -> Node:
     return node
 
 
+def fault(
+    sandbox: Layout,
+    index: int,
+    *,
+    clear: bool = False,
+    gpus: int | None = None,
+    ecc: int | None = None,
+    xid: int | None = None,
+    pci: str | None = None,
+    oom: bool = False,
+    pid: int = faults.DEFAULT_PID,
+    ib_down: bool = False,
+    ib_errors: int | None = None,
+    disk_full: str | None = None,
+) -> NodeFaults:
+    """Make node ``index`` unhealthy through its own sources, or well again (``clear``), as
+    ``sandbox.fault`` does (see faults.py): ``clear`` first, then ``gpus`` (the fake nvidia-smi
+    with that many), ``ecc`` (uncorrected on GPU 0), ``xid`` (at ``pci``) and ``oom`` (of
+    ``pid``) in its kernel log, ``ib_down`` and ``ib_errors`` on its InfiniBand port,
+    ``disk_full`` (a path). A reboot empties its kernel log and keeps the rest."""
+    change = Fault(
+        clear=clear,
+        gpus=gpus,
+        ecc=ecc,
+        xid=xid,
+        pci=pci,
+        oom=oom,
+        pid=pid,
+        ib_down=ib_down,
+        ib_errors=ib_errors,
+        disk_full=disk_full,
+    )
+    return faults.fault(sandbox, index, change)
+
+
 def powered_off(sandbox: Layout, index: int) -> bool:
     """Whether the node is off: silent (``poweroff``), or without a process (its sshd, the
     node's PID 1, is gone)."""
@@ -300,9 +344,11 @@ def _boot(sandbox: Layout, node: Node) -> None:
     shutil.rmtree(tmp)
     tmp.mkdir()
     tmp.chmod(0o1777)
+    faults.booted(sandbox, node)
     unsilence(node)
     start_node(sandbox, node)
     wait_ready(sandbox, [node])
+    faults.restore(sandbox, node)
     state = _read_state(sandbox.root) or {}
     if state.get("slurm"):
         slurm_cluster.start_daemons(sandbox, node)

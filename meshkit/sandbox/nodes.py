@@ -40,6 +40,9 @@ mount --bind "$node/ssh" /root/.ssh
 if [ -n "$home" ]; then mount --bind "$node/home" "$home"; fi
 mount --bind "$node/etc_ssh" /etc/ssh
 mount --bind "$node/hosts" /etc/hosts
+# Its own kernel log, and its own faults' files where it can see them (see faults.py).
+if [ -f "$node/kmsg" ]; then mount --bind "$node/kmsg" /dev/kmsg; fi
+if [ -d "$node/faults" ]; then mount --bind "$node/faults" "$hide/faults"; fi
 # This machine's own ~/.bashrc (pyenv init, say) would run at every login of every node; pyenv's
 # rehash lock then stalls logins for 60s whenever one is left behind. Nodes get a plain one.
 if [ -f /root/.bashrc ]; then mount --bind "$node/bashrc" /root/.bashrc; fi

@@ -166,6 +166,105 @@ def poweron(
         print(f"{on.name} ({on.address}) is on already: left as it is")
 
 
+FAULT_HELP = {
+    "node": "index of the node (0 = node0)",
+    "xid": "an NVIDIA XID N in the node's kernel log (79: GPU has fallen off the bus)",
+    "pci": "the XID's GPU, as the kernel names it (default: GPU 0's, 0000:18:00)",
+    "oom": "an out-of-memory kill in the node's kernel log",
+    "pid": "the process the XID or OOM kill names (default: 4242)",
+    "gpus": "give the node N GPUs through its own nvidia-smi (fewer later: GPUs lost)",
+    "ecc": "N uncorrected ECC errors on GPU 0",
+    "ib_down": "its InfiniBand port down",
+    "ib_errors": "add N to every error counter of its InfiniBand port",
+    "disk_full": "the node's file system at PATH (a directory) full: about 1 MiB free",
+    "clear": "the node well again: empty kernel log, no GPUs, no InfiniBand, disks freed",
+    "json": "print the node's faults as JSON",
+    **WHERE,
+}
+
+
+def _count(value: object, flag: str) -> int | None:
+    if value is None:
+        return None
+    given = str(value)
+    if not (given.isascii() and given.isdigit()):
+        raise UsageError(f"{flag} {given}: give a number, 0 or more")
+    return int(given)
+
+
+@task(help=FAULT_HELP)
+def fault(
+    c: Context,
+    node: int | None = None,
+    xid: int | None = None,
+    pci: str | None = None,
+    oom: bool = False,
+    pid: int | None = None,
+    gpus: int | None = None,
+    ecc: int | None = None,
+    ib_down: bool = False,
+    ib_errors: int | None = None,
+    disk_full: str | None = None,
+    clear: bool = False,
+    json: bool = False,
+    dir: str | None = None,
+    name: str | None = None,
+) -> None:
+    """Make one node unhealthy through its own sources (its /dev/kmsg, nvidia-smi,
+    /sys/class/infiniband, a full disk), or well again with --clear; a reboot empties its
+    kernel log and keeps the rest."""
+    from ... import sandbox
+
+    with reported():
+        index = _index(node)
+        counts = {
+            flag: _count(value, flag)
+            for flag, value in (
+                ("--xid", xid),
+                ("--gpus", gpus),
+                ("--ecc", ecc),
+                ("--ib-errors", ib_errors),
+                ("--pid", pid),
+            )
+        }
+        asked = [counts["--xid"], counts["--gpus"], counts["--ecc"], counts["--ib-errors"]]
+        if all(value is None for value in asked) and not (oom or ib_down or disk_full or clear):
+            raise UsageError(
+                "say what to do to the node: --xid N, --oom, --gpus N, --ecc N, --ib-down, "
+                "--ib-errors N, --disk-full PATH or --clear"
+            )
+        if pci is not None and xid is None:
+            raise UsageError("--pci names the GPU of an XID: give --xid N too")
+        state = sandbox.fault(
+            _load(dir, name),
+            index,
+            clear=clear,
+            gpus=counts["--gpus"],
+            ecc=counts["--ecc"],
+            xid=counts["--xid"],
+            pci=pci,
+            oom=oom,
+            pid=counts["--pid"] or sandbox.faults.DEFAULT_PID,
+            ib_down=ib_down,
+            ib_errors=counts["--ib-errors"],
+            disk_full=disk_full,
+        )
+    if json:
+        print(jsonlib.dumps(state.as_json()))
+        return
+    gpu_text = "none" if state.gpus is None else f"{state.gpus} (GPU 0: {state.ecc} ECC errors)"
+    ib_text = state.ib_state or "none"
+    if state.ib_state:
+        errors = max(state.ib_counters.values(), default=0)
+        ib_text = f"{state.ib_state}, {errors} errors on each counter"
+    print(f"{state.node}: GPUs {gpu_text}; InfiniBand {ib_text}")
+    print(f"  full disks: {', '.join(state.disk_full) or 'none'}")
+    print(f"  kernel log: {len(state.kernel_log)} records")
+    for line in state.kernel_log[-3:]:
+        print(f"    {line}")
+    print(f"undo: meshkit sandbox.fault --node {index} --clear")
+
+
 @task(help={**WHERE, "json": "print JSON"})
 def status(c: Context, dir: str | None = None, name: str | None = None, json: bool = False) -> None:
     """Show the sandbox nodes: address, power, sshd up, process count."""
@@ -267,4 +366,6 @@ def unshape(c: Context, dir: str | None = None, name: str | None = None) -> None
     print("unshaped: every link at full speed")
 
 
-ns = Collection("sandbox", up, down, reboot, poweroff, poweron, status, cut, mend, shape, unshape)
+ns = Collection(
+    "sandbox", up, down, reboot, poweroff, poweron, fault, status, cut, mend, shape, unshape
+)
