@@ -289,7 +289,7 @@ def test_a_failing_or_hanging_command_is_an_event_and_the_caller_never_waits(tmp
     failing.close(10.0)
     (said,) = failures
     assert said.kind == EventKind.NOTIFY_FAILED
-    assert said.text == "--notify failed for a failed event: exit 3: no webhook"
+    assert said.text == "--notify failed for the failed event of node2: exit 3: no webhook"
     failures.clear()
     hanging = Notifier("sleep 60", ["failed", "notify_failed"], 1.0, failures.append)
     began = time.monotonic()
@@ -300,7 +300,7 @@ def test_a_failing_or_hanging_command_is_an_event_and_the_caller_never_waits(tmp
     hanging.close(1.5)
     assert time.monotonic() - began < 5
     assert failures
-    assert failures[0].text == "--notify failed for a failed event: timed out after 1s"
+    assert failures[0].text == "--notify failed for the failed event of node2: timed out after 1s"
     assert all(failure.kind == EventKind.NOTIFY_FAILED for failure in failures)
 
 

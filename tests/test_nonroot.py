@@ -2,7 +2,8 @@
 user (``meshkit-user``, see meshkit.sandbox.user), with a home of its own on every node and its
 own key, known_hosts and hostfile on the controller. As that user: ``mesh`` from the controller
 (this machine), ``train`` from one node, ``status``, ``logs`` and ``diagnose`` from another node
-and another directory, ``stop``, and a supervised job relaunched after a node reboots. The user
+and another directory (its health: the kernel log unread, said so), ``stop``, and a supervised
+job relaunched after a node reboots. The user
 runs a Python environment of its own (helpers.other_user): this checkout may be one it cannot
 enter."""
 
@@ -186,6 +187,11 @@ def test_train_status_logs_diagnose_and_stop_as_the_user(lay, python, meshed):
     check_results(found, len(lay.nodes), NPROC)
     rows = status(lay, python, 1, "~", *where)
     assert [row["state"] for row in rows] == ["running"] * len(lay.nodes), rows
+    # the kernel log is root's here (kernel.dmesg_restrict): health says it was not read, so
+    # the node is "unknown", never "ok", and the job runs
+    for row in rows:
+        assert row["health"]["state"] == "unknown", row
+        assert any("kernel: not read" in why for why in row["health"]["reasons"]), row
     # the ranks are the user's, and so is each node's state directory
     assert owners(lay, "example_train") == [{USER}] * len(lay.nodes)
     user = sandbox.user.account()

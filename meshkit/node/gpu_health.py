@@ -12,7 +12,7 @@ import ctypes
 from dataclasses import dataclass
 
 from ..health import Finding, HealthState
-from .gpu_readings import MAX_GPUS, NVML_NOT_AVAILABLE, NVML_SUCCESS, NvmlError, nvml
+from .gpu_readings import MAX_GPUS, NVML_NOT_AVAILABLE, NVML_SUCCESS, NvmlError, handles, nvml
 from .gpus import GPU_PROBE_TIMEOUT, _on_path
 
 SMI_HEALTH_QUERY = (
@@ -281,16 +281,8 @@ def _bus_id(library: ctypes.CDLL, handle: ctypes.c_void_p) -> str:
 
 def read_nvml_health(library: ctypes.CDLL) -> list[NvmlHealthAnswers]:
     """Every GPU's raw health answers."""
-    count = ctypes.c_uint(0)
-    code = library.nvmlDeviceGetCount_v2(ctypes.byref(count))
-    if code != NVML_SUCCESS:
-        raise NvmlError(f"nvmlDeviceGetCount_v2 returned {code}")
     found = []
-    for index in range(min(count.value, MAX_GPUS)):
-        handle = ctypes.c_void_p()
-        code = library.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle))
-        if code != NVML_SUCCESS:
-            raise NvmlError(f"nvmlDeviceGetHandleByIndex_v2({index}) returned {code}")
+    for index, handle in enumerate(handles(library)):
         ecc = ctypes.c_ulonglong(0)
         ecc_code = library.nvmlDeviceGetTotalEccErrors(
             handle,

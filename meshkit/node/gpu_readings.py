@@ -235,8 +235,8 @@ def memory_answers(library: ctypes.CDLL, handle: ctypes.c_void_p) -> MemoryAnswe
     return MemoryAnswers(NvmlAnswer(code, first.used), NvmlAnswer(code, first.total))
 
 
-def read_nvml(library: ctypes.CDLL) -> list[NvmlReadings]:
-    """Every GPU's raw answers (the device count, then per device its handle and each reading)."""
+def handles(library: ctypes.CDLL) -> list[ctypes.c_void_p]:
+    """Every GPU's NVML handle, in index order (at most ``MAX_GPUS``)."""
     count = ctypes.c_uint(0)
     code = library.nvmlDeviceGetCount_v2(ctypes.byref(count))
     if code != NVML_SUCCESS:
@@ -247,6 +247,14 @@ def read_nvml(library: ctypes.CDLL) -> list[NvmlReadings]:
         code = library.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle))
         if code != NVML_SUCCESS:
             raise NvmlError(f"nvmlDeviceGetHandleByIndex_v2({index}) returned {code}")
+        found.append(handle)
+    return found
+
+
+def read_nvml(library: ctypes.CDLL) -> list[NvmlReadings]:
+    """Every GPU's raw answers (per device, each reading)."""
+    found = []
+    for index, handle in enumerate(handles(library)):
         name = ctypes.create_string_buffer(NAME_BUFFER)
         library.nvmlDeviceGetName(handle, name, ctypes.c_uint(NAME_BUFFER))
         utilization = _Utilization()

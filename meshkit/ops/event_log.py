@@ -37,11 +37,12 @@ class History:
         rank: int | None,
         blame: Blame | None,
         by: str,
+        attempt: int | None = None,
     ) -> None:
-        """An event happened: kept for the nodes, told to --notify."""
-        event = new_event(
-            job, kind, text, node=node, rank=rank, attempt=self.attempt, blame=blame, by=by
-        )
+        """An event happened: kept for the nodes, told to --notify (``attempt``: its own, else
+        the record's as last seen)."""
+        number = self.attempt if attempt is None else attempt
+        event = new_event(job, kind, text, node=node, rank=rank, attempt=number, blame=blame, by=by)
         self.keep(event)
         if self.notifier is not None:
             self.notifier.tell(event)

@@ -91,7 +91,8 @@ class Notifier:
                 return
             why = self.run(event)
             if why is not None:
-                self._report(event, f"--notify failed for a {event.kind} event: {why}")
+                whose = event.node or "the job"
+                self._report(event, f"--notify failed for the {event.kind} event of {whose}: {why}")
             with self._lock:
                 dropped = self._dropped
                 self._dropped = 0

@@ -83,8 +83,10 @@ class Loop(Protocol):
         node: str | None = None,
         rank: int | None = None,
         blame: Blame | None = None,
+        attempt: int | None = None,
     ) -> None:
-        """Record an event of the job (every node's history, and --notify)."""
+        """Record an event of the job (every node's history, and --notify); ``attempt``: the
+        attempt it belongs to (None: the record's, as last seen)."""
 
     def moved(self) -> None:
         """The loop took a step (its heartbeat goes on)."""
@@ -140,7 +142,7 @@ def finish(loop: Loop, pool: NodePool, claimed: Supervision, checked: bool = Fal
     if write(pool, job, hosts, running, loop.me, False, loop.quorum) is None:
         return Then.WATCH
     say(f"attempt {attempt} started")
-    loop.tell(EventKind.ATTEMPT, f"attempt {attempt} started ({claimed.reason})")
+    loop.tell(EventKind.ATTEMPT, f"attempt {attempt} started ({claimed.reason})", attempt=attempt)
     start_all(pool, job, hosts)  # where none is live: a rebooted node's comes back
     return Then.WATCH
 

@@ -139,12 +139,12 @@ def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refus
             loop.say(unclaimed(pool, loop.cluster, gone))
             return Then.WATCH
         loop.say(f"generation {claimed.generation}: {claimed.last_restart_reason}")
-        tell_change(loop, change, claimed)
         out = [host for host in change.evicted if host not in pool.failures]
         if out:  # its supervisor is fenced by the new generation; its part ends now
             ending = StopRequest(loop.job.id)
             pool.call_all("stop", lambda host: ending, StopReply, out)
         loop.follow(claimed)
+        tell_change(loop, change, claimed)
         # the checks just passed on every node of it: not run again before the launch
         return finish(loop, pool, claimed, checked=not held)
 
@@ -155,10 +155,11 @@ def tell_change(loop: Loop, change: Change, claimed: Supervision) -> None:
         lost, _, spare = line.partition(" -> ")
         rank = [host.label for host in change.members].index(spare)
         text = f"{spare} takes rank {rank} of {lost} (generation {claimed.generation})"
-        loop.tell(EventKind.REPLACED, text, spare, rank)
+        loop.tell(EventKind.REPLACED, text, spare, rank, attempt=claimed.attempt)
     if change.reason == RestartReason.SHRUNK:
         text = f"shrunk to {len(change.members)} nodes (generation {claimed.generation}): "
-        loop.tell(EventKind.SHRUNK, text + str(claimed.last_restart_reason))
+        text += str(claimed.last_restart_reason)
+        loop.tell(EventKind.SHRUNK, text, attempt=claimed.attempt)
 
 
 def unclaimed(pool: NodePool, cluster: Sequence[Host], lost: Sequence[Host]) -> str:

@@ -349,10 +349,11 @@ class Supervisor:
         node: str | None = None,
         rank: int | None = None,
         blame: Blame | None = None,
+        attempt: int | None = None,
     ) -> None:
         """Record an event: written on every node at the next look, and --notify told."""
         by = f"supervisor of node {self.me} ({self.node.label})"
-        self.history.add(self.job, kind, text, node, rank, blame, by)
+        self.history.add(self.job, kind, text, node, rank, blame, by, attempt)
 
     def moved(self) -> None:
         """The loop took a step: its heartbeat goes on."""

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import SandboxError
+from ..node.infiniband import ERROR_COUNTERS
 from . import fake_smi, kmsg
 from .layout import Layout, Node
 from .networks import silent
@@ -44,14 +45,7 @@ KMSG = "kmsg"
 PROGRAM_DIRS = ("/usr/local/sbin", "/usr/games")
 IB_DEVICE = "mlx5_0"
 IB_PORT = "1"
-IB_COUNTERS = (
-    "link_downed",
-    "symbol_error",
-    "port_rcv_errors",
-    "link_error_recovery",
-    "local_link_integrity_errors",
-    "excessive_buffer_overrun_errors",
-)
+IB_COUNTERS = ERROR_COUNTERS  # the ones the node's health reader watches rise
 IB_DATA_COUNTERS = ("port_rcv_data", "port_xmit_data")
 IB_STATES = {"ACTIVE": ("4: ACTIVE", "5: LinkUp"), "DOWN": ("1: DOWN", "3: Disabled")}
 DISK_FREE_KIB = 1024  # what a full disk keeps free: below any sane health threshold
