@@ -1,10 +1,11 @@
-"""Proof by simulation (issue 43, item 4): random schedules of partitions, heals, losses,
-returns, stops and supervisor restarts drive the real rules of a supervised job's membership,
-and four properties are checked after every step.
+"""Proof by simulation (issue 43, item 4; evictions, issue 44): random schedules of partitions,
+heals, losses, returns, stops, supervisor restarts and nodes turning unhealthy drive the real
+rules of a supervised job's membership, and four properties are checked after every step.
 
 The real code driven (nothing of it is re-implemented here): what a node keeps
 (``quorum.keeps``), what a reader believes (``quorum.believe``), the new membership after a loss
-(``membership.plan``, ``spares_of``), a change's claim (``replacement.claim_of``), who acts
+(``membership.plan``, ``evict``, ``spares_of``), a change's claim (``replacement.claim_of``),
+who acts
 (``supervision_policy.next_step``, ``supervision.leader``), when a side without a majority
 ends its parts (``supervision_policy.Majority``) and a stop's record
 (``supervision.stop_record``). What is modelled is the loop around them (``ops.supervise``,
@@ -40,7 +41,13 @@ Each step of a schedule is one of:
 - ``stop``: ``meshkit stop`` from a node's side: ``stop_record`` of what it believes, kept by
   every node it reaches (spares included), their supervisors and parts ended;
 - ``restart``: a node's supervisor restarts: it forgets what it followed and counted, and
-  follows the membership of its own node's copy.
+  follows the membership of its own node's copy;
+- ``sick``: a node turns unhealthy for good (an XID, issue 44): a leader that reaches every
+  member evicts a sick one (``membership.evict``: its rank to a spare it reaches that is not
+  sick and not evicted before, or the job shrunk), claimed as any change is, the evicted node's
+  part ended once the claim stands; with neither, the record notes it (``unhealthy``) and the
+  job runs on. A leader evicting its own node claims for the new membership's rank 0 and ends
+  (``try_change``): the new membership's leader finishes the claim (RESUME).
 
 Time. Each step is one tick of model time. The timing assumption, which "never two memberships
 running at once" rests on: every live supervisor looks at least once per tick for a majority
@@ -54,9 +61,9 @@ every step, while the rest of
 a supervisor's work happens only on its own ``look`` steps. A supervisor's step is atomic: no
 other step falls between its claim and its launch.
 
-Not modelled: health checks and syncs (a spare that answers is fit), reboots (copies live in
-/tmp), give-ups (the leader waits for ever; restarts are not counted down to zero), DONE, and a
-later ``train``.
+Not modelled: the gate's other checks and syncs (a spare that answers and is not sick is fit),
+reboots (copies live in /tmp), give-ups (the leader waits for ever; restarts are not counted
+down to zero), DONE, and a later ``train``.
 
 Properties, checked after every step:
 
@@ -83,7 +90,7 @@ from hypothesis import strategies as st
 
 from meshkit.hostfile import Host
 from meshkit.job import Job
-from meshkit.ops.membership import plan, spares_of
+from meshkit.ops.membership import evict, plan, spares_of
 from meshkit.ops.replacement import claim_of
 from meshkit.ops.supervision import leader, stop_record
 from meshkit.ops.supervision_policy import Majority, Step, next_step
@@ -151,6 +158,7 @@ class Cluster:
             self.watchers[label] = Watcher((1, members), Majority(0))
         self.side = {label: 0 for label in self.labels}
         self.lost: set[str] = set()
+        self.sick: set[str] = set()  # unhealthy for good: evicted where a spare or shrink can
         self.tick = 0
         self.launches = [Launched(0, 1, members, 1)]
         self.stop_given = False
@@ -187,8 +195,10 @@ class Cluster:
     ) -> Supervision | None:
         """``supervision.write`` by the supervisor of ``node``: the lowest-ranked member it
         reaches first, then the rest of the hostfile's nodes it reaches; kept when the first,
-        every answering member (``every``: every member) and a majority of all nodes kept it."""
-        new = replace(record, version=record.version + 1, by=members.index(node), launch=LAUNCH)
+        every answering member (``every``: every member) and a majority of all nodes kept it.
+        ``by``: its rank, or 0 when its node is in no rank of ``members`` (evicted)."""
+        by = members.index(node) if node in members else 0
+        new = replace(record, version=record.version + 1, by=by, launch=LAUNCH)
         reached = self.reachable(node)
         up = [label for label in members if label in reached]
         if not up or not self.store(up[0], new, record.version):
@@ -287,6 +297,11 @@ class Cluster:
             if all(self.tick - watcher.silent_since[label] >= LOST_AFTER for label in silent):
                 self.change(node, watcher, record, silent)
             return
+        noted = {line.split(": ", 1)[0] for line in record.unhealthy}
+        sick = [label for label in members if label in self.sick and label not in noted]
+        if sick and step == Step.WATCH:
+            self.evict(node, watcher, record, sick)
+            return
         if step == Step.RESUME:
             claim = replace(record, waiting=None)
         else:
@@ -306,7 +321,11 @@ class Cluster:
         by_label = {host.label: host for host in self.hosts}
         members = [by_label[label] for label in watcher.known[1]]
         gone = [by_label[label] for label in lost]
-        spares = [host for host in spares_of(self.hosts, members) if self.reaches(node, host.label)]
+        spares = [
+            host
+            for host in spares_of(self.hosts, members, seen.evicted)
+            if self.reaches(node, host.label) and host.label not in self.sick
+        ]
         made = plan(members, gone, spares, self.hosts, self.min_nodes)
         if made is None:
             return
@@ -315,6 +334,41 @@ class Cluster:
             return
         claimed = self.write(node, new_members, claim_of(seen, made), every=True)
         if claimed is None:
+            return
+        watcher.known = (claimed.generation, new_members)
+        watcher.silent_since.clear()
+        self.launch(node, claimed)
+
+    def evict(self, node: str, watcher: Watcher, seen: Supervision, sick: list[str]) -> None:
+        """``eviction.judge`` and ``evict_nodes``: the sick members put out, their ranks to
+        spares this node reaches (not sick, not evicted before: the gate and ``spares_of``) or
+        the job shrunk, through ``try_change``'s claim; with neither, the record notes them."""
+        by_label = {host.label: host for host in self.hosts}
+        members = [by_label[label] for label in watcher.known[1]]
+        out = {by_label[label]: "sick" for label in sick}
+        spares = [
+            host
+            for host in spares_of(self.hosts, members, seen.evicted)
+            if self.reaches(node, host.label) and host.label not in self.sick
+        ]
+        made = evict(members, out, spares, self.hosts, self.min_nodes)
+        if made is None:  # ``note_unhealthy``
+            noted = replace(
+                seen, unhealthy=[*seen.unhealthy, *(f"{label}: sick" for label in sick)]
+            )
+            self.write(node, watcher.known[1], noted, every=False)
+            return
+        new_members = tuple(host.label for host in made.members)
+        if any(not self.reaches(node, label) for label in new_members):
+            return
+        claimed = self.write(node, new_members, claim_of(seen, made), every=True)
+        if claimed is None:
+            return
+        for label in sick:  # ``try_change``: the evicted nodes' parts end once the claim stands
+            if self.reaches(node, label):
+                self.parts[label] = None
+        if node not in new_members:  # its own node evicted: the new membership launches it
+            del self.watchers[node]
             return
         watcher.known = (claimed.generation, new_members)
         watcher.silent_since.clear()
@@ -395,6 +449,8 @@ class Cluster:
             self.stop(node)
         elif kind == "restart":
             self.restart(node)
+        elif kind == "sick":
+            self.sick.add(node)
         self.tick += 1
         self.fence_alone()
         self.note_stop()
@@ -453,6 +509,7 @@ STEP_KINDS = [
     *["lose"] * 4,
     *["back"] * 4,
     *["restart"] * 2,
+    *["sick"] * 2,
     "stop",
 ]
 steps = st.lists(

@@ -28,7 +28,7 @@ from .membership import Change, plan, reason_of_change, spares_of
 from .pool import NodePool
 from .relaunch import Loop, finish
 from .supervision import write
-from .supervision_policy import Outcome, Then, held_by
+from .supervision_policy import Final, Outcome, Then, held_by
 from .verdicts import Check
 
 RECONNECT = 10.0  # seconds between new connections while some node does not answer
@@ -133,7 +133,11 @@ def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refus
         unfit = unfit_spares(change.added, held)
         if unfit:
             return Refused(unfit)
-        rank = change.members.index(loop.node)
+        # the claim's ``by`` finishes it; a leader evicting its own node is in no rank of
+        # it: rank 0's supervisor, or the new membership's leader, takes it over (RESUME)
+        rank = 0
+        if loop.node in change.members:
+            rank = change.members.index(loop.node)
         claimed = write(pool, job, change.members, claim, rank, True, loop.cluster, gone)
         if claimed is None:
             loop.say(unclaimed(pool, loop.cluster, gone))
@@ -143,8 +147,11 @@ def try_change(loop: Loop, seen: Supervision, change: Change) -> Outcome | Refus
         if out:  # its supervisor is fenced by the new generation; its part ends now
             ending = StopRequest(loop.job.id)
             pool.call_all("stop", lambda host: ending, StopReply, out)
-        loop.follow(claimed)
         tell_change(loop, change, claimed)
+        if loop.node not in change.members:
+            loop.say("this node is evicted: the new membership's supervisors launch the claim")
+            return Final(claimed)
+        loop.follow(claimed)
         # the checks just passed on every node of it: not run again before the launch
         return finish(loop, pool, claimed, checked=not held)
 
