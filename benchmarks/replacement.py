@@ -23,73 +23,40 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from meshkit import sandbox
-from meshkit.sandbox.layout import default_subnet
+
+from .supervised import Bench, down, runs_job, said, start, stop, up, wait
 
 NAME = "brepl"
-SETTLE = 5.0  # seconds the supervisors get to settle into watching before the power-off
+SESSION = "repl"  # repeat n's job is the session SESSION<n>, running ``sleep MARKER+n``
+MARKER = 600
 
 
-def node_meshkit(lay: sandbox.Layout, index: int, cwd: Path, *args: str) -> str:
-    """``meshkit ARGS`` inside node ``index``, as a user logged in there; its output."""
-    line = f"cd {shlex.quote(str(cwd))} && {shlex.join([sys.executable, '-m', 'meshkit', *args])}"
-    out = sandbox.node_exec(lay.nodes[index], ["bash", "-c", line], timeout=300)
-    if out.returncode != 0:
-        raise SystemExit(f"meshkit {args[0]} failed: {out.stdout}{out.stderr}")
-    return out.stdout
-
-
-def said(home: Path, text: str) -> bool:
-    return any(text in log.read_text() for log in home.glob("supervisor-node*.log"))
-
-
-def runs_job(lay: sandbox.Layout, index: int, marker: str) -> bool:
-    out = sandbox.node_exec(lay.nodes[index], ["pgrep", "-f", f"^sleep {marker}"])
-    return bool(out.stdout.strip())
-
-
-def wait(predicate, timeout: float) -> float:
-    """Seconds until ``predicate()`` holds (polled every 0.2 s), or raise."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise SystemExit("not reached in time")
-        time.sleep(0.2)
-    return time.monotonic()
-
-
-def one(lay: sandbox.Layout, hostfile: Path, work: Path, active: int, bound: float, n: int):
-    session = f"repl{n}"
-    marker = str(600 + n)  # each repeat's own sleep, told apart by its argument
-    flags = ["--hostfile", str(hostfile), "--session", session, "--restarts", "1"]
-    flags += ["--replace-after", f"{bound:.0f}s", "--cmd", f"sleep {marker}"]
-    node_meshkit(lay, 0, work, "train", *flags)
-    home = work / ".meshkit" / session
-    wait(lambda: all(runs_job(lay, i, marker) for i in range(active)), 120)
-    # a node lost mid-run: every supervisor up, and the leader past its first look
-    logs = [home / f"supervisor-node{rank}.log" for rank in range(active)]
-    wait(lambda: all(log.exists() and "supervising" in log.read_text() for log in logs), 120)
-    time.sleep(SETTLE)
-    lost = active - 1
-    spare = active
+def one(
+    bench: Bench, bound: float, n: int, session: str = SESSION, marker: int = MARKER
+) -> dict[str, float]:
+    """One repeat: the job ``SESSION<n>`` started, its last active node powered off, each step
+    timed from the power-off (seconds); the job stopped and the node switched on again after."""
+    name = f"{session}{n}"
+    mark = str(marker + n)
+    home = start(bench, name, mark, 1, bound)
+    lay = bench.lay
+    lost = bench.active - 1
     off = time.monotonic()
     sandbox.poweroff(lay, lost)
     try:
-        noticed = wait(lambda: said(home, "waiting for"), 120)
+        noticed = wait(lambda: said(home, "waiting for"))
         lost_at = wait(lambda: said(home, " lost: "), bound + 120)
-        claimed = wait(lambda: said(home, "generation 2:"), 120)
-        wait(lambda: said(home, "attempt 2 started"), 120)
-        members = [*range(lost), spare]
-        running = wait(lambda: all(runs_job(lay, i, marker) for i in members), 120)
+        claimed = wait(lambda: said(home, "generation 2:"))
+        wait(lambda: said(home, "attempt 2 started"))
+        members = [*range(lost), bench.spare]
+        running = wait(lambda: all(runs_job(lay, i, mark) for i in members))
     finally:
-        node_meshkit(lay, 0, work, "stop", "--hostfile", str(hostfile), "--session", session)
+        stop(bench, name)
         sandbox.poweron(lay, lost)
     return {
         "noticed": round(noticed - off, 2),
@@ -107,24 +74,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/replacement.json")
     args = parser.parse_args()
-    root = Path(f"/var/tmp/meshkit-bench-{NAME}")
-    lay = sandbox.up(root, default_subnet("", NAME), args.nodes + 1, NAME, kex="openssh")
-    samples = []
+    bench = up(NAME, args.nodes)
+    samples: list[dict[str, float]] = []
     try:
-        hostfile = lay.root / "hostfile-spare"
-        lines = [node.address for node in lay.nodes[: args.nodes]]
-        lines.append(f"{lay.nodes[args.nodes].address} spare")
-        hostfile.write_text("\n".join(lines) + "\n")
-        mesh = [sys.executable, "-m", "meshkit", "mesh", "--hostfile", str(hostfile), "--no-verify"]
-        subprocess.run(mesh, check=True, capture_output=True)
-        work = lay.shared / "work"
-        work.mkdir(exist_ok=True)
         for n in range(args.repeats):
-            figures = one(lay, hostfile, work, args.nodes, args.bound, n)
+            figures = one(bench, args.bound, n)
             print(f"N={args.nodes}+1 spare, --replace-after {args.bound:.0f}s: {figures}")
             samples.append(figures)
     finally:
-        sandbox.down(root, NAME)
+        down(NAME)
     medians = {key: statistics.median(sample[key] for sample in samples) for key in samples[0]}
     result = {
         "nodes": args.nodes,

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's benchmarks/ package
 
-from benchmarks import peers, render, stats
+from benchmarks import peers, recovery, render, stats
 
 
 def line(rank: int, world: int, host: str, total: int | None = None) -> str:
@@ -328,3 +328,33 @@ def test_a_row_pairs_each_sample_with_its_clusters_floor_and_counts_its_shells(
     assert doc["shell_commands_node0"]["mesh/meshkit_no_verify"] == ["cmd 0", "cmd 1", "cmd 2"]
     # 0.12 s over its own cluster's 0.1 s floor, not over the pooled median of 0.1 and 0.3
     assert doc["ratio_to_floor"]["mesh/meshkit_no_verify"] == 1.2
+
+
+def test_recovery_table_has_a_line_per_repeat_and_path_then_each_paths_medians():
+    xid = [
+        {"detected": 2.0, "evicted": 2.1, "claimed": 5.0, "running": 6.0},
+        {"detected": 4.0, "evicted": 4.1, "claimed": 7.0, "running": 9.0},
+        {"detected": 3.0, "evicted": 3.1, "claimed": 6.0, "running": 7.5},
+    ]
+    lost = [{"noticed": 16.0, "lost": 26.0, "claimed": 27.0, "running": 30.0, "over_bound": 20.0}]
+    samples = {"xid": xid, "lost": lost}
+    medians = recovery.medians(samples)
+    assert medians["xid"] == {"detected": 3.0, "evicted": 3.1, "claimed": 6.0, "running": 7.5}
+    assert medians["lost"]["running"] == 30.0
+    lines = recovery.table(samples).splitlines()
+    assert len(lines) == 3 + 1 + 2
+    assert lines[0].startswith("xid   #1") and "running   6.00" in lines[0]
+    assert lines[3].startswith("lost  #1") and "over_bound  20.00" in lines[3]
+    assert lines[4].startswith("xid   median") and "detected   3.00" in lines[4]
+    assert recovery.medians({"xid": [], "lost": lost}).keys() == {"lost"}
+
+
+def test_recovery_alternates_the_paths_and_takes_replacements_flags():
+    assert recovery.order(0) == ["xid", "lost"] and recovery.order(1) == ["lost", "xid"]
+    args = recovery.parse([])
+    assert (args.nodes, args.repeats, args.bound) == (8, 3, 10.0)
+    assert args.out.name == "recovery.json"
+    args = recovery.parse(["2", "--repeats", "1", "--replace-after", "5", "--out", "x.json"])
+    assert (args.nodes, args.repeats, args.bound, str(args.out)) == (2, 1, 5.0, "x.json")
+    with pytest.raises(SystemExit):
+        recovery.parse(["1"])
