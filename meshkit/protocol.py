@@ -415,6 +415,7 @@ class DiagnoseRequest(Request):
     home: str
     log: str
     seconds: float = 5.0
+    stacks: bool = True  # False: the error files and the log only (a failure's cause record)
 
 
 @record

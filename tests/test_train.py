@@ -79,7 +79,9 @@ def test_bare_torchrun_from_a_worker_status_reboot_relaunch_stop(meshed):
         "last_line",
         "stalled",
         "idle_s",
+        "health",  # issue 44: each node's health (an unsupervised job's status asks it too)
     }
+    assert rows[0]["health"]["state"] == "ok", rows[0]
 
     sandbox.reboot(lay, 2)
     rows = status(lay, workdir, "bare")

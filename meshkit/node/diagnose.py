@@ -46,7 +46,7 @@ def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
     started = jobs.started_at(request.job_id)
     keeper = jobs.keeper_pid(request.job_id)
     found: dict[int, int] = {}
-    if keeper:
+    if keeper and request.stacks:
         found = rank_processes(keeper)
     stacks: list[RankStack] = []
     problem = None

@@ -31,12 +31,15 @@ class Admitted:
 
 
 def evicted_before(pool: NodePool, job: Job, hosts: Sequence[Host]) -> list[str]:
-    """The nodes evicted from this job by any launch of it, as the nodes' record copies say."""
+    """The nodes evicted from this job, as the copies of its latest launch say (an older
+    launch's copy left on a node the latest did not reach may name a node readmitted since)."""
+    records = [reply.record for reply in ask(pool, job, hosts).values() if reply.record]
+    latest = max((record.launch for record in records), default="")
     lines: list[str] = []
-    for reply in ask(pool, job, hosts).values():
-        if reply.record is None:
+    for record in records:
+        if record.launch != latest:
             continue
-        for line in reply.record.evicted:
+        for line in record.evicted:
             if line not in lines:
                 lines.append(line)
     return lines

@@ -116,12 +116,15 @@ class Diagnosis:
         return data
 
 
-def diagnose(pool: NodePool, job: Job, hosts: Sequence[Host]) -> Diagnosis:
+def diagnose(pool: NodePool, job: Job, hosts: Sequence[Host], stacks: bool = True) -> Diagnosis:
+    """Every rank's stack (``stacks``; False: only the errors ranks left and the logs, which a
+    failure's cause record needs, without py-spy's seconds), the outliers, the first failure."""
     sent: dict[Host, float] = {}
 
     def request(host: Host) -> DiagnoseRequest:
         sent[host] = time.time()  # as the doctor's facts round does: see clock_offsets
-        return DiagnoseRequest(job.id, str(job.home), job.log(hosts.index(host)), SECONDS)
+        log = job.log(hosts.index(host))
+        return DiagnoseRequest(job.id, str(job.home), log, SECONDS, stacks)
 
     replies = pool.call_all("diagnose", request, DiagnoseReply, hosts, SECONDS + 30)
     return build(job, hosts, replies, pool.failures, sent)

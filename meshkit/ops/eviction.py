@@ -57,7 +57,7 @@ def judge(
     if call.decision.action in (Action.DONE, Action.REPLACE):
         return call
     health = {row.node_rank: row.health for row in rows if not row.error}
-    kept = call.kept
+    kept = mended(loop, pool, call.kept, call.nodes, health)
     out = evictable(call.nodes, health, loop.job.evict, [*kept.unhealthy, *kept.evicted])
     if out:
         hosts = [host for host in loop.hosts if host.label in out]
@@ -157,6 +157,30 @@ def note_unhealthy(
     return noted if written is None else written
 
 
+def mended(
+    loop: Loop,
+    pool: NodePool,
+    record: Supervision,
+    nodes: Sequence[NodeView],
+    health: dict[int, NodeHealth | None],
+) -> Supervision:
+    """The record without the notes of members no spare could replace that are no longer to
+    be evicted (their health came back): written once, as the note was."""
+    still = evictable(nodes, health, loop.job.evict, [])
+    asked = {view.host for view in nodes if health.get(view.rank) is not None}
+    kept = [
+        line
+        for line in record.unhealthy
+        if line.split(": ", 1)[0] in still or line.split(": ", 1)[0] not in asked
+    ]
+    if kept == record.unhealthy:
+        return record
+    loop.say("a member that ran unhealthy with no spare is healthy again")
+    mended_record = replace(record, unhealthy=kept)
+    written = write(pool, loop.job, loop.hosts, mended_record, loop.me, False, loop.quorum)
+    return mended_record if written is None else written
+
+
 def rank_of(loop: Loop, label: str) -> int | None:
     for rank, host in enumerate(loop.hosts):
         if host.label == label:
@@ -174,7 +198,7 @@ def cause_of(
     """A failure's cause record: the ranks' error files (``diagnose``), each node's exit and
     health, then the first-failing node's last log lines."""
     ended = {row.node_rank: row.ended for row in rows if row.ended is not None}
-    found = diagnose(pool, loop.job, loop.hosts)
+    found = diagnose(pool, loop.job, loop.hosts, stacks=False)
     cause = blame(nodes, ended, health, found.errors)
     if cause.node_rank is None:
         return cause
