@@ -111,6 +111,14 @@ def test_an_unhealthy_node_is_blamed_whatever_failed_first():
     assert found.health == ["kernel: XID 79: GPU has fallen off the bus"]
 
 
+def test_the_cause_names_what_the_node_found_an_oom_kill_too():
+    oom = Finding("kernel", HealthState.OK, "oom", "out-of-memory kill of python (pid 7)")
+    noted = judge([oom], [SourceRead("kernel", "/dev/kmsg")])
+    found = blame([running(0), exited(1, 137)], {}, {1: noted}, [])
+    assert found.health == ["kernel: out-of-memory kill of python (pid 7)"]
+    assert found.attributed and found.signal == "SIGKILL"
+
+
 def test_signals_and_lemons():
     assert signal_of(137) == "SIGKILL" and signal_of(1) is None and signal_of(None) is None
     assert not lemon(["n1"], "n1", 2)

@@ -100,7 +100,7 @@ def blame(
                 node_rank=view.rank,
                 exit_code=view.exit_code,
                 signal=signal_of(view.exit_code),
-                health=found.reasons,
+                health=reasons_of(health, view),
                 attributed=True,
             )
     parts = ended_parts(nodes, ended)
@@ -148,10 +148,14 @@ def alone(first: Ended, others: Sequence[Ended]) -> bool:
 
 
 def reasons_of(health: dict[int, NodeHealth | None], view: NodeView | None) -> list[str]:
+    """What the node's health readers found near the failure: every finding, the ones that
+    leave it ok too (an out-of-memory kill, an XID that is the application's own)."""
     if view is None:
         return []
     found = health.get(view.rank)
-    return [] if found is None else found.reasons
+    if found is None:
+        return []
+    return [f"{finding.source}: {finding.what}" for finding in found.findings]
 
 
 def lemon(blamed: Sequence[str], node: str, evict_after: int) -> bool:
