@@ -321,11 +321,7 @@ class Cluster:
         by_label = {host.label: host for host in self.hosts}
         members = [by_label[label] for label in watcher.known[1]]
         gone = [by_label[label] for label in lost]
-        spares = [
-            host
-            for host in spares_of(self.hosts, members, seen.evicted)
-            if self.reaches(node, host.label) and host.label not in self.sick
-        ]
+        spares = self.fit_spares(node, members, seen)
         made = plan(members, gone, spares, self.hosts, self.min_nodes)
         if made is None:
             return
@@ -339,6 +335,15 @@ class Cluster:
         watcher.silent_since.clear()
         self.launch(node, claimed)
 
+    def fit_spares(self, node: str, members: Sequence[Host], seen: Supervision) -> list[Host]:
+        """The spares a change may use: reached by ``node``, neither sick (the gate refuses
+        them) nor evicted before (``spares_of``)."""
+        return [
+            host
+            for host in spares_of(self.hosts, members, seen.evicted)
+            if self.reaches(node, host.label) and host.label not in self.sick
+        ]
+
     def evict(self, node: str, watcher: Watcher, seen: Supervision, sick: list[str]) -> None:
         """``eviction.judge`` and ``evict_nodes``: the sick members put out, their ranks to
         spares this node reaches (not sick, not evicted before: the gate and ``spares_of``) or
@@ -346,11 +351,7 @@ class Cluster:
         by_label = {host.label: host for host in self.hosts}
         members = [by_label[label] for label in watcher.known[1]]
         out = {by_label[label]: "sick" for label in sick}
-        spares = [
-            host
-            for host in spares_of(self.hosts, members, seen.evicted)
-            if self.reaches(node, host.label) and host.label not in self.sick
-        ]
+        spares = self.fit_spares(node, members, seen)
         made = evict(members, out, spares, self.hosts, self.min_nodes)
         if made is None:  # ``note_unhealthy``
             noted = replace(
