@@ -100,8 +100,11 @@ def test_an_xid_79_mid_run_evicts_the_node_and_the_spare_takes_its_rank(meshed, 
         found = events(lay, workdir, session, node=3)
         for kind in ("launched", "health", "evicted", "replaced", "attempt", "done"):
             assert kind in kinds(found), kinds(found)
+        for kind in ("evicted", "replaced"):  # each with the XID
+            said = [event for event in found if event["kind"] == kind]
+            assert "XID 79" in str(said[0]["detail"]), said
         evicted = [event for event in found if event["kind"] == "evicted"]
-        assert evicted[0]["node"] == lay.nodes[2].address and "XID 79" in evicted[0]["detail"]
+        assert evicted[0]["node"] == lay.nodes[2].address
         # --notify: each of its kinds as one JSON object; its hang was an event, nothing more
         told_events = [json.loads(line) for line in notified.read_text().splitlines() if line]
         assert {"health", "evicted", "replaced", "done"} <= set(kinds(told_events))

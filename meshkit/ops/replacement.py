@@ -162,6 +162,9 @@ def tell_change(loop: Loop, change: Change, claimed: Supervision) -> None:
         lost, _, spare = line.partition(" -> ")
         rank = [host.label for host in change.members].index(spare)
         text = f"{spare} takes rank {rank} of {lost} (generation {claimed.generation})"
+        why = [reason for host, reason in change.evicted.items() if host.label == lost]
+        if why:
+            text += f": {lost} evicted, {why[0]}"
         loop.tell(EventKind.REPLACED, text, spare, rank, attempt=claimed.attempt)
     if change.reason == RestartReason.SHRUNK:
         text = f"shrunk to {len(change.members)} nodes (generation {claimed.generation}): "
