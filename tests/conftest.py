@@ -62,10 +62,10 @@ SECONDS = {
     "test_partition_membership": 80,
     # issue 44's history: train, stop, node 0 off, events from node 2
     "test_events_history": 25,  # its author's run alone: 16 s
-    "test_faults": 40,
+    "test_faults": 40,  # issue 44's sandbox faults, from their author's run
     # issue 44's broken nodes, in CI: 97+72+52+30 s and 128+74 s
     "test_broken_nodes": 260,
-    "test_health_eviction": 210,  # issue 44's sandbox faults, from their author's run
+    "test_health_eviction": 210,
 }
 UNLISTED = 60
 
