@@ -56,6 +56,7 @@ def judge(
     node, a lemon's EVICT; a crash loop's GIVE_UP. DONE and REPLACE stand as they are."""
     if call.decision.action in (Action.DONE, Action.REPLACE):
         return call
+    # first the members' health: a node that cannot be trusted is not relaunched on
     health = {row.node_rank: row.health for row in rows if not row.error}
     kept = mended(loop, pool, call.kept, call.nodes, health)
     out = evictable(call.nodes, health, loop.job.evict, [*kept.unhealthy, *kept.evicted])
@@ -66,6 +67,7 @@ def judge(
             decision = Decision(Action.EVICT, Cause.HEALTH, why, RestartReason.EVICTED)
             return replace_call(call, decision, kept, out)
         kept = note_unhealthy(loop, pool, kept, out)
+    # then a failure's cause, the node it counts against, and the run of failed starts
     failing = call.decision.cause in (Cause.FAILURE, Cause.STALL, Cause.REBOOT)
     if not failing or call.decision.action not in (Action.RESTART, Action.GIVE_UP):
         return replace_call(call, call.decision, kept)
@@ -92,7 +94,8 @@ def judge(
             return replace_call(call, decision, kept, {node: text})
     if call.decision.action == Action.RESTART and crashed(kept.quick, loop.job.max_failed_starts):
         causes = " | ".join(kept.quick)
-        why = f"{NOT_HELPING}: {len(kept.quick)} attempts in a row failed at once: {causes}"
+        within = f"{loop.job.crash_window:.0f}s"
+        why = f"{NOT_HELPING}: {len(kept.quick)} attempts in a row failed within {within}: {causes}"
         return replace_call(call, Decision(Action.GIVE_UP, call.decision.cause, why), kept)
     return replace_call(call, call.decision, kept)
 
