@@ -108,7 +108,11 @@ def test_a_killed_node_shell_is_reported_as_such(lay):
         # the shell this test started and what it runs (which holds its output open), by pid
         doomed = [pid for pid in parents if shells[0] in ancestors(pid, parents)]
         killed = sandbox.node_exec(node, ["kill", "-KILL", *map(str, doomed)])
-        assert killed.returncode == 0, killed.stderr
+        # a pipeline's short-lived side may have ended since the listing: only the shell's own
+        # kill must land
+        gone = [line for line in killed.stderr.splitlines() if "No such process" in line]
+        assert killed.returncode == 0 or len(gone) == len(killed.stderr.splitlines()), killed
+        assert not any(f"({shells[0]})" in line for line in gone), killed.stderr
         started = time.monotonic()
         with pytest.raises(MeshkitError) as error:
             shell.receive(1)
