@@ -90,7 +90,7 @@ from hypothesis import strategies as st
 
 from meshkit.hostfile import Host
 from meshkit.job import Job
-from meshkit.ops.membership import evict, plan, spares_of
+from meshkit.ops.membership import Change, evict, plan, spares_of
 from meshkit.ops.replacement import claim_of
 from meshkit.ops.supervision import leader, stop_record
 from meshkit.ops.supervision_policy import Majority, Step, next_step
@@ -325,15 +325,21 @@ class Cluster:
         made = plan(members, gone, spares, self.hosts, self.min_nodes)
         if made is None:
             return
-        new_members = tuple(host.label for host in made.members)
-        if any(not self.reaches(node, label) for label in new_members):
-            return
-        claimed = self.write(node, new_members, claim_of(seen, made), every=True)
+        claimed = self.claim(node, seen, made)
         if claimed is None:
             return
+        new_members = tuple(claimed.members)
         watcher.known = (claimed.generation, new_members)
         watcher.silent_since.clear()
         self.launch(node, claimed)
+
+    def claim(self, node: str, seen: Supervision, made: Change) -> Supervision | None:
+        """``try_change``'s claim of ``made`` over ``seen``, by the supervisor of ``node``:
+        only with every new member reached, kept by them all and a majority of the nodes."""
+        new_members = tuple(host.label for host in made.members)
+        if any(not self.reaches(node, label) for label in new_members):
+            return None
+        return self.write(node, new_members, claim_of(seen, made), every=True)
 
     def fit_spares(self, node: str, members: Sequence[Host], seen: Supervision) -> list[Host]:
         """The spares a change may use: reached by ``node``, neither sick (the gate refuses
@@ -359,12 +365,10 @@ class Cluster:
             )
             self.write(node, watcher.known[1], noted, every=False)
             return
-        new_members = tuple(host.label for host in made.members)
-        if any(not self.reaches(node, label) for label in new_members):
-            return
-        claimed = self.write(node, new_members, claim_of(seen, made), every=True)
+        claimed = self.claim(node, seen, made)
         if claimed is None:
             return
+        new_members = tuple(claimed.members)
         for label in sick:  # ``try_change``: the evicted nodes' parts end once the claim stands
             if self.reaches(node, label):
                 self.parts[label] = None
