@@ -196,25 +196,23 @@ def train(
             tell(pool, launched.job, [host for host in every if host not in pool.failures], said)
         if launched.ok and not launched.dry_run and launched.job.supervised:
             started = start_supervisor(pool, launched.job, hosts, admitted.evicted)
-    if started is not None:
-        clear_spares(conf, launched.job, hosts)
+            clear_spares(pool, launched.job, [host for host in every if host not in hosts])
     lacking_labels = [host.label for host in lacking]
     return TrainResult(launched.job, launched, lacking_labels, report, started)
 
 
-def clear_spares(conf: Config, job: Job, hosts: list[Host]) -> None:
-    """On the hostfile's nodes outside the job (its spares, nodes an earlier launch lost), end
-    what an earlier launch left there: its supervisor, its record copy (a stale stop would end
-    this job the moment the spare took a rank), its part of the job. A spare that does not
-    answer keeps them, harmlessly: this launch's id is later, so every node keeps this launch's
-    copies over them, every reader ignores them, and a supervisor of the earlier launch that
-    meets this one's copies ends."""
-    spares = [host for host in cluster_hosts(job) if host not in hosts]
+def clear_spares(pool: NodePool, job: Job, spares: list[Host]) -> None:
+    """On the hostfile's nodes outside the job (``spares``: its spares, nodes an earlier launch
+    lost or the launch kept out), end what an earlier launch left there: its supervisor, its
+    record copy (a stale stop would end this job the moment the spare took a rank), its part of
+    the job. Over train's own connections (a supervised train connects to them for their
+    health). A spare that does not answer keeps them, harmlessly: this launch's id is later, so
+    every node keeps this launch's copies over them, every reader ignores them, and a
+    supervisor of the earlier launch that meets this one's copies ends."""
     if not spares:
         return
-    with connect(conf, job.hostfile, spares, job.python) as pool:
-        end_supervisor(pool, job, spares)
-        ops_stop(pool, job, spares)
+    end_supervisor(pool, job, spares)
+    ops_stop(pool, job, spares)
 
 
 def launched_event(job: Job, hosts: list[Host]) -> Event:
