@@ -239,7 +239,10 @@ def test_a_supervised_job_is_relaunched_after_a_reboot(lay, python, meshed):
     assert "node 1 " in str(rows[0]["last_restart_reason"]), rows
     log = work / ".meshkit" / "sup" / "node1.log"
     assert log.read_text().count("attempt on 1") == 2  # before the reboot, and relaunched
-    assert owners(lay, "sleep 300") == [{USER}] * len(lay.nodes)
+    # running is the keeper's state; its `meshkit run` starts the command once it discovered
+    # the node's rank, a second or so later under load: wait for the user's own processes
+    expected = [{USER}] * len(lay.nodes)
+    wait_for(lambda: owners(lay, "sleep 300") == expected, timeout=30, interval=1)
     stop = inside(lay, python, 1, "~", "stop", *where)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert stop.stdout.count("nothing left") == len(lay.nodes), stop.stdout
