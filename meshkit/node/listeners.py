@@ -40,6 +40,10 @@ class Listener:
         next), and cut off every peer still being served (its thread closes it)."""
         self.stop.set()
         for sock in self.socks:
+            # shut down first: the serving thread's select holds the socket's file until it wakes,
+            # and a socket is out of LISTEN only once its file is released or it is shut down
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
             sock.close()
         with self.lock:
             for peer in self.peers:
