@@ -102,6 +102,8 @@ class Cluster:
         notify: str | None = None,
         notify_on: str | None = None,
         readmit: str | None = None,
+        straggler_ratio: float | None = None,
+        evict_stragglers: bool | None = None,
     ) -> train_op.TrainResult:
         """``meshkit train``: start ``cmd`` on every node (None: relaunch the saved job)."""
         options = lookup.Options(
@@ -129,6 +131,8 @@ class Cluster:
             notify=notify,
             notify_on=notify_on,
             readmit=readmit,
+            straggler_ratio=straggler_ratio,
+            evict_stragglers=evict_stragglers,
         )
         lookup.check_options(options)
         job, hosts = train_op.plan(self.conf, options)

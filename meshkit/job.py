@@ -41,6 +41,9 @@ EVICT_AFTER = 2  # failures attributed to one node that make it a lemon (train -
 MAX_FAILED_STARTS = 3  # attempts in a row failing within --crash-window end supervision
 CRASH_WINDOW = 300.0  # seconds: an attempt failing sooner "failed to start" (config crash_window)
 NOTIFY_TIMEOUT = 30.0  # seconds the --notify command gets per event (config notify_timeout)
+STEP_STALL_AFTER = 300.0  # seconds with no step of a rank that reports them: stalled
+STRAGGLER_RATIO = 1.2  # a node this much slower than the median per step is a straggler
+STRAGGLER_WINDOW = 60.0  # seconds the nodes' compute per step is compared over
 
 
 def check_session(name: str) -> str:
@@ -108,6 +111,11 @@ class Job:
     notify_on: tuple[str, ...] = tuple(str(kind) for kind in NOTIFY_DEFAULT)  # the kinds told
     notify_timeout: float = NOTIFY_TIMEOUT
     health: HealthLimits = field(default_factory=HealthLimits)  # the thresholds health is read with
+    step_stall_after: float | None = STEP_STALL_AFTER  # seconds with no step of a rank (of a job
+    # that reports steps: meshkit.progress) that make a stall (None: off); --stall-after sets it
+    straggler_ratio: float = STRAGGLER_RATIO  # train --straggler-ratio
+    straggler_window: float = STRAGGLER_WINDOW  # config straggler_window
+    evict_stragglers: bool = False  # train --evict-stragglers: a straggler is evicted
 
     @property
     def supervised(self) -> bool:

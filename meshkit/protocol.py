@@ -219,10 +219,29 @@ class HealthReply(Reply):
 
 
 @record
+class RankProgress:
+    """One rank's steps on this node, as it told them (``meshkit.progress``) in this attempt;
+    rates over the request's window (None: too few checkpoints in it yet). Times are the
+    node's own clock."""
+
+    rank: Index
+    step: Count  # steps done in this attempt
+    age: float  # seconds since its last step was written (at most about a second late)
+    rate: float | None = None  # steps per second over the window
+    step_s: float | None = None  # seconds per step over the window
+    compute_s: float | None = None  # compute seconds per step over the window (None: no sections)
+    early_step_s: float | None = None  # seconds per step over its first minutes (None: not yet)
+
+
+PROGRESS_WINDOW = 60.0  # seconds the rates are taken over unless asked otherwise
+
+
+@record
 class StatusRequest(Request):
     job_id: str
     log: str
     health: HealthRequest | None = None  # read the node's health too (the supervisor's polls)
+    window: float = PROGRESS_WINDOW  # seconds the ranks' step rates are taken over
 
 
 @record
@@ -234,6 +253,7 @@ class StatusReply(Reply):
     idle: float | None = None  # seconds since the log was last written (the node's own clock)
     health: NodeHealth | None = None  # when asked
     ended: WallTime | None = None  # when the job's exit record was written (exited only)
+    progress: list[RankProgress] = field(default_factory=list)  # ranks that told their steps
 
 
 @record
@@ -488,6 +508,7 @@ class Supervision:
     # (attempts that failed within --crash-window): --max-failed-starts of them end supervision
     unhealthy: list[str] = field(default_factory=list)  # "NODE: why": members that are unhealthy
     # and that no spare could replace (the job runs on them; status and the events say so)
+    stragglers: list[str] = field(default_factory=list)  # "NODE: 1.52x ...": named by the leader
 
     def to_json(self) -> str:
         """The copy as a node stores it."""
@@ -639,6 +660,7 @@ class TopRequest(Request):
     log: str = ""
     settle: float = 0.5
     health: HealthRequest | None = None
+    window: float = PROGRESS_WINDOW  # seconds the ranks' step rates are taken over
 
 
 @record
@@ -692,6 +714,7 @@ class TopReply(Reply):
     gpu_error: str | None = None  # why GPUs could not be read although a driver is there
     job_error: str | None = None  # why the job could not be looked at
     health: NodeHealth | None = None  # when asked
+    progress: list[RankProgress] = field(default_factory=list)  # ranks that told their steps
 
 
 @record

@@ -53,6 +53,8 @@ class Config:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the job
     sync_exclude: tuple[str, ...] = ()  # names train --sync never copies
     stall_after: str = "30m"  # no output from any rank for this long: stalled ("off")
+    step_stall_after: str = "5m"  # of a job reporting steps: no step of a rank this long stalls
+    straggler_window: str = "1m"  # the nodes' compute time per step is compared over this long
     health_min_free_mib: int = 1024  # MiB free at least on the workdir's and state dir's disks
     health_xid_window: str = "1h"  # XIDs and OOM kills older than this are history, not health
     crash_window: str = "5m"  # an attempt that fails sooner failed to start (--max-failed-starts)

@@ -225,6 +225,13 @@ def errors_dir(home: str) -> str:
     return os.path.join(home, "errors")
 
 
+def progress_dir(directory: str) -> str:
+    """Where the job's ranks on this node write their progress (``meshkit.progress``), in the
+    job's state directory ``directory``: the keeper makes it (0700) and passes it to the ranks
+    as MESHKIT_PROGRESS. Its files are named as error files are (``rank_error_file``)."""
+    return f"{directory}/progress"
+
+
 def rank_error_file(errors: str, rank: int | str) -> str:
     return f"{errors}/{ERROR_PREFIX}{rank}{ERROR_SUFFIX}"
 

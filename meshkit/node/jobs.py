@@ -259,7 +259,14 @@ def status(request: protocol.StatusRequest) -> protocol.StatusReply:
 
         health = read_health(request.health)
     since = idle(request.log, started)
-    return protocol.StatusReply(state, code, started, last, since, health=health, ended=ended)
+    progress = []
+    if state == protocol.JobState.RUNNING:
+        from .progress import read_progress  # a few small files, when the job runs
+
+        progress = read_progress(files.job_dir(request.job_id), started, request.window)
+    return protocol.StatusReply(
+        state, code, started, last, since, health=health, ended=ended, progress=progress
+    )
 
 
 def ended_at(job_id: str) -> float | None:

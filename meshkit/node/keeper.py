@@ -9,6 +9,7 @@ under sshd, is neither. Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -24,7 +25,24 @@ if TYPE_CHECKING:
     from types import FrameType
 
 TRACER = "MESHKIT_KEEPER"  # the keeper's pid, for the rank hook's PR_SET_PTRACER
+PROGRESS = "MESHKIT_PROGRESS"  # where the ranks write their progress (meshkit.progress)
 MAX_SPEC = 1 << 20  # bytes of the spec (the agent wrote it from a request of at most a line)
+
+
+def _progress_dir(directory: str) -> str:
+    """The ranks' progress directory, made private and emptied of an earlier attempt's files:
+    what is there after this start is this attempt's ("": none could be made, and the ranks'
+    ``meshkit.progress`` does nothing)."""
+    try:
+        progress = files.private_dir(files.progress_dir(directory))
+        names = os.listdir(progress)
+    except (OSError, files.UnsafeStateDir):
+        return ""
+    for name in names:
+        if files.error_file_rank(name) is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(f"{progress}/{name}")
+    return progress
 
 
 def keep(directory: str) -> int:
@@ -52,6 +70,7 @@ def keep(directory: str) -> int:
         procs.JOB_TAG: job.job_id,
         procs.SESSION_TAG: job.session,
         TRACER: str(os.getpid()),
+        PROGRESS: _progress_dir(directory),
     }
     env = {**os.environ, **job.env, **tags}
     try:

@@ -243,6 +243,11 @@ def _with_job(reply: TopReply, request: TopRequest) -> TopReply:
         if state != JobState.ABSENT:
             started = jobs.started_at(request.job_id)
         idle = jobs.idle(request.log, started) if request.log else None
+        progress = []
+        if state == JobState.RUNNING:
+            from .progress import read_progress
+
+            progress = read_progress(files.job_dir(request.job_id), started, request.window)
     except Exception as exc:
         return replace(reply, job_error=f"{type(exc).__name__}: {exc}"[:300])
-    return replace(reply, job_state=state, idle=idle)
+    return replace(reply, job_state=state, idle=idle, progress=progress)

@@ -258,6 +258,7 @@ class StatusRow:
     last_known: str | None = None  # of a node that gave no answer: what the record last knew
     health: NodeHealth | None = None  # when asked, of a node that answered
     ended: float | None = None  # when its part exited (a wall time, the node's clock)
+    progress: list[p.RankProgress] = field(default_factory=list)  # its ranks' steps, if told
 
     def as_json(self, supervision: SupervisionStatus | None = None) -> dict[str, object]:
         """The ``--json`` shape of this node: with ``supervision`` (a supervised job's, the
@@ -318,7 +319,7 @@ def status(
 
     def request(host: Host) -> p.StatusRequest:
         asked = health_request(job, host) if health else None
-        return p.StatusRequest(job.id, job.log(hosts.index(host)), asked)
+        return p.StatusRequest(job.id, job.log(hosts.index(host)), asked, job.straggler_window)
 
     replies = pool.call_all(
         phase,
@@ -361,6 +362,7 @@ def status(
             idle_s=reply.idle,
             health=reply.health,
             ended=reply.ended,
+            progress=reply.progress,
         )
         rows.append(row)
     answered = [(row.state, row.idle_s) for row in rows if not row.error]

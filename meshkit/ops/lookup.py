@@ -69,6 +69,8 @@ class Options:
     notify: str | None = None  # a command told each event (JSON on stdin); "" or "off": none
     notify_on: str | None = None  # comma list of event kinds (default: NOTIFY_DEFAULT)
     readmit: str | None = None  # a node evicted from the saved job, let back in
+    straggler_ratio: str | float | None = None  # a node this much slower is a straggler
+    evict_stragglers: bool | None = None  # None: the saved job's setting
 
 
 def restarts_flag(flag: str | int | None) -> int | None:
@@ -124,6 +126,19 @@ def notify_on_flag(flag: str | None) -> tuple[str, ...] | None:
     return tuple(kinds)
 
 
+def ratio_flag(flag: str | float | None) -> float | None:
+    """``--straggler-ratio`` as a number above 1 (None: not given)."""
+    if flag is None:
+        return None
+    try:
+        ratio = float(str(flag).strip())
+    except ValueError:
+        ratio = 0.0
+    if not 1.0 < ratio <= 100.0:
+        raise UsageError(f"--straggler-ratio {str(flag)[:40]!r}: expected a number above 1 (1.2)")
+    return ratio
+
+
 def check_options(options: Options) -> None:
     """The ranges of a job's flags, for ``meshkit train`` and ``Cluster.train`` alike (the
     messages name the CLI's flags): checked before anything is read from a node."""
@@ -135,6 +150,7 @@ def check_options(options: Options) -> None:
     count_flag(options.evict_after, "--evict-after")
     count_flag(options.max_failed_starts, "--max-failed-starts")
     notify_on_flag(options.notify_on)
+    ratio_flag(options.straggler_ratio)
     if options.replace_after is not None:
         parse_duration(options.replace_after, "--replace-after")
 
@@ -285,6 +301,8 @@ def new_job(conf: Config, options: Options) -> tuple[Job, list[Host]]:
         env=check_env(dict(conf.env)),
         sync_exclude=tuple(conf.sync_exclude),
         stall_after=parse_duration(conf.stall_after, "config stall_after"),
+        step_stall_after=parse_duration(conf.step_stall_after, "config step_stall_after"),
+        straggler_window=config_seconds(conf.straggler_window, "config straggler_window"),
         crash_window=config_seconds(conf.crash_window, "config crash_window"),
         notify_timeout=config_seconds(conf.notify_timeout, "config notify_timeout"),
         health=HealthLimits(

@@ -32,6 +32,7 @@ from .lookup import (
     min_nodes_flag,
     new_job,
     notify_on_flag,
+    ratio_flag,
     restarts_flag,
     saved,
 )
@@ -89,6 +90,7 @@ def plan(conf: Config, options: Options) -> tuple[Job, list[Host]]:
         restart_on=job.restart_on if options.restart_on is None else codes,
         spawn=job.spawn or options.spawn,
         stall_after=job.stall_after if options.stall_after is None else stall,
+        step_stall_after=job.step_stall_after if options.stall_after is None else stall,
         restart_on_stall=job.restart_on_stall if stall_flag is None else stall_flag,
         min_nodes=job.min_nodes if min_nodes is None else min_nodes,
     )
@@ -106,6 +108,13 @@ def plan(conf: Config, options: Options) -> tuple[Job, list[Host]]:
         max_failed_starts=job.max_failed_starts if failed_starts is None else failed_starts,
         notify=notify,
         notify_on=job.notify_on if notify_on is None else notify_on,
+    )
+    ratio = ratio_flag(options.straggler_ratio)
+    evict_stragglers = options.evict_stragglers
+    job = replace(
+        job,
+        straggler_ratio=job.straggler_ratio if ratio is None else ratio,
+        evict_stragglers=job.evict_stragglers if evict_stragglers is None else evict_stragglers,
     )
     if options.replace_after is not None:
         after = parse_duration(options.replace_after, "--replace-after")

@@ -148,8 +148,9 @@ TRAIN_HELP = helps(
     "stops answering or reboots (a supervisor runs in tmux on every node)",
     restart_on="only these exit codes restart (comma list; default any non-zero; torchrun "
     "exits 1 for any worker failure)",
-    stall_after="no output from any rank for this long is a stall (90s, 30m, 1h; default config "
-    "stall_after, 30m; off)",
+    stall_after="no step (of ranks calling meshkit.progress.step), else no output, from any rank "
+    "for this long is a stall (90s, 30m, 1h; default config step_stall_after 5m, stall_after 30m; "
+    "off)",
     restart_on_stall="with --restarts: a stall restarts the job (its diagnosis is saved first)",
     replace_after="with --restarts: a node that does not answer this long is lost and a spare "
     "(a hostfile line marked spare) takes its rank (90s, 5m; default 300s; off: wait, then give "
@@ -173,6 +174,10 @@ TRAIN_HELP = helps(
     notify_on="the event kinds --notify is told of (comma list; default failed, evicted, "
     "replaced, shrunk, gave_up, done)",
     readmit="let NODE, evicted from the saved job, be one of its nodes again (a bare train)",
+    straggler_ratio="a node whose compute time per step (meshkit.progress.compute) is this much "
+    "over the nodes' median for config straggler_window (1m) is a straggler (default 1.2)",
+    evict_stragglers="supervised: a straggler is evicted as an unhealthy node is (a spare takes "
+    "its rank)",
 )
 
 
@@ -205,6 +210,8 @@ def train(
     notify: str | None = None,
     notify_on: str | None = None,
     readmit: str | None = None,
+    straggler_ratio: str | None = None,
+    evict_stragglers: bool = False,
 ) -> None:
     """Start CMD detached in tmux on every node, each with its rank variables; or relaunch the
     saved job.
@@ -245,6 +252,9 @@ def train(
             notify=notify,
             notify_on=notify_on,
             readmit=readmit,
+            straggler_ratio=straggler_ratio,
+            # not given keeps the saved job's setting (there is no --no-evict-stragglers)
+            evict_stragglers=evict_stragglers or None,
         )
         lookup.check_options(options)
         job, hosts = op.plan(conf(), options)
