@@ -49,11 +49,14 @@ def judge(
     call: Call,
     rows: Sequence[ops.StatusRow],
     started: dict[int, float],
+    stepped: bool | None = None,
 ) -> Call:
     """What a poll's ``call`` becomes once its members' health and its failure's cause are
     known: EVICT an unhealthy member (no restart used) where a spare or a shrink can take its
     rank, else note it; for a failure, its cause record (an event) and, counted against its
-    node, a lemon's EVICT; a crash loop's GIVE_UP. DONE and REPLACE stand as they are."""
+    node, a lemon's EVICT; a crash loop's GIVE_UP. DONE and REPLACE stand as they are.
+    ``stepped``: whether the attempt made a step (None: the job reports none), which decides
+    a failed start for a job that reports steps."""
     if call.decision.action in (Action.DONE, Action.REPLACE):
         return call
     # first the members' health: a node that cannot be trusted is not relaunched on
@@ -78,7 +81,10 @@ def judge(
         kept = replace(kept, blamed=[*kept.blamed, found.node])
     now = time.time()
     begun = min(started.values(), default=None)
-    if failed_start(begun, now, loop.job.crash_window):
+    quick = not stepped  # of a job that reports steps: an attempt that made none
+    if stepped is None:
+        quick = failed_start(begun, now, loop.job.crash_window)
+    if quick:
         kept = replace(kept, quick=[*kept.quick, f"attempt {kept.attempt}: {blame_words(found)}"])
     else:
         kept = replace(kept, quick=[])
@@ -94,8 +100,10 @@ def judge(
             return replace_call(call, decision, kept, {node: text})
     if call.decision.action == Action.RESTART and crashed(kept.quick, loop.job.max_failed_starts):
         causes = " | ".join(kept.quick)
-        within = f"{loop.job.crash_window:.0f}s"
-        why = f"{NOT_HELPING}: {len(kept.quick)} attempts in a row failed within {within}: {causes}"
+        within = f"within {loop.job.crash_window:.0f}s"
+        if stepped is not None:
+            within = "before their first step"
+        why = f"{NOT_HELPING}: {len(kept.quick)} attempts in a row failed {within}: {causes}"
         return replace_call(call, Decision(Action.GIVE_UP, call.decision.cause, why), kept)
     return replace_call(call, call.decision, kept)
 

@@ -305,6 +305,27 @@ def is_stalled(stall_after: float | None, nodes: Sequence[tuple[str, float | Non
     return all(idle is not None and idle >= stall_after for idle in running)
 
 
+def stall(job: Job, rows: Sequence[StatusRow]) -> str | None:
+    """Pure: why the running job counts as stalled (None: it does not). A job whose ranks tell
+    their steps (``meshkit.progress``) by its steps: a rank with no step for
+    ``job.step_stall_after`` (its output says nothing: a rank may print and make no step, or
+    step in silence); any other by its output: no node's log written for ``job.stall_after``."""
+    running = [row for row in rows if row.state == p.JobState.RUNNING and not row.error]
+    told = [(row, rank) for row in running for rank in row.progress]
+    if told:
+        if job.step_stall_after is None:
+            return None
+        row, rank = max(told, key=lambda pair: pair[1].age)
+        if rank.age < job.step_stall_after:
+            return None
+        last = f"no step for {rank.age:.0f}s (its step {rank.step})"
+        return f"rank {rank.rank} on {row.host}: {last}, --stall-after {job.step_stall_after:.0f}s"
+    answered = [(row.state, row.idle_s) for row in rows if not row.error]
+    if job.stall_after is None or not is_stalled(job.stall_after, answered):
+        return None
+    return f"no output for {job.stall_after:.0f}s (--stall-after)"
+
+
 def status(
     pool: NodePool,
     job: Job,
@@ -365,8 +386,7 @@ def status(
             progress=reply.progress,
         )
         rows.append(row)
-    answered = [(row.state, row.idle_s) for row in rows if not row.error]
-    if not is_stalled(job.stall_after, answered):
+    if stall(job, rows) is None:
         return rows
     return [replace(row, stalled=True) for row in rows]
 

@@ -34,6 +34,7 @@ from .event_log import History
 from .eviction import evict_nodes, health_changes, judge
 from .fencing import alone, carry_stop, fence, superseded
 from .membership import can_change, members_of
+from .pace import Pace, watch_pace
 from .pool import NodePool
 from .relaunch import COME_BACK, Connect, Gate, Launcher, finish, health
 from .replacement import RECONNECT, end_what_is_left, replace_lost, waiting_note
@@ -99,6 +100,7 @@ class Supervisor:
         self.above = 0  # the highest generation a node claims and no majority carries
         self.history = History(self.job, self.say)  # the job's events, written at each look
         self.healths: dict[str, HealthState] = {}  # each node's health as last polled
+        self.pace = Pace()  # what the polls saw of the ranks' steps
 
     def run(self) -> Supervision:
         """Watch, act on what a watch calls for, and again, until an action ends it all."""
@@ -198,7 +200,7 @@ class Supervisor:
                 started.setdefault(node.rank, node.started)
         stalled = None
         if job.restart_on_stall and any(row.stalled for row in rows):
-            stalled = f"the job stalled: no output for {job.stall_after:.0f}s (--stall-after)"
+            stalled = f"the job stalled: {ops.stall(job, rows)}"
         replaceable = job.replace_after is not None
         left = record.restarts_left
         decision = decide(seen, started, job.restart_on, left, stalled, replaceable)
@@ -212,7 +214,10 @@ class Supervisor:
             self.say(f"saved the diagnosis: {saved.path}")
             self.tell(EventKind.STALLED, reason)
         kept = replace(record, exit_codes=codes, diagnosis=diagnosis)
-        return judge(self, pool, Call(decision, record, kept, seen), rows, started)
+        self.pace.see(record.attempt, rows)
+        call = Call(decision, record, kept, seen)
+        judged = judge(self, pool, call, rows, started, self.pace.made_step())
+        return watch_pace(self, pool, self.pace, judged, rows)
 
     # ---- the actions: DONE and GIVE_UP on the watch's connection, the relaunches after it
 

@@ -91,8 +91,8 @@ class Cause(StrEnum):
     """Why a decision was taken: a node that exited with a failing code or whose job was
     restarted outside the supervisor (FAILURE), the job's stall (STALL, --restart-on-stall: its
     diagnosis is saved first), a job gone from a node (REBOOT), or nodes that do not answer
-    (LOST: lost once ``Silence`` says so), a member's health (HEALTH) or the failures counted
-    against it (LEMON), which evict it."""
+    (LOST: lost once ``Silence`` says so), a member's health (HEALTH), the failures counted
+    against it (LEMON) or its pace (STRAGGLER, --evict-stragglers), which evict it."""
 
     FAILURE = "failure"
     STALL = "stall"
@@ -100,6 +100,7 @@ class Cause(StrEnum):
     LOST = "lost"
     HEALTH = "health"  # a member's health evicts it
     LEMON = "lemon"  # --evict-after failures attributed to one node
+    STRAGGLER = "straggler"  # --evict-stragglers: a node slower than the others per step
 
 
 @dataclass(frozen=True)
