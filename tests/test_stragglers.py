@@ -1,0 +1,160 @@
+"""A job watched by its steps, on the sandbox (real sshd, tmux, torch with gloo, 4 active nodes
+and 1 spare, the bundled example calling ``meshkit.progress``): a rank hung by SIGSTOP is a stall
+within the configured no-step bound (config ``step_stall_after``), restarted with its diagnosis
+saved, and the job completes; a node capped at a third of a CPU (``sandbox.slow``) is named a
+straggler within the window in status, top and the events, and with ``--evict-stragglers`` the
+spare takes its rank, the job's step time back within 10% of before."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from conftest import meshkit
+from helpers import spares
+from helpers.sandbox_jobs import on_node, supervisor_said, wait_for
+
+from meshkit import sandbox
+
+SANDBOX_NODES = 5
+
+meshed = spares.meshed
+
+WINDOW = "20s"  # config straggler_window: the rates' and the comparison's window
+WORK = 40  # 128x128 matrix products per step, inside meshkit.progress.compute()
+
+
+def example(session: str, steps: int, step_seconds: float, spawn: bool) -> str:
+    """The example, long enough to be watched: each attempt says what it was told first."""
+    said = "echo attempt=$((MESHKIT_RESTART_COUNT + 1)) reason=$MESHKIT_RESTART_REASON"
+    said += " generation=$MESHKIT_GENERATION master=$MASTER_ADDR"
+    launcher = "python" if spawn else "torchrun"
+    flags = f"--steps {steps} --work {WORK} --step-seconds {step_seconds} --checkpoint-every 20"
+    return f"{said}; {launcher} example_train.py {flags}"
+
+
+def events(lay, workdir: Path, session: str, node: int) -> list[dict[str, object]]:
+    out = on_node(lay, node, workdir, "events", "--session", session, "--json")
+    assert out.stdout.strip(), out.stderr
+    return json.loads(out.stdout)
+
+
+def step_time(rows: list[dict[str, object]]) -> float | None:
+    """The median rank's seconds per step over the window (None: not known yet)."""
+    times = []
+    for row in rows:
+        for rank in row.get("progress") or []:  # type: ignore[union-attr]
+            if rank.get("step_s") is not None:
+                times.append(float(rank["step_s"]))
+    if len(times) < spares.ACTIVE:
+        return None
+    return statistics.median(times)
+
+
+def rank_pids(lay, node: int) -> list[int]:
+    """The example's rank processes on ``node`` (not torchrun, not bash)."""
+    out = sandbox.node_exec(lay.nodes[node], ["pgrep", "-f", "python[^ ]* .*example_train.py"])
+    found = []
+    for pid in out.stdout.split():
+        line = sandbox.node_exec(lay.nodes[node], ["cat", f"/proc/{pid}/cmdline"]).stdout
+        if "torchrun" not in line and "example_train.py" in line:
+            found.append(int(pid))
+    return found
+
+
+def stop(lay, workdir: Path, hostfile: Path, session: str) -> None:
+    out = meshkit("stop", "--hostfile", str(hostfile), "--session", session, cwd=workdir)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_rank_hung_by_sigstop_stalls_by_its_steps_and_is_restarted_with_its_diagnosis(meshed):
+    lay, workdir, hostfile = meshed
+    session = "sigstop"
+    env = f"MESHKIT_STEP_STALL_AFTER=20s MESHKIT_STRAGGLER_WINDOW={WINDOW}"
+    cmd = example(session, steps=400, step_seconds=0.2, spawn=False)
+    spares.train(lay, workdir, hostfile, session, "--restart-on-stall", cmd=cmd, env=env)
+    try:
+
+        def stepping():
+            rows = spares.status(lay, workdir, session, node=1)
+            told = [rank for row in rows for rank in row.get("progress") or []]
+            return rows if len(told) == spares.ACTIVE and min(r["step"] for r in told) > 5 else None
+
+        wait_for(stepping, timeout=240, interval=2)
+        pids = rank_pids(lay, 2)
+        assert pids, "no rank process on node 2"
+        stopped = time.time()
+        for pid in pids:
+            sandbox.node_exec(lay.nodes[2], ["kill", "-STOP", str(pid)])
+
+        def restarted():
+            rows = spares.status(lay, workdir, session, node=1)
+            return rows if rows[0]["restarts_left"] == 1 else None
+
+        rows = wait_for(restarted, timeout=120, interval=1)
+        took = time.time() - stopped
+        assert took < 20 + 40, took  # the no-step bound, then a poll and the diagnosis
+        reason = str(rows[0]["last_restart_reason"])
+        assert "no step for" in reason and "stalled" in reason, reason
+        saved = Path(str(rows[0]["diagnosis"]))
+        assert json.loads(saved.read_text())["state"] == "stalled"
+        kinds = [event["kind"] for event in events(lay, workdir, session, node=3)]
+        assert "stalled" in kinds, kinds
+        # the relaunch resumes from the checkpoint and completes
+        wait_for(lambda: supervisor_said(workdir, session, " done: "), timeout=300, interval=2)
+        assert "resumed from step" in spares.last_attempt(workdir, session, 0)
+    finally:
+        stop(lay, workdir, hostfile, session)
+
+
+def test_a_node_capped_to_a_third_is_a_straggler_and_the_spare_takes_its_rank(meshed):
+    lay, workdir, hostfile = meshed
+    session = "slow"
+    env = f"MESHKIT_STRAGGLER_WINDOW={WINDOW}"
+    cmd = example(session, steps=100000, step_seconds=0.0, spawn=True)
+    spares.train(
+        lay, workdir, hostfile, session, "--evict-stragglers", cmd=cmd, env=env, spawn=True
+    )
+    try:
+        before = wait_for(
+            lambda: step_time(spares.status(lay, workdir, session, node=1)), timeout=240, interval=2
+        )
+        time.sleep(5)
+        before = statistics.median(
+            [before, *[step_time(spares.status(lay, workdir, session, node=1)) or before]]
+        )
+        capped = time.time()
+        sandbox.slow(lay, 2, cpu=0.33)
+
+        def named():
+            found = events(lay, workdir, session, node=1)
+            return [event for event in found if event["kind"] == "straggler"]
+
+        said = wait_for(named, timeout=60, interval=1)
+        assert time.time() - capped < 20 + 20, "not named within the window (and a poll)"
+        assert said[0]["node"] == lay.nodes[2].address, said
+        assert "x the nodes' median compute per step" in str(said[0]["detail"]), said
+        # evicted: the spare runs rank 2, told "evicted", no restart used
+        spare = lay.nodes[4].address
+
+        def moved():
+            rows = spares.status(lay, workdir, session, node=1)
+            hosts = [row["host"] for row in rows]
+            return rows if hosts[2] == spare and rows[0]["generation"] == 2 else None
+
+        rows = wait_for(moved, timeout=120, interval=1)
+        assert rows[0]["restarts_left"] == 2
+        assert any("straggler" in line for line in rows[0]["evicted"]), rows[0]
+        told = spares.ATTEMPT.search(spares.last_attempt(workdir, session, 2))
+        assert told is not None and told.group(2) == "evicted"
+        # the step time, once the window filled again, is back within 10% of before
+        time.sleep(25)
+        after = wait_for(
+            lambda: step_time(spares.status(lay, workdir, session, node=1)), timeout=120, interval=2
+        )
+        assert after <= before * 1.10, (before, after)
+    finally:
+        sandbox.slow(lay, 2, cpu=1.0)
+        stop(lay, workdir, hostfile, session)
