@@ -15,8 +15,9 @@ hostfile, ssh_config) in the sandbox's ``user/``, which nodes do not see. ``down
 account when a sandbox created it and no other sandbox is running.
 
 This module is the sandbox's life (``up``, ``down``, ``load``, ``reboot``, ``poweroff``,
-``poweron``, ``fault``) and its state file; the parts live beside it: ``layout`` (names and
-addresses), ``faults`` (a node made unhealthy through its own sources: ``kmsg``, ``fake_smi``),
+``poweron``, ``fault``, ``slow``) and its state file; the parts live beside it: ``layout`` (names
+and addresses), ``faults`` (a node made unhealthy through its own sources: ``kmsg``,
+``fake_smi``), ``cpu`` (a node made slow: its CPU capped in a cgroup of its own),
 ``host_setup`` (what this machine needs), ``node_files`` (the files nodes boot from), ``bashrc``
 (the nodes' ~/.bashrc), ``nodes`` (booting, killing and entering a node), ``networks``
 (real-world network features, and the silence of a node that is off), ``slurm`` (a private SLURM
@@ -33,6 +34,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import SandboxError
+from . import cpu as node_cpu
 from . import faults
 from . import slurm as slurm_cluster
 from . import user as sandbox_user
@@ -161,6 +163,8 @@ def down(root: str | os.PathLike[str], name: str = DEFAULT) -> list[str]:
     # The same for the sandbox's user: another sandbox's nodes may mount its home.
     if state and state.get("user") and not others_running and sandbox_user.remove_account():
         removed.append(f"user {USER}")
+    # Last: its processes are killed above, so its nodes' cgroups (sandbox.slow) are empty.
+    removed += node_cpu.remove(name)
     return removed
 
 
@@ -330,6 +334,14 @@ def fault(
     return faults.fault(sandbox, index, change)
 
 
+def slow(sandbox: Layout, index: int, cpu: float) -> node_cpu.Cap:
+    """Cap node ``index``'s CPU at ``cpu`` of ONE CPU (its processes together; 0.33: a third),
+    or lift the cap (``cpu`` 1 or more), as ``sandbox.slow`` does (see cpu.py). Made live: every
+    process of the node is moved into its cgroup now, later ones through its sshd inherit it, and
+    a reboot keeps it."""
+    return node_cpu.slow(sandbox, index, cpu)
+
+
 def powered_off(sandbox: Layout, index: int) -> bool:
     """Whether the node is off: silent (``poweroff``), or without a process (its sshd, the
     node's PID 1, is gone)."""
@@ -353,3 +365,5 @@ def _boot(sandbox: Layout, node: Node) -> None:
     if state.get("slurm"):
         slurm_cluster.start_daemons(sandbox, node)
         slurm_cluster.wait_idle(sandbox, [node])
+    # Last, so that SLURM's daemons (entered from outside, not the sshd's children) go in too.
+    node_cpu.restore(sandbox, node)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json as jsonlib
+import math
 import sys
 import time
 from dataclasses import asdict
@@ -366,6 +367,56 @@ def unshape(c: Context, dir: str | None = None, name: str | None = None) -> None
     print("unshaped: every link at full speed")
 
 
+def _fraction(value: object) -> float:
+    """``--cpu`` as given: a share of one CPU, above 0."""
+    if value is None:
+        raise UsageError(
+            "give the node's share of one CPU: --cpu FRACTION (e.g. --cpu 0.33; --cpu 1 lifts "
+            "the cap)"
+        )
+    given = str(value)
+    try:
+        fraction = float(given)
+    except ValueError:
+        fraction = math.nan
+    if not math.isfinite(fraction) or fraction <= 0:
+        raise UsageError(f"--cpu {given[:40]!r}: give a share of one CPU above 0, e.g. 0.33")
+    return fraction
+
+
+@task(
+    help={
+        "node": "index of the node (0 = node0)",
+        "cpu": "the share of ONE CPU the node's processes together may use, e.g. 0.33 (a third);"
+        " 1 or more lifts the cap",
+        **WHERE,
+    }
+)
+def slow(
+    c: Context,
+    node: int | None = None,
+    cpu: str | None = None,
+    dir: str | None = None,
+    name: str | None = None,
+) -> None:
+    """Slow one node: cap its CPU (a cgroup of its own; a reboot keeps it); --cpu 1 lifts the
+    cap."""
+    from ... import sandbox
+
+    with reported():
+        index = _index(node)
+        fraction = _fraction(cpu)
+        cap = sandbox.slow(_load(dir, name), index, fraction)
+    if cap.cpu is None:
+        print(f"{cap.node}: CPU cap lifted")
+        return
+    print(
+        f"{cap.node}: CPU capped at {cap.cpu:g} of one CPU ({cap.processes} processes in "
+        f"{cap.group}; later ones inherit it)"
+    )
+    print(f"undo: meshkit sandbox.slow --node {index} --cpu 1")
+
+
 ns = Collection(
-    "sandbox", up, down, reboot, poweroff, poweron, fault, status, cut, mend, shape, unshape
+    "sandbox", up, down, reboot, poweroff, poweron, fault, status, cut, mend, shape, unshape, slow
 )
