@@ -26,15 +26,26 @@ def test_a_fraction_is_of_one_cpu_per_period():
     assert cpu.quota_us(0.01) == 1_000  # cgroup v1's least
 
 
-def test_cgroup_v1_files_hold_the_period_then_the_quota():
-    assert cpu.limits(cpu.V1, 0.25) == {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "25000"}
-    assert list(cpu.limits(cpu.V1, 0.25)) == ["cpu.cfs_period_us", "cpu.cfs_quota_us"]
+def test_cgroup_v1_files_hold_the_period_then_the_quota_then_the_weight():
+    assert cpu.limits(cpu.V1, 0.25) == {
+        "cpu.cfs_period_us": "100000",
+        "cpu.cfs_quota_us": "25000",
+        "cpu.shares": "256",
+    }
+    assert list(cpu.limits(cpu.V1, 0.25)) == ["cpu.cfs_period_us", "cpu.cfs_quota_us", "cpu.shares"]
     assert cpu.limits(cpu.V1, None)["cpu.cfs_quota_us"] == "-1"
+    assert cpu.limits(cpu.V1, None)["cpu.shares"] == "1024"
 
 
-def test_cgroup_v2_has_one_file_quota_and_period():
-    assert cpu.limits(cpu.V2, 0.33) == {"cpu.max": "33000 100000"}
-    assert cpu.limits(cpu.V2, None) == {"cpu.max": "max 100000"}
+def test_cgroup_v2_has_one_file_quota_and_period_and_a_weight():
+    assert cpu.limits(cpu.V2, 0.33) == {"cpu.max": "33000 100000", "cpu.weight": "33"}
+    assert cpu.limits(cpu.V2, None) == {"cpu.max": "max 100000", "cpu.weight": "100"}
+
+
+def test_under_contention_a_capped_node_weighs_its_fraction_of_one_busy_process():
+    assert cpu.weight(cpu.V1, 0.33) == {"cpu.shares": "338"}
+    assert cpu.weight(cpu.V1, 0.001) == {"cpu.shares": "2"}  # the kernel's least
+    assert cpu.weight(cpu.V2, 2.5) == {"cpu.weight": "250"}  # two capped nodes' sum
 
 
 def test_one_cpu_or_more_lifts_the_cap():

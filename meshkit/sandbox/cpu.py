@@ -3,7 +3,11 @@
 Each capped node has a cgroup of its own, ``<cpu hierarchy>/meshkit-sandbox-<name>/node<i>``,
 whose CPU quota is a FRACTION of ONE CPU per 100 ms period (cgroup v1: ``cpu.cfs_period_us`` and
 ``cpu.cfs_quota_us``; cgroup v2: ``cpu.max``): with ``--cpu 0.33`` the node's processes together
-get a third of a CPU, however many cores the machine has. Every process of the node (those whose
+get a third of a CPU, however many cores the machine has. On a loaded machine, where a node gets
+less than its quota anyway, a quota binds nothing: so the group's weight (``cpu.shares``,
+``cpu.weight``) is FRACTION of one busy process's too, and the sandbox's group, which holds the
+capped nodes, weighs their fractions' sum: under contention a node capped at a third gets a third
+of what an uncapped node's process gets. Every process of the node (those whose
 network namespace is the node's) is moved into it at each call; those started later through the
 node's sshd inherit it. Processes entered from outside (``node_exec``'s nsenter) are not the
 sshd's descendants and do not, until the next call.
@@ -37,6 +41,9 @@ JOIN_ROUNDS = 5  # a process may fork while its parent is moved: list the node a
 REMOVE_TRIES = 20  # a killed process leaves its cgroup a moment after SIGKILL
 V1 = 1
 V2 = 2
+WEIGHT_FILE = {V1: "cpu.shares", V2: "cpu.weight"}
+DEFAULT_WEIGHT = {V1: 1024, V2: 100}  # one busy process's, as the kernel weighs it
+WEIGHT_RANGE = {V1: (2, 262144), V2: (1, 10000)}
 
 
 @dataclass(frozen=True)
@@ -87,11 +94,33 @@ def limits(version: int, cpu: float | None) -> dict[str, str]:
         quota = "-1"
         if cpu is not None:
             quota = str(quota_us(cpu))
-        return {"cpu.cfs_period_us": str(PERIOD_US), "cpu.cfs_quota_us": quota}
-    quota = "max"
+        files = {"cpu.cfs_period_us": str(PERIOD_US), "cpu.cfs_quota_us": quota}
+    else:
+        quota = "max"
+        if cpu is not None:
+            quota = str(quota_us(cpu))
+        files = {"cpu.max": f"{quota} {PERIOD_US}"}
+    return {**files, **weight(version, cpu)}
+
+
+def weight(version: int, cpu: float | None) -> dict[str, str]:
+    """A group's weight under contention: ``cpu`` of one busy process's (None: one's)."""
+    default = DEFAULT_WEIGHT[version]
+    value = default
     if cpu is not None:
-        quota = str(quota_us(cpu))
-    return {"cpu.max": f"{quota} {PERIOD_US}"}
+        value = round(default * cpu)
+    low, high = WEIGHT_RANGE[version]
+    return {WEIGHT_FILE[version]: str(min(high, max(low, value)))}
+
+
+def _weigh_sandbox(sandbox: Layout, found: Hierarchy) -> None:
+    """The sandbox's group weighs what its capped nodes do together (their fractions' sum)."""
+    top = found.sandbox_group(sandbox.name)
+    if not top.is_dir():
+        return
+    fractions = [recorded(sandbox, node) for node in sandbox.nodes]
+    total = sum(fraction for fraction in fractions if fraction is not None)
+    _set(top, weight(found.version, total if total > 0 else None))
 
 
 def _unescape(field: str) -> str:
@@ -252,6 +281,7 @@ def slow(sandbox: Layout, index: int, cpu: float) -> Cap:
     group = _made(found, sandbox.name, node)
     _set(group, limits(found.version, cpu))
     _record(sandbox, node, cpu)
+    _weigh_sandbox(sandbox, found)
     return Cap(node.name, cpu, group, join(node, group))
 
 
@@ -266,6 +296,7 @@ def _lift(sandbox: Layout, node: Node) -> Cap:
         group = found.node_group(sandbox.name, node)
         if group.is_dir():
             _set(group, limits(found.version, None))
+            _weigh_sandbox(sandbox, found)
     return Cap(node.name, None, None, 0)
 
 
@@ -277,6 +308,7 @@ def restore(sandbox: Layout, node: Node) -> None:
     found = hierarchy()
     group = _made(found, sandbox.name, node)
     _set(group, limits(found.version, cpu))
+    _weigh_sandbox(sandbox, found)
     join(node, group)
 
 
