@@ -146,8 +146,9 @@ class Cluster:
     def status(self) -> jobs.JobStatus:
         """``meshkit status``: ``.rows``, one per node (a node that cannot be asked has
         ``error``), and a supervised job's ``.supervision``, once for the job (its record's
-        fields, its leader, its spares' health; None: not supervised). ``.as_json()``: the
-        ``status --json`` objects."""
+        fields, its leader, its spares' health; None: not supervised). Each row's
+        ``.progress``: its ranks' steps (``meshkit.progress``); ``.stragglers()``: the nodes
+        named slow. ``.as_json()``: the ``status --json`` objects."""
         return self._on_saved(jobs.job_status, spares=True)
 
     def events(self, since: float | None = None) -> list[Event]:

@@ -69,6 +69,8 @@ SECONDS = {
     # issue 45's slow sandbox node (sandbox.slow), its author's run under load: 25 s
     "test_slow": 40,
     "test_stragglers": 300,
+    # issue 45: the example's steps under torchrun and --spawn, and a job without them
+    "test_progress": 190,  # its author's run alone: 185 s
 }
 UNLISTED = 60
 

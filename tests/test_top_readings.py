@@ -245,6 +245,7 @@ NODE_KEYS = {
     "stalled",
     "history",
     "health",
+    "straggler",  # issue 45: null, or its ratio when it is one
 }
 GPU_KEYS = {
     "index",
@@ -274,7 +275,9 @@ def test_json_has_the_documented_keys_and_a_down_node_says_why() -> None:
     for node in data["nodes"]:
         assert set(node) == NODE_KEYS
     assert set(data["nodes"][0]["gpus"][0]) == GPU_KEYS
-    assert set(data["nodes"][0]["ranks"][0]) == {"rank", "pid", "cpu_percent", "rss_bytes"}
+    # issue 45: each rank's step, rate and age (null: it tells no steps)
+    rank_keys = {"rank", "pid", "cpu_percent", "rss_bytes", "step", "rate", "age"}
+    assert set(data["nodes"][0]["ranks"][0]) == rank_keys
     assert data["nodes"][1]["gpus"] == []
     assert data["nodes"][1]["gpu_source"] == "none"
     down = data["nodes"][2]

@@ -80,6 +80,8 @@ def test_bare_torchrun_from_a_worker_status_reboot_relaunch_stop(meshed):
         "stalled",
         "idle_s",
         "health",  # issue 44: each node's health (an unsupervised job's status asks it too)
+        "progress",  # issue 45: its ranks' steps (the example tells them)
+        "straggler",  # issue 45: null, or its figures when status names it one
     }
     assert rows[0]["health"]["state"] == "ok", rows[0]
 

@@ -18,18 +18,20 @@ from ..errors import LaunchError, NodeFailed, ProtocolError
 from ..events import EventKind
 from ..health import NodeHealth
 from ..hostfile import Host, members_text
-from ..job import JOB_FILE_MODE, Job
+from ..job import JOB_FILE_MODE, STRAGGLER_RATIO, Job
 from ..jobindex import index_root
 from ..outcome import Outcome
 from ..protocol import JobState, Supervision
 from ..record import replace
+from ..stragglers import Slowdown, Straggler, slowdown
 from .events import new_event, tell
 from .health import health_request
 from .lookup import cluster_hosts
 from .membership import can_change, spares_of
 from .pool import NodePool, unanswered
+from .progress_status import Named, named, rank_json, straggler_json
 from .supervision import end_supervisor, look, stop_record
-from .supervision_status import SupervisionStatus, spare_rows, supervision_status
+from .supervision_status import RUNNING, SupervisionStatus, spare_rows, supervision_status
 from .verdicts import env_error
 
 PORT_SCAN = 20  # ports tried after the derived one when it is busy on the master
@@ -260,12 +262,15 @@ class StatusRow:
     ended: float | None = None  # when its part exited (a wall time, the node's clock)
     progress: list[p.RankProgress] = field(default_factory=list)  # its ranks' steps, if told
 
-    def as_json(self, supervision: SupervisionStatus | None = None) -> dict[str, object]:
+    def as_json(
+        self, supervision: SupervisionStatus | None = None, straggler: Straggler | None = None
+    ) -> dict[str, object]:
         """The ``--json`` shape of this node: with ``supervision`` (a supervised job's, the
         same for every node) its keys too. A node that answered with its own error is
         ``error``, as the text table says; one that gave no answer is ``unreachable`` (whether
         the job runs there is unknown: never ``absent``), its ``last_line`` what was last
-        known of it."""
+        known of it. ``progress``: its ranks' steps (empty: none tells them); ``straggler``:
+        null, or its figures when status names it one."""
         keys = ["node_rank", "host", "state", "exit_code", "started", "last_line", "stalled"]
         data = {key: getattr(self, key) for key in keys}
         if self.error and not self.silent:
@@ -277,6 +282,8 @@ class StatusRow:
             data.update(supervision.record_json())
         data["idle_s"] = None if self.idle_s is None else round(self.idle_s, 1)
         data["health"] = None if self.health is None else self.health.as_json()
+        data["progress"] = [rank_json(rank) for rank in self.progress]
+        data["straggler"] = straggler_json(straggler)
         if supervision is not None:
             data.update(supervision.supervisor_json())
         return data
@@ -289,11 +296,29 @@ class JobStatus:
 
     rows: list[StatusRow]
     supervision: SupervisionStatus | None = None
+    straggler_ratio: float = STRAGGLER_RATIO  # the job's --straggler-ratio
+
+    def stragglers(self) -> Named:
+        """The stragglers named: a supervised job's leader's, from its record, while a
+        supervisor runs; else this poll's, from the rows' progress."""
+        record = None
+        shown = self.supervision
+        if shown is not None and shown.supervisor in RUNNING:
+            record = shown.stragglers
+        nodes = {row.host: row.progress for row in self.rows if row.progress}
+        return named(nodes, self.straggler_ratio, record)
+
+    def slowdown(self) -> Slowdown | None:
+        """The job's step time against its first minutes, of a job whose ranks tell steps
+        but time no compute sections (None: not known, or attributed by ``stragglers``)."""
+        progress = [rank for row in self.rows for rank in row.progress]
+        return slowdown(progress)
 
     def as_json(self) -> list[dict[str, object]]:
         """The ``--json`` shape: one object per node, each with the job's supervision keys
         when it is supervised."""
-        return [row.as_json(self.supervision) for row in self.rows]
+        figures = self.stragglers().nodes
+        return [row.as_json(self.supervision, figures.get(row.host)) for row in self.rows]
 
 
 def is_stalled(stall_after: float | None, nodes: Sequence[tuple[str, float | None]]) -> bool:
@@ -407,14 +432,15 @@ def job_status(pool: NodePool, job: Job, hosts: Sequence[Host]) -> JobStatus:
     health (``meshkit.health``) in its row."""
     rows = status(pool, job, hosts, health=True)
     if not job.supervised:
-        return JobStatus(rows)
+        return JobStatus(rows, straggler_ratio=job.straggler_ratio)
     cluster = cluster_hosts(job)
     seen = look(pool, job, hosts, cluster)
     evicted = [] if seen.record is None else seen.record.evicted
     spares = spare_rows(pool, job, hosts, spares_of(cluster, hosts, evicted))
     rows = [last_known(row, seen.record) for row in rows]
     changes = can_change(job, hosts, cluster)
-    return JobStatus(rows, supervision_status(seen, spares, changes))
+    shown = supervision_status(seen, spares, changes)
+    return JobStatus(rows, shown, job.straggler_ratio)
 
 
 def last_known(row: StatusRow, record: Supervision | None) -> StatusRow:

@@ -2,7 +2,8 @@
 median of its peers. Far is under ``LOW`` of the median while the group is busy (the GPU at 0%
 while the others compute, the node whose network is idle), or busy while the group's median is
 idle (the one rank spinning while the others wait); either way a minority of the group. Every
-mark comes with a one-line reason.
+mark comes with a one-line reason. A straggler (``meshkit.stragglers``: a node whose compute
+time per step is ``--straggler-ratio`` over the nodes' median) is an odd one too, with its ratio.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..protocol import PortRate, TopReply
+from ..stragglers import Straggler, stragglers
 
 Kind = Literal["node", "gpu", "rank"]
 LOW = 0.5  # far below: under half the peers' median
@@ -134,3 +136,14 @@ def mark(samples: Sequence[tuple[str, TopReply]]) -> list[Odd]:
     found += far_from_peers(node_network, NETWORK)
     found += far_from_peers(node_gpus, GPU_UTIL)
     return found
+
+
+def straggler_marks(
+    samples: Sequence[tuple[str, TopReply]], ratio: float
+) -> tuple[list[Straggler], list[Odd]]:
+    """Pure: the stragglers among the nodes that answered (their ranks' steps, over the
+    window top asked for), and each marked as the odd one out with its ratio."""
+    nodes = {node: sample.progress for node, sample in samples if sample.progress}
+    found = stragglers(nodes, ratio)
+    marks = [Odd("node", each.node, each.node, f"straggler {each.words()}") for each in found]
+    return found, marks

@@ -57,6 +57,7 @@ class SupervisionStatus:
     no_majority: str | None = None  # "2 of 5": too few of the job's nodes answer to settle it
     evicted: list[str] = field(default_factory=list)  # "NODE: why": kept out of the job
     unhealthy: list[str] = field(default_factory=list)  # "NODE: why": members no spare replaced
+    stragglers: list[str] = field(default_factory=list)  # "NODE: 1.52x ...": the leader's
 
     def record_json(self) -> dict[str, object]:
         """The record's and the membership's keys of every node's ``status --json`` object."""
@@ -128,6 +129,7 @@ def supervision_status(
         no_majority=no_majority,
         evicted=list(record.evicted),
         unhealthy=list(record.unhealthy),
+        stragglers=list(record.stragglers),
     )
 
 

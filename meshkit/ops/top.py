@@ -19,13 +19,23 @@ from ..errors import JobError
 from ..health import HealthState
 from ..hostfile import Host
 from ..job import Job
-from ..protocol import GpuSample, HealthRequest, JobState, RankSample, TopReply, TopRequest
+from ..protocol import (
+    GpuSample,
+    HealthRequest,
+    JobState,
+    RankProgress,
+    RankSample,
+    TopReply,
+    TopRequest,
+)
 from ..settings import Config
+from ..stragglers import Straggler
 from . import lookup
 from .health import health_request
 from .jobs import is_stalled
-from .odd_one_out import Odd, job_port, mark
+from .odd_one_out import Odd, job_port, mark, straggler_marks
 from .pool import NodePool, unanswered
+from .progress_status import straggler_json
 from .supervision import look
 from .supervision_status import supervision_status, supervisor_words
 
@@ -59,6 +69,7 @@ class Snapshot:
     job: str | None = None  # "SESSION in WORKDIR" when the hostfile has a saved job
     supervisor: str | None = None  # a supervised job's supervision, as status says it
     stalled: bool = False
+    stragglers: list[Straggler] = field(default_factory=list)  # also marked odd, with a reason
 
     def as_json(self) -> dict[str, object]:
         """The ``--json`` shape, with fixed keys (README, ``meshkit top``)."""
@@ -68,7 +79,7 @@ class Snapshot:
             "job": self.job,
             "supervisor": self.supervisor,
             "stalled": self.stalled,
-            "nodes": [node_json(node, self.odd) for node in self.nodes],
+            "nodes": [node_json(node, self.odd, self.stragglers) for node in self.nodes],
             "odd": [asdict(odd) for odd in self.odd],
         }
 
@@ -90,17 +101,32 @@ def gpu_json(gpu: GpuSample) -> dict[str, object]:
     }
 
 
-def rank_json(rank: RankSample) -> dict[str, object]:
+def rank_json(rank: RankSample, progress: Sequence[RankProgress] = ()) -> dict[str, object]:
+    """A rank's figures; ``step``, ``rate`` (steps/s) and ``age`` (seconds since its last
+    step) from ``progress`` (null: the rank does not tell its steps, or no rate yet)."""
+    told = None
+    for each in progress:
+        if each.rank == rank.rank:
+            told = each
     return {
         "rank": rank.rank,
         "pid": rank.pid,
         "cpu_percent": _rounded(rank.cpu),
         "rss_bytes": rank.rss,
+        "step": None if told is None else told.step,
+        "rate": None if told is None else _rounded(told.rate, 3),
+        "age": None if told is None else _rounded(told.age),
     }
 
 
-def node_json(view: NodeLine, odd: Sequence[Odd]) -> dict[str, object]:
+def node_json(
+    view: NodeLine, odd: Sequence[Odd], stragglers: Sequence[Straggler] = ()
+) -> dict[str, object]:
     sample = view.sample
+    straggler = None
+    for each in stragglers:
+        if each.node == view.node:
+            straggler = each
     data: dict[str, object] = {
         "node": view.node,
         "node_rank": view.node_rank,
@@ -130,12 +156,13 @@ def node_json(view: NodeLine, odd: Sequence[Odd]) -> dict[str, object]:
             ],
             "gpu_source": sample.gpu_source if sample else None,
             "gpus": [gpu_json(gpu) for gpu in sample.gpus] if sample else [],
-            "ranks": [rank_json(rank) for rank in sample.ranks] if sample else [],
+            "ranks": [rank_json(rank, sample.progress) for rank in sample.ranks] if sample else [],
             "job_state": sample.job_state if sample else None,
             "idle_s": _rounded(sample.idle) if sample else None,
             "stalled": view.stalled,
             "history": [round(each, 1) for each in view.history],
             "health": sample.health.as_json() if sample and sample.health else None,
+            "straggler": straggler_json(straggler),
         }
     )
     return data
@@ -252,7 +279,8 @@ class Watch:
             return TopRequest(host.host, settle=self.settle, health=health)
         health = health_request(self.job, host)
         log = self.job.log(rank)
-        return TopRequest(host.host, self.job.id, log, self.settle, health=health)
+        window = self.job.straggler_window  # the rates over the window stragglers are judged by
+        return TopRequest(host.host, self.job.id, log, self.settle, health, window)
 
     def snapshot(self) -> Snapshot:
         with self.lock:
@@ -296,7 +324,13 @@ class Watch:
             views = marked
         label = self.job.label if self.job else None
         odd = unhealthy_marks(answered) + mark(answered)
-        return Snapshot(time.time(), self.interval, views, odd, label, supervisor, stalled)
+        stragglers: list[Straggler] = []
+        if self.job is not None:
+            stragglers, marks = straggler_marks(answered, self.job.straggler_ratio)
+            odd += marks
+        return Snapshot(
+            time.time(), self.interval, views, odd, label, supervisor, stalled, stragglers
+        )
 
     def remember(self, host: Host, sample: TopReply) -> list[float]:
         kept = self.history.setdefault(host, deque())

@@ -74,6 +74,9 @@ def prometheus(snapshot: Snapshot) -> str:
     temperature = Family("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C)")
     rank_cpu = Family("meshkit_rank_cpu_percent", "Percent of one core the rank used lately")
     rank_rss = Family("meshkit_rank_resident_memory_bytes", "The rank's resident memory")
+    step = Family("meshkit_rank_step", "The steps the rank told (meshkit.progress) this attempt")
+    steps_rate = Family("meshkit_rank_steps_per_second", "The rank's steps/s over the window")
+    step_age = Family("meshkit_rank_step_age_seconds", "Seconds since the rank's last step")
     idle = Family("meshkit_job_idle_seconds", "Seconds since the job's log on the node was written")
     odd = Family("meshkit_odd_one_out", "1 for each node, GPU or rank far from its peers")
     for view in snapshot.nodes:
@@ -116,6 +119,12 @@ def prometheus(snapshot: Snapshot) -> str:
             if rank.cpu is not None:
                 rank_cpu.samples.append((labels, rank.cpu))
             rank_rss.samples.append((labels, rank.rss))
+        for told in sample.progress:
+            labels = {**node, "rank": str(told.rank)}
+            step.samples.append((labels, told.step))
+            if told.rate is not None:
+                steps_rate.samples.append((labels, told.rate))
+            step_age.samples.append((labels, told.age))
         if sample.idle is not None:
             idle.samples.append((node, sample.idle))
     for each in snapshot.odd:
@@ -124,5 +133,5 @@ def prometheus(snapshot: Snapshot) -> str:
     families = [up, cpu, load1, load5, load15, mem_total, mem_available]
     families += [receive_total, transmit_total, receive_rate, transmit_rate]
     families += [gpu_util, fb_used, fb_free, power, power_limit, temperature]
-    families += [rank_cpu, rank_rss, idle, odd]
+    families += [rank_cpu, rank_rss, step, steps_rate, step_age, idle, odd]
     return render(families)

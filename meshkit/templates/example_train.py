@@ -8,6 +8,11 @@ what meshkit told it of this attempt (``MESHKIT_RESTART_COUNT``, ``MESHKIT_RESTA
 ``MESHKIT_GENERATION``), where it starts from and each checkpoint; each process prints one
 ``meshkit-example`` result line that the demo and the tests read.
 
+Each rank tells meshkit its steps (``meshkit.progress.step()``) and times its own computation
+(``meshkit.progress.compute()``, not the all_reduce), so that meshkit watches the job by its
+steps and names a node slower than the others; ``--work N`` adds N products of two 128x128
+matrices to each step's computation: fixed work, which a node with less CPU takes longer over.
+
 The checkpoint is rank 0's to write and read (``checkpoints/SESSION.pt`` in the workdir): it
 sends what it read to the others, so a synced workdir works too as long as rank 0's node keeps
 its copy; a shared workdir survives the loss of any node.
@@ -24,6 +29,8 @@ from typing import TypedDict
 
 import torch
 import torch.distributed as dist
+
+import meshkit.progress
 
 
 class Checkpoint(TypedDict):
@@ -71,6 +78,17 @@ def save(path: str, step: int, model: torch.nn.Module) -> None:
     os.replace(path + ".tmp", path)
 
 
+def work(products: int, device: str) -> None:
+    """``products`` products of two 128x128 matrices: a fixed amount of computation per step."""
+    if products <= 0:
+        return
+    matrix = torch.ones(128, 128, device=device) / 128
+    for _ in range(products):
+        matrix = matrix @ matrix
+    if device == "cuda":
+        torch.cuda.synchronize()  # the time is the work's, not its queueing
+
+
 def train(args: argparse.Namespace, rank: int, device: str) -> None:
     torch.manual_seed(0)  # every rank starts from the same weights
     model = torch.nn.Linear(8, 1).to(device)
@@ -89,9 +107,11 @@ def train(args: argparse.Namespace, rank: int, device: str) -> None:
         # Each rank its own batch of each step, the same on a relaunch.
         generator = torch.Generator().manual_seed(step * 1000 + rank)
         inputs = torch.randn(16, 8, generator=generator).to(device)
-        loss = torch.nn.functional.mse_loss(model(inputs).squeeze(1), inputs @ target)
         parameters = list(model.parameters())
-        gradients = torch.autograd.grad(loss, parameters)
+        with meshkit.progress.compute():  # this rank's own work, not the wait in all_reduce
+            work(args.work, device)
+            loss = torch.nn.functional.mse_loss(model(inputs).squeeze(1), inputs @ target)
+            gradients = torch.autograd.grad(loss, parameters)
         # Plain SGD on the gradient averaged over every rank: what DistributedDataParallel
         # does, without the seconds its import costs each process.
         with torch.no_grad():
@@ -103,6 +123,7 @@ def train(args: argparse.Namespace, rank: int, device: str) -> None:
         if due and rank == 0:
             save(path, done, model)
             say(f"checkpoint at step {done} loss={loss.item():.4f}")
+        meshkit.progress.step()
         time.sleep(args.step_seconds)
 
 
@@ -112,6 +133,9 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=5, help="steps between saves")
     parser.add_argument("--checkpoint", help="the file (default: checkpoints/SESSION.pt)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="pause after a step")
+    parser.add_argument(
+        "--work", type=int, default=0, help="products of two 128x128 matrices per step"
+    )
     parser.add_argument("--sleep", type=float, default=0.0, help="keep running this long")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()

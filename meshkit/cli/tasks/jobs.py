@@ -101,8 +101,11 @@ def render_status(status: ops.JobStatus, job: Job) -> str:
     shown = status.supervision
     if shown is not None:
         out += supervisor_lines(shown, job)
+    from ...ops.progress_status import node_steps
+
     cells = []
     below = []  # why a node's row has no state: whole, below the table
+    steps = any(row.progress for row in status.rows)  # a column only when ranks tell steps
     for row in status.rows:
         quiet = f"yes ({row.idle_s:.0f}s quiet)" if row.stalled and row.idle_s else "no"
         started = (row.started or "")[:19]
@@ -125,12 +128,20 @@ def render_status(status: ops.JobStatus, job: Job) -> str:
             if row.health.state == HealthState.UNHEALTHY:
                 reasons = "; ".join(row.health.reasons)
                 below.append(f"node {row.node_rank} ({row.host}) is unhealthy: {reasons}")
-        cells.append(
-            (row.node_rank, row.host, state, row.exit_code, started, quiet, health, last_line)
-        )
+        cell = [row.node_rank, row.host, state, row.exit_code, started, quiet, health]
+        if steps:
+            told = node_steps(row.progress)
+            cell.append("-" if told is None else told.words())
+        cells.append((*cell, last_line))
     header = ["rank", "host", "state", "exit", "started", "stalled", "health", "last line"]
+    if steps:
+        header.insert(-1, "step")
     out.append(table(header, cells))
     out += below
+    out += [f"straggler {line}" for line in status.stragglers().lines]
+    slower = status.slowdown()
+    if slower is not None:
+        out.append(f"slowdown: {slower.words()}")
     if shown is not None and shown.diagnosis:
         out.append(f"diagnosis saved before the stall restart: {shown.diagnosis}")
     return "\n".join(out)

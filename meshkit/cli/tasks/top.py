@@ -157,16 +157,33 @@ def infiniband_cells(view: NodeLine) -> list[str]:
     return [sizes(received, "B"), sizes(sent, "B")]
 
 
+STEP_AT = NODE_HEADERS.index("idle")  # the steps column goes before the log's idle time
+
+
+def step_cell(view: NodeLine) -> str:
+    """A node's steps: its ranks' lowest step, slowest rate and oldest step's age."""
+    from ...ops.progress_status import node_steps
+
+    told = node_steps(view.sample.progress) if view.sample else None
+    return "-" if told is None else told.words()
+
+
 def node_table(snapshot: Snapshot) -> tuple[list[str], list[list[str]]]:
-    """The headers and one row per node; InfiniBand columns only where some node has a port."""
+    """The headers and one row per node; a steps column only where some node's ranks tell their
+    steps (``meshkit.progress``), InfiniBand columns only where some node has a port."""
     rows = [node_cells(view) for view in snapshot.nodes]
+    headers = list(NODE_HEADERS)
+    if any(view.sample and view.sample.progress for view in snapshot.nodes):
+        headers.insert(STEP_AT, "step")
+        for row, view in zip(rows, snapshot.nodes):
+            row.insert(STEP_AT, step_cell(view) if view.up else "")
     with_infiniband = False
     for view in snapshot.nodes:
         if view.sample and any(port.name != view.sample.interface for port in view.sample.ports):
             with_infiniband = True
     if not with_infiniband:
-        return NODE_HEADERS, rows
-    headers = [*NODE_HEADERS[:INFINIBAND_AT], *INFINIBAND_HEADERS, *NODE_HEADERS[INFINIBAND_AT:]]
+        return headers, rows
+    headers = [*headers[:INFINIBAND_AT], *INFINIBAND_HEADERS, *headers[INFINIBAND_AT:]]
     for row, view in zip(rows, snapshot.nodes):
         row[INFINIBAND_AT:INFINIBAND_AT] = infiniband_cells(view)
     return headers, rows
