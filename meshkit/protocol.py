@@ -473,6 +473,7 @@ class DiagnoseReply(Reply):
     # time.time() on the node when the request arrived: the controller knows when it sent it,
     # and corrects the node's error-file times by the difference (the nodes' clocks differ)
     clock: WallTime | None = None
+    progress: list[RankProgress] = field(default_factory=list)  # ranks that told their steps
 
 
 @record

@@ -27,7 +27,7 @@ from meshkit.hostfile import Host
 from meshkit.job import Job, parse_duration
 from meshkit.node import diagnose as node_diagnose
 from meshkit.ops import diagnose as op
-from meshkit.ops.jobs import is_stalled
+from meshkit.ops.stall import is_stalled
 from meshkit.outcome import Outcome
 from meshkit.protocol import (
     DiagnoseReply,

@@ -10,8 +10,9 @@ import time
 from meshkit.events import Blame, EventKind
 from meshkit.hostfile import Host, parse
 from meshkit.job import Job
-from meshkit.ops.jobs import StatusRow, stall
+from meshkit.ops.jobs import StatusRow, watched
 from meshkit.ops.pace import HOLD, Pace, slow_nodes, watch_pace
+from meshkit.ops.stall import stall
 from meshkit.ops.supervision_policy import Action, Call, Cause, Decision, NodeView
 from meshkit.protocol import JobState, RankProgress, RestartReason, Supervision, SupervisorState
 from meshkit.record import replace
@@ -47,17 +48,17 @@ def row(rank: int, progress: list[RankProgress], idle: float = 1.0) -> StatusRow
 
 def test_a_job_that_tells_steps_stalls_by_its_steps_not_its_output():
     quiet = [row(0, [told(0)], idle=3600.0), row(1, [told(1)], idle=3600.0)]
-    assert stall(JOB, quiet) is None  # silent, but stepping
+    assert stall(JOB, watched(quiet)) is None  # silent, but stepping
     hung = [row(0, [told(0, age=75.0)], idle=0.0), row(1, [told(1, age=5.0)], idle=0.0)]
-    why = stall(JOB, hung)
+    why = stall(JOB, watched(hung))
     assert why is not None and why.startswith("rank 0 on n0: no step for 75s (its step 10)")
-    assert stall(replace(JOB, step_stall_after=None), hung) is None
+    assert stall(replace(JOB, step_stall_after=None), watched(hung)) is None
 
 
 def test_a_job_that_tells_no_steps_stalls_by_its_output_as_before():
     rows = [row(0, [], idle=700.0), row(1, [], idle=650.0)]
-    assert stall(JOB, rows) == "no output for 600s (--stall-after)"
-    assert stall(JOB, [row(0, [], idle=700.0), row(1, [], idle=10.0)]) is None
+    assert stall(JOB, watched(rows)) == "no output for 600s (--stall-after)"
+    assert stall(JOB, watched([row(0, [], idle=700.0), row(1, [], idle=10.0)])) is None
 
 
 # ---- stragglers, pure ----

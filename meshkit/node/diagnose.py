@@ -21,7 +21,14 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..protocol import DiagnoseReply, DiagnoseRequest, JobState, RankError, RankStack
+from ..protocol import (
+    PROGRESS_WINDOW,
+    DiagnoseReply,
+    DiagnoseRequest,
+    JobState,
+    RankError,
+    RankStack,
+)
 from ..record import asdict, build
 from . import files, jobs, procs
 
@@ -65,7 +72,12 @@ def diagnose(request: DiagnoseRequest) -> DiagnoseReply:
     if state == JobState.EXITED and code and not errors:
         tail = log_traceback(request.log)  # no rank left an error file: the log may say
     idle = jobs.idle(request.log, started)
-    return DiagnoseReply(state, code, idle, stacks, errors, tail, problem, arrived)
+    progress = []
+    if state == JobState.RUNNING:  # a job that tells its steps stalls by them
+        from .progress import read_progress
+
+        progress = read_progress(files.job_dir(request.job_id), started, PROGRESS_WINDOW)
+    return DiagnoseReply(state, code, idle, stacks, errors, tail, problem, arrived, progress)
 
 
 def rank_processes(keeper: int) -> dict[int, int]:

@@ -17,9 +17,9 @@ from ..errors import MeshkitError
 from ..hostfile import Host
 from ..job import Job
 from ..outcome import Outcome
-from ..protocol import DiagnoseReply, DiagnoseRequest, JobState, RankError
-from .jobs import is_stalled
+from ..protocol import DiagnoseReply, DiagnoseRequest, JobState, RankError, RankProgress
 from .pool import NodePool, unanswered
+from .stall import Watched, stall
 
 State = Literal["running", "stalled", "failed", "done", "absent"]
 SECONDS = 5.0  # per rank, for py-spy; a node's ranks are read in parallel
@@ -91,6 +91,7 @@ class NodeRow:
     exit_code: int | None
     idle_s: float | None
     error: str | None = None  # the node could not be asked, or no stack could be read there
+    progress: list[RankProgress] = field(default_factory=list)  # its ranks' steps, if told
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,15 @@ def build(
             nodes.append(NodeRow(number, host.label, JobState.ABSENT, None, None, str(why)))
             continue
         reply = outcome.value
-        row = NodeRow(number, host.label, reply.state, reply.exit_code, reply.idle, reply.problem)
+        row = NodeRow(
+            number,
+            host.label,
+            reply.state,
+            reply.exit_code,
+            reply.idle,
+            reply.problem,
+            reply.progress,
+        )
         nodes.append(row)
         for stack in reply.ranks:
             ranks.append(
@@ -225,7 +234,8 @@ def job_state(job: Job, answered: Sequence[NodeRow]) -> State:
     if any(node.state == JobState.EXITED and node.exit_code for node in answered):
         return "failed"
     if any(node.state == JobState.RUNNING for node in answered):
-        stalled = is_stalled(job.stall_after, [(node.state, node.idle_s) for node in answered])
+        nodes = [Watched(node.host, node.state, node.idle_s, node.progress) for node in answered]
+        stalled = stall(job, nodes) is not None
         return "stalled" if stalled else "running"
     if answered and all(node.state == JobState.EXITED for node in answered):
         return "done"

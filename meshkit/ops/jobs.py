@@ -30,6 +30,7 @@ from .lookup import cluster_hosts
 from .membership import can_change, spares_of
 from .pool import NodePool, unanswered
 from .progress_status import Named, named, rank_json, straggler_json
+from .stall import Watched, stall
 from .supervision import end_supervisor, look, stop_record
 from .supervision_status import RUNNING, SupervisionStatus, spare_rows, supervision_status
 from .verdicts import env_error
@@ -321,34 +322,9 @@ class JobStatus:
         return [row.as_json(self.supervision, figures.get(row.host)) for row in self.rows]
 
 
-def is_stalled(stall_after: float | None, nodes: Sequence[tuple[str, float | None]]) -> bool:
-    """Pure: a running job none of whose running nodes has written output for ``stall_after``
-    seconds (each node's log, by its own clock). ``nodes``: (state, idle seconds)."""
-    running = [idle for state, idle in nodes if state == JobState.RUNNING]
-    if stall_after is None or not running:
-        return False
-    return all(idle is not None and idle >= stall_after for idle in running)
-
-
-def stall(job: Job, rows: Sequence[StatusRow]) -> str | None:
-    """Pure: why the running job counts as stalled (None: it does not). A job whose ranks tell
-    their steps (``meshkit.progress``) by its steps: a rank with no step for
-    ``job.step_stall_after`` (its output says nothing: a rank may print and make no step, or
-    step in silence); any other by its output: no node's log written for ``job.stall_after``."""
-    running = [row for row in rows if row.state == p.JobState.RUNNING and not row.error]
-    told = [(row, rank) for row in running for rank in row.progress]
-    if told:
-        if job.step_stall_after is None:
-            return None
-        row, rank = max(told, key=lambda pair: pair[1].age)
-        if rank.age < job.step_stall_after:
-            return None
-        last = f"no step for {rank.age:.0f}s (its step {rank.step})"
-        return f"rank {rank.rank} on {row.host}: {last}, --stall-after {job.step_stall_after:.0f}s"
-    answered = [(row.state, row.idle_s) for row in rows if not row.error]
-    if job.stall_after is None or not is_stalled(job.stall_after, answered):
-        return None
-    return f"no output for {job.stall_after:.0f}s (--stall-after)"
+def watched(rows: Sequence[StatusRow]) -> list[Watched]:
+    """The rows of nodes that answered, as a stall is judged on them (``ops.stall``)."""
+    return [Watched(row.host, row.state, row.idle_s, row.progress) for row in rows if not row.error]
 
 
 def status(
@@ -411,7 +387,7 @@ def status(
             progress=reply.progress,
         )
         rows.append(row)
-    if stall(job, rows) is None:
+    if stall(job, watched(rows)) is None:
         return rows
     return [replace(row, stalled=True) for row in rows]
 

@@ -38,6 +38,7 @@ from .pace import Pace, watch_pace
 from .pool import NodePool
 from .relaunch import COME_BACK, Connect, Gate, Launcher, finish, health
 from .replacement import RECONNECT, end_what_is_left, replace_lost, waiting_note
+from .stall import stall
 from .supervision import ask, view, write
 from .supervision_policy import (
     BACKOFF,
@@ -200,7 +201,7 @@ class Supervisor:
                 started.setdefault(node.rank, node.started)
         stalled = None
         if job.restart_on_stall and any(row.stalled for row in rows):
-            stalled = f"the job stalled: {ops.stall(job, rows)}"
+            stalled = f"the job stalled: {stall(job, ops.watched(rows))}"
         replaceable = job.replace_after is not None
         left = record.restarts_left
         decision = decide(seen, started, job.restart_on, left, stalled, replaceable)

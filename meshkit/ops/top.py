@@ -32,10 +32,10 @@ from ..settings import Config
 from ..stragglers import Straggler
 from . import lookup
 from .health import health_request
-from .jobs import is_stalled
 from .odd_one_out import Odd, job_port, mark, straggler_marks
 from .pool import NodePool, unanswered
 from .progress_status import straggler_json
+from .stall import Watched, stall
 from .supervision import look
 from .supervision_status import supervision_status, supervisor_words
 
@@ -311,11 +311,12 @@ class Watch:
             views.append(NodeLine(host.label, rank, sample, history=self.remember(host, sample)))
         stalled = False
         if self.job is not None:
-            states = []
+            nodes = []
             for view in views:
-                if view.sample is not None and view.sample.job_state is not None:
-                    states.append((str(view.sample.job_state), view.sample.idle))
-            stalled = is_stalled(self.job.stall_after, states)
+                got = view.sample
+                if got is not None and got.job_state is not None:
+                    nodes.append(Watched(view.node, got.job_state, got.idle, got.progress))
+            stalled = stall(self.job, nodes) is not None
         if stalled:
             marked = []
             for view in views:
