@@ -456,6 +456,7 @@ def test_goodput_flags_quick_and_bad_input():
     quick = goodput.parse(["--quick"])
     assert (quick.nodes, quick.spares, quick.fault_list) == (3, 1, ["crash", "poweroff"])
     assert quick.fault_free_minutes < 20
+    assert goodput.parse(["--quick", "--fault-free-minutes", "0"]).fault_free_minutes == 0
     for bad in (["--faults", "crash,meteor"], ["--systems", "slurm"], ["--nodes", "1"]):
         with pytest.raises(SystemExit):
             goodput.parse(bad)
