@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's benchmarks/ package
 
-from benchmarks import peers, recovery, render, stats
+from benchmarks import campaign, goodput, peers, recovery, render, stats
 
 
 def line(rank: int, world: int, host: str, total: int | None = None) -> str:
@@ -358,3 +358,108 @@ def test_recovery_alternates_the_paths_and_takes_replacements_flags():
     assert (args.nodes, args.repeats, args.bound, str(args.out)) == (2, 1, 5.0, "x.json")
     with pytest.raises(SystemExit):
         recovery.parse(["1"])
+
+
+def test_goodput_campaign_is_fixed_by_its_seed_and_spares_node_0():
+    first = campaign.campaign(45, campaign.KINDS, 8)
+    assert first == campaign.campaign(45, campaign.KINDS, 8)
+    assert sorted(fault.kind for fault in first) == sorted(campaign.KINDS)
+    assert all(1 <= fault.node < 8 for fault in first)
+    others = [campaign.campaign(seed, campaign.KINDS, 8) for seed in range(10)]
+    assert any(other != first for other in others)
+    assert campaign.campaign(1, [campaign.CRASH], 2) == [campaign.Fault(campaign.CRASH, 1)]
+    with pytest.raises(ValueError):
+        campaign.campaign(1, [campaign.CRASH], 1)
+
+
+def event(at: float, kind: str, node: str | None = None, blamed: str | None = None):
+    from meshkit.events import Blame, Event, EventKind
+
+    blame = None if blamed is None else Blame(node=blamed)
+    return Event(f"id{at}", at, EventKind(kind), "text", node=node, blame=blame)
+
+
+def test_goodput_judges_the_first_event_of_the_faults_kind_naming_its_node():
+    events = [
+        event(5.0, "failed", blamed="10.0.0.3"),  # before the fault: not this one
+        event(12.0, "failed", blamed="10.0.0.2"),  # another node: an alarm, named wrong
+        event(14.0, "failed", blamed="10.0.0.3"),
+        event(15.0, "restarted"),
+    ]
+    judged = campaign.judge(events, campaign.CRASH, "10.0.0.3", 10.0)
+    assert judged == campaign.Judgement(14.0, True)
+    judged = campaign.judge(events, campaign.POWEROFF, "10.0.0.3", 10.0)
+    assert judged == campaign.Judgement(12.0, False)  # noticed, but as a failure, not lost
+    assert campaign.judge(events, campaign.HANG, "10.0.0.3", 20.0) == campaign.Judgement(
+        None, False
+    )
+    xid = [event(11.0, "health", node="10.0.0.3"), event(11.0, "evicted", node="10.0.0.3")]
+    assert campaign.judge(xid, campaign.XID, "10.0.0.3", 10.0).named_right
+    assert campaign.false_alarms([*events, *xid]) == {"failed": 3, "restarted": 1, "evicted": 1}
+
+
+def test_goodput_reads_where_each_start_resumed_and_the_steps_lost():
+    log = "\n".join(
+        [
+            "no checkpoint at checkpoints/gp0.pt: starting at step 0",
+            "checkpoint at step 20 loss=0.1",
+            "resumed from step 20 (checkpoints/gp0.pt)",
+            "10.0.0.4: resumed from step 40 (checkpoints/gp0.pt)",  # pdsh's prefix
+        ]
+    )
+    assert campaign.resumes(log) == [0, 20, 40]
+    assert campaign.steps_lost(57, 40) == 17
+    assert campaign.steps_lost(57, None) == 0  # never restarted
+    assert campaign.steps_lost(3, 20) == 0
+
+
+def outcome(system: str, kind: str, done: int, wall: float, step_s: float | None, **kw):
+    return campaign.Outcome(system, kind, 1, steps_done=done, wall_s=wall, step_s=step_s, **kw)
+
+
+def test_goodput_ettr_is_steps_done_at_the_fault_free_pace_over_the_wall_time():
+    ran = [
+        outcome("meshkit", "crash", 900, 100.0, 0.1),
+        outcome("meshkit", "poweroff", 500, 100.0, 0.12),
+        outcome("meshkit", "slow", 0, 0.0, None, available=False),
+    ]
+    assert campaign.fault_free_step_s(ran) == pytest.approx(0.11)
+    assert campaign.ettr(ran) == pytest.approx(1400 * 0.11 / 200.0)
+    assert campaign.ettr([outcome("elastic", "hang", 0, 50.0, None)]) is None
+
+
+def test_goodput_table_has_a_row_per_fault_and_system_then_each_systems_ettr():
+    rows = [
+        outcome("meshkit", "crash", 900, 100.0, 0.1, detect_s=0.5, running_again_s=8.25,
+                steps_lost=7, named_right=True),
+        outcome("elastic", "crash", 800, 100.0, 0.1, detect_s=9.0, running_again_s=9.0,
+                steps_lost=7),
+        outcome("elastic", "xid", 1000, 100.0, 0.1, kept_running=True, steps_lost=0),
+        outcome("meshkit", "slow", 0, 0.0, None, available=False),
+    ]  # fmt: skip
+    lines = campaign.table(rows).splitlines()
+    assert lines[0].startswith("| fault (node) | system | detect s |")
+    assert lines[2] == "| crash (node 1) | meshkit | 0.5 | 8.2 | 7 | yes |"
+    assert lines[3] == "| crash (node 1) | elastic | 9.0 | 9.0 | 7 | no |"
+    assert lines[4] == "| xid (node 1) | elastic | never | kept running | 0 | no |"
+    assert lines[5] == "| slow (node 1) | meshkit | " + " | ".join(["not available"] * 4) + " |"
+    assert lines[9] == "| meshkit | 900 | 100 | 0.100 | 90.0% |"
+    assert lines[10] == "| elastic | 1800 | 200 | 0.100 | 90.0% |"
+
+
+def test_goodput_flags_quick_and_bad_input():
+    args = goodput.parse([])
+    assert (args.nodes, args.spares, args.fault_free_minutes) == (8, 2, 20.0)
+    assert args.fault_list == list(campaign.KINDS)
+    assert args.system_list == ["meshkit", "signals-off", "elastic"]
+    assert args.out.name == "goodput.json"
+    quick = goodput.parse(["--quick"])
+    assert (quick.nodes, quick.spares, quick.fault_list) == (3, 1, ["crash", "poweroff"])
+    assert quick.fault_free_minutes < 20
+    assert goodput.parse(["--quick", "--fault-free-minutes", "0"]).fault_free_minutes == 0
+    for bad in (["--faults", "crash,meteor"], ["--systems", "slurm"], ["--nodes", "1"]):
+        with pytest.raises(SystemExit):
+            goodput.parse(bad)
+    words = goodput.train_words(args, "gp0-meshkit", has_work=True).split()
+    assert words[0] == "example_train.py" and "--work" in words
+    assert "--work" not in goodput.train_words(args, "gp0", has_work=False).split()
