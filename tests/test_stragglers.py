@@ -80,7 +80,10 @@ def test_a_rank_hung_by_sigstop_stalls_by_its_steps_and_is_restarted_with_its_di
         def stepping():
             rows = spares.status(lay, workdir, session, node=1)
             told = [rank for row in rows for rank in row.get("progress") or []]
-            return rows if len(told) == spares.ACTIVE and min(r["step"] for r in told) > 5 else None
+            # past the first checkpoint (every 20 steps), which the relaunch resumes from
+            return (
+                rows if len(told) == spares.ACTIVE and min(r["step"] for r in told) > 25 else None
+            )
 
         wait_for(stepping, timeout=240, interval=2)
         pids = rank_pids(lay, 2)

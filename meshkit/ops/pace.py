@@ -3,10 +3,11 @@ whether the job reports steps and whether this attempt made one (``made_step``: 
 rule, ``eviction.judge``, counts an attempt that made no step as a failed start), and its
 stragglers (``meshkit.stragglers``): a node that stays at least ``--straggler-ratio`` slower
 than the median for ``HOLD`` of the window is named in the record (status shows it) and in the
-events, and with ``--evict-stragglers`` evicted as an unhealthy node is (a spare takes its rank
-at a relaunch from the last checkpoint; no restart used). A job without compute sections gets
-its slowdown against its first minutes named once, unattributed. The leader's memory only: a
-new leader starts counting again.
+events, and stays named until it was fast again for a whole window; with ``--evict-stragglers``
+it is evicted as an unhealthy node is (a spare takes its rank at a relaunch from the last
+checkpoint; no restart used). A job without compute sections gets its slowdown against its
+first minutes named once, unattributed. The leader's memory only: a new leader starts counting
+again.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class Pace:
     attempt: int = -1  # the attempt ``stepped`` and ``since`` belong to
     stepped: bool = False  # this attempt made a step
     since: dict[str, float] = field(default_factory=dict)  # node -> when first seen slow
+    named: dict[str, Straggler] = field(default_factory=dict)  # node -> as last seen, named
+    fine: dict[str, float] = field(default_factory=dict)  # named node -> when seen fast again
     slowed: bool = False  # this attempt's unattributed slowdown was named
 
     def see(self, attempt: int, rows: Sequence[ops.StatusRow]) -> None:
@@ -45,6 +48,8 @@ class Pace:
             self.attempt = attempt
             self.stepped = False
             self.since.clear()
+            self.named.clear()
+            self.fine.clear()
             self.slowed = False
         for row in rows:
             if row.progress:
@@ -61,22 +66,30 @@ class Pace:
 
 
 def slow_nodes(loop: Loop, pace: Pace, rows: Sequence[ops.StatusRow]) -> list[Straggler]:
-    """This poll's stragglers among the running members that have stayed slow for ``HOLD`` of
-    the window (``pace.since`` keeps when each was first seen slow; one that is not forgets)."""
+    """The running members named stragglers, slowest first: one is named once it stayed slow
+    for ``HOLD`` of the window, and stays named until it was fast again for a whole window, so
+    a node near the ratio is not named and un-named at every other poll."""
     running = [row for row in rows if row.state == JobState.RUNNING and not row.error]
     progress: dict[str, Sequence[RankProgress]] = {row.host: row.progress for row in running}
-    found = stragglers(progress, loop.job.straggler_ratio)
+    found = {found.node: found for found in stragglers(progress, loop.job.straggler_ratio)}
     now = time.monotonic()
-    slow = {straggler.node for straggler in found}
+    window = loop.job.straggler_window
     for node in list(pace.since):
-        if node not in slow:
+        if node not in found:
             del pace.since[node]
-    held = []
-    for straggler in found:
-        first = pace.since.setdefault(straggler.node, now)
-        if now - first >= HOLD * loop.job.straggler_window:
-            held.append(straggler)
-    return held
+    for node, straggler in found.items():
+        first = pace.since.setdefault(node, now)
+        pace.fine.pop(node, None)
+        if node in pace.named or now - first >= HOLD * window:
+            pace.named[node] = straggler
+    for node in list(pace.named):
+        if node in found:
+            continue
+        fast = pace.fine.setdefault(node, now)
+        if now - fast >= window:
+            del pace.named[node]
+            del pace.fine[node]
+    return sorted(pace.named.values(), key=lambda straggler: -straggler.ratio)
 
 
 def watch_pace(
