@@ -12,7 +12,7 @@ from meshkit.hostfile import Host, parse
 from meshkit.job import Job
 from meshkit.ops.jobs import StatusRow, watched
 from meshkit.ops.pace import HOLD, Pace, slow_nodes, watch_pace
-from meshkit.ops.stall import stall
+from meshkit.ops.stall import stall, stalled_at
 from meshkit.ops.supervision_policy import Action, Call, Cause, Decision, NodeView
 from meshkit.protocol import JobState, RankProgress, RestartReason, Supervision, SupervisorState
 from meshkit.record import replace
@@ -51,13 +51,18 @@ def test_a_job_that_tells_steps_stalls_by_its_steps_not_its_output():
     assert stall(JOB, watched(quiet)) is None  # silent, but stepping
     hung = [row(0, [told(0, age=75.0)], idle=0.0), row(1, [told(1, age=5.0)], idle=0.0)]
     why = stall(JOB, watched(hung))
-    assert why is not None and why.startswith("rank 0 on n0: no step for 75s (its step 10)")
+    assert why is not None and why.words.startswith("rank 0 on n0: no step for 75s (its step 10)")
+    assert (why.node, why.rank) == ("n0", 0)
+    assert stalled_at(why, [], MEMBERS) == ("n0", 0)  # no outlier: the oldest step's node
+    assert stalled_at(why, ["n2"], MEMBERS) == ("n2", 2)  # the one node whose stacks stand out
     assert stall(replace(JOB, step_stall_after=None), watched(hung)) is None
 
 
 def test_a_job_that_tells_no_steps_stalls_by_its_output_as_before():
     rows = [row(0, [], idle=700.0), row(1, [], idle=650.0)]
-    assert stall(JOB, watched(rows)) == "no output for 600s (--stall-after)"
+    found = stall(JOB, watched(rows))
+    assert found is not None and found.words == "no output for 600s (--stall-after)"
+    assert stalled_at(found, ["n0", "n1"], MEMBERS) == (None, None)
     assert stall(JOB, watched([row(0, [], idle=700.0), row(1, [], idle=10.0)])) is None
 
 

@@ -138,6 +138,7 @@ class Saved:
 
     path: str
     outliers: str
+    nodes: list[str]  # the outliers' nodes, in rank order, each once
 
 
 def save_diagnosis(pool: NodePool, job: Job, hosts: Sequence[Host], attempt: int) -> Saved:
@@ -151,7 +152,11 @@ def save_diagnosis(pool: NodePool, job: Job, hosts: Sequence[Host], attempt: int
         with contextlib.suppress(MeshkitError):  # the restart goes on without it
             pool.write_file(host, path, text, 0o600)  # stacks and paths: this user's only
     outliers = f"rank {spans(found.outliers)}" if found.outliers else "none"
-    return Saved(path, outliers)
+    nodes: list[str] = []
+    for rank in found.ranks:
+        if rank.rank in found.outliers and rank.node not in nodes:
+            nodes.append(rank.node)
+    return Saved(path, outliers, nodes)
 
 
 def build(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..hostfile import Host
 from ..job import Job
 from ..protocol import JobState, RankProgress
 
@@ -23,6 +24,16 @@ class Watched:
     progress: Sequence[RankProgress]  # its ranks' steps, if told
 
 
+@dataclass(frozen=True)
+class Stalled:
+    """Why a job counts as stalled, and the rank and node whose last step is the oldest (None:
+    a stall by output, which names no node)."""
+
+    words: str
+    node: str | None = None
+    rank: int | None = None
+
+
 def is_stalled(stall_after: float | None, nodes: Sequence[tuple[str, float | None]]) -> bool:
     """A running job none of whose running nodes has written output for ``stall_after``
     seconds (each node's log, by its own clock). ``nodes``: (state, idle seconds)."""
@@ -32,7 +43,7 @@ def is_stalled(stall_after: float | None, nodes: Sequence[tuple[str, float | Non
     return all(idle is not None and idle >= stall_after for idle in running)
 
 
-def stall(job: Job, nodes: Sequence[Watched]) -> str | None:
+def stall(job: Job, nodes: Sequence[Watched]) -> Stalled | None:
     """Why the running job counts as stalled (None: it does not), naming the rank, its node and
     its last step, or the output's silence."""
     running = [node for node in nodes if node.state == JobState.RUNNING]
@@ -45,8 +56,25 @@ def stall(job: Job, nodes: Sequence[Watched]) -> str | None:
             return None
         last = f"no step for {rank.age:.0f}s (its step {rank.step})"
         bound = f"--stall-after {job.step_stall_after:.0f}s"
-        return f"rank {rank.rank} on {node.host}: {last}, {bound}"
+        return Stalled(f"rank {rank.rank} on {node.host}: {last}, {bound}", node.host, rank.rank)
     answered = [(str(node.state), node.idle_s) for node in nodes]
     if job.stall_after is None or not is_stalled(job.stall_after, answered):
         return None
-    return f"no output for {job.stall_after:.0f}s (--stall-after)"
+    return Stalled(f"no output for {job.stall_after:.0f}s (--stall-after)")
+
+
+def stalled_at(
+    found: Stalled | None, outliers: Sequence[str], hosts: Sequence[Host]
+) -> tuple[str | None, int | None]:
+    """The node a stall is named on, and its rank in ``hosts``: the one node whose ranks'
+    stacks stand out (the diagnosis' outliers: a hung rank is not where its peers wait), else
+    the node of the oldest last step, else none (a stall by output names no node)."""
+    node = None
+    if len(outliers) == 1:
+        node = outliers[0]
+    elif found is not None:
+        node = found.node
+    for rank, host in enumerate(hosts):
+        if host.label == node:
+            return node, rank
+    return node, None

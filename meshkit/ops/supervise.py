@@ -38,7 +38,7 @@ from .pace import Pace, watch_pace
 from .pool import NodePool
 from .relaunch import COME_BACK, Connect, Gate, Launcher, finish, health
 from .replacement import RECONNECT, end_what_is_left, replace_lost, waiting_note
-from .stall import stall
+from .stall import stall, stalled_at
 from .supervision import ask, view, write
 from .supervision_policy import (
     BACKOFF,
@@ -200,8 +200,9 @@ class Supervisor:
             if node.started is not None:
                 started.setdefault(node.rank, node.started)
         stalled = None
-        if job.restart_on_stall and any(row.stalled for row in rows):
-            stalled = f"the job stalled: {stall(job, ops.watched(rows))}"
+        found = stall(job, ops.watched(rows))
+        if job.restart_on_stall and found is not None:
+            stalled = f"the job stalled: {found.words}"
         replaceable = job.replace_after is not None
         left = record.restarts_left
         decision = decide(seen, started, job.restart_on, left, stalled, replaceable)
@@ -213,7 +214,7 @@ class Supervisor:
             reason = f"{decision.reason}; outliers: {saved.outliers} (diagnosis: {saved.path})"
             decision = replace(decision, reason=reason)
             self.say(f"saved the diagnosis: {saved.path}")
-            self.tell(EventKind.STALLED, reason)
+            self.tell(EventKind.STALLED, reason, *stalled_at(found, saved.nodes, self.hosts))
         kept = replace(record, exit_codes=codes, diagnosis=diagnosis)
         self.pace.see(record.attempt, rows)
         call = Call(decision, record, kept, seen)
