@@ -10,6 +10,7 @@ import time
 from meshkit.events import Blame, EventKind
 from meshkit.hostfile import Host, parse
 from meshkit.job import Job
+from meshkit.ops.diagnose import Diagnosis, Rank, suspects
 from meshkit.ops.jobs import StatusRow, watched
 from meshkit.ops.pace import HOLD, Pace, slow_nodes, watch_pace
 from meshkit.ops.stall import stall, stalled_at
@@ -188,3 +189,18 @@ def test_with_evict_stragglers_a_named_straggler_is_evicted_with_a_spare_else_on
     # a failing poll is the failure's, not the pace's
     failing = replace(waiting(record), decision=Decision(Action.RESTART, Cause.FAILURE))
     assert watch_pace(evicting, None, pace, failing, slow_rows()) is failing  # type: ignore[arg-type]
+
+
+def test_a_stall_points_at_the_outliers_else_at_the_ranks_whose_stack_could_not_be_read():
+    waiting = ["all_reduce (distributed_c10d.py:3252)"]
+    ranks = [
+        Rank(0, "n0", 10, waiting, []),
+        Rank(1, "n1", 11, waiting, []),
+        Rank(2, "n2", 12, [], [], "cannot read its stack: Error: Failed to get stack traces"),
+    ]
+    found = Diagnosis("stalled", None, ranks, [], [], [], 60.0)
+    assert [rank.node for rank in suspects(found)] == ["n2"]  # stopped: unreadable
+    outlier = Diagnosis("stalled", None, ranks, [1], [], [], 60.0)
+    assert [rank.node for rank in suspects(outlier)] == ["n1"]
+    unread = [replace(rank, error="py-spy missing", frames=[]) for rank in ranks]
+    assert suspects(Diagnosis("stalled", None, unread, [], [], [], 60.0)) == []

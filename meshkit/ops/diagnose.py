@@ -138,7 +138,7 @@ class Saved:
 
     path: str
     outliers: str
-    nodes: list[str]  # the outliers' nodes, in rank order, each once
+    nodes: list[str]  # the suspects' nodes (``suspects``), in rank order, each once
 
 
 def save_diagnosis(pool: NodePool, job: Job, hosts: Sequence[Host], attempt: int) -> Saved:
@@ -153,10 +153,23 @@ def save_diagnosis(pool: NodePool, job: Job, hosts: Sequence[Host], attempt: int
             pool.write_file(host, path, text, 0o600)  # stacks and paths: this user's only
     outliers = f"rank {spans(found.outliers)}" if found.outliers else "none"
     nodes: list[str] = []
-    for rank in found.ranks:
-        if rank.rank in found.outliers and rank.node not in nodes:
+    for rank in suspects(found):
+        if rank.node not in nodes:
             nodes.append(rank.node)
     return Saved(path, outliers, nodes)
+
+
+def suspects(found: Diagnosis) -> list[Rank]:
+    """Pure: the ranks a stall points at: the outliers; else, where some ranks' stacks were
+    read, those whose stack could not be (a stopped or dying process is not where its peers
+    wait either)."""
+    outliers = [rank for rank in found.ranks if rank.rank in found.outliers]
+    if outliers:
+        return outliers
+    unread = [rank for rank in found.ranks if rank.error]
+    if len(unread) < len(found.ranks):
+        return unread
+    return []
 
 
 def build(
