@@ -21,7 +21,8 @@ ETTR per system: the steps done over its segments times its fault-free step time
 before each fault, the median), over the segments' wall time. The systems:
 
 - ``meshkit``: ``train --spawn --restarts 10 --replace-after 30s --restart-on-stall
-  --stall-after 60s --evict-stragglers`` (config ``straggler_window: 20s`` in the workdir);
+  --stall-after 30s --evict-stragglers --straggler-ratio 2`` (config ``straggler_window: 20s``
+  in the workdir);
 - ``signals-off``: ``train --spawn --restarts 10 --replace-after 30s --stall-after off``:
   lost-node replacement (and issue 44's health) only;
 - ``elastic``: ``benchmarks/elastic.py``.
@@ -72,7 +73,7 @@ MESHKIT_FLAGS = {
     "meshkit": [
         "--restart-on-stall",
         "--stall-after",
-        "60s",
+        "30s",
         "--evict-stragglers",
         "--straggler-ratio",
         "2",
