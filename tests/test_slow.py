@@ -26,6 +26,11 @@ def test_a_fraction_is_of_one_cpu_per_period():
     assert cpu.quota_us(0.01) == 1_000  # cgroup v1's least
 
 
+def test_a_sandbox_nodes_own_cpu_is_its_share_of_the_machine():
+    assert cpu.quota_us(0.33, own=0.4) == 13_200  # 2 CPUs, 5 nodes
+    assert cpu.limits(cpu.V2, 0.5, own=0.4)["cpu.max"] == "20000 100000"
+
+
 def test_cgroup_v1_files_hold_the_period_then_the_quota_then_the_weight():
     assert cpu.limits(cpu.V1, 0.25) == {
         "cpu.cfs_period_us": "100000",

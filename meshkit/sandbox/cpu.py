@@ -1,10 +1,12 @@
 """A sandbox node made slow: its CPU capped, as a fail-slow machine's is, node by node, live.
 
 Each capped node has a cgroup of its own, ``<cpu hierarchy>/meshkit-sandbox-<name>/node<i>``,
-whose CPU quota is a FRACTION of ONE CPU per 100 ms period (cgroup v1: ``cpu.cfs_period_us`` and
-``cpu.cfs_quota_us``; cgroup v2: ``cpu.max``): with ``--cpu 0.33`` the node's processes together
-get a third of a CPU, however many cores the machine has. On a loaded machine, where a node gets
-less than its quota anyway, a quota binds nothing: so the group's weight (``cpu.shares``,
+whose CPU quota is a FRACTION of the node's own CPU per 100 ms period (cgroup v1:
+``cpu.cfs_period_us`` and ``cpu.cfs_quota_us``; cgroup v2: ``cpu.max``). A sandbox node's CPU
+is its share of this machine, the machine's CPUs over the sandbox's nodes (``share``): with
+``--cpu 0.33`` on 2 CPUs and 5 nodes, the node's processes together get a third of 0.4 CPU, as a
+real node capped at a third of its cores would be to its peers. On a loaded machine, where a
+node gets less than its quota anyway, a quota binds nothing: so the group's weight (``cpu.shares``,
 ``cpu.weight``) is FRACTION of one busy process's too, and the sandbox's group, which holds the
 capped nodes, weighs their fractions' sum: under contention a node capped at a third gets a third
 of what an uncapped node's process gets. Every process of the node (those whose
@@ -73,7 +75,7 @@ class Cap:
 def check(cpu: float) -> None:
     """Refuse a share that cannot be a quota (what, and the fix)."""
     if not math.isfinite(cpu) or cpu <= 0:
-        raise SandboxError(f"--cpu {cpu}: give a share of one CPU above 0, e.g. 0.33")
+        raise SandboxError(f"--cpu {cpu}: give a share of the node's CPU above 0, e.g. 0.33")
     if cpu < MIN_CPU:
         raise SandboxError(f"--cpu {cpu}: at least {MIN_CPU} (1 ms of CPU each 100 ms)")
 
@@ -83,22 +85,28 @@ def capped(cpu: float) -> bool:
     return cpu < 1
 
 
-def quota_us(cpu: float) -> int:
-    """The node's CPU time per period, in microseconds."""
-    return max(round(cpu * PERIOD_US), round(MIN_CPU * PERIOD_US))
+def share(sandbox: Layout) -> float:
+    """A sandbox node's own CPU: this machine's CPUs over the sandbox's nodes."""
+    return (os.cpu_count() or 1) / max(1, sandbox.count)
 
 
-def limits(version: int, cpu: float | None) -> dict[str, str]:
-    """The files to write in the node's group, in order; ``cpu`` None: no quota."""
+def quota_us(cpu: float, own: float = 1.0) -> int:
+    """The node's CPU time per period, in microseconds: ``cpu`` of its ``own`` CPUs."""
+    return max(round(cpu * own * PERIOD_US), round(MIN_CPU * PERIOD_US))
+
+
+def limits(version: int, cpu: float | None, own: float = 1.0) -> dict[str, str]:
+    """The files to write in the node's group, in order; ``cpu`` None: no quota. ``own``: the
+    node's own CPUs (``share``)."""
     if version == V1:
         quota = "-1"
         if cpu is not None:
-            quota = str(quota_us(cpu))
+            quota = str(quota_us(cpu, own))
         files = {"cpu.cfs_period_us": str(PERIOD_US), "cpu.cfs_quota_us": quota}
     else:
         quota = "max"
         if cpu is not None:
-            quota = str(quota_us(cpu))
+            quota = str(quota_us(cpu, own))
         files = {"cpu.max": f"{quota} {PERIOD_US}"}
     return {**files, **weight(version, cpu)}
 
@@ -272,14 +280,15 @@ def join(node: Node, group: Path) -> int:
 
 
 def slow(sandbox: Layout, index: int, cpu: float) -> Cap:
-    """Cap node ``index`` at ``cpu`` of one CPU, or lift its cap (``cpu`` 1 or more)."""
+    """Cap node ``index`` at ``cpu`` of its own CPU (``share``), or lift its cap (``cpu`` 1 or
+    more)."""
     check(cpu)
     node = sandbox.node(index)
     if not capped(cpu):
         return _lift(sandbox, node)
     found = hierarchy()
     group = _made(found, sandbox.name, node)
-    _set(group, limits(found.version, cpu))
+    _set(group, limits(found.version, cpu, share(sandbox)))
     _record(sandbox, node, cpu)
     _weigh_sandbox(sandbox, found)
     return Cap(node.name, cpu, group, join(node, group))
@@ -307,7 +316,7 @@ def restore(sandbox: Layout, node: Node) -> None:
         return
     found = hierarchy()
     group = _made(found, sandbox.name, node)
-    _set(group, limits(found.version, cpu))
+    _set(group, limits(found.version, cpu, share(sandbox)))
     _weigh_sandbox(sandbox, found)
     join(node, group)
 

@@ -368,11 +368,11 @@ def unshape(c: Context, dir: str | None = None, name: str | None = None) -> None
 
 
 def _fraction(value: object) -> float:
-    """``--cpu`` as given: a share of one CPU, above 0."""
+    """``--cpu`` as given: a share of the node's CPU, above 0."""
     if value is None:
         raise UsageError(
-            "give the node's share of one CPU: --cpu FRACTION (e.g. --cpu 0.33; --cpu 1 lifts "
-            "the cap)"
+            "give the share of its CPU the node keeps: --cpu FRACTION (e.g. --cpu 0.33; "
+            "--cpu 1 lifts the cap)"
         )
     given = str(value)
     try:
@@ -380,15 +380,15 @@ def _fraction(value: object) -> float:
     except ValueError:
         fraction = math.nan
     if not math.isfinite(fraction) or fraction <= 0:
-        raise UsageError(f"--cpu {given[:40]!r}: give a share of one CPU above 0, e.g. 0.33")
+        raise UsageError(f"--cpu {given[:40]!r}: give a share of the node's CPU above 0, e.g. 0.33")
     return fraction
 
 
 @task(
     help={
         "node": "index of the node (0 = node0)",
-        "cpu": "the share of ONE CPU the node's processes together may use, e.g. 0.33 (a third);"
-        " 1 or more lifts the cap",
+        "cpu": "the share of its own CPU (this machine's CPUs over the sandbox's nodes) the "
+        "node's processes together may use, e.g. 0.33 (a third); 1 or more lifts the cap",
         **WHERE,
     }
 )
@@ -411,7 +411,7 @@ def slow(
         print(f"{cap.node}: CPU cap lifted")
         return
     print(
-        f"{cap.node}: CPU capped at {cap.cpu:g} of one CPU ({cap.processes} processes in "
+        f"{cap.node}: CPU capped at {cap.cpu:g} of its own ({cap.processes} processes in "
         f"{cap.group}; later ones inherit it)"
     )
     print(f"undo: meshkit sandbox.slow --node {index} --cpu 1")
