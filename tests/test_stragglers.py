@@ -148,7 +148,8 @@ def test_a_node_capped_to_a_third_is_a_straggler_and_the_spare_takes_its_rank(me
             return [event for event in found if event["kind"] == "straggler"]
 
         said = wait_for(named, timeout=60, interval=1)
-        assert time.time() - capped < 20 + 20, "not named within the window (and a poll)"
+        # the window's average crosses the ratio once most of the window is slow
+        assert time.time() - capped < 2 * WINDOW_S, "not named within two windows"
         assert said[0]["node"] == lay.nodes[2].address, said
         assert "x the nodes' median compute per step" in str(said[0]["detail"]), said
         # evicted: the spare runs rank 2, told "evicted", no restart used

@@ -27,7 +27,10 @@ from .relaunch import Loop
 from .supervision import write
 from .supervision_policy import Action, Call, Cause, Decision
 
-HOLD = 0.5  # of the straggler window: how long a node must stay slow before it is named
+# of the straggler window: how long a node must stay slow before it is named. Short: its figure is
+# already an average over the window, whose slow steps must outweigh its fast ones to cross the
+# ratio (a node 3.5x slow crosses 2x once about 70% of the window is slow)
+HOLD = 0.1
 
 
 @dataclass
