@@ -54,7 +54,7 @@ from meshkit.sandbox.layout import default_subnet
 
 from . import campaign, elastic
 from .campaign import Fault, Outcome
-from .harness import RESULTS, commit, machine
+from .harness import RESULTS, commit, shared_run
 from .ranks import Start, newest, signal_ranks
 from .supervised import node_meshkit
 
@@ -425,14 +425,8 @@ def main(argv: list[str] | None = None) -> None:
         down()
     text = campaign.table(outcomes)
     print(text)
-    where = machine()
-    where["quiet_machine"] = "not known: see load_average_start and load_average_end"
     result = {
-        **measured,
-        "machine": where,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(begun)),
-        "load_average_start": [round(value, 2) for value in load_start],
-        "load_average_end": [round(value, 2) for value in os.getloadavg()],
+        **shared_run(measured, begun, load_start),
         "settings": {key: value for key, value in vars(args).items() if key != "example"}
         | {"example": str(args.example), "work_supported": has_work, "slow_supported": can_slow()},
         "campaign": [{"kind": fault.kind, "node": fault.node} for fault in faults],

@@ -134,3 +134,20 @@ def machine() -> dict[str, object]:
         "machine": platform.machine(),
         "quiet_machine": "UNSET: the person running the sweep states here whether nothing else ran",
     }
+
+
+def shared_run(
+    measured: dict[str, object], begun: float, load_start: tuple[float, float, float]
+) -> dict[str, object]:
+    """The head of the results of a run that other sessions may share the machine with: the
+    commit (``measured``), the machine, when it started, and its load averages at the start and
+    at the end, which say how busy it was."""
+    where = machine()
+    where["quiet_machine"] = "not known: see load_average_start and load_average_end"
+    return {
+        **measured,
+        "machine": where,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(begun)),
+        "load_average_start": [round(value, 2) for value in load_start],
+        "load_average_end": [round(value, 2) for value in os.getloadavg()],
+    }

@@ -48,7 +48,7 @@ from meshkit.health import HealthState
 from meshkit.node import events as node_events
 
 from . import replacement
-from .harness import RESULTS, commit, machine
+from .harness import RESULTS, commit, shared_run
 from .supervised import Bench, down, node_meshkit, runs_job, said, start, stop, up, wait
 
 NAME = "brecov"  # the sandbox: distinct from every test's and from replacement.py's
@@ -205,15 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         down(NAME)
     print(table(samples))
-    where = machine()
-    # other sessions may run sandbox tests meanwhile: the load averages say how busy it was
-    where["quiet_machine"] = "not known: see load_average_start and load_average_end"
     result = {
-        **measured,
-        "machine": where,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(begun)),
-        "load_average_start": [round(value, 2) for value in load_start],
-        "load_average_end": [round(value, 2) for value in os.getloadavg()],
+        **shared_run(measured, begun, load_start),
         "nodes": args.nodes,
         "spares": 1,
         "replace_after": args.bound,

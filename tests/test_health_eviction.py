@@ -77,14 +77,9 @@ def test_an_xid_79_mid_run_evicts_the_node_and_the_spare_takes_its_rank(meshed, 
         assert "health" in out.stdout and "XID 79" in out.stdout
         assert out.returncode != 0
         # within 60 s the job runs again with the spare as rank 2, told "evicted"
-        spare = lay.nodes[4].address
-
-        def moved():
-            rows = spares.status(lay, workdir, session, node=1)
-            hosts = [row["host"] for row in rows]
-            return rows if hosts[2] == spare and rows[0]["generation"] == 2 else None
-
-        rows = wait_for(moved, timeout=60, interval=1)
+        rows = wait_for(
+            lambda: spares.moved_to(lay, workdir, session, 2, 4), timeout=60, interval=1
+        )
         assert time.time() - injected < 90
         assert rows[0]["restarts_left"] == 2  # no restart used
         assert any("XID 79" in line for line in rows[0]["evicted"]), rows[0]

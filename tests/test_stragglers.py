@@ -153,14 +153,9 @@ def test_a_node_capped_to_a_third_is_a_straggler_and_the_spare_takes_its_rank(me
         assert said[0]["node"] == lay.nodes[2].address, said
         assert "x the nodes' median compute per step" in str(said[0]["detail"]), said
         # evicted: the spare runs rank 2, told "evicted", no restart used
-        spare = lay.nodes[4].address
-
-        def moved():
-            rows = spares.status(lay, workdir, session, node=1)
-            hosts = [row["host"] for row in rows]
-            return rows if hosts[2] == spare and rows[0]["generation"] == 2 else None
-
-        rows = wait_for(moved, timeout=120, interval=1)
+        rows = wait_for(
+            lambda: spares.moved_to(lay, workdir, session, 2, 4), timeout=120, interval=1
+        )
         assert rows[0]["restarts_left"] == 2
         assert any("straggler" in line for line in rows[0]["evicted"]), rows[0]
         told = spares.ATTEMPT.search(spares.last_attempt(workdir, session, 2))

@@ -141,6 +141,15 @@ def status(
     return json.loads(out.stdout)
 
 
+def moved_to(lay, workdir: Path, session: str, rank: int, node: int):
+    """``status --json`` rows once node ``node`` holds ``rank`` in generation 2 (else None)."""
+    rows = status(lay, workdir, session, node=1)
+    hosts = [row["host"] for row in rows]
+    if hosts[rank] == lay.nodes[node].address and rows[0]["generation"] == 2:
+        return rows
+    return None
+
+
 def last_attempt(workdir: Path, session: str, rank: int) -> str:
     log = workdir / ".meshkit" / session / f"node{rank}.log"
     if not log.exists():
