@@ -204,7 +204,7 @@ def test_a_capped_node_is_slow_after_a_reboot_too_and_not_once_lifted():
                 check=False,
             )
             assert slowed.returncode == 0, slowed.stderr
-            assert f"node1: CPU capped at {CAP:g} of one CPU" in slowed.stdout
+            assert f"node1: CPU capped at {CAP:g} of its own" in slowed.stdout
             assert all_in(lay, 1, group)
             assert background.pid in cpu.members(group)
         finally:

@@ -60,10 +60,12 @@ def steady_step_time(lay, workdir: Path, session: str) -> float:
     wait_for(lambda: step_time(spares.status(lay, workdir, session, node=1)), 240, interval=2)
     time.sleep(WINDOW_S + 2)
     looks = []
-    for _ in range(3):
+    for _ in range(10):  # a loaded node may miss a look (its ranks' window not yet full)
         found = step_time(spares.status(lay, workdir, session, node=1))
         if found is not None:
             looks.append(found)
+        if len(looks) == 3:
+            break
         time.sleep(2)
     assert looks, "the ranks' step time went away"
     return statistics.median(looks)
@@ -89,7 +91,7 @@ def test_a_rank_hung_by_sigstop_stalls_by_its_steps_and_is_restarted_with_its_di
     lay, workdir, hostfile = meshed
     session = "sigstop"
     env = f"MESHKIT_STEP_STALL_AFTER=20s MESHKIT_STRAGGLER_WINDOW={WINDOW}"
-    cmd = example(session, steps=400, step_seconds=0.2, spawn=False)
+    cmd = example(session, steps=150, step_seconds=0.2, spawn=False)
     spares.train(lay, workdir, hostfile, session, "--restart-on-stall", cmd=cmd, env=env)
     try:
 
