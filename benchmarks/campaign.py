@@ -166,6 +166,20 @@ def ettr(outcomes: Sequence[Outcome]) -> float | None:
     return sum(outcome.steps_done for outcome in ran) * step_s / wall
 
 
+def paced_ettr(outcomes: Sequence[Outcome]) -> float | None:
+    """ETTR with each segment's steps at its own pace before its fault: on a machine whose load
+    drifts during the run (other sessions' tests), a segment run under more load does fewer
+    steps at a slower pace, which one median pace for all would count as time lost."""
+    ran = []
+    for outcome in outcomes:
+        if outcome.available and outcome.wall_s > 0 and outcome.step_s is not None:
+            ran.append(outcome)
+    wall = sum(outcome.wall_s for outcome in ran)
+    if wall <= 0:
+        return None
+    return sum(outcome.steps_done * (outcome.step_s or 0.0) for outcome in ran) / wall
+
+
 def seconds(value: float | None) -> str:
     return "never" if value is None else f"{value:.1f}"
 
@@ -190,19 +204,21 @@ def table(outcomes: Sequence[Outcome]) -> str:
         lines.append("| " + " | ".join(row) + " |")
     lines += [
         "",
-        "| system | steps done | wall s | fault-free step s | ETTR |",
-        "|---|---|---|---|---|",
+        "| system | steps done | wall s | fault-free step s | ETTR | ETTR, paced by segment |",
+        "|---|---|---|---|---|---|",
     ]
     for system in dict.fromkeys(outcome.system for outcome in outcomes):
         mine = [outcome for outcome in outcomes if outcome.system == system and outcome.available]
         step_s = fault_free_step_s(mine)
         ratio = ettr(mine)
+        paced = paced_ettr(mine)
         row = [
             system,
             str(sum(outcome.steps_done for outcome in mine)),
             f"{sum(outcome.wall_s for outcome in mine):.0f}",
             "–" if step_s is None else f"{step_s:.3f}",
             "–" if ratio is None else f"{100 * ratio:.1f}%",
+            "–" if paced is None else f"{100 * paced:.1f}%",
         ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

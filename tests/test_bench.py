@@ -426,6 +426,8 @@ def test_goodput_ettr_is_steps_done_at_the_fault_free_pace_over_the_wall_time():
     assert campaign.fault_free_step_s(ran) == pytest.approx(0.11)
     assert campaign.ettr(ran) == pytest.approx(1400 * 0.11 / 200.0)
     assert campaign.ettr([outcome("elastic", "hang", 0, 50.0, None)]) is None
+    # each segment at its own pace: 900 steps at 0.1 s and 500 at 0.12 s, over 200 s
+    assert campaign.paced_ettr(ran) == pytest.approx((900 * 0.1 + 500 * 0.12) / 200.0)
 
 
 def test_goodput_table_has_a_row_per_fault_and_system_then_each_systems_ettr():
@@ -443,8 +445,8 @@ def test_goodput_table_has_a_row_per_fault_and_system_then_each_systems_ettr():
     assert lines[3] == "| crash (node 1) | elastic | 9.0 | 9.0 | 7 | no |"
     assert lines[4] == "| xid (node 1) | elastic | never | kept running | 0 | no |"
     assert lines[5] == "| slow (node 1) | meshkit | " + " | ".join(["not available"] * 4) + " |"
-    assert lines[9] == "| meshkit | 900 | 100 | 0.100 | 90.0% |"
-    assert lines[10] == "| elastic | 1800 | 200 | 0.100 | 90.0% |"
+    assert lines[9] == "| meshkit | 900 | 100 | 0.100 | 90.0% | 90.0% |"
+    assert lines[10] == "| elastic | 1800 | 200 | 0.100 | 90.0% | 90.0% |"
 
 
 def test_goodput_flags_quick_and_bad_input():
