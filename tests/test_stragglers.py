@@ -150,8 +150,10 @@ def test_a_node_capped_to_a_third_is_a_straggler_and_the_spare_takes_its_rank(me
             return [event for event in found if event["kind"] == "straggler"]
 
         said = wait_for(named, timeout=60, interval=1)
-        # the window's average crosses the ratio once most of the window is slow
-        assert time.time() - capped < 2 * WINDOW_S, "not named within two windows"
+        # the window's average crosses the ratio once most of the window is slow: on a quiet
+        # machine within the window (the goodput benchmark: 14.5 s of 20 s), under CI's four
+        # sandbox modules at once on 2 cores later (41 s seen)
+        assert time.time() - capped < 3 * WINDOW_S, "not named within three windows"
         assert said[0]["node"] == lay.nodes[2].address, said
         assert "x the nodes' median compute per step" in str(said[0]["detail"]), said
         # evicted: the spare runs rank 2, told "evicted", no restart used
