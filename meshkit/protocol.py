@@ -237,6 +237,27 @@ PROGRESS_WINDOW = 60.0  # seconds the rates are taken over unless asked otherwis
 
 
 @record
+class Straggler:
+    """A node slower than the others per step of computation, and by how much
+    (``meshkit.stragglers`` finds them; the supervision record keeps the leader's)."""
+
+    node: str
+    ratio: float  # its compute seconds per step over the nodes' median
+    seconds: float  # its compute seconds per step
+    median: float  # the nodes' median
+
+    def why(self) -> str:
+        """How much slower, in words."""
+        mine = f"{self.seconds * 1000:.0f} ms"
+        theirs = f"{self.median * 1000:.0f} ms"
+        return f"{self.ratio:.2f}x the nodes' median compute per step ({mine}, {theirs})"
+
+    def words(self) -> str:
+        """How status, top and the events name it."""
+        return f"{self.node}: {self.why()}"
+
+
+@record
 class StatusRequest(Request):
     job_id: str
     log: str
@@ -509,7 +530,7 @@ class Supervision:
     # (attempts that failed within --crash-window): --max-failed-starts of them end supervision
     unhealthy: list[str] = field(default_factory=list)  # "NODE: why": members that are unhealthy
     # and that no spare could replace (the job runs on them; status and the events say so)
-    stragglers: list[str] = field(default_factory=list)  # "NODE: 1.52x ...": named by the leader
+    stragglers: list[Straggler] = field(default_factory=list)  # named by the leader
 
     def to_json(self) -> str:
         """The copy as a node stores it."""

@@ -11,48 +11,11 @@ is to tell (``slowdown``).
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .protocol import RankProgress
-
-
-@dataclass(frozen=True)
-class Straggler:
-    """A node slower than the others per step of computation, and by how much."""
-
-    node: str
-    ratio: float  # its compute seconds per step over the nodes' median
-    seconds: float  # its compute seconds per step
-    median: float  # the nodes' median
-
-    def words(self) -> str:
-        """How status, top and the events name it."""
-        mine = f"{self.seconds * 1000:.0f} ms"
-        theirs = f"{self.median * 1000:.0f} ms"
-        return (
-            f"{self.node}: {self.ratio:.2f}x the nodes' median compute per step ({mine}, {theirs})"
-        )
-
-
-WORDS = re.compile(
-    r"(?P<node>.+): (?P<ratio>[0-9]+(?:\.[0-9]+)?)x the nodes' median compute per step "
-    r"\((?P<mine>[0-9]+) ms, (?P<theirs>[0-9]+) ms\)"
-)
-
-
-def from_words(line: str) -> Straggler | None:
-    """``Straggler.words`` read back (the supervision record keeps the leader's words): None
-    when the line is not of that shape (a record from a node is untrusted text)."""
-    matched = WORDS.fullmatch(line)
-    if matched is None:
-        return None
-    ratio = float(matched["ratio"])
-    mine = int(matched["mine"]) / 1000
-    theirs = int(matched["theirs"]) / 1000
-    return Straggler(matched["node"], ratio, mine, theirs)
+from .protocol import RankProgress, Straggler
 
 
 def node_pace(progress: Sequence[RankProgress]) -> float | None:

@@ -15,7 +15,14 @@ from meshkit.ops.jobs import StatusRow, watched
 from meshkit.ops.pace import HOLD, Pace, slow_nodes, watch_pace
 from meshkit.ops.stall import stall, stalled_at
 from meshkit.ops.supervision_policy import Action, Call, Cause, Decision, NodeView
-from meshkit.protocol import JobState, RankProgress, RestartReason, Supervision, SupervisorState
+from meshkit.protocol import (
+    JobState,
+    RankProgress,
+    RestartReason,
+    Straggler,
+    Supervision,
+    SupervisorState,
+)
 from meshkit.record import replace
 from meshkit.stragglers import node_pace, slowdown, stragglers
 
@@ -173,7 +180,7 @@ def waiting(record: Supervision) -> Call:
 
 
 def test_with_evict_stragglers_a_named_straggler_is_evicted_with_a_spare_else_only_named():
-    named = ["n2: 3.30x the nodes' median compute per step (330 ms, 100 ms)"]
+    named = [Straggler("n2", 3.3, 0.33, 0.1)]
     record = Supervision(SupervisorState.RUNNING, 1, 2, "", stragglers=named)
     pace = Pace()
     pace.see(1, slow_rows())

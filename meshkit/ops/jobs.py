@@ -21,9 +21,9 @@ from ..hostfile import Host, members_text
 from ..job import JOB_FILE_MODE, STRAGGLER_RATIO, Job
 from ..jobindex import index_root
 from ..outcome import Outcome
-from ..protocol import JobState, Supervision
+from ..protocol import JobState, Straggler, Supervision
 from ..record import replace
-from ..stragglers import Slowdown, Straggler, slowdown
+from ..stragglers import Slowdown, slowdown
 from .events import new_event, tell
 from .health import health_request
 from .lookup import cluster_hosts

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..protocol import PortRate, TopReply
-from ..stragglers import Straggler, stragglers
+from ..protocol import PortRate, Straggler, TopReply
+from ..stragglers import stragglers
 
 Kind = Literal["node", "gpu", "rank"]
 LOW = 0.5  # far below: under half the peers' median

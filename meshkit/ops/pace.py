@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..events import EventKind
-from ..protocol import JobState, RankProgress, RestartReason, Supervision
+from ..protocol import JobState, RankProgress, RestartReason, Straggler, Supervision
 from ..record import replace
-from ..stragglers import Straggler, slowdown, stragglers
+from ..stragglers import slowdown, stragglers
 from . import jobs as ops
 from .eviction import can_evict, rank_of, replace_call
 from .pool import NodePool
@@ -110,7 +110,7 @@ def watch_pace(
         slowest = held[0]
         hosts = [host for host in loop.hosts if host.label == slowest.node]
         if can_evict(loop, kept, hosts):
-            text = f"a straggler: {slowest.words().split(': ', 1)[1]} (--evict-stragglers)"
+            text = f"a straggler: {slowest.why()} (--evict-stragglers)"
             why = f"{slowest.node}: {text}"
             decision = Decision(Action.EVICT, Cause.STRAGGLER, why, RestartReason.EVICTED)
             return replace_call(call, decision, kept, {slowest.node: text})
@@ -122,8 +122,7 @@ def _named(
 ) -> Supervision:
     """The record naming ``held`` (written, with an event per newly named node, only when the
     named nodes change; a node no longer slow is un-named)."""
-    lines = [straggler.words() for straggler in held]
-    before = {line.split(": ", 1)[0] for line in record.stragglers}
+    before = {straggler.node for straggler in record.stragglers}
     now = {straggler.node for straggler in held}
     if before == now:
         return record
@@ -134,7 +133,7 @@ def _named(
             loop.tell(EventKind.STRAGGLER, straggler.words(), straggler.node, rank)
     for node in before - now:
         loop.say(f"{node} is no longer a straggler")
-    named = replace(record, stragglers=lines)
+    named = replace(record, stragglers=list(held))
     written = write(pool, loop.job, loop.hosts, named, loop.me, False, loop.quorum)
     return named if written is None else written
 

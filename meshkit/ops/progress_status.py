@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..protocol import RankProgress
-from ..stragglers import Straggler, from_words, stragglers
+from ..protocol import RankProgress, Straggler
+from ..stragglers import stragglers
 
 
 @dataclass(frozen=True)
@@ -65,25 +65,19 @@ def straggler_json(straggler: Straggler | None) -> dict[str, object] | None:
 
 @dataclass(frozen=True)
 class Named:
-    """The stragglers status names: its lines below the table, and each named node's figures
-    (a record's line that does not read back is shown, with no figures)."""
+    """The stragglers status names: its lines below the table, and each named node's figures."""
 
     lines: list[str] = field(default_factory=list)
     nodes: dict[str, Straggler] = field(default_factory=dict)
 
 
 def named(
-    nodes: Mapping[str, Sequence[RankProgress]], ratio: float, record: Sequence[str] | None
+    nodes: Mapping[str, Sequence[RankProgress]],
+    ratio: float,
+    record: Sequence[Straggler] | None,
 ) -> Named:
-    """The stragglers among ``nodes`` (each node's ranks' progress): ``record``'s lines when a
+    """The stragglers among ``nodes`` (each node's ranks' progress): ``record``'s when a
     supervisor judges them (None: none does), else this poll's against ``ratio``."""
-    if record is not None:
-        figures = {}
-        for line in record:
-            straggler = from_words(line)
-            if straggler is not None:
-                figures[straggler.node] = straggler
-        return Named(list(record), figures)
-    found = stragglers(nodes, ratio)
+    found = list(record) if record is not None else stragglers(nodes, ratio)
     lines = [straggler.words() for straggler in found]
     return Named(lines, {straggler.node: straggler for straggler in found})

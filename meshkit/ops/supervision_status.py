@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from .. import protocol as p
 from ..hostfile import Host
 from ..job import Job
-from ..protocol import SupervisorShown, SupervisorState
+from ..protocol import Straggler, SupervisorShown, SupervisorState
 from .health import health_request
 from .pool import NodePool, unanswered
 from .supervision import View
@@ -57,7 +57,7 @@ class SupervisionStatus:
     no_majority: str | None = None  # "2 of 5": too few of the job's nodes answer to settle it
     evicted: list[str] = field(default_factory=list)  # "NODE: why": kept out of the job
     unhealthy: list[str] = field(default_factory=list)  # "NODE: why": members no spare replaced
-    stragglers: list[str] = field(default_factory=list)  # "NODE: 1.52x ...": the leader's
+    stragglers: list[Straggler] = field(default_factory=list)  # the leader's
 
     def record_json(self) -> dict[str, object]:
         """The record's and the membership's keys of every node's ``status --json`` object."""

@@ -25,11 +25,11 @@ from ..protocol import (
     JobState,
     RankProgress,
     RankSample,
+    Straggler,
     TopReply,
     TopRequest,
 )
 from ..settings import Config
-from ..stragglers import Straggler
 from . import lookup
 from .health import health_request
 from .odd_one_out import Odd, job_port, mark, straggler_marks
