@@ -244,6 +244,14 @@ def active(hosts: Sequence[Host]) -> list[Host]:
     return [host for host in hosts if not host.spare]
 
 
+def rank_of(hosts: Sequence[Host], label: str) -> int | None:
+    """The rank of the node spelled ``label`` (``Host.label``) in ``hosts`` (None: not one)."""
+    for rank, host in enumerate(hosts):
+        if host.label == label:
+            return rank
+    return None
+
+
 def members_text(hosts: Sequence[Host]) -> str:
     """A hostfile of exactly these nodes, in this (rank) order: a job's membership, as its nodes'
     ``meshkit run`` reads it."""

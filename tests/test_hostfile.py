@@ -203,3 +203,11 @@ def test_an_ipv6_scope_id_is_an_interface_name_or_number(line):
 def test_ipv6_scope_ids_that_name_interfaces_are_kept():
     hosts = parse("fe80::1%eth0\n[fe80::2%enp1s0.100]:2222\nfe80::3%3\n")
     assert [host.host for host in hosts] == ["fe80::1%eth0", "fe80::2%enp1s0.100", "fe80::3%3"]
+
+
+def test_a_nodes_rank_is_found_by_its_label_as_the_hostfile_spells_it():
+    hosts = parse("alice@node1:2222\nnode2\nnode3 spare\n")
+    assert hostfile.rank_of(hosts, "node1:2222") == 0  # its label: host and port, no user
+    assert hostfile.rank_of(hosts, "node2") == 1
+    assert hostfile.rank_of(hosts, "node1") is None  # another spelling is not its label
+    assert hostfile.rank_of(hosts, "node9") is None

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from ..events import Blame, EventKind
 from ..health import HealthState, NodeHealth
-from ..hostfile import Host
+from ..hostfile import Host, rank_of
 from ..protocol import RestartReason, Supervision
 from ..record import replace
 from . import jobs as ops
@@ -162,7 +162,7 @@ def note_unhealthy(
     for label, why in out.items():
         text = f"{label} is {why}; no healthy spare can take its rank: the job runs on it"
         loop.say(text)
-        loop.tell(EventKind.NO_SPARE, text, label, rank_of(loop, label))
+        loop.tell(EventKind.NO_SPARE, text, label, rank_of(loop.hosts, label))
     noted = replace(record, unhealthy=[*record.unhealthy, *lines])
     written = write(pool, loop.job, loop.hosts, noted, loop.me, False, loop.quorum)
     return noted if written is None else written
@@ -190,13 +190,6 @@ def mended(
     mended_record = replace(record, unhealthy=kept)
     written = write(pool, loop.job, loop.hosts, mended_record, loop.me, False, loop.quorum)
     return mended_record if written is None else written
-
-
-def rank_of(loop: Loop, label: str) -> int | None:
-    for rank, host in enumerate(loop.hosts):
-        if host.label == label:
-            return rank
-    return None
 
 
 def cause_of(
@@ -232,7 +225,7 @@ def evict_nodes(loop: Loop, call: Call) -> Outcome:
             EventKind.EVICTED,
             f"{host.label} evicted: {text}",
             host.label,
-            rank_of(loop, host.label),
+            rank_of(loop.hosts, host.label),
         )
     refused: dict[Host, str] = {}
     while True:

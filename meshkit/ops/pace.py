@@ -17,11 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..events import EventKind
+from ..hostfile import rank_of
 from ..protocol import JobState, RankProgress, RestartReason, Straggler, Supervision
 from ..record import replace
 from ..stragglers import slowdown, stragglers
 from . import jobs as ops
-from .eviction import can_evict, rank_of, replace_call
+from .eviction import can_evict, replace_call
 from .pool import NodePool
 from .relaunch import Loop
 from .supervision import write
@@ -129,7 +130,7 @@ def _named(
     for straggler in held:
         if straggler.node not in before:
             loop.say(f"straggler: {straggler.words()}")
-            rank = rank_of(loop, straggler.node)
+            rank = rank_of(loop.hosts, straggler.node)
             loop.tell(EventKind.STRAGGLER, straggler.words(), straggler.node, rank)
     for node in before - now:
         loop.say(f"{node} is no longer a straggler")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..hostfile import Host
+from ..hostfile import Host, rank_of
 from ..job import Job
 from ..protocol import JobState, RankProgress
 
@@ -74,7 +74,6 @@ def stalled_at(
         node = outliers[0]
     elif found is not None:
         node = found.node
-    for rank, host in enumerate(hosts):
-        if host.label == node:
-            return node, rank
-    return node, None
+    if node is None:
+        return None, None
+    return node, rank_of(hosts, node)
