@@ -78,11 +78,28 @@ def _exe(pid: int) -> str | None:
         return None
 
 
+def _parent(pid: int) -> int | None:
+    """The parent of process ``pid`` (None: it exited meanwhile)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # "PID (COMM) STATE PPID ...": COMM may hold spaces and parentheses, so split after its last
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
 def nsenter(node: Node) -> list[str]:
     """The argv prefix that runs a command inside a node (its net, mount, UTS and PID namespaces),
-    entered through its sshd (the node's PID 1), as its console would."""
+    entered through its sshd (the node's PID 1), as its console would. That sshd is the one whose
+    parent is not another of the node's: the lowest pid is not it once pids have wrapped, when a
+    session's sshd, which may be gone by the time nsenter opens it, can have a lower one."""
     sshd = os.path.realpath(SSHD)
     pids = [pid for pid in netns_pids(node.netns) if _exe(pid) == sshd]
-    if not pids:
+    masters = []
+    for pid in pids:
+        parent = _parent(pid)
+        if parent is not None and parent not in pids:
+            masters.append(pid)
+    if not masters:
         raise SandboxError(f"{node.name} has no sshd; is it up?")
-    return ["nsenter", "-t", str(min(pids)), "--net", "--mount", "--uts", "--pid", "--"]
+    return ["nsenter", "-t", str(min(masters)), "--net", "--mount", "--uts", "--pid", "--"]
