@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shlex
 import socket
 import struct
@@ -206,6 +207,9 @@ def why(report: dict) -> str:
     )
 
 
+BOTH_WAYS = re.compile(r"node->peer [0-9.]+ [MG]bit/s, peer->node [0-9.]+ [MG]bit/s on \S+; ")
+
+
 def test_a_healthy_cluster_has_every_pair_ok_and_a_heatmap(meshed):
     lay, workdir = meshed
     png = workdir / "healthy.png"
@@ -217,8 +221,9 @@ def test_a_healthy_cluster_has_every_pair_ok_and_a_heatmap(meshed):
     for c in report["checks"]:
         assert set(c) == {"check", "node", "peer", "ok", "detail", "fix"}
         if c["check"] == "bandwidth":
-            assert "node->peer " in c["detail"]
-            assert "Gbit/s, peer->node " in c["detail"]
+            # each way's rate in the unit that reads best: Gbit/s as a rule, Mbit/s for a pair
+            # that CI's other sandboxes slowed on the shared cores (802 Mbit/s seen)
+            assert BOTH_WAYS.match(c["detail"]), c["detail"]
     nets = {c["node"]: c["detail"] for c in report["checks"] if c["check"] == "networks"}
     assert sorted(nets) == labels  # the second network measured too, on every node
     assert "eth0 (exported)" in nets[labels[0]]
