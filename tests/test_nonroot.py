@@ -237,12 +237,17 @@ def test_a_supervised_job_is_relaunched_after_a_reboot(lay, python, meshed):
     sandbox.reboot(lay, 1)
     rows = wait_for(supervised_and_running(2), timeout=240, interval=1)
     assert "node 1 " in str(rows[0]["last_restart_reason"]), rows
-    log = work / ".meshkit" / "sup" / "node1.log"
-    assert log.read_text().count("attempt on 1") == 2  # before the reboot, and relaunched
     # running is the keeper's state; its `meshkit run` starts the command once it discovered
-    # the node's rank, a second or so later under load: wait for the user's own processes
+    # the node's rank, a second or so later under load: wait for the user's own processes, and
+    # for the relaunch's first line in the log (CI once read it before it was written)
     expected = [{USER}] * len(lay.nodes)
     wait_for(lambda: owners(lay, "sleep 300") == expected, timeout=30, interval=1)
+    log = work / ".meshkit" / "sup" / "node1.log"
+
+    def relaunched() -> bool:
+        return log.read_text().count("attempt on 1") == 2  # before the reboot, and relaunched
+
+    wait_for(relaunched, timeout=30, interval=1)
     stop = inside(lay, python, 1, "~", "stop", *where)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert stop.stdout.count("nothing left") == len(lay.nodes), stop.stdout
